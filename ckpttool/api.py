@@ -1,0 +1,144 @@
+"""The library's verbs: read a checkpoint lazily, select what a command works on, load tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from os import PathLike
+from typing import Any
+
+from .errors import CkptError
+from .formats import read_checkpoint
+from .layout import find_model_key, parse_key_path, resolve_prefix, strip_prefix
+from .tree import Checkpoint, KeyPath, Opaque, get_path, is_tensor, iter_tensors
+
+PathArg = str | PathLike | Sequence[str | PathLike]
+
+
+def read(paths: PathArg, *, unsafe: bool = False) -> Checkpoint:
+    """Read a checkpoint's structure and tensor metadata; no tensor bytes are read.
+
+    Args:
+        paths: A file, a folder (DCP, sharded safetensors), per-rank files or a glob.
+        unsafe: Accept pickles that reference dangerous globals (they stay inert).
+
+    Returns:
+        The lazy :class:`~ckpttool.tree.Checkpoint`.
+
+    Raises:
+        UnsafeError: The file references dangerous globals and ``unsafe`` is False.
+        CkptError: Missing, corrupt, truncated or unsupported input.
+    """
+    return read_checkpoint(paths, unsafe=unsafe)
+
+
+def select_node(
+    ckpt: Checkpoint, select: str = "auto", strip: str | None = "auto"
+) -> tuple[KeyPath | None, Any]:
+    """Pick the part of the checkpoint a command works on.
+
+    Args:
+        ckpt: A checkpoint from :func:`read`.
+        select: ``auto`` (the model state dict), ``all`` (the whole tree) or a
+            dotted key path (``state.model``).
+        strip: ``auto``, ``none`` or a prefix to remove from the selected state dict's keys.
+
+    Returns:
+        (path of the selection or None for ``all``, the selected subtree with prefix stripped).
+    """
+    if select == "all":
+        node = ckpt.root
+        if strip not in (None, "auto", "none") and isinstance(node, Mapping):
+            node = strip_prefix(node, strip)
+        return None, node
+    if select == "auto":
+        path = find_model_key(ckpt.root)
+        if path is None:
+            raise CkptError(
+                "no model state dict found in the checkpoint",
+                path=ckpt.files[0] if ckpt.files else None,
+                hint="use --select all, or --select KEY.PATH from `ckpttool inspect`",
+            )
+    else:
+        path = parse_key_path(ckpt.root, select)
+    node = get_path(ckpt.root, path)
+    if isinstance(node, Mapping) and all(isinstance(k, str) for k in node):
+        node = strip_prefix(node, resolve_prefix(node, strip))
+    return path, node
+
+
+def flatten_tensors(node: Any) -> dict[str, Any]:
+    """Every tensor leaf under ``node``, named by its key path joined with ``.``."""
+    if is_tensor(node):
+        return {"": node}
+    out: dict[str, Any] = {}
+    for path, leaf in iter_tensors(node):
+        name = ".".join(str(k) for k in path)
+        if name in out:
+            raise CkptError(f"two tensors would both be named {name!r}")
+        out[name] = leaf
+    return out
+
+
+def materialize(node: Any, map_location: Any = "cpu") -> Any:
+    """The same structure with every lazy tensor read (shards merged into full tensors)."""
+    memo: dict[int, Any] = {}
+
+    def build(value: Any) -> Any:
+        if id(value) in memo:
+            return memo[id(value)]
+        if is_tensor(value):
+            result = value.load(map_location)
+        elif isinstance(value, Mapping):
+            result = type(value)() if type(value) is not dict else {}
+            memo[id(value)] = result
+            for k, v in value.items():
+                result[k] = build(v)
+            return result
+        elif isinstance(value, list):
+            result = []
+            memo[id(value)] = result
+            result.extend(build(v) for v in value)
+            return result
+        elif isinstance(value, tuple):
+            result = tuple(build(v) for v in value)
+        else:
+            result = value
+        memo[id(value)] = result
+        return result
+
+    return build(node)
+
+
+def load(
+    paths: PathArg,
+    map_location: Any = "cpu",
+    select: str = "auto",
+    strip_prefix: str | None = "auto",
+    unsafe: bool = False,
+) -> Any:
+    """Load a checkpoint of any supported format, safely, as torch tensors.
+
+    Args:
+        paths: A file, a folder (DCP, sharded safetensors), per-rank files or a glob.
+        map_location: As in ``torch.load``: a device string, ``torch.device``, a dict
+            mapping saved locations, or a callable. Defaults to ``"cpu"``.
+        select: ``auto`` returns the model state dict; ``all`` the whole nested
+            structure; a dotted key path (``state.model``) that subtree.
+        strip_prefix: ``auto`` strips wrapper prefixes (``module.``, ``_orig_mod.``),
+            ``none`` keeps keys, any other string is stripped where present.
+        unsafe: Accept files whose pickles reference dangerous globals (still inert).
+
+    Returns:
+        A dict of tensors (``auto``) or the nested structure, sharded tensors merged.
+        Objects of classes that are not rebuilt are :class:`ckpttool.Opaque` stand-ins.
+
+    Raises:
+        UnsafeError: The file references dangerous globals and ``unsafe`` is False.
+        CkptError: Missing, corrupt, truncated or unsupported input.
+    """
+    ckpt = read(paths, unsafe=unsafe)
+    _, node = select_node(ckpt, select, strip_prefix)
+    return materialize(node, map_location)
+
+
+__all__ = ["Checkpoint", "CkptError", "Opaque", "flatten_tensors", "load", "materialize", "read", "select_node"]

@@ -1,0 +1,56 @@
+"""Typed errors. The core raises these; the CLI maps them to exit codes in one place."""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Base error: bad arguments or missing, corrupt, truncated or unsupported input (exit 2).
+
+    Args:
+        message: One line saying what is wrong.
+        path: The file or key it concerns, shown before the message.
+        hint: The next step for the user, shown after the message.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, path: object = None, hint: str | None = None):
+        self.message = message
+        self.path = None if path is None else str(path)
+        self.hint = hint
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        text = f"{self.path}: {self.message}" if self.path else self.message
+        if self.hint:
+            text += f" ({self.hint})"
+        return " ".join(text.split())
+
+
+class UsageError(CkptError):
+    """The arguments do not make sense together (exit 2)."""
+
+
+class OutputExistsError(CkptError):
+    """The output exists and --force was not given (exit 2)."""
+
+
+class UnsafeError(CkptError):
+    """A pickle references dangerous callables; nothing was executed (exit 3).
+
+    Args:
+        dangerous: The offending globals, as ``module.name``.
+        path: The file that holds them.
+    """
+
+    exit_code = 3
+
+    def __init__(self, dangerous: list[str], *, path: object = None):
+        self.dangerous = sorted(set(dangerous))
+        super().__init__(
+            "refused: the pickle references dangerous globals "
+            + ", ".join(self.dangerous)
+            + "; nothing was executed",
+            path=path,
+            hint="only if you trust this file, pass --unsafe",
+        )

@@ -1,0 +1,128 @@
+"""Format registry: pick a reader from the content of the input, never from its extension.
+
+Each format module has ``FORMAT`` (the contract's id), ``detect(path, head)`` and
+``read(path, permissive=...)`` returning a lazy :class:`~ckpttool.tree.Checkpoint`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+
+from ..errors import CkptError, UnsafeError
+from ..tree import Checkpoint
+from . import (
+    dcp,
+    per_rank,
+    safetensors_file,
+    safetensors_sharded,
+    torch_legacy,
+    torch_zip,
+    torchscript,
+)
+
+# Order matters: TorchScript archives are zips too, so they are tried before torch-zip.
+FOLDER_FORMATS = [dcp, safetensors_sharded]
+FILE_FORMATS = [torchscript, torch_zip, safetensors_sharded, safetensors_file, torch_legacy]
+# Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
+PICKLE_FORMATS = (torch_zip, torch_legacy)
+HEAD_BYTES = 512
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
+
+
+def expand_paths(paths: Sequence[str]) -> list[str]:
+    """Expand quoted globs; keep existing paths as they are."""
+    out: list[str] = []
+    for path in paths:
+        path = os.fspath(path)
+        if not os.path.exists(path) and glob.has_magic(path):
+            matches = sorted(glob.glob(path))
+            if not matches:
+                raise CkptError("no file matches this pattern", path=path)
+            out.extend(matches)
+        else:
+            out.append(path)
+    if not out:
+        raise CkptError("no input given")
+    return out
+
+
+def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Checkpoint:
+    """Read one checkpoint (lazily) from one path, several rank files, or a glob.
+
+    Args:
+        paths: A file, a folder (DCP, sharded safetensors), several per-rank files or a glob.
+        unsafe: Keep dangerous globals as inert stand-ins instead of refusing the file.
+
+    Raises:
+        UnsafeError: A pickle references dangerous globals (exit 3).
+        CkptError: Missing, corrupt, truncated or unsupported input (exit 2).
+    """
+    files = expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
+    if len(files) == 1:
+        ckpt = _read_one(files[0], unsafe)
+        if ckpt.format in {m.FORMAT for m in PICKLE_FORMATS} and per_rank.has_local_shards(ckpt.root):
+            rank_files = per_rank.siblings(files[0])
+            others = [_read_one(p, unsafe) for p in rank_files if p != files[0]]
+            return per_rank.combine([ckpt, *others])
+        return ckpt
+    ckpts = [_read_one(p, unsafe) for p in files]
+    for ckpt in ckpts:
+        if ckpt.format not in {m.FORMAT for m in PICKLE_FORMATS}:
+            raise CkptError(
+                f"several inputs must be per-rank torch.save files, this is {ckpt.format}",
+                path=ckpt.files[0],
+            )
+    if not any(per_rank.has_local_shards(c.root) for c in ckpts):
+        raise CkptError(
+            "these files hold no sharded tensors (each is a full copy)",
+            path=files[0],
+            hint="pass just one of them",
+        )
+    return per_rank.combine(ckpts)
+
+
+def _read_one(path: str, unsafe: bool) -> Checkpoint:
+    if not os.path.exists(path):
+        raise CkptError("no such file or directory", path=path)
+    if os.path.isdir(path):
+        for fmt in FOLDER_FORMATS:
+            if fmt.detect(path, b""):
+                return _read(fmt, path, unsafe)
+        inner = [
+            os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(CHECKPOINT_SUFFIXES)
+        ]
+        if len(inner) == 1:
+            return _read_one(inner[0], unsafe)
+        raise CkptError(
+            "folder holds no checkpoint ckpttool knows (no DCP .metadata, no "
+            "*.safetensors.index.json, not exactly one checkpoint file)",
+            path=path,
+        )
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    except OSError as exc:
+        raise CkptError(f"cannot read ({exc.strerror})", path=path) from None
+    if not head:
+        raise CkptError("empty file", path=path)
+    for fmt in FILE_FORMATS:
+        if fmt.detect(path, head):
+            return _read(fmt, path, unsafe)
+    raise CkptError(
+        "not a checkpoint ckpttool knows (torch.save zip or legacy, TorchScript, "
+        "safetensors, sharded safetensors index, DCP folder)",
+        path=path,
+    )
+
+
+def _read(fmt, path: str, unsafe: bool) -> Checkpoint:
+    try:
+        return fmt.read(path, permissive=unsafe)
+    except (CkptError, UnsafeError):
+        raise
+    except MemoryError:
+        raise CkptError("corrupt input: absurd sizes", path=path) from None
+    except OSError as exc:
+        raise CkptError(f"cannot read ({exc.strerror or exc})", path=path) from None

@@ -1,0 +1,107 @@
+"""``torch-legacy``: the pre-1.6 ``torch.save`` stream (``_use_new_zipfile_serialization=False``).
+
+Layout: pickled magic number, protocol version and sys info, the main pickle
+(storages as persistent ids), a pickled list of storage keys, then each storage
+as an int64 element count followed by its raw bytes, in that order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import CkptError
+from ..tree import ByteSource, Checkpoint, StorageRef
+from ..unpickler import Device, StorageType, load_pickle, opaque_class
+from .torch_zip import checkpoint
+
+FORMAT = "torch-legacy"
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+PROTOCOL_VERSION = 1001
+TAR_MAGIC_OFFSET = 257
+
+
+def detect(path: str, head: bytes) -> bool:
+    if head[:1] == b"\x80":  # torch.save pickles with protocol 2
+        return True
+    if head[TAR_MAGIC_OFFSET : TAR_MAGIC_OFFSET + 5] == b"ustar":
+        raise CkptError(
+            "torch.save tar archive (PyTorch < 0.4) is not supported",
+            path=path,
+            hint="re-save it with a newer torch: torch.save(torch.load(f), f2)",
+        )
+    return False
+
+
+def read(path: str, *, permissive: bool = False) -> Checkpoint:
+    seen: set[str] = set()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = load_pickle(f, path=path, seen=seen)
+        if magic != MAGIC_NUMBER:
+            raise CkptError(
+                "a pickle, but not a torch checkpoint (no torch magic number)",
+                path=path,
+                hint="plain pickles are not read; if it is a torch file it is corrupt",
+            )
+        if load_pickle(f, path=path, seen=seen) != PROTOCOL_VERSION:
+            raise CkptError("unsupported legacy torch protocol version", path=path)
+        sys_info = load_pickle(f, path=path, seen=seen)
+        little = not isinstance(sys_info, dict) or sys_info.get("little_endian", True)
+        storages: dict[str, StorageRef] = {}
+        views: list[tuple[StorageRef, str, int]] = []
+
+        def persistent_load(pid: Any) -> Any:
+            if isinstance(pid, tuple) and pid and pid[0] == "module":
+                return opaque_class("torch.nn", "Module")(*pid[1:2])
+            if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+                raise CkptError(f"corrupt pickle: unknown persistent id {pid!r:.80}")
+            storage_type, key, location, numel = pid[1:5]
+            view = pid[5] if len(pid) > 5 else None
+            if not isinstance(storage_type, StorageType) or not isinstance(numel, int):
+                raise CkptError("corrupt pickle: bad storage reference")
+            key = str(key)
+            if key not in storages:
+                storages[key] = StorageRef(
+                    key, storage_type.dtype, numel, str(Device(location)), big_endian=not little
+                )
+            if view:  # storage views, torch < 0.4: (view_key, offset, size)
+                view_key, offset, view_size = view
+                ref = StorageRef(
+                    str(view_key), storage_type.dtype, view_size, str(Device(location)),
+                    big_endian=not little,
+                )
+                views.append((ref, key, offset))
+                return ref
+            return storages[key]
+
+        root = load_pickle(f, persistent_load, path=path, permissive=permissive, seen=seen)
+        keys = load_pickle(f, path=path, seen=seen)
+        if not isinstance(keys, list):
+            raise CkptError("corrupt legacy checkpoint: no storage key list", path=path)
+        pos = f.tell()
+        for key in keys:
+            ref = storages.get(str(key))
+            if ref is None:
+                raise CkptError(f"corrupt legacy checkpoint: unknown storage {key!r}", path=path)
+            f.seek(pos)
+            count = f.read(8)
+            if len(count) < 8:
+                raise CkptError("file ends early (truncated)", path=path)
+            numel = int.from_bytes(count, "little" if little else "big", signed=True)
+            if numel != ref.numel:
+                raise CkptError(f"corrupt storage {key}: size does not match", path=path)
+            ref.source = ByteSource(path, pos + 8, ref.nbytes)
+            pos += 8 + ref.nbytes
+        if pos > size:
+            raise CkptError(f"file ends {pos - size} bytes early (truncated)", path=path)
+    for ref, base_key, offset in views:
+        base = storages[base_key]
+        if base.source is None:
+            raise CkptError(f"corrupt legacy checkpoint: storage {base_key} has no data", path=path)
+        start = base.source.offset + offset * base.dtype.itemsize
+        ref.source = ByteSource(path, start, ref.nbytes)
+    for key, ref in storages.items():
+        if ref.source is None:
+            raise CkptError(f"corrupt legacy checkpoint: storage {key} has no data", path=path)
+    return checkpoint(FORMAT, [path], root, seen)

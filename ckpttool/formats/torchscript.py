@@ -1,0 +1,51 @@
+"""``torchscript``: a ``torch.jit.save`` archive (zip with ``code/`` and ``constants.pkl``).
+
+Its ``data.pkl`` pickles the module objects (``__torch__.Net``) with their
+attributes; we list the tensors as a flat state dict (``fc.weight``) without
+running or compiling any TorchScript code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..tree import Checkpoint, Opaque, is_tensor
+from .torch_zip import checkpoint
+from .zip_pickle import ZIP_MAGIC, ZipPickle
+
+FORMAT = "torchscript"
+
+
+def detect(path: str, head: bytes) -> bool:
+    if not head.startswith(ZIP_MAGIC):
+        return False
+    archive = ZipPickle(path)
+    try:
+        return any(n.endswith("/constants.pkl") or "/code/" in n for n in archive.names())
+    finally:
+        archive.close()
+
+
+def read(path: str, *, permissive: bool = False) -> Checkpoint:
+    archive = ZipPickle(path)
+    seen: set[str] = set()
+    try:
+        module = archive.load(permissive=permissive, seen=seen)
+    finally:
+        archive.close()
+    state: dict[str, Any] = {}
+    _flatten_module(module, "", state, set())
+    return checkpoint(FORMAT, [path], state, seen)
+
+
+def _flatten_module(obj: Any, prefix: str, out: dict[str, Any], visiting: set[int]) -> None:
+    """Collect tensors of a scripted module and its submodules as ``a.b.weight``."""
+    if id(obj) in visiting:
+        return
+    visiting.add(id(obj))
+    attrs = obj.attrs() if isinstance(obj, Opaque) else {}
+    for name, value in attrs.items():
+        if is_tensor(value):
+            out[prefix + str(name)] = value
+        elif isinstance(value, Opaque) and value.module.startswith("__torch__"):
+            _flatten_module(value, f"{prefix}{name}.", out, visiting)

@@ -1,0 +1,139 @@
+"""The zip container torch.save (>= 1.6) and torch.jit.save write: ``<name>/data.pkl`` + ``<name>/data/<key>``.
+
+DCP embeds the same container inside its ``.distcp`` files, so the reader works on
+a span of a file too.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from typing import Any
+
+from ..errors import CkptError
+from ..tree import ByteSource, StorageRef
+from ..unpickler import Device, StorageType, load_pickle
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+class FileSpan(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of a file from ``start``."""
+
+    def __init__(self, path: str, start: int, length: int):
+        self._file = open(path, "rb")
+        self._start = start
+        self._length = length
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        self._file.seek(self._start + self._pos)
+        got = self._file.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+class ZipPickle:
+    """An opened torch zip container: its entry names and a way to unpickle from it.
+
+    Args:
+        path: The file.
+        start, length: The span of the file that holds the zip (DCP chunks); whole file by default.
+    """
+
+    def __init__(self, path: str, start: int = 0, length: int | None = None):
+        self.path = path
+        self.start = start
+        size = os.path.getsize(path)
+        self.length = size - start if length is None else length
+        stream: Any = FileSpan(path, start, self.length) if (start or length is not None) else path
+        try:
+            self.zip = zipfile.ZipFile(stream)
+            self.infos = {info.filename: info for info in self.zip.infolist()}
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            raise CkptError(f"truncated or corrupt zip archive ({exc})", path=path) from None
+        for info in self.infos.values():
+            if info.header_offset + info.compress_size > self.length:
+                raise CkptError("zip entry runs past the end of the file (truncated?)", path=path)
+        pickles = sorted((n for n in self.infos if n.endswith("/data.pkl")), key=len)
+        self.prefix = pickles[0][: -len("data.pkl")] if pickles else None
+
+    def names(self) -> list[str]:
+        return list(self.infos)
+
+    def read_entry(self, name: str) -> bytes:
+        try:
+            return self.zip.read(name)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            raise CkptError(f"corrupt zip entry {name!r} ({exc})", path=self.path) from None
+
+    def big_endian(self) -> bool:
+        name = f"{self.prefix}byteorder"
+        return name in self.infos and self.read_entry(name).strip() == b"big"
+
+    def source(self, name: str) -> ByteSource:
+        info = self.infos.get(name)
+        if info is None:
+            raise CkptError(f"missing zip entry {name!r} (truncated or corrupt file)", path=self.path)
+        if info.compress_type != zipfile.ZIP_STORED:  # torch never compresses; others might
+            return ByteSource(self.path, data=self.read_entry(name))
+        return ByteSource(
+            self.path, length=info.file_size, zip_header_offset=self.start + info.header_offset
+        )
+
+    def load(
+        self, *, entry: str = "data.pkl", permissive: bool = False, seen: set[str] | None = None
+    ) -> Any:
+        """Unpickle ``<prefix>/<entry>`` with lazy storages from ``<prefix>/data/<key>``."""
+        if self.prefix is None:
+            raise CkptError("zip archive without data.pkl: not a torch checkpoint", path=self.path)
+        big_endian = self.big_endian()
+        storages: dict[str, StorageRef] = {}
+
+        def persistent_load(pid: Any) -> Any:
+            if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
+                raise CkptError(f"corrupt pickle: unknown persistent id {pid!r:.80}")
+            _, storage_type, key, location, numel = pid[:5]
+            if not isinstance(storage_type, StorageType) or not isinstance(numel, int) or numel < 0:
+                raise CkptError("corrupt pickle: bad storage reference")
+            key = str(key)
+            if key not in storages:
+                source = self.source(f"{self.prefix}data/{key}")
+                ref = StorageRef(key, storage_type.dtype, numel, str(Device(location)), source)
+                if source.length != ref.nbytes:
+                    raise CkptError(
+                        f"storage {key} holds {source.length} bytes, expected {ref.nbytes} "
+                        "(truncated or corrupt file)",
+                        path=self.path,
+                    )
+                ref.big_endian = big_endian
+                storages[key] = ref
+            return storages[key]
+
+        data = self.read_entry(f"{self.prefix}{entry}")
+        return load_pickle(
+            data, persistent_load, path=self.path, permissive=permissive, seen=seen
+        )
+
+    def close(self) -> None:
+        self.zip.close()

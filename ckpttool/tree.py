@@ -1,0 +1,427 @@
+"""The lazy checkpoint tree every reader produces and every command consumes.
+
+A checkpoint is plain Python containers (dict, list, tuple) whose leaves are
+primitives, :class:`TensorRef` (one tensor: metadata plus where its bytes live),
+:class:`ShardedRef` (a global tensor made of shards spread over ranks or files)
+or :class:`Opaque` (an inert stand-in for an object of a class we do not rebuild).
+Nothing here imports torch: bytes are read and tensors built only in
+:mod:`ckpttool.materialize`, when a tensor is actually asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CkptError
+
+
+@dataclass(frozen=True)
+class DType:
+    """A torch dtype by name (``float32``), with what writers need to know about it."""
+
+    name: str
+    itemsize: int
+    safetensors: str | None  # the safetensors dtype code, None where it has none
+    is_floating: bool
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+def _dtypes() -> dict[str, DType]:
+    table = [
+        # name, itemsize, safetensors code, floating
+        ("float64", 8, "F64", True),
+        ("float32", 4, "F32", True),
+        ("float16", 2, "F16", True),
+        ("bfloat16", 2, "BF16", True),
+        ("float8_e4m3fn", 1, "F8_E4M3", True),
+        ("float8_e5m2", 1, "F8_E5M2", True),
+        ("float8_e4m3fnuz", 1, None, True),
+        ("float8_e5m2fnuz", 1, None, True),
+        ("float8_e8m0fnu", 1, "F8_E8M0", True),
+        ("complex128", 16, "C128", False),
+        ("complex64", 8, "C64", False),
+        ("complex32", 4, None, False),
+        ("int64", 8, "I64", False),
+        ("int32", 4, "I32", False),
+        ("int16", 2, "I16", False),
+        ("int8", 1, "I8", False),
+        ("uint64", 8, "U64", False),
+        ("uint32", 4, "U32", False),
+        ("uint16", 2, "U16", False),
+        ("uint8", 1, "U8", False),
+        ("bool", 1, "BOOL", False),
+        ("qint8", 1, None, False),
+        ("quint8", 1, None, False),
+        ("qint32", 4, None, False),
+    ]
+    return {name: DType(name, size, st, fl) for name, size, st, fl in table}
+
+
+DTYPES: dict[str, DType] = _dtypes()
+SAFETENSORS_DTYPES: dict[str, DType] = {d.safetensors: d for d in DTYPES.values() if d.safetensors}
+
+# torch.save names a typed storage class per dtype (``torch.FloatStorage``); newer
+# dtypes (fp8, uint16...) are saved as ``torch.storage.UntypedStorage`` plus a dtype.
+STORAGE_CLASSES: dict[str, str] = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
+    "QInt8Storage": "qint8",
+    "QUInt8Storage": "quint8",
+    "QInt32Storage": "qint32",
+    "UntypedStorage": "uint8",
+}
+
+
+def dtype(name: str) -> DType:
+    """Look a dtype up by torch name (``float32`` or ``torch.float32``)."""
+    key = name.removeprefix("torch.")
+    if key not in DTYPES:
+        raise CkptError(f"unsupported dtype {name!r}")
+    return DTYPES[key]
+
+
+class ByteSource:
+    """Where a run of bytes lives: a span of a file, an entry of a zip, or memory.
+
+    A zip entry's data offset needs its local header, so it is found on first read.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        offset: int = 0,
+        length: int = 0,
+        *,
+        data: bytes | bytearray | memoryview | None = None,
+        zip_header_offset: int | None = None,
+    ):
+        self.path = path
+        self.offset = offset
+        self.length = length if data is None else len(data)
+        self.data = data
+        self._zip_header_offset = zip_header_offset
+
+    def _resolve(self) -> None:
+        if self._zip_header_offset is None:
+            return
+        with open(self.path, "rb") as f:  # type: ignore[arg-type]
+            f.seek(self._zip_header_offset)
+            header = f.read(30)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            raise CkptError("corrupt zip entry header", path=self.path)
+        name_len = int.from_bytes(header[26:28], "little")
+        extra_len = int.from_bytes(header[28:30], "little")
+        self.offset = self._zip_header_offset + 30 + name_len + extra_len
+        self._zip_header_offset = None
+
+    def read(self, start: int = 0, size: int | None = None) -> bytearray:
+        """Read ``size`` bytes from ``start`` (relative to the span) into a new buffer."""
+        size = self.length - start if size is None else size
+        if start < 0 or size < 0 or start + size > self.length:
+            raise CkptError("read outside of the stored bytes (truncated file?)", path=self.path)
+        if self.data is not None:
+            return bytearray(self.data[start : start + size])
+        self._resolve()
+        buf = bytearray(size)
+        with open(self.path, "rb", buffering=0) as f:  # type: ignore[arg-type]
+            f.seek(self.offset + start)
+            view = memoryview(buf)
+            done = 0
+            while done < size:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise CkptError(
+                        f"file ends {size - done} bytes early (truncated?)", path=self.path
+                    )
+                done += n
+        return buf
+
+
+@dataclass(eq=False)
+class StorageRef:
+    """One storage as torch saved it: ``numel`` elements of ``dtype`` on ``device``.
+
+    Tensors that share a storage (tied weights, views) hold the same StorageRef.
+    """
+
+    key: str
+    dtype: DType
+    numel: int
+    device: str
+    source: ByteSource | None = None  # None for a storage whose bytes were never saved (meta)
+    big_endian: bool = False  # torch files record the writer's byte order
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(eq=False)
+class TensorRef:
+    """A tensor whose bytes stay on disk until :meth:`load`.
+
+    ``offset`` and ``stride`` are in elements of ``dtype``, as in ``torch.as_strided``.
+    """
+
+    dtype: DType
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    storage: StorageRef | None
+    device: str = "cpu"
+    requires_grad: bool = False
+    kind: str = "tensor"  # "parameter" for nn.Parameter, or a tensor subclass name
+    value: Any = None  # a tensor already in memory (``--unsafe`` loads, numpy arrays)
+
+    sharded = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def is_contiguous(self) -> bool:
+        return self.stride == contiguous_stride(self.shape) or self.numel <= 1
+
+    def load(self, map_location: Any = "cpu") -> Any:
+        """Read the bytes and return a ``torch.Tensor`` (its own memory, contiguous if a view)."""
+        from .materialize import load_tensor
+
+        return load_tensor(self, map_location)
+
+
+@dataclass(eq=False)
+class Shard:
+    """One block of a sharded tensor: ``sizes`` elements starting at ``offsets``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: Any  # TensorRef, or anything with .load(map_location) returning the block
+    rank: int | None = None
+
+
+@dataclass(eq=False)
+class ShardedRef:
+    """A global tensor made of shards (ShardedTensor, DTensor or DCP chunks)."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    shards: list[Shard]
+    device: str = "cpu"
+    kind: str = "sharded_tensor"  # "dtensor", "dcp"
+    requires_grad: bool = False
+    world_size: int | None = None
+
+    sharded = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def load(self, map_location: Any = "cpu") -> Any:
+        """Assemble the full tensor from its shards."""
+        from .materialize import load_sharded
+
+        return load_sharded(self, map_location)
+
+
+class Opaque:
+    """Inert stand-in for an instance of a class we do not rebuild.
+
+    It records what the pickle gave it (constructor args, state, items) and
+    never runs anything. Subclasses are made per class by :func:`opaque_class`.
+    """
+
+    module = "builtins"
+    qualname = "object"
+    dangerous = False
+    known = False  # a torch metadata class we understand, not worth a warning
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        self = object.__new__(cls)
+        self.args = args
+        self.state = kwargs or None
+        self.items: dict[Any, Any] = {}
+        self.list: list[Any] = []
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items[key] = value
+
+    def append(self, value: Any) -> None:
+        self.list.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.list.extend(values)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return f"{cls.module}.{cls.qualname}"
+
+    def __repr__(self) -> str:
+        return f"<opaque {self.class_name()}>"
+
+    def attrs(self) -> dict[str, Any]:
+        """The object's attributes as the pickle set them."""
+        return state_attrs(self.state)
+
+    def children(self) -> Iterator[tuple[Any, Any]]:
+        """(key, value) pairs a walk descends into: attributes, items, list items, args."""
+        attrs = self.attrs()
+        yield from attrs.items()
+        if self.state is not None and not attrs:
+            yield "__state__", self.state
+        yield from self.items.items()
+        yield from enumerate(self.list)
+        if self.args:
+            yield "__args__", self.args
+
+
+def state_attrs(state: Any) -> dict[str, Any]:
+    """Attributes from a pickled state: a dict, or a ``(dict_state, slots_state)`` pair."""
+    if isinstance(state, Opaque):
+        return state.attrs()
+    if isinstance(state, tuple) and len(state) == 2 and all(
+        s is None or isinstance(s, dict) for s in state
+    ):
+        merged = dict(state[0] or {})
+        merged.update(state[1] or {})
+        return merged
+    return dict(state) if isinstance(state, dict) else {}
+
+
+_OPAQUE_CLASSES: dict[tuple[str, str, bool], type] = {}
+
+
+def opaque_class(module: str, qualname: str, *, dangerous: bool = False, known: bool = False):
+    """The Opaque subclass standing in for ``module.qualname`` (one per name)."""
+    key = (module, qualname, dangerous)
+    cls = _OPAQUE_CLASSES.get(key)
+    if cls is None:
+        name = qualname.rsplit(".", 1)[-1]
+        attrs = {"module": module, "qualname": qualname, "dangerous": dangerous, "known": known}
+        cls = type(name if name.isidentifier() else "Opaque", (Opaque,), attrs)
+        _OPAQUE_CLASSES[key] = cls
+    return cls
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+LEAF_TYPES = (TensorRef, ShardedRef)
+KeyPath = tuple[Any, ...]
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, LEAF_TYPES)
+
+
+def children(node: Any) -> Iterator[tuple[Any, Any]]:
+    """The (key, child) pairs of a container node; nothing for a leaf."""
+    if isinstance(node, Mapping):
+        yield from node.items()
+    elif isinstance(node, (list, tuple)):
+        yield from enumerate(node)
+    elif isinstance(node, Opaque):
+        yield from node.children()
+
+
+def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+    """Yield (key path, node) for every node, depth first, containers before children.
+
+    Shared sub-objects are visited once per path; cycles are cut.
+    """
+    stack: list[tuple[KeyPath, Any, frozenset[int]]] = [(path, node, frozenset())]
+    while stack:
+        here, value, ancestors = stack.pop()
+        yield here, value
+        if is_tensor(value) or id(value) in ancestors:
+            continue
+        kids = list(children(value))
+        if kids:
+            inner = ancestors | {id(value)}
+            stack.extend((here + (k,), v, inner) for k, v in reversed(kids))
+
+
+def iter_tensors(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, TensorRef | ShardedRef]]:
+    """Yield (key path, tensor leaf) for every tensor under ``node``, in order."""
+    for here, value in walk(node, path):
+        if is_tensor(value):
+            yield here, value
+
+
+def get_path(node: Any, path: KeyPath) -> Any:
+    """Follow ``path`` from ``node``; raise CkptError naming the first missing key."""
+    for i, key in enumerate(path):
+        try:
+            if isinstance(node, (list, tuple)):
+                node = node[int(key)]
+            elif isinstance(node, Opaque):
+                node = dict(node.children())[key]
+            else:
+                node = node[key]
+        except (KeyError, IndexError, ValueError, TypeError):
+            shown = ".".join(str(k) for k in path[: i + 1])
+            raise CkptError(f"no key {shown!r} in the checkpoint") from None
+    return node
+
+
+@dataclass
+class Checkpoint:
+    """What a reader returns: the lazy tree plus what it learned on the way.
+
+    Attributes:
+        format: A format id from the contract (``torch-zip``, ``dcp``, ...).
+        files: The files read, in rank order for sharded inputs.
+        root: The tree.
+        world_size: Number of ranks for ``dcp`` / ``per-rank`` input, else None.
+        globals: Every global the pickles referenced, sorted (``module.name``).
+        dangerous: Those of them that are refused without ``--unsafe``.
+        metadata: Format-level metadata (the safetensors ``__metadata__``).
+    """
+
+    format: str
+    files: list[str]
+    root: Any
+    world_size: int | None = None
+    globals: list[str] = field(default_factory=list)
+    dangerous: list[str] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.files[0]) if self.files else "checkpoint"
