@@ -1,0 +1,510 @@
+"""Reference DDP / FSDP trainer whose snapshots ckpttool inspects, converts and resumes from.
+
+Launch it with torchrun from the repository root:
+
+    torchrun --standalone --nproc_per_node=2 trainers/ddp_trainer.py \
+        --epochs 10 --save-every 1 --snapshot-dir runs/demo --save-format ddp
+
+After epoch E (0-based) every rank writes its part of the snapshot:
+
+    ddp      ep{E}-rank{R}.pt  {"MODEL_STATE" (keys "module."), "OPTIMIZER_STATE",
+                                "SCHEDULER_STATE", "EPOCHS_RUN", "RNG", "CONFIG"}
+    sharded  ep{E}-rank{R}.pt  Composer layout of FSDP SHARDED_STATE_DICT (ShardedTensor leaves):
+                               {"state": {"model", "optimizers": {"AdamW"},
+                                          "schedulers": {"LambdaLR"},
+                                          "timestamp": {"epoch", "batch", ...}, "config"},
+                                "rng": [one entry per rank]}
+    dcp      ep{E}/            torch.distributed.checkpoint folder of
+                               {"model", "optimizer", "scheduler", "epoch", "rng", "config"}
+
+A snapshot exists only once rank 0 has written ``ep{E}.complete`` beside it, after every rank
+finished; ``--resume auto`` ignores anything without that marker.
+
+Test hooks (environment variables, used by tests/test_trainer.py):
+    CKPTTOOL_TRAINER_KILL_AT_EPOCH=E     rank 1 SIGKILLs itself once, after a step of epoch E
+    CKPTTOOL_TRAINER_DIE_DURING_SAVE=E   rank 1 dies half-way through writing snapshot E
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tinytask import build_task
+
+try:
+    import ckpttool
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import ckpttool
+
+# FSDP1's SHARDED_STATE_DICT is deprecated in favour of DTensor, but it is the layout that
+# Composer and many published checkpoints use, so this trainer writes it on purpose.
+warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+warnings.filterwarnings("ignore", message=".*state_dict_type.*", category=FutureWarning)
+
+SNAPSHOT_FILE = "ep{epoch}-rank{rank}.pt"
+SNAPSHOT_DIR = "ep{epoch}"
+COMPLETE_MARKER = "ep{epoch}.complete"
+KILL_AT_EPOCH_ENV = "CKPTTOOL_TRAINER_KILL_AT_EPOCH"
+DIE_DURING_SAVE_ENV = "CKPTTOOL_TRAINER_DIE_DURING_SAVE"
+
+# Where each snapshot layout keeps (model, optimizer, scheduler, epochs run, RNG). Only the
+# model is required, so `--resume PATH` also takes {"model", "optimizer", "epoch"} files.
+SNAPSHOT_LAYOUTS = (
+    (("MODEL_STATE",), ("OPTIMIZER_STATE",), ("SCHEDULER_STATE",), ("EPOCHS_RUN",), ("RNG",)),
+    (("state", "model"), ("state", "optimizers"), ("state", "schedulers"),
+     ("state", "timestamp", "epoch"), ("rng",)),
+    (("model",), ("optimizer",), ("scheduler",), ("epoch",), ("rng",)),
+)
+
+
+def log(*parts: object) -> None:
+    """Print on rank 0 only: N ranks printing the same line helps nobody."""
+    if dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+def setup(backend: str) -> torch.device:
+    """Join the process group torchrun describes in the environment; return this rank's device."""
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("ddp_trainer.py: launch me with torchrun, e.g. "
+                 "torchrun --standalone --nproc_per_node=2 trainers/ddp_trainer.py")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            sys.exit("ddp_trainer.py: --backend nccl needs CUDA; use --backend gloo on CPU")
+        # Pick the GPU before the process group exists, or every rank's NCCL communicator
+        # (and its memory) lands on cuda:0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend=backend)
+    return device
+
+
+# --- snapshot files ----------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    # A rename is durable only once the directory entry is on disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write, die_half_way: bool = False) -> None:
+    """Write through ``write(fileobj)`` into a temp file beside ``path``, fsync, rename.
+
+    A reader sees the old file or the whole new one, never a torn one. ``die_half_way`` is the
+    test hook: truncate the temp file to half and SIGKILL this process before the rename.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        if die_half_way:
+            f.truncate(f.tell() // 2)
+            f.flush()
+            os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def find_latest_snapshot(snapshot_dir: str | os.PathLike) -> dict | None:
+    """Return the newest complete snapshot in ``snapshot_dir``, or None.
+
+    Complete means rank 0 wrote its marker (which it does only after every rank finished) and
+    every file the marker lists is there with the size it lists. Temp files of a rank killed
+    while saving, and snapshots without a marker, are never picked.
+
+    Returns:
+        The marker's content (``epoch``, ``format``, ``world_size``, ``files``) with ``paths``
+        added: the absolute paths to hand to ``ckpttool.load``.
+    """
+    snapshot_dir = Path(snapshot_dir)
+    candidates = []
+    for marker in snapshot_dir.glob(COMPLETE_MARKER.format(epoch="*")):
+        match = re.fullmatch(r"ep(\d+)\.complete", marker.name)
+        if match:
+            candidates.append((int(match.group(1)), marker))
+    for _, marker in sorted(candidates, reverse=True):
+        try:
+            info = json.loads(marker.read_text())
+            sizes = {snapshot_dir / name: size for name, size in info["files"].items()}
+        except (OSError, ValueError, KeyError, AttributeError):
+            continue
+        if all(p.is_file() and p.stat().st_size == size for p, size in sizes.items()):
+            info["paths"] = [str(snapshot_dir / p) for p in info["parts"]]
+            return info
+    return None
+
+
+def _get(tree, path: tuple):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def unpack_snapshot(snapshot: dict) -> tuple | None:
+    """Split a snapshot of any known layout into (model, optimizer, scheduler, epochs, rng)."""
+    for layout in SNAPSHOT_LAYOUTS:
+        parts = [_get(snapshot, path) for path in layout]
+        if isinstance(parts[0], dict):
+            for i in (1, 2):  # Composer keys optimizers and schedulers by class name
+                if isinstance(parts[i], dict) and "state" not in parts[i] and len(parts[i]) == 1:
+                    parts[i] = next(iter(parts[i].values()))
+            return tuple(parts)
+    return None
+
+
+def strip_wrapper_prefixes(state_dict: dict) -> dict:
+    """Drop DDP's ``module.`` and torch.compile's ``_orig_mod.``, stacked in any order."""
+    state_dict = dict(state_dict)
+    while True:
+        before = list(state_dict)
+        for prefix in ("module.", "_orig_mod."):
+            consume_prefix_in_state_dict_if_present(state_dict, prefix)
+        if list(state_dict) == before:
+            return state_dict
+
+
+def optim_state_by_name(optim_state: dict, names: list[str]) -> dict:
+    """Key optimizer state by parameter name (FSDP's layout), however it was saved."""
+    def name(key):
+        return names[key] if isinstance(key, int) else key
+
+    return {
+        "state": {name(k): v for k, v in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [name(p) for p in g["params"]]}
+                         for g in optim_state["param_groups"]],
+    }
+
+
+def optim_state_by_index(optim_state: dict, names: list[str]) -> dict:
+    """Key optimizer state by parameter index, as ``torch.optim.Optimizer`` wants it."""
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[k]: v for k, v in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [index[p] for p in g["params"]]}
+                         for g in optim_state["param_groups"]],
+    }
+
+
+def get_rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    # RNG states must be CPU byte tensors, wherever map_location put them.
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss = state["python"]  # a reader may hand tuples back as lists
+    random.setstate((version, tuple(internal), gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def lr_schedule(decay_steps: int, warmup_steps: int = 4, min_factor: float = 0.1):
+    """nanoGPT's schedule as a LambdaLR factor: linear warmup, cosine decay, then flat.
+
+    The horizon is its own flag, not --epochs: a run of 2 epochs resumed to 4 must see the
+    same learning rates as a run of 4, so the schedule cannot depend on the total.
+    """
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+        return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# --- the trainer -------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, device: torch.device):
+        self.args = args
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.snapshot_dir = Path(args.snapshot_dir)
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        self.config = {"model": args.model, "dim": args.dim, "layers": args.layers,
+                       "batch_size": args.batch_size, "lr": args.lr,
+                       "lr_decay_epochs": args.lr_decay_epochs, "seed": args.seed,
+                       "world_size": self.world_size}
+
+        # Same seed on every rank: FSDP does not broadcast initial weights the way DDP does.
+        torch.manual_seed(args.seed)
+        model, dataset = build_task(args.model, args.dim, args.layers)
+        model.to(device)
+        self.param_names = [name for name, _ in model.named_parameters()]
+
+        # Load the snapshot before wrapping: the bare model's keys have no "module." and
+        # FSDP then shards the restored weights instead of random ones.
+        self.epochs_run = 0
+        snapshot = self._load_snapshot(args.resume)
+        if snapshot is not None:
+            model.load_state_dict(snapshot[0])
+
+        if args.save_format == "ddp":
+            self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        else:
+            # Sharded formats need a model that is actually sharded. On CPU FSDP needs
+            # device_id=cpu spelled out, or it refuses to run.
+            self.model = FSDP(model, use_orig_params=True, device_id=device)
+
+        # shuffle=True with a fixed seed: set_epoch(e) then gives the same order on every
+        # rank, in every run and after every resume, without touching the global RNG.
+        self.sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
+        self.loader = DataLoader(dataset, batch_size=args.batch_size, sampler=self.sampler,
+                                 pin_memory=device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_schedule(args.lr_decay_epochs * len(self.loader)))
+
+        if snapshot is not None:
+            self._restore_training_state(*snapshot[1:])
+        else:
+            # One dropout stream per rank, as nanoGPT does with its seed offset.
+            torch.manual_seed(args.seed + 1 + self.rank)
+            random.seed(args.seed + 1 + self.rank)
+
+    # -- resuming -------------------------------------------------------------------------
+
+    def _resume_source(self, resume: str):
+        if resume == "none":
+            return None
+        if resume != "auto":
+            return resume
+        latest = find_latest_snapshot(self.snapshot_dir)
+        if latest is None:
+            return None
+        if latest["format"] == "ddp":
+            # Every rank saved the same weights but its own RNG: read your own file.
+            return latest["paths"][min(self.rank, len(latest["paths"]) - 1)]
+        return latest["paths"] if latest["format"] == "sharded" else latest["paths"][0]
+
+    def _load_snapshot(self, resume: str) -> tuple | None:
+        source = self._resume_source(resume)
+        if source is None:
+            log("starting fresh")
+            return None
+        # ckpttool is the safe reader: no code from the file runs, and sharded tensors
+        # (ShardedTensor, DTensor, DCP) come back merged into full tensors on our device.
+        snapshot = ckpttool.load(source, map_location=self.device, select="all")
+        parts = unpack_snapshot(snapshot) if isinstance(snapshot, dict) else None
+        if parts is None:  # a plain weights file: start training from those weights
+            model_state = ckpttool.load(source, map_location=self.device)
+            parts = (model_state, None, None, None, None)
+        log(f"resuming from {source if isinstance(source, str) else source[0] + ' ...'}"
+            f" after {int(parts[3] or 0)} epoch(s)")
+        return (strip_wrapper_prefixes(parts[0]),) + tuple(parts[1:])
+
+    def _restore_training_state(self, optim_state, scheduler_state, epochs_run, rng) -> None:
+        self.epochs_run = int(epochs_run or 0)
+        if optim_state is not None:
+            by_name = optim_state_by_name(optim_state, self.param_names)
+            if isinstance(self.model, FSDP):
+                # Full (merged) tensors in, this rank's flat shards out.
+                with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT,
+                                          FullStateDictConfig(rank0_only=False),
+                                          FullOptimStateDictConfig(rank0_only=False)):
+                    flat = FSDP.optim_state_dict_to_load(self.model, self.optimizer, by_name)
+                self.optimizer.load_state_dict(flat)
+            else:
+                self.optimizer.load_state_dict(optim_state_by_index(by_name, self.param_names))
+        if scheduler_state is not None:
+            self.scheduler.load_state_dict(scheduler_state)
+        # The snapshot holds this rank's RNG (ddp) or every rank's (sharded, dcp). From
+        # another world size there is no exact match: reseed, deterministically.
+        if isinstance(rng, list):
+            rng = rng[self.rank] if len(rng) == self.world_size else None
+        if isinstance(rng, dict):
+            set_rng_state(rng, self.device)
+        else:
+            log("snapshot has no RNG state for this world size: reseeding, resume is not exact")
+            torch.manual_seed(self.args.seed + 1 + self.rank + 1000 * self.epochs_run)
+            random.seed(self.args.seed + 1 + self.rank + 1000 * self.epochs_run)
+
+    # -- training -------------------------------------------------------------------------
+
+    def _run_epoch(self, epoch: int) -> float:
+        self.sampler.set_epoch(epoch)
+        self.model.train()
+        total = 0.0
+        for step, (inputs, targets) in enumerate(self.loader):
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.model(inputs, targets)
+            loss.backward()
+            if isinstance(self.model, FSDP):  # the norm must cover every rank's shard
+                self.model.clip_grad_norm_(1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.scheduler.step()
+            total += loss.item()
+            if step == 0:
+                self._maybe_kill_for_test(epoch)
+        return total / len(self.loader)
+
+    def _maybe_kill_for_test(self, epoch: int) -> None:
+        """Test hook: rank 1 dies once in epoch N, so torchrun --max-restarts restarts us."""
+        if self.rank != 1 or os.environ.get(KILL_AT_EPOCH_ENV) != str(epoch):
+            return
+        once = self.snapshot_dir / f".killed-at-ep{epoch}"
+        if not once.exists():
+            once.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _snapshot_state(self, epoch: int) -> dict:
+        rng = get_rng_state(self.device)  # first: nothing below may move the RNG
+        if isinstance(self.model, DDP):
+            return {"MODEL_STATE": self.model.state_dict(),
+                    "OPTIMIZER_STATE": self.optimizer.state_dict(),
+                    "SCHEDULER_STATE": self.scheduler.state_dict(),
+                    "EPOCHS_RUN": epoch + 1,
+                    "RNG": rng,
+                    "CONFIG": self.config}
+        with FSDP.state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
+            model_state = self.model.state_dict()
+            optim_state = FSDP.optim_state_dict(self.model, self.optimizer)
+        # Shards merge into one file later (ckpttool merge), so every rank's file carries
+        # every rank's RNG, indexed by rank, as Composer does.
+        all_rng = [None] * self.world_size
+        dist.all_gather_object(all_rng, rng)
+        if self.args.save_format == "dcp":
+            return {"model": model_state, "optimizer": optim_state,
+                    "scheduler": self.scheduler.state_dict(), "epoch": epoch + 1,
+                    "rng": all_rng, "config": self.config}
+        steps = (epoch + 1) * len(self.loader)
+        return {"state": {"model": model_state,
+                          "optimizers": {type(self.optimizer).__name__: optim_state},
+                          "schedulers": {type(self.scheduler).__name__:
+                                         self.scheduler.state_dict()},
+                          "timestamp": {"epoch": epoch + 1, "batch": steps,
+                                        "sample": steps * self.args.batch_size
+                                        * self.world_size,
+                                        "batch_in_epoch": 0},
+                          "config": self.config},
+                "rng": all_rng}
+
+    def _save_snapshot(self, epoch: int) -> None:
+        state = self._snapshot_state(epoch)
+        fmt = self.args.save_format
+        die = os.environ.get(DIE_DURING_SAVE_ENV) == str(epoch) and self.rank == 1
+        marker = self.snapshot_dir / COMPLETE_MARKER.format(epoch=epoch)
+        if self.rank == 0:
+            # Overwriting epoch E (say after --resume none): drop its marker first, so a
+            # half-rewritten snapshot is never mistaken for a complete one.
+            marker.unlink(missing_ok=True)
+            if fmt == "dcp":
+                shutil.rmtree(self.snapshot_dir / SNAPSHOT_DIR.format(epoch=epoch),
+                              ignore_errors=True)
+        dist.barrier()
+
+        if fmt == "dcp":
+            folder = self.snapshot_dir / SNAPSHOT_DIR.format(epoch=epoch)
+            dcp.save(state, checkpoint_id=folder)  # collective; every rank writes its chunks
+            if die:
+                os.kill(os.getpid(), signal.SIGKILL)  # folder written, marker never
+            parts = [folder.name]
+        else:
+            path = self.snapshot_dir / SNAPSHOT_FILE.format(epoch=epoch, rank=self.rank)
+            atomic_write(path, lambda f: torch.save(state, f), die_half_way=die)
+            parts = [SNAPSHOT_FILE.format(epoch=epoch, rank=r) for r in range(self.world_size)]
+        dist.barrier()  # every rank's part is on disk before the marker says so
+
+        if self.rank == 0:
+            files = [p for p in (self.snapshot_dir / SNAPSHOT_DIR.format(epoch=epoch)).iterdir()
+                     ] if fmt == "dcp" else [self.snapshot_dir / p for p in parts]
+            info = {"epoch": epoch, "format": fmt, "world_size": self.world_size,
+                    "parts": parts,
+                    "files": {str(p.relative_to(self.snapshot_dir)): p.stat().st_size
+                              for p in files}}
+            atomic_write(marker, lambda f: f.write(json.dumps(info, indent=1).encode()))
+        log(f"epoch {epoch + 1} | saved snapshot {self.snapshot_dir / parts[0]}")
+
+    def train(self) -> None:
+        total = self.args.epochs
+        if self.epochs_run >= total:
+            log(f"nothing to do: {self.epochs_run} of {total} epochs already run")
+        # Continue with the epoch after the snapshot; never re-train the saved one.
+        for epoch in range(self.epochs_run, total):
+            start = time.perf_counter()
+            loss = self._run_epoch(epoch)
+            log(f"epoch {epoch + 1}/{total} | steps {len(self.loader)} | loss {loss:.4f} | "
+                f"lr {self.scheduler.get_last_lr()[0]:.2e} | {time.perf_counter() - start:.2f}s")
+            if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == total:
+                self._save_snapshot(epoch)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--epochs", type=int, default=10, help="total epochs, also when resuming")
+    p.add_argument("--save-every", type=int, default=1, help="snapshot every N epochs")
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--snapshot-dir", default="runs/demo")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
+    p.add_argument("--save-format", choices=["ddp", "sharded", "dcp"], default="ddp")
+    p.add_argument("--resume", default="auto",
+                   help="auto (newest complete snapshot in --snapshot-dir), none, or a PATH")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
+    p.add_argument("--dim", type=int, default=32, help="model width (even, for 2 heads)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (gpt)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr-decay-epochs", type=int, default=10,
+                   help="cosine decay horizon; independent of --epochs so resuming is exact")
+    args = p.parse_args(argv)
+    if args.save_every < 1 or args.epochs < 1:
+        p.error("--epochs and --save-every must be at least 1")
+    return args
+
+
+@record  # a failing rank's traceback goes into torchrun's error summary
+def main() -> None:
+    args = parse_args()
+    device = setup(args.backend)
+    try:
+        Trainer(args, device).train()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
