@@ -1,0 +1,82 @@
+"""The typer app, the global options, and the one place errors become exit codes."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from ..errors import CkptError
+
+EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_UNSAFE = 0, 1, 2, 3
+
+app = typer.Typer(
+    name="ckpttool",
+    help="Inspect, convert, merge and diff PyTorch checkpoints (DDP, FSDP, DCP) safely.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+_settings = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"ckpttool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    _settings["debug"] = debug
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    """Print one line on stderr and exit with ``code``. Plain text: never wrapped."""
+    sys.stderr.write(f"ckpttool: {message}\n")
+    sys.stderr.flush()
+    raise typer.Exit(code)
+
+
+def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn the core's typed errors into the contract's exit codes and one stderr line."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except CkptError as exc:
+            if _settings["debug"]:
+                raise
+            prefix = "refused" if exc.exit_code == EXIT_UNSAFE else "error"
+            fail(f"{prefix}: {exc.one_line()}", exc.exit_code)
+        except BrokenPipeError:  # `ckpttool inspect --json | head`: the reader left, fine
+            sys.stderr.close()
+            raise typer.Exit(EXIT_OK) from None
+        except KeyboardInterrupt:
+            fail("interrupted; no output was written", 130)
+        except Exception as exc:  # a bug or an input we failed to classify: still one line
+            if _settings["debug"]:
+                raise
+            text = " ".join(str(exc).split())[:300]
+            fail(f"error: unexpected {type(exc).__name__}: {text} (rerun with --debug)")
+
+    return wrapper
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,116 @@
+"""``ckpttool inspect``: what is inside a checkpoint, without reading tensor data."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..api import read
+from ..report import inspect_report
+from ..tree import get_path, iter_tensors
+from .app import app, handle_errors
+from .options import Json, Paths, Unsafe
+from .render import byte_progress, human_bytes, short, structure_tree
+
+STATS_PROGRESS_BYTES = 256 << 20
+
+
+@app.command()
+@handle_errors
+def inspect(
+    paths: Paths,
+    json_output: Json = False,
+    filter: Annotated[
+        str | None, typer.Option("--filter", help="Only tensors/values whose dotted key matches this regex.")
+    ] = None,
+    stats: Annotated[
+        bool, typer.Option("--stats", help="Read the data: min/max/mean/std, NaN/Inf counts.")
+    ] = False,
+    unsafe: Unsafe = False,
+) -> None:
+    """Show format, structure, tensors, totals and plain values (epoch, step...)."""
+    ckpt = read(paths, unsafe=unsafe)
+    total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
+    with byte_progress(total, "reading tensors", stats and total > STATS_PROGRESS_BYTES) as advance:
+        report = inspect_report(ckpt, filter=filter, stats=stats, progress=advance)
+    if json_output:
+        print(json.dumps(report))
+        return
+    render(ckpt, report)
+
+
+def render(ckpt, report: dict) -> None:
+    console = Console()
+    world = f", world size {report['world_size']}" if report["world_size"] else ""
+    console.print(f"[bold]{report['format']}[/]{world}: " + ", ".join(report["files"][:4])
+                  + (f" … ({len(report['files'])} files)" if len(report["files"]) > 4 else ""))
+    model_key = tuple(report["model_key"]) if report["model_key"] is not None else None
+    if model_key is None:
+        console.print("model state dict: [yellow]none found[/]")
+        model_label = ""
+    else:
+        where = ".".join(map(str, model_key)) or "(root)"
+        n = len(get_path(ckpt.root, model_key))
+        prefix = report["prefix"] or "none"
+        model_label = f"model state dict, {n} entries, prefix {prefix}"
+        console.print(f"model state dict: [green]{where}[/], wrapper prefix: [green]{prefix}[/]")
+    console.print(structure_tree("[bold]structure[/]", ckpt.root, model_key, model_label))
+
+    stats = any("stats" in t for t in report["tensors"])
+    table = Table(title="tensors", title_justify="left")
+    for column in ("name", "dtype", "shape", "device", "size"):
+        table.add_column(
+            column, justify="right" if column == "size" else "left",
+            overflow="fold" if column == "name" else "ellipsis",
+        )
+    if any(t["sharded"] for t in report["tensors"]):
+        table.add_column("shards", justify="right")
+    if stats:
+        for column in ("min", "max", "mean", "std", "nan/inf"):
+            table.add_column(column, justify="right")
+    for t in report["tensors"]:
+        row = [".".join(map(str, t["key"])), t["dtype"], str(t["shape"]), t["device"], human_bytes(t["nbytes"])]
+        if len(table.columns) > 5 + (5 if stats else 0):
+            row.append(str(t.get("shards", "")))
+        if stats:
+            s = t["stats"]
+            row += [_fmt(s["min"]), _fmt(s["max"]), _fmt(s["mean"]), _fmt(s["std"]), f"{s['nan']}/{s['inf']}"]
+        table.add_row(*row)
+    console.print(table)
+
+    by_dtype: dict[str, int] = defaultdict(int)
+    for t in report["tensors"]:
+        by_dtype[t["dtype"]] += t["nbytes"]
+    console.print(
+        f"[bold]totals[/]: {report['num_tensors']} tensors, {report['num_params']:,} model parameters, "
+        f"{human_bytes(report['nbytes'])} ("
+        + ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(by_dtype.items()))
+        + ")"
+    )
+    if report["values"]:
+        values = Table(title="values", title_justify="left")
+        values.add_column("key", overflow="fold")
+        values.add_column("type")
+        values.add_column("value")
+        for v in report["values"]:
+            values.add_row(".".join(map(str, v["key"])), v["type"], short(v["value"]))
+        console.print(values)
+    opaque = sorted({v["value"] for v in report["values"] if v["type"] == "opaque"})
+    if report["dangerous"]:
+        console.print(f"[red]security[/]: dangerous globals kept inert (--unsafe): {', '.join(report['dangerous'])}")
+    elif report["globals"] or report["format"] not in ("safetensors", "safetensors-sharded"):
+        extra = f"; shown as placeholders: {', '.join(opaque)}" if opaque else ""
+        console.print(f"[green]security[/]: read without running code; {len(report['globals'])} globals, none dangerous{extra}")
+    else:
+        console.print("[green]security[/]: safetensors, no code involved")
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)

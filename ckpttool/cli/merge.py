@@ -1,0 +1,34 @@
+"""``ckpttool merge``: per-rank shards or a DCP folder -> one torch.save file."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..merge import merge as merge_checkpoint
+from .app import app, handle_errors
+from .options import Force, Paths, Quiet, Unsafe
+from .render import human_bytes, progress_factory, stderr_console
+
+
+@app.command()
+@handle_errors
+def merge(
+    paths: Paths,
+    out: Annotated[str, typer.Option("-o", "--out", help="The output .pt file.", show_default=False)],
+    force: Force = False,
+    unsafe: Unsafe = False,
+    quiet: Quiet = False,
+) -> None:
+    """Merge every sharded tensor (model AND optimizer) into one torch.save file."""
+    result = merge_checkpoint(paths, out, force=force, unsafe=unsafe, progress=progress_factory(quiet))
+    console = stderr_console()
+    if result.stand_ins:
+        console.print(
+            "[yellow]warning[/]: kept as plain-data stand-ins ({'__class__': ...}): "
+            + ", ".join(result.stand_ins),
+            highlight=False,
+        )
+    if not quiet:
+        console.print(f"wrote {result.output} ({result.num_tensors} tensors, {human_bytes(result.nbytes)})")

@@ -1,0 +1,25 @@
+"""Option types shared by several commands."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+Paths = Annotated[
+    list[str],
+    typer.Argument(
+        help="A file, a folder (DCP, sharded safetensors), per-rank files or a quoted glob.",
+        show_default=False,
+    ),
+]
+Unsafe = Annotated[
+    bool,
+    typer.Option(
+        "--unsafe",
+        help="Accept pickles that reference dangerous globals. Only for files you trust.",
+    ),
+]
+Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]

@@ -1,0 +1,113 @@
+"""Rich rendering helpers: sizes, the structure tree, progress on stderr."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.tree import Tree
+
+from ..layout import is_plain
+from ..tree import Opaque, ShardedRef, TensorRef, children
+
+MAX_CHILDREN = 12
+MAX_DEPTH = 6
+MAX_VALUE_CHARS = 60
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def short(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    text = repr(value) if not isinstance(value, Opaque) else f"<opaque {value.class_name()}>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def describe_tensor(ref: Any) -> str:
+    shape = "×".join(map(str, ref.shape)) or "scalar"
+    text = f"[cyan]{ref.dtype.name}[/] [{shape}]"
+    if isinstance(ref, ShardedRef):
+        text += f" [magenta]{len(ref.shards)} shards[/]"
+    elif isinstance(ref, TensorRef) and ref.device != "cpu":
+        text += f" on {ref.device}"
+    return text
+
+
+def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: str) -> Tree:
+    """The nested structure, with the model state dict collapsed to one line."""
+    tree = Tree(label)
+
+    def add(node: Any, branch: Tree, path: tuple, depth: int) -> None:
+        items = list(children(node))
+        for i, (key, value) in enumerate(items):
+            if i == MAX_CHILDREN:
+                branch.add(f"[dim]… {len(items) - MAX_CHILDREN} more[/]")
+                break
+            here = path + (key,)
+            name = f"[bold]{escape(str(key))}[/]"
+            if here == model_key:
+                branch.add(f"{name} [green]← {model_label}[/]")
+            elif isinstance(value, (TensorRef, ShardedRef)):
+                branch.add(f"{name}: {describe_tensor(value)}")
+            elif is_plain(value) or isinstance(value, Opaque) and not list(value.children()):
+                branch.add(f"{name} = {escape(short(value))}")
+            else:
+                kind = type(value).__name__ if not isinstance(value, Opaque) else value.class_name()
+                size = len(value) if isinstance(value, (dict, list, tuple)) else ""
+                sub = branch.add(f"{name} [dim]({kind}{f', {size}' if size != '' else ''})[/]")
+                if depth < MAX_DEPTH:
+                    add(value, sub, here, depth + 1)
+
+    if model_key == ():
+        tree.add(f"[green]{model_label}[/]")
+    else:
+        add(root, tree, (), 0)
+    return tree
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True)
+
+
+@contextmanager
+def byte_progress(total: int, description: str, enabled: bool):
+    """A progress bar on stderr (bytes done, rate), only when stderr is a terminal."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=stderr_console(),
+        transient=True,
+    ) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def progress_factory(quiet: bool):
+    """What the core's ``progress`` argument expects: (total, description) -> context."""
+
+    def make(total: int, description: str):
+        return byte_progress(total, description, enabled=not quiet)
+
+    return make

@@ -1,0 +1,146 @@
+"""``convert``: write the selected tensors as safetensors (one file or HF shards), torch or DCP."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .api import flatten_tensors, read, select_node
+from .errors import UsageError
+from .output import atomic_output, check_output
+from .tree import DTYPES, DType
+
+TARGETS = ("safetensors", "pt", "dcp")
+CAST_DTYPES = ("float32", "float16", "bfloat16")
+SIZE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+    "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
+}
+DEVICE_RE = re.compile(r"^(cpu|meta|(cuda|xpu|mps|npu|hpu)(:\d+)?)$")
+
+ProgressFactory = Callable[[int, str], Any]
+
+
+def parse_size(text: str | int) -> int:
+    """``2GB`` -> 2_000_000_000, ``1.5GiB`` -> 1610612736, ``1000`` -> 1000 (as huggingface_hub)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not m or m.group(2) and m.group(2).upper() not in SIZE_UNITS:
+        raise UsageError(f"bad size {text!r}", hint="use bytes or a number with KB/MB/GB or KiB/MiB/GiB")
+    size = int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "").upper()])
+    if size <= 0:
+        raise UsageError(f"size must be positive, got {text!r}")
+    return size
+
+
+def default_output(inputs: Sequence[str], to: str, sharded: bool) -> str:
+    """``ep0-rank0.pt`` -> ``ep0-rank0.safetensors`` / ``ep0-rank0-safetensors/`` / ``ep0-rank0-dcp/``."""
+    first = os.path.normpath(inputs[0])
+    folder, name = os.path.split(first)
+    stem = name.split(".", 1)[0] if not os.path.isdir(first) else name
+    stem = re.sub(r"[-_]?rank\*?\d*$", "", stem) or stem  # per-rank inputs: one output for all ranks
+    if to == "dcp":
+        return os.path.join(folder, f"{stem}-dcp")
+    if to == "safetensors":
+        return os.path.join(folder, f"{stem}-safetensors" if sharded else f"{stem}.safetensors")
+    candidate = os.path.join(folder, f"{stem}.pt")
+    return candidate if os.path.realpath(candidate) not in map(os.path.realpath, inputs) else os.path.join(folder, f"{stem}-converted.pt")
+
+
+@dataclass
+class ConvertResult:
+    output: str
+    files: list[str]
+    num_tensors: int
+    nbytes: int
+
+
+def convert(
+    paths: Sequence[str],
+    to: str,
+    out: str | None = None,
+    *,
+    select: str = "auto",
+    strip_prefix: str = "auto",
+    dtype: str | None = None,
+    map_location: str | None = None,
+    max_shard_size: str | int | None = None,
+    force: bool = False,
+    unsafe: bool = False,
+    progress: ProgressFactory | None = None,
+) -> ConvertResult:
+    """Write the selected tensors of a checkpoint in another format.
+
+    Args:
+        paths: The input (file, folder, per-rank files or glob).
+        to: ``safetensors``, ``pt`` or ``dcp``.
+        out: Output file or folder; a name beside the input when None.
+        select: ``auto`` (model state dict), ``all`` or a dotted key path.
+        strip_prefix: ``auto``, ``none`` or a prefix.
+        dtype: Cast floating-point tensors to ``float32``, ``float16`` or ``bfloat16``.
+        map_location: Device recorded for the tensors of a ``pt`` output.
+        max_shard_size: Write Hugging Face shards of at most this size (safetensors).
+        force: Replace an existing output.
+        unsafe: Accept pickles that reference dangerous globals (kept inert).
+        progress: ``progress(total_bytes, description)`` returns a context manager
+            yielding a callable that takes bytes done.
+
+    Raises:
+        UsageError: Options that do not fit together.
+        OutputExistsError: ``out`` exists and not ``force``.
+        UnsafeError / CkptError: as :func:`ckpttool.read`.
+    """
+    if to not in TARGETS:
+        raise UsageError(f"unknown --to {to!r}", hint=f"choose one of {', '.join(TARGETS)}")
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(CAST_DTYPES)}")
+    if max_shard_size is not None and to != "safetensors":
+        raise UsageError("--max-shard-size applies to --to safetensors only")
+    if map_location is not None and to != "pt":
+        raise UsageError("--map-location applies to --to pt only")
+    if map_location is not None and not DEVICE_RE.match(map_location):
+        raise UsageError(f"bad --map-location {map_location!r}", hint="use cpu or cuda:N")
+    shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    cast: DType | None = DTYPES[dtype] if dtype else None
+
+    ckpt = read(paths, unsafe=unsafe)
+    _, node = select_node(ckpt, select, strip_prefix)
+    tensors = flatten_tensors(node)
+    if not tensors:
+        raise UsageError("the selection holds no tensors", hint="see `ckpttool inspect`, then --select")
+    inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    out = out or default_output(inputs, to, shard_limit is not None)
+    check_output(out, [*inputs, *ckpt.files], force=force)
+    total = sum(leaf.numel * (cast or leaf.dtype).itemsize for leaf in tensors.values())
+    metadata = {"source": os.path.basename(os.path.normpath(inputs[0]))}
+    folder_output = to == "dcp" or shard_limit is not None
+
+    from contextlib import nullcontext
+
+    bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
+    with bar as advance, atomic_output(out, force=force, folder=folder_output) as tmp:
+        if to == "safetensors" and shard_limit is not None:
+            from .writers.safetensors import write_sharded
+
+            files = write_sharded(tmp, tensors, shard_limit, cast=cast, metadata=metadata, progress=advance)
+        elif to == "safetensors":
+            from .writers.safetensors import write_file
+
+            write_file(tmp, tensors, cast=cast, metadata=metadata, progress=advance)
+            files = [os.path.basename(out)]
+        elif to == "pt":
+            from .writers.torch_zip import write_torch
+
+            write_torch(tmp, tensors, cast=cast, location=map_location or "cpu", progress=advance)
+            files = [os.path.basename(out)]
+        else:
+            from .writers.dcp import DATA_FILE, METADATA_FILE, write_dcp
+
+            write_dcp(tmp, tensors, cast=cast, progress=advance)
+            files = [METADATA_FILE, DATA_FILE]
+    return ConvertResult(out, files, len(tensors), total)

@@ -1,0 +1,165 @@
+"""What ``inspect`` reports, as plain data in the contract's ``--json`` shape.
+
+Only metadata is read, unless ``stats`` asks for min/max/mean/std and NaN/Inf counts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import CkptError
+from .layout import detect_prefix, find_model_key, plain_values
+from .tree import Checkpoint, DType, KeyPath, Opaque, ShardedRef, get_path, iter_tensors
+from .unpickler import Device, TorchName
+
+Progress = Callable[[int], None]
+
+
+def json_key(path: KeyPath) -> list[Any]:
+    """A key path as JSON: strings and integers stay, other keys become strings."""
+    return [k if isinstance(k, (str, int)) and not isinstance(k, bool) else str(k) for k in path]
+
+
+def dotted(path: KeyPath) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def inspect_report(
+    ckpt: Checkpoint,
+    *,
+    filter: str | None = None,
+    stats: bool = False,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Build the ``inspect --json`` object for a checkpoint.
+
+    Args:
+        ckpt: A lazily read checkpoint.
+        filter: A regular expression; only tensors and values whose dotted key matches.
+        stats: Read every tensor and add min/max/mean/std and NaN/Inf counts.
+        progress: Called with the bytes of each tensor read for ``stats``.
+    """
+    try:
+        pattern = re.compile(filter) if filter else None
+    except re.error as exc:
+        raise CkptError(f"bad --filter regular expression: {exc}") from None
+    model_key = find_model_key(ckpt.root)
+    model = get_path(ckpt.root, model_key) if model_key is not None else None
+    prefix = detect_prefix([k for k in model if isinstance(k, str)]) if isinstance(model, Mapping) else None
+
+    tensors, num_params, nbytes = [], 0, 0
+    for path, ref in iter_tensors(ckpt.root):
+        if pattern and not pattern.search(dotted(path)):
+            continue
+        entry = tensor_entry(path, ref)
+        if stats:
+            entry["stats"] = tensor_stats(ref)
+            if progress:
+                progress(ref.nbytes)
+        tensors.append(entry)
+        nbytes += ref.nbytes
+        if model_key is not None and path[: len(model_key)] == model_key:
+            num_params += ref.numel
+
+    values = [
+        value_entry(path, value)
+        for path, value in plain_values(ckpt.root)
+        if not pattern or pattern.search(dotted(path))
+    ]
+    return {
+        "format": ckpt.format,
+        "files": list(ckpt.files),
+        "world_size": ckpt.world_size,
+        "prefix": prefix,
+        "model_key": None if model_key is None else json_key(model_key),
+        "tensors": tensors,
+        "num_tensors": len(tensors),
+        "num_params": num_params,
+        "nbytes": nbytes,
+        "values": values,
+        "globals": list(ckpt.globals),
+        "dangerous": list(ckpt.dangerous),
+    }
+
+
+def tensor_entry(path: KeyPath, ref: Any) -> dict[str, Any]:
+    entry = {
+        "key": json_key(path),
+        "dtype": ref.dtype.name,
+        "shape": list(ref.shape),
+        "device": ref.device,
+        "nbytes": ref.nbytes,
+        "sharded": isinstance(ref, ShardedRef),
+    }
+    if isinstance(ref, ShardedRef):
+        entry["shards"] = len(ref.shards)
+    return entry
+
+
+def value_entry(path: KeyPath, value: Any) -> dict[str, Any]:
+    return {"key": json_key(path), "type": value_type(value), "value": json_value(value)}
+
+
+def value_type(value: Any) -> str:
+    if isinstance(value, Opaque):
+        return "opaque"
+    if isinstance(value, Device):
+        return "device"
+    if isinstance(value, DType):
+        return "dtype"
+    if isinstance(value, TorchName):
+        return "torch"
+    return type(value).__name__
+
+
+def json_value(value: Any) -> Any:
+    """A JSON-safe rendering of a plain value."""
+    if isinstance(value, Opaque):
+        return f"<opaque {value.class_name()}>"
+    if isinstance(value, DType):
+        return f"torch.{value.name}"
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def tensor_stats(ref: Any) -> dict[str, Any]:
+    """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes)."""
+    import torch
+
+    t = ref.load("cpu")
+    out: dict[str, Any] = {"nan": 0, "inf": 0}
+    if t.numel() == 0:
+        return {**out, "min": None, "max": None, "mean": None, "std": None}
+    if t.is_complex():
+        t = t.abs()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    if t.is_floating_point():
+        t = t.to(torch.float64)
+        finite = torch.isfinite(t)
+        out["nan"] = int(torch.isnan(t).sum())
+        out["inf"] = int(torch.isinf(t).sum())
+        t = t[finite]
+        if t.numel() == 0:
+            return {**out, "min": None, "max": None, "mean": None, "std": None}
+    out["min"] = _number(t.min())
+    out["max"] = _number(t.max())
+    f = t.to(torch.float64)
+    out["mean"] = float(f.mean())
+    out["std"] = float(f.std()) if f.numel() > 1 else 0.0
+    return out
+
+
+def _number(x: Any) -> int | float:
+    value = x.item()
+    return value if isinstance(value, (int, float)) else float(value)

@@ -1,0 +1,105 @@
+"""Write safetensors: one file, or Hugging Face shards plus ``model.safetensors.index.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..errors import CkptError
+from ..tree import DType
+from . import Progress, output_dtype, write_leaf
+
+SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+HEADER_ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte aligned
+
+
+def check_dtypes(tensors: dict[str, Any], cast: DType | None) -> None:
+    """Fail before writing anything if a tensor has no safetensors dtype."""
+    for name, leaf in tensors.items():
+        if output_dtype(leaf, cast).safetensors is None:
+            raise CkptError(
+                f"tensor {name!r} has dtype {leaf.dtype.name}, which safetensors cannot store",
+                hint="use --to pt, or --dtype for floating-point tensors",
+            )
+
+
+def header_bytes(tensors: dict[str, Any], cast: DType | None, metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
+    offset = 0
+    for name, leaf in tensors.items():
+        dt = output_dtype(leaf, cast)
+        size = leaf.numel * dt.itemsize
+        header[name] = {"dtype": dt.safetensors, "shape": list(leaf.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % HEADER_ALIGN)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_file(
+    path: str,
+    tensors: dict[str, Any],
+    *,
+    cast: DType | None = None,
+    metadata: dict[str, str] | None = None,
+    progress: Progress | None = None,
+) -> None:
+    """Write ``tensors`` (name -> lazy leaf) to one safetensors file, one tensor at a time."""
+    check_dtypes(tensors, cast)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, header_bytes(tensors, cast, metadata or {}))
+        for leaf in tensors.values():
+            write_leaf(fd, leaf, cast, progress)
+    finally:
+        os.close(fd)
+
+
+def plan_shards(tensors: dict[str, Any], cast: DType | None, max_shard_size: int) -> list[list[str]]:
+    """Greedy in key order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[str]] = []
+    size = 0
+    for name, leaf in tensors.items():
+        nbytes = leaf.numel * output_dtype(leaf, cast).itemsize
+        if not shards or (size + nbytes > max_shard_size and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards or [[]]
+
+
+def write_sharded(
+    folder: str,
+    tensors: dict[str, Any],
+    max_shard_size: int,
+    *,
+    cast: DType | None = None,
+    metadata: dict[str, str] | None = None,
+    progress: Progress | None = None,
+) -> list[str]:
+    """Write Hugging Face style shards and their index into ``folder``; return the file names."""
+    check_dtypes(tensors, cast)
+    plan = plan_shards(tensors, cast, max_shard_size)
+    weight_map: dict[str, str] = {}
+    names = []
+    for index, shard in enumerate(plan, start=1):
+        name = SHARD_NAME.format(index=index, count=len(plan))
+        write_file(
+            os.path.join(folder, name),
+            {k: tensors[k] for k in shard},
+            cast=cast,
+            metadata=metadata,
+            progress=progress,
+        )
+        weight_map.update(dict.fromkeys(shard, name))
+        names.append(name)
+    total = sum(leaf.numel * output_dtype(leaf, cast).itemsize for leaf in tensors.values())
+    index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(folder, INDEX_NAME), "w", encoding="utf-8") as f:
+        json.dump(index_doc, f, indent=2)
+        f.write("\n")
+    return [*names, INDEX_NAME]
