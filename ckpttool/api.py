@@ -141,4 +141,13 @@ def load(
     return materialize(node, map_location)
 
 
-__all__ = ["Checkpoint", "CkptError", "Opaque", "flatten_tensors", "load", "materialize", "read", "select_node"]
+__all__ = [
+    "Checkpoint",
+    "CkptError",
+    "Opaque",
+    "flatten_tensors",
+    "load",
+    "materialize",
+    "read",
+    "select_node",
+]

@@ -16,9 +16,16 @@ from .tree import DTYPES, DType
 TARGETS = ("safetensors", "pt", "dcp")
 CAST_DTYPES = ("float32", "float16", "bfloat16")
 SIZE_UNITS = {
-    "": 1, "B": 1,
-    "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-    "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
+    "": 1,
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
 }
 DEVICE_RE = re.compile(r"^(cpu|meta|(cuda|xpu|mps|npu|hpu)(:\d+)?)$")
 
@@ -31,7 +38,9 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
     if not m or m.group(2) and m.group(2).upper() not in SIZE_UNITS:
-        raise UsageError(f"bad size {text!r}", hint="use bytes or a number with KB/MB/GB or KiB/MiB/GiB")
+        raise UsageError(
+            f"bad size {text!r}", hint="use bytes or a number with KB/MB/GB or KiB/MiB/GiB"
+        )
     size = int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "").upper()])
     if size <= 0:
         raise UsageError(f"size must be positive, got {text!r}")
@@ -39,17 +48,26 @@ def parse_size(text: str | int) -> int:
 
 
 def default_output(inputs: Sequence[str], to: str, sharded: bool) -> str:
-    """``ep0-rank0.pt`` -> ``ep0-rank0.safetensors`` / ``ep0-rank0-safetensors/`` / ``ep0-rank0-dcp/``."""
+    """A name beside the input: ``ep0.safetensors``, ``ep0-safetensors/``, ``ep0.pt``, ``ep0-dcp/``.
+
+    Per-rank inputs drop their rank (``ep0-rank0.pt`` -> ``ep0``): one output for all ranks.
+    """
     first = os.path.normpath(inputs[0])
     folder, name = os.path.split(first)
     stem = name.split(".", 1)[0] if not os.path.isdir(first) else name
-    stem = re.sub(r"[-_]?rank\*?\d*$", "", stem) or stem  # per-rank inputs: one output for all ranks
+    stem = (
+        re.sub(r"[-_]?rank\*?\d*$", "", stem) or stem
+    )  # per-rank inputs: one output for all ranks
     if to == "dcp":
         return os.path.join(folder, f"{stem}-dcp")
     if to == "safetensors":
         return os.path.join(folder, f"{stem}-safetensors" if sharded else f"{stem}.safetensors")
     candidate = os.path.join(folder, f"{stem}.pt")
-    return candidate if os.path.realpath(candidate) not in map(os.path.realpath, inputs) else os.path.join(folder, f"{stem}-converted.pt")
+    return (
+        candidate
+        if os.path.realpath(candidate) not in map(os.path.realpath, inputs)
+        else os.path.join(folder, f"{stem}-converted.pt")
+    )
 
 
 @dataclass
@@ -98,7 +116,9 @@ def convert(
     if to not in TARGETS:
         raise UsageError(f"unknown --to {to!r}", hint=f"choose one of {', '.join(TARGETS)}")
     if dtype is not None and dtype not in CAST_DTYPES:
-        raise UsageError(f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(CAST_DTYPES)}")
+        raise UsageError(
+            f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(CAST_DTYPES)}"
+        )
     if max_shard_size is not None and to != "safetensors":
         raise UsageError("--max-shard-size applies to --to safetensors only")
     if map_location is not None and to != "pt":
@@ -112,7 +132,9 @@ def convert(
     _, node = select_node(ckpt, select, strip_prefix)
     tensors = flatten_tensors(node)
     if not tensors:
-        raise UsageError("the selection holds no tensors", hint="see `ckpttool inspect`, then --select")
+        raise UsageError(
+            "the selection holds no tensors", hint="see `ckpttool inspect`, then --select"
+        )
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     out = out or default_output(inputs, to, shard_limit is not None)
     check_output(out, [*inputs, *ckpt.files], force=force)
@@ -127,7 +149,9 @@ def convert(
         if to == "safetensors" and shard_limit is not None:
             from .writers.safetensors import write_sharded
 
-            files = write_sharded(tmp, tensors, shard_limit, cast=cast, metadata=metadata, progress=advance)
+            files = write_sharded(
+                tmp, tensors, shard_limit, cast=cast, metadata=metadata, progress=advance
+            )
         elif to == "safetensors":
             from .writers.safetensors import write_file
 

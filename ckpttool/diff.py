@@ -23,7 +23,7 @@ def _same_raw_bytes(a: Any, b: Any) -> bool:
         return False
     if not (_raw_copy_ok(a, None) and _raw_copy_ok(b, None)):
         return False
-    return all(x == y for x, y in zip(iter_chunks(a, None), iter_chunks(b, None)))
+    return all(x == y for x, y in zip(iter_chunks(a, None), iter_chunks(b, None), strict=True))
 
 
 def compare_tensors(a: Any, b: Any, atol: float, rtol: float) -> dict[str, Any]:

@@ -31,9 +31,23 @@ MODEL_KEYS: tuple[KeyPath, ...] = (
 # Subtrees that hold tensors but are never the model (the fallback search skips them).
 NON_MODEL_KEYS = frozenset(
     {
-        "optimizer", "optimizers", "optimizer_state", "optimizer_state_dict", "optim",
-        "OPTIMIZER_STATE", "optimizer_states", "scheduler", "schedulers", "lr_scheduler",
-        "SCHEDULER_STATE", "rng", "RNG", "rng_state", "rng_states", "scaler", "grad_scaler",
+        "optimizer",
+        "optimizers",
+        "optimizer_state",
+        "optimizer_state_dict",
+        "optim",
+        "OPTIMIZER_STATE",
+        "optimizer_states",
+        "scheduler",
+        "schedulers",
+        "lr_scheduler",
+        "SCHEDULER_STATE",
+        "rng",
+        "RNG",
+        "rng_state",
+        "rng_states",
+        "scaler",
+        "grad_scaler",
     }
 )
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -157,7 +171,11 @@ def plain_values(root: Any) -> list[tuple[KeyPath, Any]]:
         path, node = stack.pop()
         if is_tensor(node):
             continue
-        if is_plain(node) or isinstance(node, Opaque) or not isinstance(node, (Mapping, list, tuple)):
+        if (
+            is_plain(node)
+            or isinstance(node, Opaque)
+            or not isinstance(node, (Mapping, list, tuple))
+        ):
             if path:
                 out.append((path, node))
             continue

@@ -48,7 +48,7 @@ def _read_cpu(ref: TensorRef) -> torch.Tensor:
     if ref.numel == 0:
         return torch.empty(ref.shape, dtype=dt)
     # Read only the span of the storage this tensor covers, not the whole storage.
-    span = 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
+    span = 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride, strict=True))
     raw = ref.storage.source.read(ref.offset * itemsize, span * itemsize)
     flat = torch.frombuffer(raw, dtype=torch.uint8)
     if ref.storage.big_endian and itemsize > 1:
@@ -95,7 +95,7 @@ def load_sharded(ref: ShardedRef, map_location: Any = "cpu") -> torch.Tensor:
                 f"shard at offsets {list(shard.offsets)} has shape {list(block.shape)}, "
                 f"expected {list(shard.sizes)}"
             )
-        index = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.sizes))
+        index = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.sizes, strict=True))
         out[index] = block
         del block
     if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):

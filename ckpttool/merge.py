@@ -21,7 +21,12 @@ class MergeResult:
 
 
 def merge(
-    paths: Sequence[str], out: str, *, force: bool = False, unsafe: bool = False, progress: Any = None
+    paths: Sequence[str],
+    out: str,
+    *,
+    force: bool = False,
+    unsafe: bool = False,
+    progress: Any = None,
 ) -> MergeResult:
     """Write the whole nested structure with every sharded tensor (model AND optimizer) full.
 

@@ -108,8 +108,14 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
         fsync_tree(parent)
     except OSError as exc:
         _remove(tmp)
-        reason = "disk full or file too large" if exc.errno in (errno.ENOSPC, errno.EFBIG) else exc.strerror
-        raise CkptError(f"cannot write the output ({reason}); nothing was written", path=out) from None
+        reason = (
+            "disk full or file too large"
+            if exc.errno in (errno.ENOSPC, errno.EFBIG)
+            else exc.strerror
+        )
+        raise CkptError(
+            f"cannot write the output ({reason}); nothing was written", path=out
+        ) from None
     except BaseException:
         _remove(tmp)
         raise

@@ -48,7 +48,11 @@ def inspect_report(
         raise CkptError(f"bad --filter regular expression: {exc}") from None
     model_key = find_model_key(ckpt.root)
     model = get_path(ckpt.root, model_key) if model_key is not None else None
-    prefix = detect_prefix([k for k in model if isinstance(k, str)]) if isinstance(model, Mapping) else None
+    prefix = (
+        detect_prefix([k for k in model if isinstance(k, str)])
+        if isinstance(model, Mapping)
+        else None
+    )
 
     tensors, num_params, nbytes = [], 0, 0
     for path, ref in iter_tensors(ckpt.root):

@@ -310,8 +310,10 @@ def state_attrs(state: Any) -> dict[str, Any]:
     """Attributes from a pickled state: a dict, or a ``(dict_state, slots_state)`` pair."""
     if isinstance(state, Opaque):
         return state.attrs()
-    if isinstance(state, tuple) and len(state) == 2 and all(
-        s is None or isinstance(s, dict) for s in state
+    if (
+        isinstance(state, tuple)
+        and len(state) == 2
+        and all(s is None or isinstance(s, dict) for s in state)
     ):
         merged = dict(state[0] or {})
         merged.update(state[1] or {})

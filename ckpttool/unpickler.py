@@ -96,8 +96,11 @@ KNOWN_TORCH_PREFIXES = (
 )
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 DTENSOR_CLASSES = frozenset(
-    {"torch.distributed.tensor.DTensor", "torch.distributed._tensor.api.DTensor",
-     "torch.distributed.tensor._api.DTensor"}
+    {
+        "torch.distributed.tensor.DTensor",
+        "torch.distributed._tensor.api.DTensor",
+        "torch.distributed.tensor._api.DTensor",
+    }
 )
 # Python 2 pickles name builtins differently.
 MODULE_ALIASES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
@@ -207,7 +210,7 @@ def rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, *
     dt = dtype or storage.dtype
     # The last element must lie inside the storage, or reading would run past it.
     if all(shape):
-        last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides))
+        last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
         if (last + 1) * dt.itemsize > storage.nbytes:
             raise CkptError(
                 f"tensor of shape {list(shape)} does not fit its storage of "
@@ -229,7 +232,9 @@ def _rebuild_tensor_v1(storage, storage_offset, size, stride):
 
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_):
-    return rebuild_tensor(storage, storage_offset, size, stride, requires_grad, dtype=_as_dtype(dtype))
+    return rebuild_tensor(
+        storage, storage_offset, size, stride, requires_grad, dtype=_as_dtype(dtype)
+    )
 
 
 def _rebuild_parameter(data, requires_grad=False, *_):
@@ -255,7 +260,9 @@ def _rebuild_meta(dtype, size, stride, requires_grad=False):
 def _rebuild_from_type_v2(func, new_type, args, state):
     """Stand-in for ``torch._tensor._rebuild_from_type_v2`` (tensor subclasses)."""
     base = func(*args)
-    name = new_type.class_name() if isinstance(new_type, type) and issubclass(new_type, Opaque) else ""
+    name = (
+        new_type.class_name() if isinstance(new_type, type) and issubclass(new_type, Opaque) else ""
+    )
     if isinstance(base, WrapperStub) and name == SHARDED_TENSOR:
         return _sharded_tensor_local(base, state)
     if isinstance(base, WrapperStub) and name in DTENSOR_CLASSES:
@@ -334,7 +341,9 @@ def _dtensor_local(stub: WrapperStub, state: Any) -> LocalShards:
     mesh = _attrs(spec.get("mesh"))
     if not isinstance(local, TensorRef):
         raise CkptError("corrupt DTensor: no local tensor")
-    out = LocalShards("dtensor", _as_dtype(stub.dtype), stub.shape, local.device, stub.requires_grad)
+    out = LocalShards(
+        "dtensor", _as_dtype(stub.dtype), stub.shape, local.device, stub.requires_grad
+    )
     placements = []
     for p in spec.get("placements") or ():
         cls = type(p).__name__ if isinstance(p, Opaque) else ""
@@ -398,7 +407,13 @@ def _get_layout(name):
 
 def _codecs_encode(obj, encoding="utf-8", errors="strict"):
     # Protocol 2 pickles bytes as _codecs.encode(str, "latin1").
-    if not isinstance(obj, str) or encoding.lower() not in ("latin1", "latin-1", "utf-8", "utf8", "ascii"):
+    if not isinstance(obj, str) or encoding.lower() not in (
+        "latin1",
+        "latin-1",
+        "utf-8",
+        "utf8",
+        "ascii",
+    ):
         raise CkptError("corrupt pickle: unexpected _codecs.encode call")
     return obj.encode(encoding, errors)
 
@@ -431,7 +446,9 @@ def _defaultdict(default_factory=None, *args):
     return dict(*args)
 
 
-def _wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad=False):
+def _wrapper_subclass(
+    cls, dtype, size, stride, storage_offset, layout, device, requires_grad=False
+):
     return WrapperStub(cls, dtype, size, stride, storage_offset, layout, device, requires_grad)
 
 

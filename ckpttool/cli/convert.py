@@ -25,13 +25,16 @@ def convert(
         str, typer.Option("--strip-prefix", help="auto, none, or a PREFIX to remove from names.")
     ] = "auto",
     dtype: Annotated[
-        str | None, typer.Option("--dtype", help="Cast floating-point tensors: float32, float16, bfloat16.")
+        str | None,
+        typer.Option("--dtype", help="Cast floating-point tensors: float32, float16, bfloat16."),
     ] = None,
     map_location: Annotated[
-        str | None, typer.Option("--map-location", help="Device of the tensors in a pt output (cpu, cuda:N).")
+        str | None,
+        typer.Option("--map-location", help="Device of the tensors in a pt output (cpu, cuda:N)."),
     ] = None,
     max_shard_size: Annotated[
-        str | None, typer.Option("--max-shard-size", help="Write HF shards of at most SIZE (2GB, 500MiB).")
+        str | None,
+        typer.Option("--max-shard-size", help="Write HF shards of at most SIZE (2GB, 500MiB)."),
     ] = None,
     force: Force = False,
     unsafe: Unsafe = False,

@@ -41,8 +41,9 @@ def render(result: dict) -> None:
     for name in result["only_in_b"]:
         console.print(f"[green]+ only in B[/]: {name}")
     for m in result["mismatched"]:
+        a, b = m["a"], m["b"]
         console.print(
-            f"[yellow]! {m['name']}[/]: {m['a']['dtype']}{m['a']['shape']} vs {m['b']['dtype']}{m['b']['shape']}"
+            f"[yellow]! {m['name']}[/]: {a['dtype']}{a['shape']} vs {b['dtype']}{b['shape']}"
         )
     if result["different"]:
         table = Table(title="different tensors", title_justify="left")
@@ -53,5 +54,9 @@ def render(result: dict) -> None:
             table.add_row(d["name"], f"{d['max_abs_diff']:.6g}", str(d["num_different"]))
         console.print(table)
     verdict = "[green]equal[/]" if result["equal"] else "[red]different[/]"
-    tol = "bitwise" if not (result["atol"] or result["rtol"]) else f"atol={result['atol']}, rtol={result['rtol']}"
+    tol = (
+        "bitwise"
+        if not (result["atol"] or result["rtol"])
+        else f"atol={result['atol']}, rtol={result['rtol']}"
+    )
     console.print(f"{verdict}: {result['compared']} tensors compared ({tol})")

@@ -26,7 +26,8 @@ def inspect(
     paths: Paths,
     json_output: Json = False,
     filter: Annotated[
-        str | None, typer.Option("--filter", help="Only tensors/values whose dotted key matches this regex.")
+        str | None,
+        typer.Option("--filter", help="Only tensors/values whose dotted key matches this regex."),
     ] = None,
     stats: Annotated[
         bool, typer.Option("--stats", help="Read the data: min/max/mean/std, NaN/Inf counts.")
@@ -47,8 +48,11 @@ def inspect(
 def render(ckpt, report: dict) -> None:
     console = Console()
     world = f", world size {report['world_size']}" if report["world_size"] else ""
-    console.print(f"[bold]{report['format']}[/]{world}: " + ", ".join(report["files"][:4])
-                  + (f" … ({len(report['files'])} files)" if len(report["files"]) > 4 else ""))
+    console.print(
+        f"[bold]{report['format']}[/]{world}: "
+        + ", ".join(report["files"][:4])
+        + (f" … ({len(report['files'])} files)" if len(report["files"]) > 4 else "")
+    )
     model_key = tuple(report["model_key"]) if report["model_key"] is not None else None
     if model_key is None:
         console.print("model state dict: [yellow]none found[/]")
@@ -65,7 +69,8 @@ def render(ckpt, report: dict) -> None:
     table = Table(title="tensors", title_justify="left")
     for column in ("name", "dtype", "shape", "device", "size"):
         table.add_column(
-            column, justify="right" if column == "size" else "left",
+            column,
+            justify="right" if column == "size" else "left",
             overflow="fold" if column == "name" else "ellipsis",
         )
     if any(t["sharded"] for t in report["tensors"]):
@@ -74,12 +79,24 @@ def render(ckpt, report: dict) -> None:
         for column in ("min", "max", "mean", "std", "nan/inf"):
             table.add_column(column, justify="right")
     for t in report["tensors"]:
-        row = [".".join(map(str, t["key"])), t["dtype"], str(t["shape"]), t["device"], human_bytes(t["nbytes"])]
+        row = [
+            ".".join(map(str, t["key"])),
+            t["dtype"],
+            str(t["shape"]),
+            t["device"],
+            human_bytes(t["nbytes"]),
+        ]
         if len(table.columns) > 5 + (5 if stats else 0):
             row.append(str(t.get("shards", "")))
         if stats:
             s = t["stats"]
-            row += [_fmt(s["min"]), _fmt(s["max"]), _fmt(s["mean"]), _fmt(s["std"]), f"{s['nan']}/{s['inf']}"]
+            row += [
+                _fmt(s["min"]),
+                _fmt(s["max"]),
+                _fmt(s["mean"]),
+                _fmt(s["std"]),
+                f"{s['nan']}/{s['inf']}",
+            ]
         table.add_row(*row)
     console.print(table)
 
@@ -87,7 +104,8 @@ def render(ckpt, report: dict) -> None:
     for t in report["tensors"]:
         by_dtype[t["dtype"]] += t["nbytes"]
     console.print(
-        f"[bold]totals[/]: {report['num_tensors']} tensors, {report['num_params']:,} model parameters, "
+        f"[bold]totals[/]: {report['num_tensors']} tensors, "
+        f"{report['num_params']:,} model parameters, "
         f"{human_bytes(report['nbytes'])} ("
         + ", ".join(f"{d} {human_bytes(n)}" for d, n in sorted(by_dtype.items()))
         + ")"
@@ -102,10 +120,16 @@ def render(ckpt, report: dict) -> None:
         console.print(values)
     opaque = sorted({v["value"] for v in report["values"] if v["type"] == "opaque"})
     if report["dangerous"]:
-        console.print(f"[red]security[/]: dangerous globals kept inert (--unsafe): {', '.join(report['dangerous'])}")
+        console.print(
+            "[red]security[/]: dangerous globals kept inert (--unsafe): "
+            + ", ".join(report["dangerous"])
+        )
     elif report["globals"] or report["format"] not in ("safetensors", "safetensors-sharded"):
         extra = f"; shown as placeholders: {', '.join(opaque)}" if opaque else ""
-        console.print(f"[green]security[/]: read without running code; {len(report['globals'])} globals, none dangerous{extra}")
+        console.print(
+            "[green]security[/]: read without running code; "
+            f"{len(report['globals'])} globals, none dangerous{extra}"
+        )
     else:
         console.print("[green]security[/]: safetensors, no code involved")
 

@@ -16,13 +16,17 @@ from .render import human_bytes, progress_factory, stderr_console
 @handle_errors
 def merge(
     paths: Paths,
-    out: Annotated[str, typer.Option("-o", "--out", help="The output .pt file.", show_default=False)],
+    out: Annotated[
+        str, typer.Option("-o", "--out", help="The output .pt file.", show_default=False)
+    ],
     force: Force = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
 ) -> None:
     """Merge every sharded tensor (model AND optimizer) into one torch.save file."""
-    result = merge_checkpoint(paths, out, force=force, unsafe=unsafe, progress=progress_factory(quiet))
+    result = merge_checkpoint(
+        paths, out, force=force, unsafe=unsafe, progress=progress_factory(quiet)
+    )
     console = stderr_console()
     if result.stand_ins:
         console.print(
@@ -31,4 +35,6 @@ def merge(
             highlight=False,
         )
     if not quiet:
-        console.print(f"wrote {result.output} ({result.num_tensors} tensors, {human_bytes(result.nbytes)})")
+        console.print(
+            f"wrote {result.output} ({result.num_tensors} tensors, {human_bytes(result.nbytes)})"
+        )

@@ -62,7 +62,9 @@ def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Chec
     files = expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
     if len(files) == 1:
         ckpt = _read_one(files[0], unsafe)
-        if ckpt.format in {m.FORMAT for m in PICKLE_FORMATS} and per_rank.has_local_shards(ckpt.root):
+        if ckpt.format in {m.FORMAT for m in PICKLE_FORMATS} and per_rank.has_local_shards(
+            ckpt.root
+        ):
             rank_files = per_rank.siblings(files[0])
             others = [_read_one(p, unsafe) for p in rank_files if p != files[0]]
             return per_rank.combine([ckpt, *others])
@@ -91,7 +93,9 @@ def _read_one(path: str, unsafe: bool) -> Checkpoint:
             if fmt.detect(path, b""):
                 return _read(fmt, path, unsafe)
         inner = [
-            os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(CHECKPOINT_SUFFIXES)
+            os.path.join(path, n)
+            for n in sorted(os.listdir(path))
+            if n.endswith(CHECKPOINT_SUFFIXES)
         ]
         if len(inner) == 1:
             return _read_one(inner[0], unsafe)

@@ -40,7 +40,7 @@ _attrs = state_attrs
 
 
 class DcpChunk:
-    """One stored chunk: a span of a ``.distcp`` file holding a ``torch.save`` zip (or raw bytes)."""
+    """A span of a ``.distcp`` file holding one chunk: a ``torch.save`` zip, or raw bytes."""
 
     def __init__(self, path: str, offset: int, length: int, dtype: DType, sizes: tuple, transforms):
         self.path = path
@@ -74,8 +74,9 @@ class DcpChunk:
         ref = TensorRef(self.dtype, self.sizes, contiguous_stride(self.sizes), 0, None)
         if self.length != ref.nbytes:
             raise CkptError("corrupt chunk: size does not match", path=self.path)
-        ref.storage = StorageRef("raw", self.dtype, ref.numel, "cpu",
-                                 ByteSource(self.path, self.offset, self.length))
+        ref.storage = StorageRef(
+            "raw", self.dtype, ref.numel, "cpu", ByteSource(self.path, self.offset, self.length)
+        )
         return ref
 
     def load(self, map_location: Any = "cpu") -> Any:
@@ -99,7 +100,11 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         offset = key.get("offset")
         spans[(key.get("fqn"), tuple(offset) if offset is not None else None)] = _attrs(info)
     planner = meta.get("planner_data") if isinstance(meta.get("planner_data"), dict) else {}
-    ranks = {m.group(1) for i in spans.values() if (m := RANK_FILE_RE.match(str(i.get("relative_path", ""))))}
+    ranks = {
+        m.group(1)
+        for i in spans.values()
+        if (m := RANK_FILE_RE.match(str(i.get("relative_path", ""))))
+    }
     world_size = len(ranks) or None
     files = sorted({os.path.join(path, str(i.get("relative_path"))) for i in spans.values()})
 
@@ -127,7 +132,12 @@ def _span(folder: str, fqn: str, offset: tuple | None, spans: dict) -> tuple[str
     rel = str(info.get("relative_path"))
     if os.path.basename(rel) != rel:
         raise CkptError(f"storage path {rel!r} leaves the folder", path=folder)
-    return os.path.join(folder, rel), int(info["offset"]), int(info["length"]), info.get("transform_descriptors")
+    return (
+        os.path.join(folder, rel),
+        int(info["offset"]),
+        int(info["length"]),
+        info.get("transform_descriptors"),
+    )
 
 
 def _tensor(folder: str, fqn: str, entry: dict, spans: dict, world_size: int | None) -> ShardedRef:
@@ -142,8 +152,15 @@ def _tensor(folder: str, fqn: str, entry: dict, spans: dict, world_size: int | N
         offsets, sizes = tuple(c.get("offsets") or ()), tuple(c.get("sizes") or ())
         file, start, length, transforms = _span(folder, fqn, offsets, spans)
         shards.append(Shard(offsets, sizes, DcpChunk(file, start, length, dt, sizes, transforms)))
-    return ShardedRef(dt, size, shards, device="cpu", kind="dcp",
-                      requires_grad=bool(props.get("requires_grad")), world_size=world_size)
+    return ShardedRef(
+        dt,
+        size,
+        shards,
+        device="cpu",
+        kind="dcp",
+        requires_grad=bool(props.get("requires_grad")),
+        world_size=world_size,
+    )
 
 
 def _tensor_properties(obj: Any) -> dict:

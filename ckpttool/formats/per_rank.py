@@ -199,16 +199,23 @@ def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
     total = math.prod(shape)
     covered = 0
     for s in shards:
-        if len(s.offsets) != len(shape) or len(s.sizes) != len(shape) or any(
-            o < 0 or n < 0 or o + n > dim for o, n, dim in zip(s.offsets, s.sizes, shape)
+        if (
+            len(s.offsets) != len(shape)
+            or len(s.sizes) != len(shape)
+            or any(
+                o < 0 or n < 0 or o + n > dim
+                for o, n, dim in zip(s.offsets, s.sizes, shape, strict=True)
+            )
         ):
-            raise CkptError(f"tensor {key!r}: a shard lies outside the tensor of shape {list(shape)}")
+            raise CkptError(
+                f"tensor {key!r}: a shard lies outside the tensor of shape {list(shape)}"
+            )
         covered += math.prod(s.sizes)
     for i, a in enumerate(shards):
         for b in shards[i + 1 :]:
             if all(
                 max(ao, bo) < min(ao + an, bo + bn)
-                for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+                for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
             ):
                 raise CkptError(f"tensor {key!r}: shards overlap")
     if covered != total:

@@ -38,7 +38,8 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         n = int.from_bytes(head, "little")
         if n > MAX_HEADER or n + 8 > size:
             raise CkptError(
-                f"safetensors header length {n} exceeds the file size {size} (truncated or corrupt)",
+                f"safetensors header length {n} exceeds the file size {size} "
+                "(truncated or corrupt)",
                 path=path,
             )
         raw = f.read(n)

@@ -68,7 +68,10 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             if view:  # storage views, torch < 0.4: (view_key, offset, size)
                 view_key, offset, view_size = view
                 ref = StorageRef(
-                    str(view_key), storage_type.dtype, view_size, str(Device(location)),
+                    str(view_key),
+                    storage_type.dtype,
+                    view_size,
+                    str(Device(location)),
                     big_endian=not little,
                 )
                 views.append((ref, key, offset))

@@ -1,4 +1,6 @@
-"""The zip container torch.save (>= 1.6) and torch.jit.save write: ``<name>/data.pkl`` + ``<name>/data/<key>``.
+"""The zip container of torch.save (>= 1.6) and torch.jit.save.
+
+Layout: ``<name>/data.pkl`` plus one ``<name>/data/<key>`` entry per storage.
 
 DCP embeds the same container inside its ``.distcp`` files, so the reader works on
 a span of a file too.
@@ -94,7 +96,9 @@ class ZipPickle:
     def source(self, name: str) -> ByteSource:
         info = self.infos.get(name)
         if info is None:
-            raise CkptError(f"missing zip entry {name!r} (truncated or corrupt file)", path=self.path)
+            raise CkptError(
+                f"missing zip entry {name!r} (truncated or corrupt file)", path=self.path
+            )
         if info.compress_type != zipfile.ZIP_STORED:  # torch never compresses; others might
             return ByteSource(self.path, data=self.read_entry(name))
         return ByteSource(
@@ -131,9 +135,7 @@ class ZipPickle:
             return storages[key]
 
         data = self.read_entry(f"{self.prefix}{entry}")
-        return load_pickle(
-            data, persistent_load, path=self.path, permissive=permissive, seen=seen
-        )
+        return load_pickle(data, persistent_load, path=self.path, permissive=permissive, seen=seen)
 
     def close(self) -> None:
         self.zip.close()

@@ -29,7 +29,11 @@ METADATA_FILE = ".metadata"
 
 
 def write_dcp(
-    folder: str, tensors: dict[str, Any], *, cast: DType | None = None, progress: Progress | None = None
+    folder: str,
+    tensors: dict[str, Any],
+    *,
+    cast: DType | None = None,
+    progress: Progress | None = None,
 ) -> None:
     """Write ``tensors`` (name -> lazy leaf) as a one-rank DCP checkpoint into ``folder``."""
     entries: dict[str, Any] = {}
@@ -47,7 +51,9 @@ def write_dcp(
                 size=tensor.size(),
                 chunks=[ChunkStorageMetadata(offsets=zeros, sizes=tensor.size())],
             )
-            storage[MetadataIndex(name, zeros, 0)] = _StorageInfo(DATA_FILE, offset, f.tell() - offset)
+            storage[MetadataIndex(name, zeros, 0)] = _StorageInfo(
+                DATA_FILE, offset, f.tell() - offset
+            )
             if progress:
                 progress(leaf.nbytes)
             del tensor, blob

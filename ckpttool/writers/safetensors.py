@@ -32,7 +32,11 @@ def header_bytes(tensors: dict[str, Any], cast: DType | None, metadata: dict[str
     for name, leaf in tensors.items():
         dt = output_dtype(leaf, cast)
         size = leaf.numel * dt.itemsize
-        header[name] = {"dtype": dt.safetensors, "shape": list(leaf.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": dt.safetensors,
+            "shape": list(leaf.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % HEADER_ALIGN)
@@ -58,7 +62,9 @@ def write_file(
         os.close(fd)
 
 
-def plan_shards(tensors: dict[str, Any], cast: DType | None, max_shard_size: int) -> list[list[str]]:
+def plan_shards(
+    tensors: dict[str, Any], cast: DType | None, max_shard_size: int
+) -> list[list[str]]:
     """Greedy in key order; a tensor larger than the limit gets a shard of its own."""
     shards: list[list[str]] = []
     size = 0

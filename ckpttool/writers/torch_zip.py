@@ -26,7 +26,9 @@ ARCHIVE = "archive"
 ALIGNMENT = 64  # torch aligns tensor data to 64 bytes so torch.load(mmap=True) can map it
 ZIP64_EXTRA = 20  # zipfile adds a zip64 extra field to local headers with force_zip64
 PICKLE_PROTOCOL = 2
-_STORAGE_FOR_DTYPE = {dtype: name for name, dtype in STORAGE_CLASSES.items() if name != "UntypedStorage"}
+_STORAGE_FOR_DTYPE = {
+    dtype: name for name, dtype in STORAGE_CLASSES.items() if name != "UntypedStorage"
+}
 
 
 class _Storage:
@@ -45,7 +47,14 @@ class _TensorStub:
         for n in reversed(self.shape):
             stride.append(acc)
             acc *= max(n, 1)
-        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
+        args = (
+            self.storage,
+            0,
+            torch.Size(self.shape),
+            tuple(reversed(stride)),
+            False,
+            collections.OrderedDict(),
+        )
         if self.storage.dtype.name in _STORAGE_FOR_DTYPE:
             return (torch._utils._rebuild_tensor_v2, args)
         # dtypes without a typed storage class (fp8, uint16...) use v3 with an untyped storage
@@ -99,8 +108,14 @@ def plain(value: Any) -> Any:
 class TorchZipWriter:
     """Stream tensors into a torch zip, then pickle the structure that refers to them."""
 
-    def __init__(self, path: str, *, cast: DType | None = None, location: str = "cpu",
-                 progress: Progress | None = None):
+    def __init__(
+        self,
+        path: str,
+        *,
+        cast: DType | None = None,
+        location: str = "cpu",
+        progress: Progress | None = None,
+    ):
         self.zip = zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True)
         self.cast, self.location, self.progress = cast, location, progress
         self._count = 0
@@ -109,7 +124,9 @@ class TorchZipWriter:
         info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
         info.compress_type = zipfile.ZIP_STORED
         header_end = self.zip.fp.tell() + 30 + len(name.encode()) + ZIP64_EXTRA + 4
-        info.extra = struct.pack("<HH", 0x4246, -header_end % ALIGNMENT) + b"Z" * (-header_end % ALIGNMENT)
+        info.extra = struct.pack("<HH", 0x4246, -header_end % ALIGNMENT) + b"Z" * (
+            -header_end % ALIGNMENT
+        )
         return info
 
     def add_tensor(self, leaf: Any) -> _TensorStub:
@@ -117,7 +134,9 @@ class TorchZipWriter:
         key = str(self._count)
         self._count += 1
         dt = output_dtype(leaf, self.cast)
-        with self.zip.open(self._aligned_info(f"{ARCHIVE}/data/{key}"), "w", force_zip64=True) as out:
+        with self.zip.open(
+            self._aligned_info(f"{ARCHIVE}/data/{key}"), "w", force_zip64=True
+        ) as out:
             for chunk in iter_chunks(leaf, self.cast):
                 out.write(chunk)
                 if self.progress:
@@ -152,8 +171,14 @@ class TorchZipWriter:
         self.zip.close()
 
 
-def write_torch(path: str, root: Any, *, cast: DType | None = None, location: str = "cpu",
-                progress: Progress | None = None) -> None:
+def write_torch(
+    path: str,
+    root: Any,
+    *,
+    cast: DType | None = None,
+    location: str = "cpu",
+    progress: Progress | None = None,
+) -> None:
     """Write ``root`` (a nested structure with lazy tensors) as a torch.save file."""
     writer = TorchZipWriter(path, cast=cast, location=location, progress=progress)
     try:
