@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+import struct
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -25,6 +26,7 @@ from .errors import CkptError, UnsafeError
 from .tree import (
     DTYPES,
     STORAGE_CLASSES,
+    ByteSource,
     DType,
     Opaque,
     StorageRef,
@@ -446,6 +448,74 @@ def _defaultdict(default_factory=None, *args):
     return dict(*args)
 
 
+# numpy dtype codes (``numpy.dtype("f4")``) -> (torch dtype, struct format for scalars)
+NUMPY_CODES = {
+    "f8": ("float64", "d"),
+    "f4": ("float32", "f"),
+    "f2": ("float16", "e"),
+    "i8": ("int64", "q"),
+    "i4": ("int32", "i"),
+    "i2": ("int16", "h"),
+    "i1": ("int8", "b"),
+    "u8": ("uint64", "Q"),
+    "u4": ("uint32", "I"),
+    "u2": ("uint16", "H"),
+    "u1": ("uint8", "B"),
+    "b1": ("bool", "?"),
+    "c8": ("complex64", None),
+    "c16": ("complex128", None),
+}
+
+
+def _numpy_dtype(obj: Any) -> tuple[DType, str | None, bool] | None:
+    """(dtype, struct format, big endian) of a pickled ``numpy.dtype``, None if not numeric."""
+    if not isinstance(obj, Opaque) or not obj.args or not isinstance(obj.args[0], str):
+        return None
+    code = NUMPY_CODES.get(obj.args[0])
+    if code is None:
+        return None
+    order = obj.state[1] if isinstance(obj.state, tuple) and len(obj.state) > 1 else "<"
+    return DTYPES[code[0]], code[1], order == ">"
+
+
+class NumpyArrayRef(TensorRef):
+    """A pickled ``numpy.ndarray``, read as a tensor (no numpy import, bytes kept in memory).
+
+    Built empty by ``_reconstruct`` and filled by the pickle's BUILD, as numpy does.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(DTYPES["uint8"], (0,), (1,), 0, None, kind="numpy.ndarray")
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) < 4:
+            return
+        shape, np_dtype, fortran, raw = state[-4:]
+        described = _numpy_dtype(np_dtype)
+        if described is None or not isinstance(raw, (bytes, bytearray)):
+            self.kind = "numpy.ndarray (object or unsupported dtype, not read)"
+            return
+        dtype, _, big_endian = described
+        shape = _int_tuple(shape, "shape")
+        stride = contiguous_stride(shape[::-1])[::-1] if fortran else contiguous_stride(shape)
+        numel = len(raw) // dtype.itemsize
+        self.dtype, self.shape, self.stride = dtype, shape, stride
+        self.storage = StorageRef("numpy", dtype, numel, "cpu", ByteSource(data=raw), big_endian)
+        if self.numel > numel:
+            raise CkptError("corrupt numpy array: fewer bytes than its shape needs")
+
+
+def _numpy_scalar(np_dtype: Any, raw: Any = None) -> Any:
+    described = _numpy_dtype(np_dtype)
+    if described is None or described[1] is None or not isinstance(raw, (bytes, bytearray)):
+        return opaque_class("numpy", "generic", known=True)(np_dtype, raw)
+    dtype, fmt, big_endian = described
+    try:
+        return struct.unpack((">" if big_endian else "<") + fmt, raw)[0]
+    except struct.error:
+        raise CkptError("corrupt numpy scalar") from None
+
+
 def _wrapper_subclass(
     cls, dtype, size, stride, storage_offset, layout, device, requires_grad=False
 ):
@@ -482,6 +552,10 @@ SAFE_GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_wrapper_subclass": _wrapper_subclass,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "torch._tensor._rebuild_from_type": lambda func, type_, args, dict_: func(*args),
+    "numpy.core.multiarray._reconstruct": NumpyArrayRef,
+    "numpy._core.multiarray._reconstruct": NumpyArrayRef,
+    "numpy.core.multiarray.scalar": _numpy_scalar,
+    "numpy._core.multiarray.scalar": _numpy_scalar,
     "torch.Size": _torch_size,
     "torch.device": _torch_device,
     "torch.serialization._get_layout": _get_layout,
