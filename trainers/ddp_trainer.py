@@ -61,6 +61,10 @@ except ImportError:  # running from a checkout without `pip install -e .`
 # Composer and many published checkpoints use, so this trainer writes it on purpose.
 warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
 warnings.filterwarnings("ignore", message=".*state_dict_type.*", category=FutureWarning)
+# Noise from FSDP1 internals on gloo and on a single rank (where it falls back to NO_SHARD).
+for _noise in (".*_get_pg_default_device.*", ".*Multiple backends are registered.*",
+               ".*NO_SHARD.*full_state_dict.*"):
+    warnings.filterwarnings("ignore", message=_noise, category=UserWarning)
 
 SNAPSHOT_FILE = "ep{epoch}-rank{rank}.pt"
 SNAPSHOT_DIR = "ep{epoch}"

@@ -1,0 +1,302 @@
+"""The reference trainer (trainers/ddp_trainer.py) end to end, under torchrun on CPU/gloo.
+
+The multi-process tests launch real torchrun jobs of the tiny GPT and compare the final
+snapshots tensor by tensor (model, optimizer, RNG): resuming must be bitwise exact. Runs are
+shared through module-scoped fixtures to keep the whole file around a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpttool
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = REPO / "trainers" / "ddp_trainer.py"
+sys.path.insert(0, str(TRAINER.parent))
+import ddp_trainer  # noqa: E402  (the trainer's own helpers, tested directly below)
+
+# Small and quick: ~4 steps an epoch on 2 ranks; dropout keeps the RNG in play.
+TINY = ["--backend", "gloo", "--model", "gpt", "--dim", "16", "--layers", "1"]
+TIMEOUT_S = 180
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun(snapshot_dir: Path, *args: str, nproc: int = 2, max_restarts: int = 0,
+             env: dict[str, str] | None = None, check: bool = True, tiny: bool = True
+             ) -> subprocess.CompletedProcess:
+    """Run the trainer under torchrun; fail with its output unless it exits 0 (``check``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(TRAINER),
+           "--snapshot-dir", str(snapshot_dir), *(TINY if tiny else []), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=_env(**(env or {})), cwd=snapshot_dir.parent)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n"
+                    f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def ckpttool_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env=_env())
+
+
+def final_snapshot(snapshot_dir: Path, fmt: str, epoch: int = 3) -> list[str] | str:
+    """What to hand ckpttool.load for the snapshot after ``epoch``."""
+    if fmt == "dcp":
+        return str(snapshot_dir / f"ep{epoch}")
+    return sorted(str(p) for p in snapshot_dir.glob(f"ep{epoch}-rank*.pt"))
+
+
+def load_all(snapshot: list[str] | str) -> dict:
+    """The whole snapshot, full tensors: per rank for ddp (RNG differs), merged otherwise."""
+    if isinstance(snapshot, list) and "MODEL_STATE" in ckpttool.load(snapshot[0], select="all"):
+        return {Path(p).name: ckpttool.load(p, select="all") for p in snapshot}
+    return ckpttool.load(snapshot, select="all")
+
+
+def assert_identical(a, b, path: tuple = ()) -> int:
+    """Same keys, same values, every tensor bitwise equal; returns how many tensors."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        assert torch.equal(a, b), f"tensor differs at {path}"
+        return 1
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
+        return sum(assert_identical(a[k], b[k], path + (k,)) for k in a)
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        pairs = enumerate(zip(a, b, strict=True))
+        return sum(assert_identical(x, y, path + (i,)) for i, (x, y) in pairs)
+    assert a == b, (path, a, b)
+    return 0
+
+
+def epoch_losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"^epoch \d+/\d+ .*\| loss (\S+) \|", stdout, re.M)]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """4 epochs in one go, per save format, run once for the whole module."""
+    done: dict[str, Path] = {}
+
+    def get(fmt: str) -> Path:
+        if fmt not in done:
+            run_dir = tmp_path_factory.mktemp(f"straight-{fmt}") / "snapshots"
+            torchrun(run_dir, "--epochs", "4", "--save-format", fmt)
+            done[fmt] = run_dir
+        return done[fmt]
+
+    return get
+
+
+# --- the picking function and helpers, no processes ------------------------------------
+
+
+def _fake_snapshot(snapshot_dir: Path, epoch: int, world_size: int = 2, marker: bool = True,
+                   sizes: dict[str, int] | None = None) -> None:
+    parts = [f"ep{epoch}-rank{r}.pt" for r in range(world_size)]
+    for name in parts:
+        (snapshot_dir / name).write_bytes(b"x" * 10)
+    if marker:
+        info = {"epoch": epoch, "format": "ddp", "world_size": world_size, "parts": parts,
+                "files": sizes or dict.fromkeys(parts, 10)}
+        (snapshot_dir / f"ep{epoch}.complete").write_text(json.dumps(info))
+
+
+def test_find_latest_snapshot_skips_incomplete(tmp_path):
+    _fake_snapshot(tmp_path, 0)
+    _fake_snapshot(tmp_path, 1)
+    _fake_snapshot(tmp_path, 2, marker=False)  # killed before rank 0 wrote the marker
+    _fake_snapshot(tmp_path, 3)
+    (tmp_path / "ep3-rank1.pt").unlink()  # a rank file went missing
+    _fake_snapshot(tmp_path, 4, sizes={"ep4-rank0.pt": 10, "ep4-rank1.pt": 99})  # truncated
+    (tmp_path / "ep5.complete").write_text("{not json")
+    (tmp_path / ".ep6-rank1.pt.tmp").write_bytes(b"half")
+
+    latest = ddp_trainer.find_latest_snapshot(tmp_path)
+
+    assert latest["epoch"] == 1
+    assert latest["paths"] == [str(tmp_path / "ep1-rank0.pt"), str(tmp_path / "ep1-rank1.pt")]
+
+
+def test_find_latest_snapshot_empty_or_missing_dir(tmp_path):
+    assert ddp_trainer.find_latest_snapshot(tmp_path) is None
+    assert ddp_trainer.find_latest_snapshot(tmp_path / "nope") is None
+
+
+def test_find_latest_snapshot_orders_epochs_numerically(tmp_path):
+    for epoch in (2, 9, 10):
+        _fake_snapshot(tmp_path, epoch)
+    assert ddp_trainer.find_latest_snapshot(tmp_path)["epoch"] == 10
+
+
+def test_optimizer_state_round_trips_between_index_and_name_keys():
+    names = ["a.weight", "a.bias", "b.weight"]
+    by_index = {"state": {0: {"step": torch.tensor(1.0)}, 2: {"step": torch.tensor(2.0)}},
+                "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}
+
+    by_name = ddp_trainer.optim_state_by_name(by_index, names)
+
+    assert list(by_name["state"]) == ["a.weight", "b.weight"]
+    assert by_name["param_groups"] == [{"lr": 0.1, "params": names}]
+    assert ddp_trainer.optim_state_by_index(by_name, names) == by_index
+
+
+def test_strip_wrapper_prefixes_stacked():
+    sd = {"module._orig_mod.fc.weight": torch.zeros(1), "module._orig_mod.fc.bias": torch.ones(1)}
+    assert list(ddp_trainer.strip_wrapper_prefixes(sd)) == ["fc.weight", "fc.bias"]
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "epochs"),
+    [
+        ({"MODEL_STATE": {"w": 1}, "OPTIMIZER_STATE": {"state": {}}, "EPOCHS_RUN": 3}, 3),
+        ({"state": {"model": {"w": 1}, "optimizers": {"AdamW": {"state": {}}},
+                    "timestamp": {"epoch": 2}}, "rng": []}, 2),
+        ({"model": {"w": 1}, "optimizer": {"state": {}}, "epoch": 5}, 5),
+    ],
+)
+def test_unpack_snapshot_layouts(snapshot, epochs):
+    model, optimizer, _, epochs_run, _ = ddp_trainer.unpack_snapshot(snapshot)
+    assert (model, optimizer, epochs_run) == ({"w": 1}, {"state": {}}, epochs)
+
+
+def test_lr_schedule_does_not_depend_on_total_epochs():
+    factor = ddp_trainer.lr_schedule(decay_steps=40)
+    assert [round(factor(s), 6) for s in (0, 3)] == [0.25, 1.0]
+    assert factor(40) == pytest.approx(0.1) and factor(400) == pytest.approx(0.1)
+
+
+# --- torchrun end to end -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["ddp", "sharded", "dcp"])
+def test_resume_is_bitwise_exact(tmp_path, straight_run, fmt):
+    run_dir = tmp_path / "snapshots"
+    torchrun(run_dir, "--epochs", "2", "--save-format", fmt)
+    resumed = torchrun(run_dir, "--epochs", "4", "--save-format", fmt, "--resume", "auto")
+
+    assert "after 2 epoch(s)" in resumed.stdout
+    assert len(epoch_losses(resumed.stdout)) == 2  # epochs 3 and 4 only, none re-trained
+    tensors = assert_identical(load_all(final_snapshot(straight_run(fmt), fmt)),
+                               load_all(final_snapshot(run_dir, fmt)))
+    assert tensors > 20  # model, optimizer moments and steps, RNG
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_run_restarts_from_last_snapshot(tmp_path, straight_run):
+    run_dir = tmp_path / "snapshots"
+    run = torchrun(run_dir, "--epochs", "4", max_restarts=2,
+                   env={ddp_trainer.KILL_AT_EPOCH_ENV: "2"})
+
+    assert (run_dir / ".killed-at-ep2").exists()  # the hook did fire
+    assert "resuming from" in run.stdout and "after 2 epoch(s)" in run.stdout
+    assert_identical(load_all(final_snapshot(straight_run("ddp"), "ddp")),
+                     load_all(final_snapshot(run_dir, "ddp")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["ddp", "dcp"])
+def test_rank_killed_while_saving_leaves_previous_snapshot(tmp_path, straight_run, fmt):
+    run_dir = tmp_path / "snapshots"
+    died = torchrun(run_dir, "--epochs", "4", "--save-format", fmt, check=False,
+                    env={ddp_trainer.DIE_DURING_SAVE_ENV: "2"})
+
+    assert died.returncode != 0
+    assert not (run_dir / "ep2.complete").exists()
+    if fmt == "ddp":
+        partial = run_dir / ".ep2-rank1.pt.tmp"
+        assert partial.exists() and not (run_dir / "ep2-rank1.pt").exists()
+        with pytest.raises(ckpttool.CkptError):  # what a naive picker would have failed on
+            ckpttool.load(str(partial))
+    latest = ddp_trainer.find_latest_snapshot(run_dir)
+    assert (latest["epoch"], latest["format"]) == (1, fmt)
+
+    resumed = torchrun(run_dir, "--epochs", "4", "--save-format", fmt)
+    assert "after 2 epoch(s)" in resumed.stdout
+    assert_identical(load_all(final_snapshot(straight_run(fmt), fmt)),
+                     load_all(final_snapshot(run_dir, fmt)))
+
+
+@pytest.mark.slow
+def test_merged_sharded_snapshot_resumes_on_one_process(tmp_path, straight_run):
+    shards = sorted(straight_run("sharded").glob("ep1-rank*.pt"))
+    assert [p.name for p in shards] == ["ep1-rank0.pt", "ep1-rank1.pt"]
+    merged = tmp_path / "merged.pt"
+
+    merge = ckpttool_cli("merge", *map(str, shards), "-o", str(merged))
+    assert merge.returncode == 0, merge.stderr
+    run_dir = tmp_path / "one"
+    run = torchrun(run_dir, "--epochs", "4", "--resume", str(merged), nproc=1)
+
+    assert "after 2 epoch(s)" in run.stdout
+    losses = epoch_losses(run.stdout)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert sorted(p.name for p in run_dir.glob("*.pt")) == ["ep2-rank0.pt", "ep3-rank0.pt"]
+    # The merged weights are the sharded run's, in full: the first step starts from them.
+    start = ckpttool.load(str(merged))
+    assert torch.equal(start["wte.weight"], ckpttool.load(list(map(str, shards)))["wte.weight"])
+
+
+@pytest.mark.slow
+def test_inspect_json_on_ddp_snapshot(straight_run):
+    snapshot = straight_run("ddp") / "ep0-rank0.pt"
+
+    result = ckpttool_cli("inspect", "--json", str(snapshot))
+
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["prefix"] == "module."
+    assert report["model_key"] == ["MODEL_STATE"]
+    assert {"key": ["EPOCHS_RUN"], "type": "int", "value": 1} in report["values"]
+
+
+@pytest.mark.slow
+def test_nccl_without_cuda_fails_clearly(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: this checks the CPU-only error")
+    run = torchrun(tmp_path / "snapshots", "--backend", "nccl", "--epochs", "1", nproc=1,
+                   check=False, tiny=False)
+    assert run.returncode != 0
+    assert "--backend nccl needs CUDA" in run.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["ddp", "sharded"])
+def test_nccl_resume(tmp_path, fmt):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    nproc = min(2, torch.cuda.device_count())  # NCCL wants one GPU per rank
+    run_dir = tmp_path / "snapshots"
+    args = ["--backend", "nccl", "--save-format", fmt, "--model", "gpt", "--dim", "16",
+            "--layers", "1"]
+    torchrun(run_dir, "--epochs", "2", *args, nproc=nproc, tiny=False)
+    resumed = torchrun(run_dir, "--epochs", "3", *args, nproc=nproc, tiny=False)
+
+    assert "after 2 epoch(s)" in resumed.stdout
+    report = json.loads(ckpttool_cli("inspect", "--json", str(run_dir / "ep2-rank0.pt")).stdout)
+    model_key = report["model_key"]
+    devices = {t["device"] for t in report["tensors"] if t["key"][: len(model_key)] == model_key}
+    assert devices and devices <= {f"cuda:{r}" for r in range(nproc)}
+    # Saved on GPUs, read on the CPU.
+    model = ckpttool.load(str(run_dir / "ep2-rank0.pt"), map_location="cpu")
+    assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in model.values())
