@@ -4,28 +4,45 @@
 >>> sd = ckpttool.load("ep3-rank0.pt", map_location="cpu")   # model state dict, prefix stripped
 >>> full = ckpttool.load("ckpt/", select="all")              # whole structure, shards merged
 
-Importing this package does not import torch; reading tensors does.
+Importing this package imports nothing heavy (no torch, no readers) until a name
+is used, so ``ckpttool --help`` stays fast.
 """
 
-from .api import flatten_tensors, load, materialize, read, select_node
-from .errors import CkptError, OutputExistsError, UnsafeError, UsageError
-from .tree import Checkpoint, Opaque, ShardedRef, TensorRef
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Checkpoint",
-    "CkptError",
-    "Opaque",
-    "OutputExistsError",
-    "ShardedRef",
-    "TensorRef",
-    "UnsafeError",
-    "UsageError",
-    "flatten_tensors",
-    "load",
-    "materialize",
-    "read",
-    "select_node",
-    "__version__",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "load": "api",
+    "read": "api",
+    "select_node": "api",
+    "flatten_tensors": "api",
+    "materialize": "api",
+    "CkptError": "errors",
+    "OutputExistsError": "errors",
+    "UnsafeError": "errors",
+    "UsageError": "errors",
+    "Checkpoint": "tree",
+    "Opaque": "tree",
+    "ShardedRef": "tree",
+    "TensorRef": "tree",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 
-from ..convert import convert as convert_checkpoint
 from .app import app, handle_errors
 from .options import Force, Paths, Quiet, Unsafe
 from .render import human_bytes, progress_factory, stderr_console
@@ -41,6 +40,8 @@ def convert(
     quiet: Quiet = False,
 ) -> None:
     """Write the selected tensors in another format (sharded inputs are merged)."""
+    from ..convert import convert as convert_checkpoint
+
     result = convert_checkpoint(
         paths,
         to,

@@ -9,7 +9,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..diff import diff as diff_checkpoints
 from .app import EXIT_DIFFERENT, app, handle_errors
 from .options import Json, Unsafe
 
@@ -25,6 +24,8 @@ def diff(
     unsafe: Unsafe = False,
 ) -> None:
     """Names only in A or B, dtype/shape mismatches, max absolute difference."""
+    from ..diff import diff as diff_checkpoints
+
     result = diff_checkpoints(a, b, atol=atol, rtol=rtol, unsafe=unsafe)
     if json_output:
         print(json.dumps(result))

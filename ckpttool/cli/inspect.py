@@ -10,9 +10,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..api import read
-from ..report import inspect_report
-from ..tree import get_path, iter_tensors
 from .app import app, handle_errors
 from .options import Json, Paths, Unsafe
 from .render import byte_progress, human_bytes, short, structure_tree
@@ -35,6 +32,10 @@ def inspect(
     unsafe: Unsafe = False,
 ) -> None:
     """Show format, structure, tensors, totals and plain values (epoch, step...)."""
+    from ..api import read
+    from ..report import inspect_report
+    from ..tree import iter_tensors
+
     ckpt = read(paths, unsafe=unsafe)
     total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
     with byte_progress(total, "reading tensors", stats and total > STATS_PROGRESS_BYTES) as advance:
@@ -46,6 +47,8 @@ def inspect(
 
 
 def render(ckpt, report: dict) -> None:
+    from ..tree import get_path
+
     console = Console()
     world = f", world size {report['world_size']}" if report["world_size"] else ""
     console.print(

@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 
-from ..merge import merge as merge_checkpoint
 from .app import app, handle_errors
 from .options import Force, Paths, Quiet, Unsafe
 from .render import human_bytes, progress_factory, stderr_console
@@ -24,6 +23,8 @@ def merge(
     quiet: Quiet = False,
 ) -> None:
     """Merge every sharded tensor (model AND optimizer) into one torch.save file."""
+    from ..merge import merge as merge_checkpoint
+
     result = merge_checkpoint(
         paths, out, force=force, unsafe=unsafe, progress=progress_factory(quiet)
     )

@@ -10,9 +10,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.tree import Tree
 
-from ..layout import is_plain
-from ..tree import Opaque, ShardedRef, TensorRef, children
-
 MAX_CHILDREN = 12
 MAX_DEPTH = 6
 MAX_VALUE_CHARS = 60
@@ -27,11 +24,15 @@ def human_bytes(n: int) -> str:
 
 
 def short(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    from ..tree import Opaque
+
     text = repr(value) if not isinstance(value, Opaque) else f"<opaque {value.class_name()}>"
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def describe_tensor(ref: Any) -> str:
+    from ..tree import ShardedRef, TensorRef
+
     shape = "×".join(map(str, ref.shape)) or "scalar"
     text = f"[cyan]{ref.dtype.name}[/] [{shape}]"
     if isinstance(ref, ShardedRef):
@@ -43,6 +44,9 @@ def describe_tensor(ref: Any) -> str:
 
 def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: str) -> Tree:
     """The nested structure, with the model state dict collapsed to one line."""
+    from ..layout import is_plain
+    from ..tree import Opaque, ShardedRef, TensorRef, children
+
     tree = Tree(label)
 
     def add(node: Any, branch: Tree, path: tuple, depth: int) -> None:
