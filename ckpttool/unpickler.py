@@ -76,7 +76,8 @@ DANGEROUS_PREFIXES = (
 # builtins that are plain data constructors; every other builtin is refused
 # (eval, exec, compile, open, __import__, getattr on non-torch objects, ...).
 SAFE_BUILTINS = frozenset(
-    "dict list tuple set frozenset str int float complex bool slice range object".split()
+    # no `range`: set(range(10**12)) would be a tiny pickle that never finishes
+    "dict list tuple set frozenset str int float complex bool slice object".split()
 )
 # Module-level torch objects referenced by real checkpoints that need nothing but a name.
 TORCH_LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "_mkldnn", "jagged"})
@@ -536,7 +537,6 @@ SAFE_GLOBALS: dict[str, Any] = {
     "builtins.complex": complex,
     "builtins.bool": bool,
     "builtins.slice": slice,
-    "builtins.range": range,
     "builtins.bytes": _bounded(bytes),
     "builtins.bytearray": _bounded(bytearray),
     "builtins.object": opaque_class("builtins", "object"),
@@ -577,8 +577,9 @@ class SafeUnpickler(pickle.Unpickler):
         persistent_load: Callable[[Any], Any] | None = None,
         *,
         permissive: bool = False,
+        encoding: str = "utf-8",
     ):
-        super().__init__(file, encoding="utf-8")
+        super().__init__(file, encoding=encoding)
         self._persistent_load = persistent_load
         self.permissive = permissive
         self.seen: set[str] = set()
@@ -652,11 +653,20 @@ def load_pickle(
         CkptError: The pickle is corrupt or truncated.
     """
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    start = stream.tell()
     unpickler = SafeUnpickler(stream, persistent_load, permissive=permissive)
     error: BaseException | None = None
     result = None
     try:
-        result = unpickler.load()
+        try:
+            result = unpickler.load()
+        except UnicodeDecodeError:
+            # Python 2 pickles hold byte strings: torch.load(encoding="latin1") reads them.
+            stream.seek(start)
+            unpickler = SafeUnpickler(
+                stream, persistent_load, permissive=permissive, encoding="latin1"
+            )
+            result = unpickler.load()
     except CkptError as exc:
         error = exc
     except RecursionError:

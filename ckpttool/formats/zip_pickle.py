@@ -18,6 +18,8 @@ from ..tree import ByteSource, StorageRef
 from ..unpickler import Device, StorageType, load_pickle
 
 ZIP_MAGIC = b"PK\x03\x04"
+# data.pkl holds structure, not tensor bytes; real ones are KB to a few MB.
+MAX_PICKLE_BYTES = 1 << 30
 
 
 class FileSpan(io.RawIOBase):
@@ -99,8 +101,11 @@ class ZipPickle:
             raise CkptError(
                 f"missing zip entry {name!r} (truncated or corrupt file)", path=self.path
             )
-        if info.compress_type != zipfile.ZIP_STORED:  # torch never compresses; others might
-            return ByteSource(self.path, data=self.read_entry(name))
+        if info.compress_type != zipfile.ZIP_STORED:
+            # torch never compresses entries; inflating one could be a zip bomb
+            raise CkptError(
+                f"compressed zip entry {name!r}: not a torch checkpoint", path=self.path
+            )
         return ByteSource(
             self.path, length=info.file_size, zip_header_offset=self.start + info.header_offset
         )
@@ -134,7 +139,14 @@ class ZipPickle:
                 storages[key] = ref
             return storages[key]
 
-        data = self.read_entry(f"{self.prefix}{entry}")
+        info = self.infos.get(f"{self.prefix}{entry}")
+        if info is None:
+            raise CkptError(f"missing {entry} in the archive", path=self.path)
+        if info.file_size > MAX_PICKLE_BYTES:
+            raise CkptError(
+                f"{entry} of {info.file_size} bytes is implausibly large", path=self.path
+            )
+        data = self.read_entry(info.filename)
         return load_pickle(data, persistent_load, path=self.path, permissive=permissive, seen=seen)
 
     def close(self) -> None:
