@@ -33,9 +33,14 @@ def compare_tensors(a: Any, b: Any, atol: float, rtol: float) -> dict[str, Any]:
     import torch
 
     ta, tb = a.load("cpu").reshape(-1), b.load("cpu").reshape(-1)
+    bitwise = atol == 0 and rtol == 0
     max_diff, different = 0.0, 0
     for start in range(0, ta.numel(), CHUNK_ELEMENTS):
         x, y = ta[start : start + CHUNK_ELEMENTS], tb[start : start + CHUNK_ELEMENTS]
+        if bitwise:  # element differs when any of its bytes does (-0.0 != 0.0)
+            size = x.element_size()
+            bits = x.view(torch.uint8).view(-1, size) != y.view(torch.uint8).view(-1, size)
+            different += int(bits.any(dim=1).sum())
         if x.is_complex():
             x, y = torch.view_as_real(x).to(torch.float64), torch.view_as_real(y).to(torch.float64)
         else:
@@ -46,11 +51,8 @@ def compare_tensors(a: Any, b: Any, atol: float, rtol: float) -> dict[str, Any]:
         delta = torch.nan_to_num(delta, nan=float("inf"))
         if delta.numel():
             max_diff = max(max_diff, float(delta.max()))
-        if atol == 0 and rtol == 0:
-            bad = delta != 0
-        else:
-            bad = delta > atol + rtol * y.abs()
-        different += int(bad.sum())
+        if not bitwise:
+            different += int((delta > atol + rtol * y.abs()).sum())
     return {"max_abs_diff": max_diff, "num_different": different}
 
 
