@@ -78,7 +78,8 @@ def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: 
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True)
+    # soft_wrap: a message is one line whatever the width (no folded paths or class names)
+    return Console(stderr=True, soft_wrap=True)
 
 
 @contextmanager
