@@ -44,6 +44,12 @@ def _read_cpu(ref: TensorRef) -> torch.Tensor:
         return ref.value.detach().to("cpu")
     if ref.storage is None:
         raise CkptError("tensor has no stored data (saved on the meta device)")
+    if ref.kind == "quantized":
+        raise CkptError(
+            f"cannot read a quantized {ref.dtype.name} tensor (its scale and zero point are "
+            "not kept)",
+            hint="dequantize it before saving, or --select other tensors",
+        )
     itemsize = ref.dtype.itemsize
     if ref.numel == 0:
         return torch.empty(ref.shape, dtype=dt)

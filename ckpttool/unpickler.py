@@ -247,6 +247,17 @@ def _rebuild_parameter(data, requires_grad=False, *_):
     return data
 
 
+def _rebuild_qtensor(storage, storage_offset, size, stride, *_):
+    """Stand-in for ``torch._utils._rebuild_qtensor``: a tensor of the quantized dtype.
+
+    The quantizer (scale, zero point) is not kept, so reading its values fails with a
+    clear error instead of the tensor silently vanishing from conversions.
+    """
+    ref = rebuild_tensor(storage, storage_offset, size, stride)
+    ref.kind = "quantized"
+    return ref
+
+
 def _rebuild_meta(dtype, size, stride, requires_grad=False):
     shape = _int_tuple(size, "shape")
     return TensorRef(
@@ -549,6 +560,7 @@ SAFE_GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
     "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
+    "torch._utils._rebuild_qtensor": _rebuild_qtensor,
     "torch._utils._rebuild_wrapper_subclass": _wrapper_subclass,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "torch._tensor._rebuild_from_type": lambda func, type_, args, dict_: func(*args),

@@ -27,6 +27,7 @@ def _raw_copy_ok(leaf: Any, cast: DType | None) -> bool:
     return (
         isinstance(leaf, TensorRef)
         and leaf.value is None
+        and leaf.kind != "quantized"
         and leaf.storage is not None
         and leaf.storage.source is not None
         and not leaf.storage.big_endian
