@@ -77,8 +77,11 @@ def plain(value: Any) -> Any:
     """A ``weights_only``-loadable stand-in for a non-tensor value.
 
     Opaque objects become ``{"__class__": "pkg.mod.Class", "state": ..., ...}`` so no
-    key disappears; torch names become the torch objects they name.
+    key disappears; a class saved by reference (``{"optimizer_cls": AdamW}``) becomes
+    ``{"__global__": "pkg.mod.Class"}``; torch names become the torch objects they name.
     """
+    if isinstance(value, type) and issubclass(value, Opaque):
+        return {"__global__": value.class_name()}
     if isinstance(value, Opaque):
         out: dict[str, Any] = {"__class__": value.class_name()}
         if value.args:
