@@ -283,6 +283,12 @@ class Opaque:
     def extend(self, values: Any) -> None:
         self.list.extend(values)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
+        # A pickle may call a stand-in (``getattr(x, "system")(cmd)``): the result is
+        # another inert stand-in, so ``--unsafe`` reads such files instead of failing.
+        cls = opaque_class(self.module, f"{self.qualname}()", dangerous=self.dangerous)
+        return cls(*args, **kwargs)
+
     @classmethod
     def class_name(cls) -> str:
         return f"{cls.module}.{cls.qualname}"
