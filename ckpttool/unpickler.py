@@ -15,6 +15,7 @@ returns one of our own stand-ins, never the real object:
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import io
 import pickle
@@ -44,7 +45,8 @@ DANGEROUS_MODULES = frozenset(
     webbrowser multiprocessing asyncio http urllib urllib2 ftplib smtplib telnetlib poplib
     imaplib requests pdb bdb timeit platform signal threading _thread tempfile io _io fcntl
     resource cProfile profile trace types inspect gc pip setuptools distutils zipimport
-    pkgutil sqlite3 ssl select selectors mmap operator _operator xmlrpc socketserver""".split()
+    pkgutil sqlite3 ssl select selectors mmap operator _operator xmlrpc socketserver pydoc
+    _posixsubprocess _socket _winapi venv""".split()
 )
 # Single globals refused outside those modules.
 DANGEROUS_NAMES = frozenset(
@@ -105,8 +107,6 @@ DTENSOR_CLASSES = frozenset(
         "torch.distributed.tensor._api.DTensor",
     }
 )
-# Python 2 pickles name builtins differently.
-MODULE_ALIASES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 MAX_BYTES_CONSTRUCTOR = 1 << 24
 
 
@@ -123,6 +123,17 @@ def is_dangerous(module: str, name: str) -> bool:
         or full in DANGEROUS_NAMES
         or any(full.startswith(p) for p in DANGEROUS_PREFIXES)
     )
+
+
+def python3_name(module: str, name: str) -> tuple[str, str]:
+    """The global the real unpickler would import for ``module.name``.
+
+    Protocols 0-2 (torch.save writes 2) store Python 2 names: ``subprocess.Popen`` is
+    written ``commands.Popen``, ``http.server`` ``BaseHTTPServer``, ``_thread`` ``thread``.
+    """
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
 def _is_exception_name(name: str) -> bool:
@@ -603,7 +614,7 @@ class SafeUnpickler(pickle.Unpickler):
         return self._persistent_load(pid)
 
     def find_class(self, module: str, name: str) -> Any:
-        module = MODULE_ALIASES.get(module, module)
+        module, name = python3_name(module, name)
         full = f"{module}.{name}"
         self.seen.add(full)
         if full in SAFE_GLOBALS:
