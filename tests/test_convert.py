@@ -1,0 +1,479 @@
+"""``convert``: selection, prefixes, casts, devices, HF shards, every output read back by its
+own consumer (safetensors, torch.load, torch.distributed.checkpoint) bitwise, and the
+contract's refusals (exit 2, one stderr line, nothing written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_dist import (
+    fsdp_checkpoints,
+    one_line_error,
+    run_cli,
+    safetensors_header,
+    tree_files,
+)
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import ckpttool
+from ckpttool.convert import convert, default_output, parse_size
+from ckpttool.errors import CkptError, OutputExistsError, UsageError
+
+MODEL_KEYS = ["emb.weight", "head.weight", "proj.weight", "norm.bias", "bn.num_batches_tracked"]
+
+
+def snapshot_model() -> dict[str, torch.Tensor]:
+    """A DDP model state dict: tied weights, a transposed view, a strided slice, an int."""
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(10, 4, generator=g)
+    return {
+        "module.emb.weight": emb,
+        "module.head.weight": emb,  # tied: the same tensor under two names
+        "module.proj.weight": torch.randn(6, 4, generator=g).t(),  # non-contiguous view
+        "module.norm.bias": torch.randn(20, generator=g)[3:15:3],  # strided slice
+        "module.bn.num_batches_tracked": torch.tensor(7),
+    }
+
+
+@pytest.fixture
+def snap(tmp_path: Path) -> Path:
+    """A Composer-style training snapshot around a DDP model state dict."""
+    model = snapshot_model()
+    momentum = torch.full((4, 6), 0.5)
+    snapshot = {
+        "state": {
+            "model": model,
+            "optimizers": {"SGD": {"state": {0: {"momentum_buffer": momentum}}}},
+            "timestamp": {"epoch": 3},
+        },
+        "rng": [{"torch": torch.ByteTensor([1, 2, 3])}],
+    }
+    path = tmp_path / "snap.pt"
+    torch.save(snapshot, path)
+    return path
+
+
+def expected_model(prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + k.removeprefix("module."): v for k, v in snapshot_model().items()}
+
+
+def assert_same(got: dict, want: dict) -> None:
+    """Same names in the same order, each tensor bitwise equal with the same dtype."""
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.fixture(scope="session")
+def fsdp2(tmp_path_factory) -> Path:
+    return fsdp_checkpoints(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="session")
+def fsdp3(tmp_path_factory) -> Path:
+    return fsdp_checkpoints(tmp_path_factory, 3)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------ --to safetensors
+
+
+def test_cli_safetensors_default_name_header_and_bytes(snap: Path):
+    proc = run_cli("convert", snap, "--to", "safetensors")
+    assert proc.returncode == 0, proc.stderr
+    out = snap.parent / "snap.safetensors"
+    assert tree_files(snap.parent) == ["snap.pt", "snap.safetensors"]
+    assert proc.stderr.splitlines() == [f"wrote {out} (5 tensors, 440 B)"]
+
+    header = safetensors_header(out)
+    assert header.pop("__metadata__") == {"format": "pt", "source": "snap.pt"}
+    assert list(header) == MODEL_KEYS
+    offsets = [header[k]["data_offsets"] for k in MODEL_KEYS]
+    assert offsets == [[0, 160], [160, 320], [320, 416], [416, 432], [432, 440]]
+    assert header["proj.weight"] == {"dtype": "F32", "shape": [4, 6], "data_offsets": [320, 416]}
+    assert header["bn.num_batches_tracked"]["dtype"] == "I64"
+
+    loaded = load_file(out)
+    assert sorted(loaded) == sorted(MODEL_KEYS)
+    assert_same({k: loaded[k] for k in MODEL_KEYS}, expected_model())
+    with safe_open(out, "pt") as f:
+        assert f.metadata() == {"format": "pt", "source": "snap.pt"}
+        assert list(f.keys()) == sorted(MODEL_KEYS)
+        assert torch.equal(f.get_tensor("proj.weight"), snapshot_model()["module.proj.weight"])
+
+
+def all_tensors() -> dict[str, torch.Tensor]:
+    """Every tensor of the snapshot, named as ``--select all`` names them."""
+    model = {"state.model." + k: v for k, v in snapshot_model().items()}
+    return {
+        **model,
+        "state.optimizers.SGD.state.0.momentum_buffer": torch.full((4, 6), 0.5),
+        "rng.0.torch": torch.ByteTensor([1, 2, 3]),
+    }
+
+
+M = "state.model.module."
+OPT = "state.optimizers.SGD.state.0.momentum_buffer"
+
+
+@pytest.mark.parametrize(
+    ("select", "strip", "want"),
+    [
+        ("auto", "auto", {k: M + k for k in MODEL_KEYS}),
+        ("auto", "none", {"module." + k: M + k for k in MODEL_KEYS}),
+        ("state.model", "auto", {k: M + k for k in MODEL_KEYS}),
+        ("state.model", "none", {"module." + k: M + k for k in MODEL_KEYS}),
+        ("state.model", "module.", {k: M + k for k in MODEL_KEYS}),
+        # a prefix only some keys have: those lose it, the others keep their names
+        (
+            "state.model",
+            "module.emb.",
+            {"weight": M + "emb.weight", **{"module." + k: M + k for k in MODEL_KEYS[1:]}},
+        ),
+        ("all", "auto", {k: k for k in all_tensors()}),
+        ("state.optimizers", "auto", {"SGD.state.0.momentum_buffer": OPT}),
+    ],
+)
+def test_select_and_strip_prefix(snap: Path, tmp_path: Path, select, strip, want):
+    """``want`` maps each output name to its source, named as ``--select all`` names it."""
+    out = tmp_path / "out.safetensors"
+    result = convert([str(snap)], "safetensors", str(out), select=select, strip_prefix=strip)
+    assert (result.output, result.files, result.num_tensors) == (str(out), [out.name], len(want))
+    header = safetensors_header(out)
+    del header["__metadata__"]
+    assert list(header) == list(want)
+    loaded = load_file(out)
+    source = all_tensors()
+    assert_same({k: loaded[k] for k in want}, {k: source[v] for k, v in want.items()})
+
+
+def test_select_unknown_key_is_exit_2(snap: Path, tmp_path: Path):
+    proc = run_cli("convert", snap, "--to", "safetensors", "--select", "state.nope")
+    one_line_error(proc, 2, "'nope'")
+    assert tree_files(snap.parent) == ["snap.pt"]
+
+
+def test_tied_weights_written_in_full_and_independent(snap: Path, tmp_path: Path):
+    convert([str(snap)], "safetensors", str(tmp_path / "t.safetensors"))
+    loaded = load_file(tmp_path / "t.safetensors")
+    assert torch.equal(loaded["emb.weight"], loaded["head.weight"])
+    assert loaded["emb.weight"].data_ptr() != loaded["head.weight"].data_ptr()
+
+    convert([str(snap)], "pt", str(tmp_path / "t.pt"))
+    pt = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert torch.equal(pt["emb.weight"], pt["head.weight"])
+    assert pt["emb.weight"].untyped_storage().data_ptr() != (
+        pt["head.weight"].untyped_storage().data_ptr()
+    )
+    pt["emb.weight"].zero_()
+    assert torch.equal(pt["head.weight"], snapshot_model()["module.head.weight"])
+    # views come back contiguous and own exactly their elements
+    assert pt["proj.weight"].is_contiguous() and pt["norm.bias"].is_contiguous()
+    assert pt["norm.bias"].untyped_storage().nbytes() == 4 * 4
+
+
+@pytest.mark.parametrize("to", ["safetensors", "pt", "dcp"])
+@pytest.mark.parametrize("cast", ["float16", "bfloat16"])
+def test_dtype_casts_floating_tensors_only(snap: Path, tmp_path: Path, to, cast):
+    out = tmp_path / f"cast-{to}"
+    result = convert([str(snap)], to, str(out), dtype=cast)
+    want = {
+        k: v.to(getattr(torch, cast)) if v.is_floating_point() else v
+        for k, v in expected_model().items()
+    }
+    assert result.nbytes == 2 * (40 * 2) + 24 * 2 + 4 * 2 + 8  # ints keep 8 bytes
+    got = read_back(out, to, want)
+    assert got["bn.num_batches_tracked"].dtype == torch.int64
+    assert_same(got, want)
+
+
+def read_back(out: Path, to: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The output read by its own consumer: safetensors, torch.load, or DCP load."""
+    if to == "safetensors":
+        loaded = load_file(out)
+        return {k: loaded[k] for k in like}
+    if to == "pt":
+        return torch.load(out, weights_only=True)
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: torch.full_like(v.contiguous(), 1) for k, v in like.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: loading in one process"
+        dcp.load(state, checkpoint_id=str(out))
+    return state
+
+
+def test_pt_output_loads_weights_only_and_mmap(snap: Path, tmp_path: Path):
+    result = convert([str(snap)], "pt")
+    assert result.output == str(snap.parent / "snap-converted.pt")  # snap.pt is the input
+    assert result.files == ["snap-converted.pt"]
+    for mmap in (False, True):
+        loaded = torch.load(result.output, weights_only=True, mmap=mmap)
+        assert type(loaded) is dict
+        assert_same(loaded, expected_model())
+
+
+def test_map_location_cuda1_recorded_in_pt_output(snap: Path, tmp_path: Path):
+    out = tmp_path / "gpu.pt"
+    convert([str(snap)], "pt", str(out), map_location="cuda:1")
+    info = json.loads(run_cli("inspect", out, "--json").stdout)
+    assert [t["key"] for t in info["tensors"]] == [[k] for k in MODEL_KEYS]
+    assert {t["device"] for t in info["tensors"]} == {"cuda:1"}
+    loaded = torch.load(out, map_location="cpu", weights_only=True)
+    assert_same(loaded, expected_model())
+    assert {str(v.device) for v in loaded.values()} == {"cpu"}
+
+
+def test_dcp_output_loads_without_process_group_and_inspects(snap: Path, tmp_path: Path):
+    result = convert([str(snap)], "dcp")
+    out = Path(result.output)
+    assert out == snap.parent / "snap-dcp"
+    assert tree_files(out) == [".metadata", "__0_0.distcp"]
+    assert_same(read_back(out, "dcp", expected_model()), expected_model())
+    ckpt = ckpttool.read(str(out))
+    assert ckpt.format == "dcp"
+    info = json.loads(run_cli("inspect", out, "--json").stdout)
+    assert info["format"] == "dcp"
+    assert [t["key"] for t in info["tensors"]] == [[k] for k in MODEL_KEYS]
+    assert [t["shape"] for t in info["tensors"]] == [[10, 4], [10, 4], [4, 6], [4], []]
+
+
+# ------------------------------------------------------------------ HF shards
+
+
+def shard_source() -> dict[str, torch.Tensor]:
+    """float32 tensors of 120, 40, 40, 20, 1200, 4, 600 and 400 bytes."""
+    g = torch.Generator().manual_seed(1)
+    sizes = {"a": 30, "b": 10, "c": 10, "d": 5, "e": 300, "f": 1, "g": 150, "h": 100}
+    return {k: torch.randn(n, generator=g) for k, n in sizes.items()}
+
+
+@pytest.mark.parametrize(
+    ("size", "plan"),
+    [
+        # greedy in key order; a tensor over the limit (a, e, g, h at 100 B) sits alone
+        ("100", [["a"], ["b", "c", "d"], ["e"], ["f"], ["g"], ["h"]]),
+        ("1KB", [["a", "b", "c", "d"], ["e"], ["f", "g"], ["h"]]),  # 1000 bytes
+        ("1KiB", [["a", "b", "c", "d"], ["e"], ["f", "g", "h"]]),  # 1024 bytes
+    ],
+)
+def test_max_shard_size_writes_hf_shards(tmp_path: Path, size, plan):
+    source = shard_source()
+    torch.save(source, tmp_path / "w.pt")
+    out = tmp_path / "shards"
+    result = convert([str(tmp_path / "w.pt")], "safetensors", str(out), max_shard_size=size)
+    n = len(plan)
+    names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert result.files == [*names, "model.safetensors.index.json"]
+    assert tree_files(out) == sorted(result.files)
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index == {
+        "metadata": {"total_size": 2424},
+        "weight_map": {k: names[i] for i, keys in enumerate(plan) for k in keys},
+    }
+    assert list(index["weight_map"]) == list(source)
+    merged = {}
+    for name, keys in zip(names, plan, strict=True):
+        header = safetensors_header(out / name)
+        assert header.pop("__metadata__") == {"format": "pt", "source": "w.pt"}
+        assert list(header) == keys
+        shard = load_file(out / name)
+        assert sorted(shard) == sorted(keys)
+        with safe_open(out / name, "pt") as f:
+            for k in keys:
+                assert torch.equal(f.get_tensor(k), source[k])
+        merged.update(shard)
+    assert_same({k: merged[k] for k in source}, source)
+    assert_same(ckpttool.load(str(out)), source)  # and ckpttool reads the folder back
+
+
+def test_max_shard_size_default_folder(snap: Path):
+    result = convert([str(snap)], "safetensors", max_shard_size="200")
+    out = snap.parent / "snap-safetensors"
+    assert result.output == str(out)
+    assert tree_files(out) == [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"] == {"total_size": 440}
+    assert index["weight_map"] == {
+        "emb.weight": "model-00001-of-00003.safetensors",
+        "head.weight": "model-00002-of-00003.safetensors",
+        "proj.weight": "model-00003-of-00003.safetensors",
+        "norm.bias": "model-00003-of-00003.safetensors",
+        "bn.num_batches_tracked": "model-00003-of-00003.safetensors",
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("100", 100), ("1KB", 1000), ("1KiB", 1024), ("2GB", 2 * 10**9), ("1.5GiB", 3 << 29)],
+)
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["abc", "", "0", "-5", "10XB", "1.5.5MB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(UsageError):
+        parse_size(text)
+
+
+def test_default_output_names():
+    assert default_output(["/d/ep0-ba2-rank0.pt"], "safetensors", False) == "/d/ep0-ba2.safetensors"
+    assert default_output(["/d/ep0-ba2-rank*.pt"], "pt", False) == "/d/ep0-ba2.pt"
+    assert default_output(["/d/ckpt"], "safetensors", True) == "/d/ckpt-safetensors"
+    assert default_output(["/d/ckpt/"], "dcp", False) == "/d/ckpt-dcp"
+
+
+# ------------------------------------------------------------------ sharded inputs
+
+
+def full_model(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "full.pt", weights_only=True)["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("run", "inputs"),
+    [
+        ("fsdp2", lambda d: [str(d / "ep0-ba2-rank0.pt"), str(d / "ep0-ba2-rank1.pt")]),
+        ("fsdp2", lambda d: str(d / "ep0-ba2-rank*.pt")),  # a quoted glob
+        ("fsdp2", lambda d: str(d / "ep0-ba2-rank1.pt")),  # one rank: siblings found
+        ("fsdp3", lambda d: str(d / "ep0-ba2-rank2.pt")),  # rank 2 holds no rows of 3.*
+        ("fsdp2", lambda d: [str(d / "dt-rank0.pt"), str(d / "dt-rank1.pt")]),  # DTensor
+        ("fsdp2", lambda d: str(d / "dcp")),
+    ],
+    ids=["per-rank-paths", "per-rank-glob", "one-rank-file", "3-ranks-empty", "dtensor", "dcp"],
+)
+def test_sharded_inputs_convert_to_full_tensors(request, tmp_path: Path, run, inputs):
+    folder = request.getfixturevalue(run)
+    want = full_model(folder)
+    out = tmp_path / "full.safetensors"
+    convert(inputs(folder), "safetensors", str(out))
+    header = safetensors_header(out)
+    del header["__metadata__"]
+    assert list(header) == list(want)
+    loaded = load_file(out)
+    assert_same({k: loaded[k] for k in want}, want)
+
+
+@pytest.mark.slow
+def test_sharded_cli_to_pt(fsdp3: Path, tmp_path: Path):
+    out = tmp_path / "m.pt"
+    proc = run_cli("convert", fsdp3 / "ep0-ba2-rank*.pt", "--to", "pt", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert_same(torch.load(out, weights_only=True), full_model(fsdp3))
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def test_existing_output_refused_without_force(snap: Path):
+    out = snap.parent / "snap.safetensors"
+    out.write_bytes(b"precious")
+    proc = run_cli("convert", snap, "--to", "safetensors")
+    one_line_error(proc, 2, "--force", str(out))
+    assert out.read_bytes() == b"precious"
+    assert tree_files(snap.parent) == ["snap.pt", "snap.safetensors"]
+    with pytest.raises(OutputExistsError):
+        convert([str(snap)], "safetensors", str(out))
+
+
+def test_force_replaces_file_and_folder(snap: Path, tmp_path: Path):
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"old")
+    convert([str(snap)], "safetensors", str(out), force=True)
+    assert_same({k: load_file(out)[k] for k in MODEL_KEYS}, expected_model())
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "stale.txt").write_text("old")
+    convert([str(snap)], "safetensors", str(folder), max_shard_size="1GB", force=True)
+    assert tree_files(folder) == [
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert tree_files(tmp_path) == [
+        "o.safetensors",
+        "shards",
+        "shards/model-00001-of-00001.safetensors",
+        "shards/model.safetensors.index.json",
+        "snap.pt",
+    ]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_output_equal_to_input_refused(snap: Path, force):
+    before = sha256(snap)
+    args = ["convert", snap, "--to", "pt", "-o", snap, *(["--force"] if force else [])]
+    one_line_error(run_cli(*args), 2, "overwrite the input")
+    assert sha256(snap) == before
+    assert tree_files(snap.parent) == ["snap.pt"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--to", "onnx"], "--to 'onnx'"),
+        (["--to", "safetensors", "--dtype", "int8"], "--dtype 'int8'"),
+        (["--to", "pt", "--dtype", "float64"], "--dtype 'float64'"),
+        (["--to", "safetensors", "--max-shard-size", "abc"], "'abc'"),
+        (["--to", "pt", "--max-shard-size", "1GB"], "--max-shard-size"),
+        (["--to", "safetensors", "--map-location", "cuda:1"], "--map-location"),
+        (["--to", "pt", "--map-location", "gpu0"], "--map-location 'gpu0'"),
+    ],
+)
+def test_bad_options_exit_2_before_reading(snap: Path, args, needle):
+    proc = run_cli("convert", snap, *args)
+    one_line_error(proc, 2, needle)
+    assert tree_files(snap.parent) == ["snap.pt"]
+
+
+def test_missing_input_exit_2(tmp_path: Path):
+    one_line_error(run_cli("convert", tmp_path / "nope.pt", "--to", "pt"), 2, "nope.pt")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["complex32", "qint8"])
+def test_dtype_safetensors_cannot_store_refused_before_writing(tmp_path: Path, kind):
+    ok = torch.randn(3)
+    if kind == "complex32":
+        odd = torch.randn(4, dtype=torch.complex64).to(torch.complex32)
+    else:
+        odd = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    torch.save({"a.ok": ok, "b.odd": odd, "c.ok": ok * 2}, tmp_path / "odd.pt")
+    proc = run_cli("convert", tmp_path / "odd.pt", "--to", "safetensors", "-o", tmp_path / "o")
+    one_line_error(proc, 2, "'b.odd'", kind, "safetensors cannot store")
+    assert tree_files(tmp_path) == ["odd.pt"]
+    with pytest.raises(CkptError, match=kind):
+        convert([str(tmp_path / "odd.pt")], "safetensors", str(tmp_path / "o"), force=True)
+    assert tree_files(tmp_path) == ["odd.pt"]
+
+
+def test_quantized_tensor_never_silently_dropped(tmp_path: Path):
+    """A quantized tensor is a tensor: --to pt refuses it rather than writing a file without it."""
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    torch.save({"w": torch.randn(2), "q": q}, tmp_path / "q.pt")
+    assert [
+        t["key"]
+        for t in json.loads(run_cli("inspect", tmp_path / "q.pt", "--json").stdout)["tensors"]
+    ] == [["w"], ["q"]]
+    with pytest.raises(CkptError, match="quantized qint8"):
+        convert([str(tmp_path / "q.pt")], "pt", str(tmp_path / "o.pt"))
+    assert tree_files(tmp_path) == ["q.pt"]
