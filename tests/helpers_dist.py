@@ -4,7 +4,8 @@ Two ``torchrun --standalone`` jobs on CPU/gloo, 2 and 3 ranks, started together 
 15 s on 2 cores). Each trains a tiny FSDP1 model for two Adam steps, then writes, from
 the SAME state:
 
-* ``full.pt``: ``FULL_STATE_DICT`` model + full optimizer state (the reference);
+* ``full.pt``: ``FULL_STATE_DICT`` model + full optimizer state (the reference), and
+  rank 0's side-optimizer state and RNG state as saved in its rank file;
 * ``ep0-ba2-rank{R}.pt``: Composer-style per-rank files whose model AND optimizer
   leaves are ``ShardedTensor`` (``SHARDED_STATE_DICT``), beside plain values, a
   plain-optimizer state keyed by ints, an ``argparse.Namespace`` and a custom class;
@@ -84,8 +85,10 @@ def main(out, with_extras):
     ):
         full_model = fsdp.state_dict()
         full_optim = FSDP.optim_state_dict(fsdp, opt)
+    rng = torch.get_rng_state()
     if rank == 0:
-        torch.save({"model": full_model, "optim": full_optim}, os.path.join(out, "full.pt"))
+        reference = {"model": full_model, "optim": full_optim, "side": sgd.state_dict(), "rng": rng}
+        torch.save(reference, os.path.join(out, "full.pt"))
 
     with FSDP.state_dict_type(
         fsdp,
@@ -104,7 +107,7 @@ def main(out, with_extras):
             "timestamp": {"epoch": 0, "batch": 2},
             "run_name": "demo",
         },
-        "rng": [{"torch": torch.get_rng_state(), "rank": rank}],
+        "rng": [{"torch": rng, "rank": rank}],
         "args": argparse.Namespace(lr=0.01, tag="demo"),
         "info": RunInfo("demo", ["a", "b"]),
     }

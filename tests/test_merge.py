@@ -1,0 +1,214 @@
+"""``merge``: per-rank shards (ShardedTensor, DTensor) and DCP folders -> ONE torch.save file
+that ``torch.load(weights_only=True)`` reads, with the same nested structure and every
+sharded tensor (model AND optimizer) full, bitwise equal to what FSDP itself gathers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers_dist import fsdp_checkpoints, one_line_error, run_cli, tree_files
+
+from ckpttool.errors import CkptError, OutputExistsError
+from ckpttool.merge import merge
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def fsdp2(tmp_path_factory) -> Path:
+    return fsdp_checkpoints(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="session")
+def fsdp3(tmp_path_factory) -> Path:
+    return fsdp_checkpoints(tmp_path_factory, 3)
+
+
+def assert_identical(got, want, path: tuple = ()) -> int:
+    """Same container types, same keys in the same order (ints stay ints), equal plain
+    values, every tensor bitwise equal with the same dtype and shape; returns the tensor count."""
+    assert type(got) is type(want), (path, type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), path
+        assert torch.equal(got, want), f"tensor differs at {path}"
+        return 1
+    if isinstance(want, dict):
+        assert list(got) == list(want), (path, list(got), list(want))
+        return sum(assert_identical(got[k], want[k], (*path, k)) for k in want)
+    if isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        return sum(
+            assert_identical(g, w, (*path, i))
+            for i, (g, w) in enumerate(zip(got, want, strict=True))
+        )
+    assert got == want, (path, got, want)
+    return 0
+
+
+def expected_snapshot(folder: Path) -> dict:
+    """What merging ``ep0-ba2-rank*.pt`` must give: rank 0's tree, every shard gathered as
+    FSDP's FULL_STATE_DICT / full optimizer state of the same run, objects as stand-ins."""
+    full = torch.load(folder / "full.pt", weights_only=True)
+    return {
+        "state": {
+            "model": full["model"],
+            "optimizers": {"Adam": full["optim"]},
+            "side_optimizer": full["side"],
+            "schedulers": [],
+            "timestamp": {"epoch": 0, "batch": 2},
+            "run_name": "demo",
+        },
+        "rng": [{"torch": full["rng"], "rank": 0}],
+        "args": {"__class__": "argparse.Namespace", "state": {"lr": 0.01, "tag": "demo"}},
+        "info": {"__class__": "__main__.RunInfo", "state": {"name": "demo", "tags": ["a", "b"]}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("run", "inputs"),
+    [
+        ("fsdp2", lambda d: [str(d / "ep0-ba2-rank0.pt"), str(d / "ep0-ba2-rank1.pt")]),
+        ("fsdp2", lambda d: [str(d / "ep0-ba2-rank*.pt")]),
+        ("fsdp2", lambda d: str(d / "ep0-ba2-rank1.pt")),
+        ("fsdp3", lambda d: str(d / "ep0-ba2-rank0.pt")),  # rank 2 holds no rows of 3.*
+    ],
+    ids=["paths", "glob", "one-rank-file", "3-ranks-empty-rank"],
+)
+def test_per_rank_merge_matches_fsdp_full_state(request, tmp_path: Path, run, inputs):
+    folder = request.getfixturevalue(run)
+    out = tmp_path / "merged.pt"
+    result = merge(inputs(folder), str(out))
+    assert result.output == str(out)
+    assert result.stand_ins == ["__main__.RunInfo", "argparse.Namespace"]
+    merged = torch.load(out, weights_only=True)
+    want = expected_snapshot(folder)
+    # 7 model tensors, 6 params x (step, exp_avg, exp_avg_sq), 1 momentum buffer, 1 RNG state
+    assert assert_identical(merged, want) == 7 + 18 + 1 + 1
+    assert result.num_tensors == 27
+    # optimizer state keeps its keys: FQNs for FSDP, ints for a plain optimizer
+    assert list(merged["state"]["side_optimizer"]["state"]) == [0]
+    assert list(merged["state"]["optimizers"]["Adam"]["state"]) == [
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+        "3.weight",
+        "3.bias",
+    ]
+    assert tree_files(tmp_path) == ["merged.pt"]
+
+
+def test_cli_merge_warns_about_stand_ins(fsdp2: Path, tmp_path: Path):
+    out = tmp_path / "m.pt"
+    proc = run_cli("merge", fsdp2 / "ep0-ba2-rank*.pt", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    warning, wrote = proc.stderr.splitlines()
+    assert warning.startswith("warning: ")
+    assert "argparse.Namespace" in warning and "__main__.RunInfo" in warning
+    assert wrote.startswith(f"wrote {out} (27 tensors, ")
+    assert_identical(torch.load(out, weights_only=True), expected_snapshot(fsdp2))
+
+
+def test_dcp_merge_equals_dcp_to_torch_save(fsdp2: Path, tmp_path: Path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(str(fsdp2 / "dcp"), str(tmp_path / "reference.pt"))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
+    merge(str(fsdp2 / "dcp"), str(tmp_path / "merged.pt"))
+    merged = torch.load(tmp_path / "merged.pt", weights_only=True)
+    assert list(merged) == ["model", "optim", "epoch"]
+    assert assert_identical(merged, reference) == 7 + 18
+    # and DCP's chunks gathered are the full state FSDP gathered itself
+    full = torch.load(fsdp2 / "full.pt", weights_only=True)
+    assert_identical(dict(merged["model"]), dict(full["model"]))
+    assert_identical(merged["optim"]["state"], full["optim"]["state"])
+    assert merged["epoch"] == 3
+
+
+def test_dtensor_merge(fsdp2: Path, tmp_path: Path):
+    merge([str(fsdp2 / "dt-rank0.pt"), str(fsdp2 / "dt-rank1.pt")], str(tmp_path / "m.pt"))
+    merged = torch.load(tmp_path / "m.pt", weights_only=True)
+    full = torch.load(fsdp2 / "full.pt", weights_only=True)
+    assert list(merged) == ["model", "step"]
+    assert merged["step"] == 2
+    assert_identical(dict(merged["model"]), dict(full["model"]))
+
+
+def test_merge_refuses_missing_rank(fsdp3: Path, tmp_path: Path):
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(fsdp3 / "ep0-ba2-rank1.pt", alone)
+    proc = run_cli("merge", alone / "ep0-ba2-rank1.pt", "-o", tmp_path / "m.pt")
+    one_line_error(proc, 2, "missing", "ep0-ba2-rank0.pt", "ep0-ba2-rank2.pt")
+    assert tree_files(tmp_path) == ["alone", "alone/ep0-ba2-rank1.pt"]
+
+
+def test_merge_refuses_existing_output_and_input_as_output(fsdp2: Path, tmp_path: Path):
+    out = tmp_path / "m.pt"
+    out.write_bytes(b"keep")
+    with pytest.raises(OutputExistsError, match="--force"):
+        merge(str(fsdp2 / "ep0-ba2-rank0.pt"), str(out))
+    assert out.read_bytes() == b"keep"
+    merge(str(fsdp2 / "ep0-ba2-rank0.pt"), str(out), force=True)
+    assert_identical(torch.load(out, weights_only=True), expected_snapshot(fsdp2))
+    # one rank file of the set as -o: refused even with --force, every rank file untouched
+    before = (fsdp2 / "ep0-ba2-rank1.pt").read_bytes()
+    with pytest.raises(CkptError, match="overwrite the input"):
+        merge(str(fsdp2 / "ep0-ba2-rank0.pt"), str(fsdp2 / "ep0-ba2-rank1.pt"), force=True)
+    assert (fsdp2 / "ep0-ba2-rank1.pt").read_bytes() == before
+
+
+class Hyper:
+    """A custom class in a plain (unsharded) snapshot."""
+
+    def __init__(self):
+        self.layers = 2
+        self.scale = torch.tensor([1.5, -2.0])
+
+
+def test_plain_snapshot_objects_numpy_and_class_refs(tmp_path: Path):
+    """Any readable input merges; nothing is lost and the result needs no custom class."""
+    model = collections.OrderedDict(w=torch.randn(3, 2), b=torch.arange(3))
+    snapshot = {
+        "model": model,
+        "optimizer": {"state": {0: {"momentum_buffer": torch.ones(2)}}, "param_groups": []},
+        "hparams": argparse.Namespace(lr=0.1, betas=(0.9, 0.99)),
+        "hyper": Hyper(),
+        "optimizer_cls": torch.optim.AdamW,
+        "np_array": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "np_scalar": np.float64(2.5),
+        "dtype": torch.bfloat16,
+        "device": torch.device("cuda", 1),
+        "nested": [(1, "a"), {"x": None, 2: [torch.zeros(0)]}],
+    }
+    torch.save(snapshot, tmp_path / "plain.pt")
+    result = merge(str(tmp_path / "plain.pt"), str(tmp_path / "m.pt"))
+    assert result.stand_ins == ["argparse.Namespace", "test_merge.Hyper"]
+    merged = torch.load(tmp_path / "m.pt", weights_only=True)
+    want = {
+        "model": model,
+        "optimizer": snapshot["optimizer"],
+        "hparams": {"__class__": "argparse.Namespace", "state": {"lr": 0.1, "betas": (0.9, 0.99)}},
+        "hyper": {
+            "__class__": "test_merge.Hyper",
+            "state": {"layers": 2, "scale": torch.tensor([1.5, -2.0])},
+        },
+        "optimizer_cls": {"__global__": "torch.optim.adamw.AdamW"},
+        "np_array": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "np_scalar": 2.5,
+        "dtype": torch.bfloat16,
+        "device": torch.device("cuda", 1),
+        "nested": [(1, "a"), {"x": None, 2: [torch.zeros(0)]}],
+    }
+    assert assert_identical(merged, want) == 6
