@@ -248,7 +248,17 @@ class ShardedRef:
         return load_sharded(self, map_location)
 
 
-class Opaque:
+class _ReadOnlyClass(type):
+    """Stand-in classes are shared by every read: a pickle's BUILD must not change them."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
+
+    def __delattr__(cls, name: str) -> None:
+        raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
+
+
+class Opaque(metaclass=_ReadOnlyClass):
     """Inert stand-in for an instance of a class we do not rebuild.
 
     It records what the pickle gave it (constructor args, state, items) and

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import collections
+import dataclasses
 import io
 import pickle
 import struct
@@ -585,6 +586,25 @@ SAFE_GLOBALS: dict[str, Any] = {
 }
 
 
+class _ReadOnlyCall:
+    """A safe global as a pickle gets it: callable, but no attribute can be set.
+
+    A pickle may BUILD on any object it names; on our shared functions that would
+    change how every later file is read (``__kwdefaults__``, ``__defaults__``).
+    """
+
+    __slots__ = ("_func",)
+
+    def __init__(self, func: Callable[..., Any]):
+        object.__setattr__(self, "_func", func)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._func(*args, **kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("read-only")
+
+
 class SafeUnpickler(pickle.Unpickler):
     """Unpickle with stand-ins; collects every global seen and the dangerous ones.
 
@@ -618,7 +638,14 @@ class SafeUnpickler(pickle.Unpickler):
         full = f"{module}.{name}"
         self.seen.add(full)
         if full in SAFE_GLOBALS:
-            return SAFE_GLOBALS[full]
+            value = SAFE_GLOBALS[full]
+            # builtin types cannot be changed and stand-in classes are read-only
+            is_type = isinstance(value, type)
+            if is_type and (
+                value.__module__ in ("builtins", "collections") or issubclass(value, Opaque)
+            ):
+                return value
+            return _ReadOnlyCall(value)
         if module == "builtins" and name == "getattr":
             return self._getattr
         if is_dangerous(module, name):
@@ -627,7 +654,8 @@ class SafeUnpickler(pickle.Unpickler):
         if module in ("torch", "torch.storage") and name in STORAGE_CLASSES:
             return StorageType(name, DTYPES[STORAGE_CLASSES[name]])
         if module == "torch" and name in DTYPES:
-            return DTYPES[name]
+            # a copy: BUILD writes into __dict__ past ``frozen``, and DTYPES is shared
+            return dataclasses.replace(DTYPES[name])
         if module == "torch" and name in TORCH_LAYOUTS | TORCH_MEMORY_FORMATS:
             return TorchName(f"torch.{name}")
         known = full.startswith(KNOWN_TORCH_PREFIXES) or module.startswith("pathlib")
