@@ -1,0 +1,517 @@
+"""Shared test helpers: real checkpoints built with torch in temp dirs, a CLI runner,
+and malicious pickles.
+
+Everything is generated in ``tmp_path`` / ``tmp_path_factory`` from real
+``torch.save`` / ``torch.jit.save`` / safetensors / torchrun + gloo runs; the
+expensive inputs (the torchrun runs) are session-scoped and shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args: Any, cwd: Any = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m ckpttool ARGS`` in a subprocess, capturing text stdout/stderr."""
+    env = dict(os.environ)
+    env["COLUMNS"] = "250"  # rich wraps tables at 80 columns when stdout is not a terminal
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("CKPTTOOL_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "ckpttool", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def check_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    """Assert the contract's error shape: exit ``code``, ONE stderr line, no traceback.
+
+    Returns the stderr line; every ``needle`` must occur in it.
+    """
+    assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+# ------------------------------------------------------------------ small files
+
+
+def sha256(path: Path) -> str:
+    """Hash of a file, or of every file under a folder (names included)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    if path.is_dir():
+        for p in sorted(path.rglob("*")):
+            h.update(str(p.relative_to(path)).encode())
+            if p.is_file():
+                h.update(p.read_bytes())
+    elif path.exists():
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def rewrite_zip(src: Path, dst: Path, edit) -> None:
+    """Copy the zip ``src`` to ``dst`` with ``edit(name, data) -> bytes | None`` applied to
+    every entry (None keeps the entry as it is). Entries stay uncompressed, as torch writes."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            new = edit(info.filename, data)
+            zout.writestr(info.filename, data if new is None else new)
+
+
+def small_state_dict(seed: int = 0) -> dict:
+    """A deterministic model state dict with a submodule, a bias and an int buffer."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "fc.weight": torch.randn(4, 3, generator=g),
+        "fc.bias": torch.randn(4, generator=g),
+        "head.weight": torch.randn(2, 4, generator=g),
+        "bn.num_batches_tracked": torch.tensor(7),
+    }
+
+
+# ------------------------------------------------------------ malicious pickles
+
+
+class Reduce:
+    """An object that pickles as ``func(*args)``; ``func`` may itself be a Reduce."""
+
+    def __init__(self, func: Any, args: tuple = ()):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return (self.func, self.args)
+
+    def __call__(self, *args: Any) -> None:  # pickle insists the reduce callable be callable
+        raise AssertionError("never called while pickling")
+
+
+@dataclass
+class Payload:
+    """A malicious object, the globals a reader must name, and how to tell that it fired."""
+
+    name: str
+    obj: Any
+    expected: tuple[str, ...]  # each must be named in the error message / .dangerous
+    fired: Any  # callable () -> bool: True when the payload's side effect happened
+    reset: Any  # callable () -> None: undo the side effect
+    live: bool = True  # whether test_safety proves it fires under a real torch.load
+
+
+def make_payloads(work: Path) -> dict[str, Payload]:
+    """Every payload writes (or deletes) something under ``work`` when really unpickled."""
+    import builtins
+    import http.server
+    import importlib
+    import operator
+    import pickle
+    import pydoc
+    import runpy
+    import shutil
+    import socket
+    import subprocess as sp
+
+    import torch
+
+    work.mkdir(parents=True, exist_ok=True)
+
+    out: dict[str, Payload] = {}
+
+    def add(name, build, expected, live=True):
+        marker = work / f"marker-{name}"
+        reset = lambda: marker.unlink(missing_ok=True)  # noqa: E731
+        out[name] = Payload(name, build(str(marker)), expected, marker.exists, reset, live)
+
+    touch_code = "open({!r}, 'w').close()"
+    add("os_system", lambda m: Reduce(os.system, (f"touch {m}",)), ("posix.system",))
+    add("popen", lambda m: Reduce(sp.Popen, (["touch", m],)), ("subprocess.Popen",))
+    add("eval", lambda m: Reduce(builtins.eval, (touch_code.format(m),)), ("builtins.eval",))
+    add("exec", lambda m: Reduce(builtins.exec, (touch_code.format(m),)), ("builtins.exec",))
+    add(
+        "getattr_builtins_eval",  # getattr(__import__("builtins"), "eval")(code)
+        lambda m: Reduce(
+            Reduce(getattr, (Reduce(builtins.__import__, ("builtins",)), "eval")),
+            (touch_code.format(m),),
+        ),
+        ("builtins.getattr", "builtins.__import__"),
+    )
+    add(
+        "getattr_os_system",  # getattr(importlib.import_module("os"), "system")(cmd)
+        lambda m: Reduce(
+            Reduce(getattr, (Reduce(importlib.import_module, ("os",)), "system")),
+            (f"touch {m}",),
+        ),
+        ("builtins.getattr", "importlib.import_module"),
+    )
+    add(
+        "attrgetter",  # operator.attrgetter("system")(import_module("os"))(cmd)
+        lambda m: Reduce(
+            Reduce(operator.attrgetter("system"), (Reduce(importlib.import_module, ("os",)),)),
+            (f"touch {m}",),
+        ),
+        ("operator.attrgetter", "importlib.import_module"),
+    )
+    add(
+        "nested_pickle_loads",
+        lambda m: Reduce(pickle.loads, (pickle.dumps(Reduce(os.system, (f"touch {m}",))),)),
+        ("pickle.loads",),
+    )
+
+    def torch_load(m):
+        inner = work / "inner-payload.pt"
+        torch.save({"x": Reduce(os.system, (f"touch {m}",))}, inner)
+        # torch.load(f, None, pickle) loads with weights_only=False (a pickle_module is given)
+        return Reduce(torch.load, (str(inner), None, Reduce(importlib.import_module, ("pickle",))))
+
+    add("torch_load", torch_load, ("torch.serialization.load",))
+
+    def run_path(m):
+        script = work / "payload_script.py"
+        script.write_text(f"open({m!r}, 'w').close()\n")
+        return Reduce(runpy.run_path, (str(script),))
+
+    add("runpy", run_path, ("runpy.run_path",))
+
+    victim = work / "victim"
+
+    def make_victim():
+        victim.mkdir(exist_ok=True)
+        (victim / "keep.txt").write_text("precious")
+
+    make_victim()
+    out["shutil_rmtree"] = Payload(
+        "shutil_rmtree",
+        Reduce(shutil.rmtree, (str(victim),)),
+        ("shutil.rmtree",),
+        lambda: not (victim / "keep.txt").exists(),
+        make_victim,
+    )
+    # socket.socket(AF_UNIX).bind(path) creates a socket file at path
+    add(
+        "socket",
+        lambda m: Reduce(Reduce(getattr, (Reduce(socket.socket, (socket.AF_UNIX,)), "bind")), (m,)),
+        ("socket.socket",),
+    )
+    # pydoc.pipepager(text, cmd) runs cmd in a shell
+    add("pydoc_pipepager", lambda m: Reduce(pydoc.pipepager, ("", f"touch {m}")), ("pipepager",))
+    # torch.save pickles with protocol 2, which writes Python 2 module names: http.server
+    # becomes SimpleHTTPServer/CGIHTTPServer, and the real unpickler maps them back.
+    # http.server.test() would serve the current folder to the network (never run here).
+    add(
+        "py2_alias_http_server",
+        lambda m: Reduce(http.server.test, ()),
+        ("http.server.test",),
+        live=False,
+    )
+    return out
+
+
+# ---------------------------------------------------------- torchrun + gloo runs
+
+DIST_WORKER = textwrap.dedent(
+    '''
+    """Writes real FSDP1 / DCP / DTensor checkpoints on CPU + gloo, plus the full reference."""
+    import os
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.nn as nn
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.fsdp import FullStateDictConfig, ShardedOptimStateDictConfig
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
+
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    if world == 2:  # first dims 5 and 3: uneven shards over 2 ranks
+        model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    else:  # a 2-row weight and a 2-element bias over 3 ranks: rank 2 holds nothing
+        model = nn.Sequential(nn.Linear(4, 2))
+    fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    opt = torch.optim.Adam(fsdp.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    fsdp(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    with FSDP.state_dict_type(
+        fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)
+    ):
+        full = {k: v.clone() for k, v in fsdp.state_dict().items()}
+    with FSDP.state_dict_type(
+        fsdp,
+        StateDictType.SHARDED_STATE_DICT,
+        ShardedStateDictConfig(),
+        ShardedOptimStateDictConfig(),
+    ):
+        sd = fsdp.state_dict()
+        osd = FSDP.optim_state_dict(fsdp, opt)
+
+
+    def gather(node):
+        """Independent reference: every rank's local shards, assembled by hand."""
+        if isinstance(node, dict):
+            return {k: gather(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [gather(v) for v in node]
+        if isinstance(node, ShardedTensor):
+            mine = [(s.metadata.shard_offsets, s.tensor.clone()) for s in node.local_shards()]
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+            t = torch.empty(node.size(), dtype=node.dtype)
+            for blocks in every:
+                for offsets, block in blocks:
+                    t[tuple(slice(o, o + n) for o, n in zip(offsets, block.shape))] = block
+            return t
+        return node
+
+
+    reference = {"model": full, "optim": gather(osd)}
+    if rank == 0:
+        torch.save(reference, os.path.join(out, "full.pt"))
+    snapshot = {
+        "state": {
+            "model": sd,
+            "optimizers": {"Adam": osd},
+            "schedulers": {},
+            "timestamp": {"epoch": 0, "batch": 1},
+        },
+        "rng": [{"torch": torch.get_rng_state()}],
+    }
+    torch.save(snapshot, os.path.join(out, f"ep0-ba1-rank{rank}.pt"))
+    if world == 2:
+        dcp.save({"model": sd, "optim": osd, "step": 7}, checkpoint_id=os.path.join(out, "dcp"))
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(2)
+        w, b = torch.randn(5, 3), torch.randn(3)
+        if rank == 0:
+            torch.save({"w": w, "b": b}, os.path.join(out, "dtensor_full.pt"))
+        local = {
+            "w": distribute_tensor(w, mesh, [Shard(0)]),
+            "b": distribute_tensor(b, mesh, [Replicate()]),
+        }
+        torch.save(local, os.path.join(out, f"dtensor-rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    '''
+)
+
+
+@dataclass
+class DistRuns:
+    """Outputs of the two torchrun runs (2 ranks and 3 ranks)."""
+
+    two: Path  # ep0-ba1-rank{0,1}.pt, dcp/, dtensor-rank{0,1}.pt, full.pt, dtensor_full.pt
+    three: Path  # ep0-ba1-rank{0,1,2}.pt, full.pt
+
+
+@pytest.fixture(scope="session")
+def dist_runs(tmp_path_factory) -> DistRuns:
+    """Run both torchrun jobs at once (about 10 s together) and share their files."""
+    base = tmp_path_factory.mktemp("dist")
+    worker = base / "worker.py"
+    worker.write_text(DIST_WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs = {}
+    for world, name in ((2, "two"), (3, "three")):
+        out = base / name
+        out.mkdir()
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={world}",
+            str(worker),
+            str(out),
+        ]
+        procs[name] = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=base
+        )
+    for name, proc in procs.items():
+        output, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            pytest.fail(f"torchrun ({name}) failed:\n{output[-4000:]}")
+    return DistRuns(base / "two", base / "three")
+
+
+@pytest.fixture(scope="session")
+def dist_reference(dist_runs):
+    """The full (unsharded) model and optimizer state of both runs, loaded with torch."""
+    import torch
+
+    return {
+        "two": torch.load(dist_runs.two / "full.pt", weights_only=True),
+        "three": torch.load(dist_runs.three / "full.pt", weights_only=True),
+        "dtensor": torch.load(dist_runs.two / "dtensor_full.pt", weights_only=True),
+    }
+
+
+def fixture_path(name: str) -> Path:
+    """A committed fixture; skip the test when it has not landed yet."""
+    path = FIXTURES / name
+    if not path.exists():
+        pytest.skip(f"fixture fixtures/{name} is not committed yet")
+    return path
+
+
+# ------------------------------------------- malicious checkpoints, three ways
+
+MALICIOUS_KINDS = ("torch-zip", "torch-legacy", "dcp")
+
+
+def _weight():
+    import torch
+
+    return torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+
+class _Storage:
+    """Pickled as torch's persistent id for storage ``key`` (FloatStorage, cpu)."""
+
+    def __init__(self, key: str, numel: int):
+        self.key, self.numel = key, numel
+
+
+def torch_pickle_bytes(obj: Any) -> bytes:
+    """Pickle ``obj`` the way torch.save writes data.pkl (protocol 2, storages as ids)."""
+    import io
+    import pickle
+
+    import torch
+
+    class TorchPickler(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, _Storage):
+                return ("storage", torch.FloatStorage, o.key, "cpu", o.numel)
+            return None
+
+    buf = io.BytesIO()
+    TorchPickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+def lazy_tensor(key: str, shape: tuple, numel: int) -> Reduce:
+    """A pickled ``torch._utils._rebuild_tensor_v2`` call on storage ``key`` (contiguous)."""
+    import collections
+
+    import torch
+
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.insert(0, acc)
+        acc *= n
+    return Reduce(
+        torch._utils._rebuild_tensor_v2,
+        (_Storage(key, numel), 0, tuple(shape), tuple(stride), False, collections.OrderedDict()),
+    )
+
+
+def write_malicious_zip(path: Path, evil: Any) -> None:
+    """A real torch.save zip whose ``*/data.pkl`` is replaced by one holding ``evil``."""
+    import torch
+
+    base = path.with_name(path.name + ".base")
+    w = _weight()
+    torch.save({"w": w}, base)
+    data = torch_pickle_bytes({"w": lazy_tensor("0", tuple(w.shape), w.numel()), "x": evil})
+    rewrite_zip(base, path, lambda name, old: data if name.endswith("/data.pkl") else None)
+    base.unlink()
+
+
+def write_malicious_legacy(path: Path, evil: Any) -> None:
+    """A legacy (pre-1.6) torch.save stream whose main pickle holds ``evil``."""
+    import torch
+
+    torch.save({"w": _weight(), "x": evil}, path, _use_new_zipfile_serialization=False)
+
+
+def write_dcp(folder: Path, state: dict) -> None:
+    """A single-process ``torch.distributed.checkpoint`` save (no process group)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(folder))
+
+
+def write_malicious_dcp(folder: Path, evil: Any) -> None:
+    """A real DCP folder whose ``.metadata`` pickle also holds ``evil`` (in planner_data)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    write_dcp(folder, {"model": {"w": _weight()}, "step": 3})
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    metadata.planner_data = dict(metadata.planner_data or {}, __evil__=evil)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+WRITERS = {
+    "torch-zip": write_malicious_zip,
+    "torch-legacy": write_malicious_legacy,
+    "dcp": write_malicious_dcp,
+}
+
+
+@dataclass
+class MaliciousFile:
+    kind: str
+    path: Path
+    payload: Payload
+
+
+@pytest.fixture(scope="session")
+def malicious(tmp_path_factory) -> dict[tuple[str, str], MaliciousFile]:
+    """Every payload embedded every way: ``{(kind, payload name): MaliciousFile}``."""
+    base = tmp_path_factory.mktemp("malicious")
+    out = {}
+    for kind in MALICIOUS_KINDS:
+        folder = base / kind
+        folder.mkdir()
+        for name, payload in make_payloads(base / f"work-{kind}").items():
+            path = folder / (name if kind == "dcp" else f"{name}.pt")
+            WRITERS[kind](path, payload.obj)
+            out[(kind, name)] = MaliciousFile(kind, path, payload)
+    return out

@@ -1,0 +1,290 @@
+"""Malicious pickles are refused (exit 3), name their globals, and never run.
+
+Each payload is a real exploit: ``test_payloads_are_live`` proves that a plain
+``torch.load(weights_only=False)`` / DCP metadata read runs it, so the
+"marker was not created" assertions below can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+from conftest import MALICIOUS_KINDS, check_error, run_cli, write_dcp
+
+import ckpttool
+
+PAYLOAD_NAMES = (
+    "os_system",
+    "popen",
+    "eval",
+    "exec",
+    "getattr_builtins_eval",
+    "getattr_os_system",
+    "attrgetter",
+    "nested_pickle_loads",
+    "torch_load",
+    "runpy",
+    "shutil_rmtree",
+    "socket",
+    "pydoc_pipepager",
+    "py2_alias_http_server",
+)
+CASES = [(kind, name) for kind in MALICIOUS_KINDS for name in PAYLOAD_NAMES]
+
+
+def _ids(case):
+    return f"{case[0]}-{case[1]}"
+
+
+LIVE_SCRIPT = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    for kind, path in zip(sys.argv[1::2], sys.argv[2::2]):
+        try:
+            if kind == "dcp":
+                dcp.FileSystemReader(path).read_metadata()
+            else:
+                torch.load(path, weights_only=False)
+        except BaseException as exc:  # a payload may fail after it fired
+            print(kind, path, type(exc).__name__)
+    """
+)
+
+
+def test_payloads_are_live(malicious, tmp_path):
+    """Control: the same files DO run their payload under an unrestricted torch.load."""
+    files = [f for f in malicious.values() if f.payload.live]
+    assert not any(f.payload.fired() for f in files)
+    args = [x for f in files for x in (f.kind, str(f.path))]
+    proc = subprocess.run(
+        [sys.executable, "-c", LIVE_SCRIPT, *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    try:
+        not_fired = [(f.kind, f.payload.name) for f in files if not f.payload.fired()]
+        assert not_fired == [], proc.stdout + proc.stderr
+    finally:
+        for f in malicious.values():
+            f.payload.reset()
+    assert not any(f.payload.fired() for f in files)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_inspect_refuses_and_names_globals(malicious, case):
+    f = malicious[case]
+    assert not f.payload.fired()
+    line = check_error(run_cli("inspect", f.path), 3, *f.payload.expected)
+    assert line.startswith("ckpttool: ")
+    assert "--unsafe" in line  # the next step, for a file the user trusts
+    assert not f.payload.fired()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_read_raises_unsafe_error(malicious, case):
+    f = malicious[case]
+    with pytest.raises(ckpttool.UnsafeError) as info:
+        ckpttool.read(f.path)
+    for name in f.payload.expected:
+        assert any(name in g for g in info.value.dangerous), (name, info.value.dangerous)
+    assert info.value.exit_code == 3
+    assert isinstance(info.value, ckpttool.CkptError)
+    with pytest.raises(ckpttool.UnsafeError):
+        ckpttool.load(f.path, select="all")
+    assert not f.payload.fired()
+
+
+def test_os_system_is_named_exactly(malicious):
+    for kind in MALICIOUS_KINDS:
+        with pytest.raises(ckpttool.UnsafeError) as info:
+            ckpttool.read(malicious[(kind, "os_system")].path)
+        assert info.value.dangerous == ["posix.system"], kind
+
+
+def test_getattr_trick_names_every_global(malicious):
+    with pytest.raises(ckpttool.UnsafeError) as info:
+        ckpttool.read(malicious[("torch-zip", "getattr_builtins_eval")].path)
+    assert info.value.dangerous == ["builtins.__import__", "builtins.getattr"]
+
+
+@pytest.mark.parametrize("kind", MALICIOUS_KINDS)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("convert", "--to", "safetensors"),
+        ("convert", "--to", "pt"),
+        ("convert", "--to", "dcp"),
+        ("merge",),
+    ],
+    ids=lambda c: "-".join(c),
+)
+def test_no_output_written_when_refused(malicious, kind, command, tmp_path):
+    f = malicious[(kind, "os_system")]
+    out = tmp_path / "out" / "result"
+    check_error(run_cli(*command, f.path, "-o", out), 3, "posix.system")
+    assert not out.exists()
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+    assert not f.payload.fired()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_unsafe_inspect_keeps_payload_inert(malicious, case):
+    """``--unsafe`` reads the file, lists the globals as dangerous, and still runs nothing."""
+    f = malicious[case]
+    proc = run_cli("inspect", "--unsafe", "--json", f.path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    for name in f.payload.expected:
+        assert any(name in g for g in report["dangerous"]), (name, report["dangerous"])
+    keys = [t["key"] for t in report["tensors"]]
+    assert (["model", "w"] if f.kind == "dcp" else ["w"]) in keys
+    assert not f.payload.fired()
+
+
+def test_unsafe_human_output_has_security_line(malicious):
+    f = malicious[("torch-zip", "os_system")]
+    proc = run_cli("inspect", "--unsafe", f.path)
+    assert proc.returncode == 0, proc.stderr
+    assert "security: dangerous globals kept inert (--unsafe): posix.system" in proc.stdout
+    assert not f.payload.fired()
+
+
+@pytest.mark.parametrize("kind", MALICIOUS_KINDS)
+def test_unsafe_load_returns_tensors_and_runs_nothing(malicious, kind):
+    import torch
+
+    f = malicious[(kind, "os_system")]
+    everything = ckpttool.load(f.path, select="all", unsafe=True)
+    w = everything["model"]["w"] if kind == "dcp" else everything["w"]
+    assert torch.equal(w, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    if kind != "dcp":  # DCP keeps the payload in .metadata, not in the tree
+        assert isinstance(everything["x"], ckpttool.Opaque)
+        assert everything["x"].class_name() == "posix.system"
+    assert not f.payload.fired()
+
+
+def test_unsafe_convert_writes_output_and_runs_nothing(malicious, tmp_path):
+    from safetensors.torch import load_file
+
+    f = malicious[("torch-zip", "os_system")]
+    out = tmp_path / "w.safetensors"
+    proc = run_cli("convert", f.path, "--to", "safetensors", "-o", out, "--unsafe", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert list(load_file(out)) == ["w"]
+    assert not f.payload.fired()
+
+
+# ------------------------------------------------------------ benign classes
+
+
+def _throwaway_class():
+    """A class in a module that exists only while we pickle (a reader must not need it)."""
+    mod = types.ModuleType("ckpttool_throwaway_mod")
+    exec("class Config:\n    def __init__(self):\n        self.lr = 0.1\n", mod.__dict__)
+    mod.Config.__module__ = mod.__name__
+    return mod
+
+
+@pytest.fixture
+def benign_files(tmp_path):
+    import argparse
+
+    import torch
+
+    mod = _throwaway_class()
+    sys.modules[mod.__name__] = mod
+    try:
+        obj = {
+            "model": {"w": torch.ones(2, 3)},
+            "args": argparse.Namespace(lr=0.1, epochs=3),
+            "cfg": mod.Config(),
+            "epoch": 5,
+        }
+        torch.save(obj, tmp_path / "zip.pt")
+        torch.save(obj, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+        write_dcp(tmp_path / "dcp", obj)
+    finally:
+        del sys.modules[mod.__name__]
+    return {
+        "torch-zip": tmp_path / "zip.pt",
+        "torch-legacy": tmp_path / "legacy.pt",
+        "dcp": tmp_path / "dcp",
+    }
+
+
+@pytest.mark.parametrize("kind", MALICIOUS_KINDS)
+def test_benign_custom_classes_never_stop_inspection(benign_files, kind):
+    proc = run_cli("inspect", "--json", benign_files[kind])
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["format"] == kind
+    assert report["dangerous"] == []
+    assert report["model_key"] == ["model"]
+    assert [t["key"] for t in report["tensors"]] == [["model", "w"]]
+    values = {tuple(v["key"]): v for v in report["values"]}
+    assert values[("args",)] == {
+        "key": ["args"],
+        "type": "opaque",
+        "value": "<opaque argparse.Namespace>",
+    }
+    assert values[("cfg",)]["value"] == "<opaque ckpttool_throwaway_mod.Config>"
+    assert values[("epoch",)] == {"key": ["epoch"], "type": "int", "value": 5}
+
+
+def test_benign_custom_class_load_gives_opaque_and_tensors(benign_files):
+    import torch
+
+    everything = ckpttool.load(benign_files["torch-zip"], select="all")
+    assert torch.equal(everything["model"]["w"], torch.ones(2, 3))
+    assert isinstance(everything["args"], ckpttool.Opaque)
+    assert repr(everything["args"]) == "<opaque argparse.Namespace>"
+    assert everything["args"].attrs() == {"lr": 0.1, "epochs": 3}
+    assert ckpttool.load(benign_files["torch-zip"]).keys() == {"w"}
+
+
+def test_reader_never_imports_the_module_of_a_class(tmp_path):
+    """A class whose module has import side effects: reading must not import it."""
+    import torch
+
+    marker = tmp_path / "imported"
+    (tmp_path / "sideeffect_mod.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nclass Thing:\n    pass\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import sideeffect_mod
+
+        torch.save({"w": torch.zeros(2), "thing": sideeffect_mod.Thing()}, tmp_path / "t.pt")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("sideeffect_mod", None)
+    marker.unlink()
+    # ``python -m`` puts the working directory on sys.path: the module IS importable.
+    proc = run_cli("inspect", "--json", "t.pt", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert {"key": ["thing"], "type": "opaque", "value": "<opaque sideeffect_mod.Thing>"} in report[
+        "values"
+    ]
+    assert not marker.exists()
+
+
+def test_malicious_file_does_not_touch_the_input(malicious, tmp_path):
+    f = malicious[("torch-zip", "os_system")]
+    copy = tmp_path / "copy.pt"
+    shutil.copy(f.path, copy)
+    before = copy.read_bytes()
+    run_cli("convert", copy, "--to", "pt", "-o", tmp_path / "o.pt")
+    assert copy.read_bytes() == before

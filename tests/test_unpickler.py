@@ -1,0 +1,300 @@
+"""The restricted unpickler on hand-made pickles: what it rebuilds, what it refuses."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+
+import pytest
+from conftest import lazy_tensor, torch_pickle_bytes
+
+import ckpttool
+from ckpttool.errors import CkptError, UnsafeError
+from ckpttool.tree import DTYPES, ByteSource, Opaque, StorageRef, TensorRef
+from ckpttool.unpickler import is_dangerous, load_pickle
+
+PLAIN = {
+    "int": 3,
+    "big": 2**70,
+    "float": -1.5,
+    "nan_free": [0.0, 1e-300],
+    "str": "héllo",
+    "none": None,
+    "bools": (True, False),
+    "bytes": b"\x00\xff",
+    "bytearray": bytearray(b"ab"),
+    "set": {1, 2},
+    "frozenset": frozenset({"a"}),
+    "complex": 1 + 2j,
+    "ordered": collections.OrderedDict([("b", 1), ("a", 2)]),
+    "nested": {"list": [1, [2, [3]]], "tuple": (1, (2,))},
+    "slice": slice(1, None, 2),
+}
+
+
+@pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
+def test_plain_data_round_trips(protocol):
+    seen: set[str] = set()
+    out = load_pickle(pickle.dumps(PLAIN, protocol=protocol), seen=seen)
+    assert out == PLAIN
+    assert type(out["ordered"]) is collections.OrderedDict
+    assert list(out["ordered"]) == ["b", "a"]
+    assert not any(g.startswith("!") for g in seen)
+
+
+def test_defaultdict_becomes_plain_dict_without_factory():
+    d = collections.defaultdict(list, {"a": [1]})
+    out = load_pickle(pickle.dumps(d, protocol=2))
+    assert out == {"a": [1]} and type(out) is dict
+
+
+def _storage_loader(numel=12):
+    storages = {}
+
+    def persistent_load(pid):
+        assert pid[0] == "storage"
+        key = pid[2]
+        if key not in storages:
+            storages[key] = StorageRef(key, DTYPES["float32"], pid[4], pid[3], ByteSource(data=b""))
+        return storages[key]
+
+    return persistent_load, storages
+
+
+def test_tensor_becomes_lazy_ref_with_exact_metadata():
+    data = torch_pickle_bytes({"w": lazy_tensor("0", (3, 4), 12), "v": lazy_tensor("0", (12,), 12)})
+    persistent_load, storages = _storage_loader()
+    out = load_pickle(data, persistent_load)
+    w = out["w"]
+    assert isinstance(w, TensorRef)
+    assert (w.dtype.name, w.shape, w.stride, w.offset, w.device) == (
+        "float32",
+        (3, 4),
+        (4, 1),
+        0,
+        "cpu",
+    )
+    assert w.storage is out["v"].storage is storages["0"]  # shared storage stays shared
+    assert (w.numel, w.nbytes) == (12, 48)
+
+
+def test_tensor_that_does_not_fit_its_storage_is_corrupt():
+    data = torch_pickle_bytes({"w": lazy_tensor("0", (4, 4), 12)})  # 16 elements, storage of 12
+    persistent_load, _ = _storage_loader()
+    with pytest.raises(CkptError, match="does not fit its storage"):
+        load_pickle(data, persistent_load)
+
+
+class Unknown:
+    def __init__(self):
+        self.lr = 0.5
+        self.name = "x"
+
+
+def test_unknown_class_is_an_inert_opaque_with_its_attributes():
+    seen: set[str] = set()
+    out = load_pickle(pickle.dumps({"cfg": Unknown()}, protocol=2), seen=seen)
+    cfg = out["cfg"]
+    assert isinstance(cfg, Opaque)
+    assert cfg.class_name() == f"{__name__}.Unknown"
+    assert repr(cfg) == f"<opaque {__name__}.Unknown>"
+    assert cfg.attrs() == {"lr": 0.5, "name": "x"}
+    assert not cfg.dangerous
+    assert f"{__name__}.Unknown" in seen
+
+
+# getattr(__import__("os"), "system")("id")
+GETATTR_OS_SYSTEM = (
+    b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(S'os'\ntRS'system'\ntR(S'id'\ntR."
+)
+# Raw protocol-0 pickles, so every global is spelled exactly as an attacker would.
+DANGEROUS_RAW = [
+    (b"cos\nsystem\n(S'touch /tmp/x'\ntR.", ["os.system"]),
+    (b"cposix\nsystem\n(S'touch /tmp/x'\ntR.", ["posix.system"]),
+    (b"cnt\nsystem\n(S'x'\ntR.", ["nt.system"]),
+    (b"c__builtin__\neval\n(S'1+1'\ntR.", ["builtins.eval"]),
+    (b"cbuiltins\nexec\n(S'1'\ntR.", ["builtins.exec"]),
+    (b"cbuiltins\ncompile\n(S'1'\nS'f'\nS'exec'\ntR.", ["builtins.compile"]),
+    (b"cbuiltins\nopen\n(S'/etc/passwd'\ntR.", ["builtins.open"]),
+    (b"cbuiltins\n__import__\n(S'os'\ntR.", ["builtins.__import__"]),
+    (b"csubprocess\ncheck_output\n(S'id'\ntR.", ["subprocess.check_output"]),
+    (b"cimportlib\nimport_module\n(S'os'\ntR.", ["importlib.import_module"]),
+    (b"crunpy\n_run_code\n(S'1'\n(dtR.", ["runpy._run_code"]),
+    (b"csocket\ncreate_connection\n((S'h'\nI1\nttR.", ["socket.create_connection"]),
+    (b"cshutil\nrmtree\n(S'/'\ntR.", ["shutil.rmtree"]),
+    (b"cpickle\nloads\n(S'x'\ntR.", ["pickle.loads"]),
+    (b"c_pickle\nloads\n(S'x'\ntR.", ["_pickle.loads"]),
+    (b"ctorch\nload\n(S'x.pt'\ntR.", ["torch.load"]),
+    (b"ctorch.serialization\nload\n(S'x.pt'\ntR.", ["torch.serialization.load"]),
+    (b"ctorch.jit\nload\n(S'x.pt'\ntR.", ["torch.jit.load"]),
+    (b"ctorch.hub\nload\n(S'x'\nS'y'\ntR.", ["torch.hub.load"]),
+    (b"cnumpy\nload\n(S'x.npy'\ntR.", ["numpy.load"]),
+    (b"coperator\nattrgetter\n(S'system'\ntR.", ["operator.attrgetter"]),
+    (b"c_operator\nmethodcaller\n(S'system'\ntR.", ["_operator.methodcaller"]),
+    (b"cctypes\nCDLL\n(S'libc.so.6'\ntR.", ["ctypes.CDLL"]),
+    (b"cpydoc\npipepager\n(S''\nS'id'\ntR.", ["pydoc.pipepager"]),
+    (b"c_posixsubprocess\nfork_exec\n(tR.", ["_posixsubprocess.fork_exec"]),
+    (b"cwebbrowser\nopen\n(S'http://x'\ntR.", ["webbrowser.open"]),
+    (b"ccodecs\nopen\n(S'/etc/passwd'\ntR.", ["codecs.open"]),
+    (b"ctorch\nos\n.", ["torch.os"]),  # torch re-exports os: reaching it is reaching os
+    (
+        b"ctorch.fx.graph_module\nreduce_graph_module\n(dS'x'\ntR.",
+        ["torch.fx.graph_module.reduce_graph_module"],
+    ),
+    # getattr on anything but a torch class: every global named, not just the first
+    (GETATTR_OS_SYSTEM, ["builtins.__import__", "builtins.getattr"]),
+    (b"cbuiltins\ngetattr\n(cargparse\nNamespace\nS'__init__'\ntR.", ["builtins.getattr"]),
+    # Python 2 names that the real unpickler maps to Python 3 modules (protocol <= 2)
+    (b"cthread\nstart_new_thread\n(tR.", ["_thread.start_new_thread"]),
+    (b"ccommands\ngetoutput\n(S'id'\ntR.", ["subprocess.getoutput"]),
+    (b"chttplib\nHTTPConnection\n(S'evil.invalid'\ntR.", ["http.client.HTTPConnection"]),
+    (b"cSimpleHTTPServer\ntest\n(tR.", ["http.server.test"]),
+    (b"ccPickle\nloads\n(S'x'\ntR.", ["pickle.loads"]),
+]
+
+
+@pytest.mark.parametrize(
+    "data,expected", DANGEROUS_RAW, ids=[",".join(e) for _, e in DANGEROUS_RAW]
+)
+def test_dangerous_globals_are_refused_and_named(data, expected):
+    with pytest.raises(UnsafeError) as info:
+        load_pickle(data, path="evil.pkl")
+    assert info.value.dangerous == expected
+    assert info.value.exit_code == 3
+    message = str(info.value)
+    assert message.startswith("evil.pkl: ") and "\n" not in message
+    for name in expected:
+        assert name in message
+
+
+@pytest.mark.parametrize("data,expected", DANGEROUS_RAW[:6])
+def test_permissive_keeps_dangerous_globals_inert(data, expected):
+    seen: set[str] = set()
+    out = load_pickle(data, permissive=True, seen=seen)
+    assert isinstance(out, Opaque) and out.dangerous
+    assert {"!" + g for g in expected} <= seen
+
+
+def test_calling_a_stand_in_gives_another_stand_in():
+    # getattr(__import__("os"), "system")("id") under --unsafe: all inert, no error
+    out = load_pickle(GETATTR_OS_SYSTEM, permissive=True)
+    assert isinstance(out, Opaque) and out.dangerous
+    assert out.args == ("id",)
+
+
+def test_getattr_reaches_nested_torch_classes_only():
+    seen: set[str] = set()
+    data = (
+        b"cbuiltins\ngetattr\n(ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n"
+        b"S'ProcessGroupState'\ntR."
+    )
+    cls = load_pickle(data, seen=seen)
+    assert issubclass(cls, Opaque) and not cls.dangerous
+    assert cls.class_name() == (
+        "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"
+    )
+    private = data.replace(b"ProcessGroupState", b"__reduce__")
+    with pytest.raises(UnsafeError, match="builtins.getattr"):
+        load_pickle(private)
+
+
+def test_python2_names_of_safe_builtins_load():
+    assert load_pickle(b"c__builtin__\nunicode\n(Vabc\ntR.") == "abc"
+    assert (
+        load_pickle(
+            b"ccopy_reg\n_reconstructor\n(c__main__\nC\nc__builtin__\nobject\nNtR."
+        ).class_name()
+        == "__main__.C"
+    )
+
+
+def test_range_is_refused_it_makes_tiny_pickles_that_never_finish():
+    # set(range(10**12)) is a few bytes of pickle; xrange is its Python 2 name
+    for data in (b"c__builtin__\nrange\n(I3\ntR.", b"c__builtin__\nxrange\n(I3\ntR."):
+        with pytest.raises(UnsafeError) as info:
+            load_pickle(data)
+        assert info.value.dangerous == ["builtins.range"]
+
+
+@pytest.mark.parametrize(
+    "module,name,dangerous",
+    [
+        ("os", "system", True),
+        ("os.path", "join", True),
+        ("posix", "system", True),
+        ("builtins", "eval", True),
+        ("builtins", "getattr", True),
+        ("builtins", "dict", False),
+        ("builtins", "ValueError", False),
+        ("collections", "OrderedDict", False),
+        ("torch._utils", "_rebuild_tensor_v2", False),
+        ("torch", "load", True),
+        ("torch.serialization", "load", True),
+        ("torch.storage", "_load_from_bytes", True),
+        ("numpy.core.multiarray", "_reconstruct", False),
+        ("argparse", "Namespace", False),
+        ("mylib.utils", "system", True),  # a `system` anywhere is refused
+        ("mylib", "subprocess", True),  # so is reaching a dangerous module by attribute
+    ],
+)
+def test_is_dangerous_table(module, name, dangerous):
+    assert is_dangerous(module, name) is dangerous
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"", "truncated pickle"),
+        (b"\x80\x02}q\x00(X\x01\x00\x00\x00a", "truncated pickle"),
+        (b"\xff\xfe garbage", "corrupt pickle"),
+        (b"c__builtin__\nbytes\n(I1000000000\ntR.", "absurd buffer size"),
+        (b"c__builtin__\nbytearray\n(I1000000000\ntR.", "absurd buffer size"),
+        (b"ctorch\nFloatStorage\n(tR.", "corrupt pickle"),  # a storage class is not callable
+    ],
+)
+def test_corrupt_pickles_raise_ckpt_error(data, message):
+    with pytest.raises(CkptError, match=message) as info:
+        load_pickle(data, path="f.pkl")
+    assert not isinstance(info.value, UnsafeError)
+    assert info.value.path == "f.pkl"
+
+
+def test_persistent_id_without_a_loader_is_corrupt():
+    data = torch_pickle_bytes({"w": lazy_tensor("0", (2,), 2)})
+    with pytest.raises(CkptError, match="unexpected persistent id"):
+        load_pickle(data)
+
+
+# A pickle may BUILD (set attributes) on any object it names. The objects find_class
+# hands out for safe globals are shared by every later read in the process, so a file
+# that is not refused must not be able to change how the NEXT file is read.
+POISON = [
+    # torch.float32.__dict__.update(itemsize=1)
+    b"\x80\x02ctorch\nfloat32\n}X\x08\x00\x00\x00itemsizeK\x01sb.",
+    # setattr(_rebuild_tensor_v2, "__kwdefaults__", {"dtype": torch.int8})
+    b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nN}X\x0e\x00\x00\x00__kwdefaults__"
+    b"}X\x05\x00\x00\x00dtypectorch\nint8\nss\x86b.",
+    # setattr(_rebuild_tensor_v2, "__defaults__", (True,))
+    b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nN}X\x0c\x00\x00\x00__defaults__K\x01\x85s\x86b.",
+    # setattr(<stand-in class for builtins.object>, "qualname", "hacked")
+    b"\x80\x02cbuiltins\nobject\nN}X\x08\x00\x00\x00qualnameX\x06\x00\x00\x00hackeds\x86b.",
+]
+
+
+@pytest.mark.parametrize("data", POISON, ids=["dtype", "kwdefaults", "defaults", "opaque-class"])
+def test_a_pickle_cannot_change_how_later_files_are_read(data, tmp_path):
+    import torch
+
+    good = tmp_path / "good.pt"
+    original = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "o": object()}
+    torch.save({"w": original["w"]}, good)
+    try:
+        load_pickle(data, path="poison.pkl")
+    except CkptError:
+        pass  # refusing the pickle is fine; changing shared state is not
+    sd = ckpttool.load(good)
+    assert sd["w"].dtype == torch.float32
+    assert torch.equal(sd["w"], original["w"])
+    assert DTYPES["float32"].itemsize == 4
+    out = load_pickle(b"\x80\x02cbuiltins\nobject\n)\x81.")
+    assert out.class_name() == "builtins.object"
