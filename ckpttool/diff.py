@@ -48,11 +48,14 @@ def compare_tensors(a: Any, b: Any, atol: float, rtol: float) -> dict[str, Any]:
         both_nan = torch.isnan(x) & torch.isnan(y)
         delta = (x - y).abs()
         delta = torch.where(both_nan | (x == y), torch.zeros_like(delta), delta)
-        delta = torch.nan_to_num(delta, nan=float("inf"))
+        # NaN against a number, or inf against anything else: an infinite difference
+        # (nan_to_num would otherwise turn inf into the largest finite float)
+        delta = torch.nan_to_num(delta, nan=float("inf"), posinf=float("inf"))
         if delta.numel():
             max_diff = max(max_diff, float(delta.max()))
         if not bitwise:
-            different += int((delta > atol + rtol * y.abs()).sum())
+            # no tolerance covers an infinite difference (rtol * |inf| would)
+            different += int(((delta > atol + rtol * y.abs()) | delta.isinf()).sum())
     return {"max_abs_diff": max_diff, "num_different": different}
 
 
