@@ -1,0 +1,238 @@
+"""``diff A B``: equal across formats (exit 0), every kind of difference (exit 1) with the
+exact ``--json`` document, tolerances, NaNs and infinities, bad inputs (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_dist import fsdp_checkpoints, one_line_error, run_cli
+
+from ckpttool.convert import convert
+from ckpttool.diff import diff
+from ckpttool.errors import CkptError, UsageError
+
+JSON_KEYS = [
+    "equal",
+    "only_in_a",
+    "only_in_b",
+    "mismatched",
+    "different",
+    "compared",
+    "atol",
+    "rtol",
+]
+
+
+def report(**changes) -> dict:
+    """The ``--json`` document of two equal checkpoints, with ``changes`` applied."""
+    base = {
+        "equal": True,
+        "only_in_a": [],
+        "only_in_b": [],
+        "mismatched": [],
+        "different": [],
+        "compared": 0,
+        "atol": 0.0,
+        "rtol": 0.0,
+    }
+    return {**base, **changes}
+
+
+def mismatch(dtype: str, *shape: int) -> dict:
+    return {"dtype": dtype, "shape": list(shape)}
+
+
+def model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(8, 4, generator=g)
+    return {
+        "module.emb.weight": emb,
+        "module.head.weight": emb,
+        "module.proj.weight": torch.randn(5, 4, generator=g).t(),
+        "module.steps": torch.tensor(11),
+    }
+
+
+@pytest.fixture
+def formats(tmp_path: Path) -> dict[str, Path]:
+    """One DDP snapshot as torch.save, safetensors, HF shards and DCP."""
+    pt = tmp_path / "snap.pt"
+    torch.save({"MODEL_STATE": model(), "EPOCHS_RUN": 2}, pt)
+    out = {"pt": pt}
+    for name, to, extra in [
+        ("safetensors", "safetensors", {}),
+        ("shards", "safetensors", {"max_shard_size": "100"}),
+        ("dcp", "dcp", {}),
+    ]:
+        out[name] = Path(convert([str(pt)], to, str(tmp_path / name), **extra).output)
+    return out
+
+
+def test_cli_equal_across_formats(formats: dict[str, Path]):
+    proc = run_cli("diff", formats["pt"], formats["safetensors"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert list(json.loads(proc.stdout)) == JSON_KEYS
+    assert json.loads(proc.stdout) == report(compared=4)
+    proc = run_cli("diff", formats["dcp"], formats["shards"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "equal: 4 tensors compared (bitwise)"
+
+
+@pytest.mark.parametrize(
+    ("a", "b"), [("pt", "dcp"), ("pt", "shards"), ("safetensors", "dcp"), ("dcp", "pt")]
+)
+def test_equal_across_formats(formats: dict[str, Path], a, b):
+    assert diff(str(formats[a]), str(formats[b])) == report(compared=4)
+
+
+@pytest.mark.slow
+def test_sharded_inputs_equal_to_full_state(tmp_path_factory):
+    folder = fsdp_checkpoints(tmp_path_factory, 2)
+    ranks = str(folder / "ep0-ba2-rank*.pt")
+    assert diff(ranks, str(folder / "full.pt")) == report(compared=7)
+    assert diff(str(folder / "dcp"), str(folder / "full.pt")) == report(compared=7)
+    dtensors = [str(folder / "dt-rank0.pt"), str(folder / "dt-rank1.pt")]
+    assert diff(dtensors, ranks) == report(compared=7)
+
+
+def test_differences_exit_1_with_exact_json(tmp_path: Path):
+    a = {
+        "same": torch.arange(4.0),
+        "gone": torch.ones(2),
+        "dt": torch.zeros(3),
+        "shape": torch.zeros(2, 3),
+        "values": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+    }
+    b = {
+        "values": torch.tensor([1.0, 2.5, 3.0, 3.75]),
+        "shape": torch.zeros(3, 2),
+        "dt": torch.zeros(3, dtype=torch.float64),
+        "same": torch.arange(4.0),
+        "new": torch.ones(1),
+    }
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ""
+    want = report(
+        equal=False,
+        only_in_a=["gone"],
+        only_in_b=["new"],
+        mismatched=[
+            {"name": "dt", "a": mismatch("float32", 3), "b": mismatch("float64", 3)},
+            {"name": "shape", "a": mismatch("float32", 2, 3), "b": mismatch("float32", 3, 2)},
+        ],
+        different=[{"name": "values", "max_abs_diff": 0.5, "num_different": 2}],
+        compared=4,
+    )
+    assert json.loads(proc.stdout) == want
+
+    proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt")
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert lines[:4] == [
+        "- only in A: gone",
+        "+ only in B: new",
+        "! dt: float32[3] vs float64[3]",
+        "! shape: float32[2, 3] vs float32[3, 2]",
+    ]
+    assert any("values" in line and "0.5" in line for line in lines)
+    assert lines[-1] == "different: 4 tensors compared (bitwise)"
+
+
+@pytest.mark.parametrize(
+    ("atol", "rtol", "equal", "num_different"),
+    [
+        (0.0, 0.0, False, 2),
+        (1e-4, 0.0, False, 1),  # covers 3.0 vs 3.00005 only
+        (1e-3, 0.0, True, 0),
+        (0.0, 1e-3, True, 0),  # |a - b| <= rtol * |b|
+        (0.0, 1e-5, False, 2),
+    ],
+)
+def test_tolerances(tmp_path: Path, atol, rtol, equal, num_different):
+    torch.save({"x": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)}, tmp_path / "a.pt")
+    b = torch.tensor([1.0, 2.0005, 3.00005], dtype=torch.float64)
+    torch.save({"x": b}, tmp_path / "b.pt")
+    result = diff(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), atol=atol, rtol=rtol)
+    assert result["equal"] is equal
+    assert (result["atol"], result["rtol"]) == (atol, rtol)
+    if equal:
+        assert result["different"] == []
+    else:
+        [entry] = result["different"]
+        assert entry["num_different"] == num_different
+        assert entry["max_abs_diff"] == pytest.approx(0.0005, rel=1e-9)
+
+
+def test_cli_atol_makes_small_difference_pass(tmp_path: Path):
+    torch.save({"x": torch.tensor([1.0, 2.0])}, tmp_path / "a.pt")
+    torch.save({"x": torch.tensor([1.0, 2.0001])}, tmp_path / "b.pt")
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    proc = run_cli("diff", a, b, "--atol", "1e-3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == report(compared=1, atol=0.001)
+
+
+def test_nans_in_the_same_places_are_equal(tmp_path: Path):
+    nan = float("nan")
+    x = torch.tensor([[1.0, nan], [nan, 4.0]])
+    torch.save({"x": x}, tmp_path / "a.pt")
+    torch.save({"x": x.clone()}, tmp_path / "b.pt")
+    torch.save({"x": torch.tensor([[1.0, nan], [3.0, nan]])}, tmp_path / "c.pt")
+    a, b, c = (str(tmp_path / n) for n in ("a.pt", "b.pt", "c.pt"))
+    assert diff(a, b) == report(compared=1)
+    assert diff(a, b, atol=0.1) == report(compared=1, atol=0.1)
+    # NaN against a number is an infinite difference, whatever the tolerance
+    for atol, rtol in [(0.0, 0.0), (1e9, 0.5)]:
+        result = diff(a, c, atol=atol, rtol=rtol)
+        assert result["different"] == [{"name": "x", "max_abs_diff": math.inf, "num_different": 2}]
+
+
+def test_infinities(tmp_path: Path):
+    inf = float("inf")
+    torch.save({"x": torch.tensor([inf, -inf, 5.0])}, tmp_path / "a.pt")
+    torch.save({"x": torch.tensor([inf, -inf, 5.0])}, tmp_path / "b.pt")
+    torch.save({"x": torch.tensor([inf, -inf, inf])}, tmp_path / "c.pt")
+    a, b, c = (str(tmp_path / n) for n in ("a.pt", "b.pt", "c.pt"))
+    assert diff(a, b, rtol=0.1) == report(compared=1, rtol=0.1)
+    for rtol in (0.0, 0.1):  # 5 against inf: no relative tolerance covers it
+        result = diff(a, c, rtol=rtol)
+        assert result["different"] == [{"name": "x", "max_abs_diff": math.inf, "num_different": 1}]
+
+
+def test_signed_zero_differs_bitwise_only(tmp_path: Path):
+    torch.save({"x": torch.tensor([-0.0, 1.0])}, tmp_path / "a.pt")
+    torch.save({"x": torch.tensor([0.0, 1.0])}, tmp_path / "b.pt")
+    a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    assert diff(a, b)["different"] == [{"name": "x", "max_abs_diff": 0.0, "num_different": 1}]
+    assert diff(a, b, atol=1e-12)["equal"] is True
+
+
+def test_select_and_prefix_apply_to_both(formats: dict[str, Path], tmp_path: Path):
+    """DDP keys against stripped keys are equal; a --dtype conversion is a dtype mismatch."""
+    cast = convert([str(formats["pt"])], "safetensors", str(tmp_path / "h.st"), dtype="float16")
+    result = diff(str(formats["pt"]), cast.output)
+    assert result["equal"] is False
+    assert [m["name"] for m in result["mismatched"]] == ["emb.weight", "head.weight", "proj.weight"]
+    assert result["compared"] == 4 and result["different"] == []
+    unstripped = diff(str(formats["pt"]), str(formats["pt"]), strip_prefix="none")
+    assert unstripped == report(compared=4)
+
+
+def test_bad_inputs_exit_2(formats: dict[str, Path], tmp_path: Path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    one_line_error(run_cli("diff", formats["pt"], tmp_path / "nope.pt"), 2, "nope.pt")
+    one_line_error(run_cli("diff", garbage, formats["pt"]), 2, "garbage.pt")
+    one_line_error(run_cli("diff", formats["pt"], formats["pt"], "--atol", "-1"), 2, "--atol")
+    with pytest.raises(UsageError):
+        diff(str(formats["pt"]), str(formats["pt"]), rtol=-0.1)
+    with pytest.raises(CkptError, match="no such file"):
+        diff(str(formats["pt"]), str(tmp_path / "missing"))
