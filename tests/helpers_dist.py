@@ -137,7 +137,7 @@ if __name__ == "__main__":
 '''
 
 
-def _env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
@@ -157,7 +157,7 @@ def torchrun_all(jobs: dict[int, list[str]], script: Path) -> None:
             *args,
         ]
         procs[nproc] = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env()
         )
     failures = []
     for nproc, proc in procs.items():
@@ -176,7 +176,7 @@ def run_cli(*args: object, **kwargs) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "ckpttool", *map(str, args)],
         capture_output=True,
         text=True,
-        env={**_env(), "COLUMNS": "200"},
+        env={**subprocess_env(), "COLUMNS": "200"},
         timeout=TORCHRUN_TIMEOUT_S,
         **kwargs,
     )

@@ -1,0 +1,239 @@
+"""Safe output: a temporary file beside the target, renamed at the end. A run killed midway
+(SIGKILL), interrupted (SIGINT) or stopped by a full disk (RLIMIT_FSIZE) leaves no output,
+no temporary file (or one the next run removes) and an untouched input.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_dist import one_line_error, run_cli, subprocess_env, tree_files
+from safetensors.torch import load_file
+
+from ckpttool.convert import convert
+from ckpttool.errors import CkptError, OutputExistsError
+from ckpttool.merge import merge
+from ckpttool.output import TEMP_MARK, atomic_output, check_output
+
+BIG_TENSORS, BIG_ELEMENTS = 6, 12_500_000  # 6 x 50 MB = 300 MB of float32
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> tuple[Path, str]:
+    """A ~300 MB torch.save file and its sha256."""
+    path = tmp_path_factory.mktemp("big") / "big.pt"
+    torch.save({f"layer{i}.weight": torch.full((BIG_ELEMENTS,), float(i)) for i in range(6)}, path)
+    return path, sha256(path)
+
+
+def start_convert(src: Path, out: Path, to: str, **kwargs) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ckpttool", "convert", str(src), "--to", to, "-o", str(out), "-q"]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        **kwargs,
+    )
+
+
+def wait_for_bytes(proc: subprocess.Popen, temp: Path, timeout: float = 60) -> None:
+    """Until the run's temporary output exists and holds data (the run is midway)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the conversion ended before it could be stopped: {proc.communicate()}")
+        try:
+            if temp.stat().st_size > 0:
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.001)
+    proc.kill()
+    pytest.fail(f"{temp} never appeared")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["safetensors", "pt"])
+def test_sigkill_midway_leaves_no_output_and_next_run_cleans_up(big, tmp_path: Path, to):
+    src, digest = big
+    out = tmp_path / f"out.{to}"
+    proc = start_convert(src, out, to)
+    temp = tmp_path / f".{out.name}{TEMP_MARK}{proc.pid}"
+    wait_for_bytes(proc, temp)
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not out.exists()
+    assert tree_files(tmp_path) == [temp.name]  # only the dead run's temp file
+    assert sha256(src) == digest
+
+    result = convert([str(src)], to, str(out))  # the next run removes the stale temp file
+    assert result.num_tensors == BIG_TENSORS
+    assert tree_files(tmp_path) == [out.name]
+    loaded = (
+        load_file(out) if to == "safetensors" else torch.load(out, weights_only=True, mmap=True)
+    )
+    assert sorted(loaded) == [f"layer{i}.weight" for i in range(BIG_TENSORS)]
+    assert torch.equal(loaded["layer5.weight"], torch.full((BIG_ELEMENTS,), 5.0))
+
+
+@pytest.mark.slow
+def test_sigint_midway_exit_130_nothing_left(big, tmp_path: Path):
+    src, digest = big
+    out = tmp_path / "out.pt"
+    proc = start_convert(src, out, "pt")
+    wait_for_bytes(proc, tmp_path / f".out.pt{TEMP_MARK}{proc.pid}")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert stderr.splitlines() == ["ckpttool: interrupted; no output was written"]
+    assert tree_files(tmp_path) == []
+    assert sha256(src) == digest
+
+
+def limit_file_size(limit: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.fixture(scope="module")
+def medium(tmp_path_factory) -> Path:
+    """A 4 MB snapshot, to be written under a 1 MB file-size limit."""
+    path = tmp_path_factory.mktemp("medium") / "medium.pt"
+    model = {f"module.l{i}.weight": torch.full((256, 1024), float(i)) for i in range(4)}
+    torch.save({"model": model, "epoch": 1}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["convert", "--to", "safetensors"],
+        ["convert", "--to", "safetensors", "--max-shard-size", "2MB"],  # 2 MB shards: too big
+        ["convert", "--to", "pt"],
+        ["convert", "--to", "dcp"],
+        ["merge"],
+    ],
+    ids=["safetensors", "shards", "pt", "dcp", "merge"],
+)
+def test_file_size_limit_exit_2_one_line_nothing_left(medium: Path, tmp_path: Path, args):
+    before = sha256(medium)
+    out = tmp_path / "out"
+    proc = run_cli(args[0], medium, *args[1:], "-o", out, preexec_fn=limit_file_size(1 << 20))
+    one_line_error(proc, 2, str(out), "file too large", "nothing was written")
+    assert tree_files(tmp_path) == []
+    assert sha256(medium) == before
+
+
+def test_stale_temp_of_dead_run_removed_live_one_kept(tmp_path: Path):
+    torch.save({"w": torch.ones(3)}, tmp_path / "in.pt")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale = tmp_path / f".out.safetensors{TEMP_MARK}{dead.pid}"
+        running = tmp_path / f".out.safetensors{TEMP_MARK}{live.pid}"
+        other = tmp_path / f".other.safetensors{TEMP_MARK}{dead.pid}"
+        for path in (stale, running, other):
+            path.write_bytes(b"partial")
+        convert([str(tmp_path / "in.pt")], "safetensors", str(tmp_path / "out.safetensors"))
+        assert tree_files(tmp_path) == sorted(
+            [running.name, other.name, "in.pt", "out.safetensors"]
+        )
+        assert torch.equal(load_file(tmp_path / "out.safetensors")["w"], torch.ones(3))
+    finally:
+        live.kill()
+        live.wait()
+
+
+# ------------------------------------------------------------- atomic_output itself
+
+
+def test_atomic_output_success_renames_at_the_end(tmp_path: Path):
+    out = tmp_path / "o.bin"
+    with atomic_output(str(out), force=False) as temp:
+        assert Path(temp).parent == tmp_path
+        assert Path(temp).name == f".o.bin{TEMP_MARK}{os.getpid()}"
+        Path(temp).write_bytes(b"new")
+        assert not out.exists()
+    assert out.read_bytes() == b"new"
+    assert tree_files(tmp_path) == ["o.bin"]
+
+
+def test_atomic_output_error_inside_leaves_nothing(tmp_path: Path):
+    out = tmp_path / "o.bin"
+    with pytest.raises(ValueError, match="boom"), atomic_output(str(out), force=False) as temp:
+        Path(temp).write_bytes(b"half")
+        raise ValueError("boom")
+    assert tree_files(tmp_path) == []
+
+
+def test_atomic_output_disk_full_becomes_ckpt_error(tmp_path: Path):
+    out = tmp_path / "o.bin"
+    out.write_bytes(b"old")
+    with pytest.raises(CkptError, match="disk full or file too large"):
+        with atomic_output(str(out), force=True) as temp:
+            Path(temp).write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert tree_files(tmp_path) == ["o.bin"]
+    assert out.read_bytes() == b"old"  # the old output survives a failed --force run
+
+
+def test_atomic_output_folder_replaces_folder_with_force(tmp_path: Path):
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(OutputExistsError):
+        with atomic_output(str(out), force=False, folder=True) as temp:
+            (Path(temp) / "new.txt").write_text("new")
+    assert tree_files(tmp_path) == ["shards", "shards/old.txt"]
+    with atomic_output(str(out), force=True, folder=True) as temp:
+        assert tree_files(Path(temp)) == []
+        (Path(temp) / "new.txt").write_text("new")
+    assert tree_files(tmp_path) == ["shards", "shards/new.txt"]
+
+
+def test_check_output_refuses_input_as_output(tmp_path: Path):
+    src = tmp_path / "in.pt"
+    src.write_bytes(b"x")
+    link = tmp_path / "link.pt"
+    link.symlink_to(src)
+    for out in (src, link, tmp_path):  # the file, a link to it, a folder holding it
+        with pytest.raises(CkptError, match="overwrite the input"):
+            check_output(str(out), [str(src)], force=True)
+    existing = tmp_path / "in.pt.bak"
+    existing.write_bytes(b"")
+    with pytest.raises(OutputExistsError, match="--force"):
+        check_output(str(existing), [str(src)], force=False)
+    check_output(str(existing), [str(src)], force=True)
+
+
+def test_force_into_the_folder_holding_the_input_is_refused(tmp_path: Path):
+    """``-o`` = the input's folder with --force would delete the input: refused."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "in.pt")
+    before = sha256(tmp_path / "in.pt")
+    with pytest.raises(CkptError, match="overwrite the input"):
+        convert([str(tmp_path / "in.pt")], "dcp", str(tmp_path), force=True)
+    with pytest.raises(CkptError, match="overwrite the input"):
+        merge(str(tmp_path / "in.pt"), str(tmp_path), force=True)
+    assert tree_files(tmp_path) == ["in.pt"]
+    assert sha256(tmp_path / "in.pt") == before
