@@ -1,0 +1,399 @@
+"""One test group per reader: format id, exact keys, and tensors bitwise equal to the originals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import check_error, fixture_path, run_cli, small_state_dict, write_dcp
+from safetensors.torch import save_file
+
+import ckpttool
+from ckpttool.report import inspect_report
+
+
+def assert_same(actual: dict, expected: dict) -> None:
+    """Same keys in the same order, every tensor bitwise equal with the same dtype/shape."""
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        got = actual[key]
+        assert got.dtype == value.dtype, key
+        assert got.shape == value.shape, key
+        assert got.device.type == "cpu", key
+        assert torch.equal(got, value), key
+
+
+def assert_nested_equal(actual, expected, path=()):
+    """The same nested structure, tensors bitwise equal."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert torch.equal(actual, expected), path
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), (path, set(actual) ^ set(expected))
+        for k in expected:
+            assert_nested_equal(actual[k], expected[k], path + (k,))
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_nested_equal(a, e, path + (i,))
+    else:
+        assert actual == expected, path
+
+
+def tricky_tensors() -> dict:
+    """Tied weights sharing one storage, views with offsets and strides, several dtypes."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 4, generator=g)
+    ints = torch.arange(20, dtype=torch.int64)
+    return {
+        "embed.weight": w,
+        "lm_head.weight": w,  # tied: the same tensor twice
+        "cols": w[:, 1:3],  # non-contiguous, storage offset 1
+        "transposed": w.t(),
+        "every_other_row": w[::2],
+        "ints_view": ints[5:9],
+        "half": torch.randn(3, generator=g).half(),
+        "bf16": torch.randn(2, 2, generator=g).bfloat16(),
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 3),
+    }
+
+
+# ------------------------------------------------------------ torch.save zip
+
+
+@pytest.mark.parametrize(
+    "fmt,kwargs",
+    [("torch-zip", {}), ("torch-legacy", {"_use_new_zipfile_serialization": False})],
+)
+def test_torch_save_formats_bitwise(tmp_path, fmt, kwargs):
+    original = tricky_tensors()
+    path = tmp_path / "tricky.pt"
+    torch.save(original, path, **kwargs)
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == fmt
+    assert ckpt.files == [str(path)]
+    assert ckpt.world_size is None
+    assert ckpt.dangerous == []
+    # the tree keeps sharing: tied weights and views point at one storage
+    assert ckpt.root["embed.weight"].storage is ckpt.root["lm_head.weight"].storage
+    assert ckpt.root["cols"].storage is ckpt.root["embed.weight"].storage
+    assert (ckpt.root["cols"].offset, ckpt.root["cols"].stride) == (1, (4, 1))
+    loaded = ckpttool.load(path)
+    assert_same(loaded, original)
+    assert loaded["cols"].is_contiguous() and loaded["transposed"].is_contiguous()
+
+
+def test_legacy_reads_the_same_as_torch_load(tmp_path):
+    """The legacy stream reader agrees with torch.load(weights_only=True) on every tensor."""
+    original = {"model": small_state_dict(), "epoch": 2}
+    path = tmp_path / "legacy.pt"
+    torch.save(original, path, _use_new_zipfile_serialization=False)
+    reference = torch.load(path, weights_only=True)
+    everything = ckpttool.load(path, select="all")
+    assert_nested_equal(everything, reference)
+
+
+# --------------------------------------------------------------- torchscript
+
+
+class _Sub(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.sub = _Sub()
+        self.register_buffer("buf", torch.arange(5.0))
+
+    def forward(self, x):
+        return self.sub(self.fc(x)) + self.buf.sum()
+
+
+def test_torchscript_lists_parameters_and_buffers(tmp_path):
+    torch.manual_seed(0)
+    net = _Net()
+    path = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(net), path)
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == "torchscript"
+    assert sorted(ckpt.root) == ["buf", "fc.bias", "fc.weight", "sub.lin.bias", "sub.lin.weight"]
+    loaded = ckpttool.load(path)
+    expected = net.state_dict()
+    assert sorted(loaded) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), key
+    report = inspect_report(ckpt)
+    assert report["model_key"] == [] and report["prefix"] is None
+    assert report["num_params"] == sum(v.numel() for v in expected.values())
+
+
+# --------------------------------------------------------------- safetensors
+
+
+def test_safetensors_file(tmp_path):
+    original = {k: v for k, v in tricky_tensors().items() if k not in ("lm_head.weight",)}
+    original = {k: v.contiguous() for k, v in original.items()}
+    path = tmp_path / "model.safetensors"
+    save_file(original, path, metadata={"format": "pt", "note": "hi"})
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == "safetensors"
+    assert ckpt.metadata == {"format": "pt", "note": "hi"}
+    assert ckpt.globals == [] and ckpt.dangerous == []
+    assert_same(ckpttool.load(path), {k: original[k] for k in ckpt.root})
+    assert sorted(ckpt.root) == sorted(original)
+
+
+@pytest.fixture
+def sharded_safetensors(tmp_path):
+    """A Hugging Face style folder: two shards and model.safetensors.index.json."""
+    sd = small_state_dict()
+    names = list(sd)
+    shards = {
+        "model-00001-of-00002.safetensors": {k: sd[k] for k in names[:2]},
+        "model-00002-of-00002.safetensors": {k: sd[k] for k in names[2:]},
+    }
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    weight_map = {}
+    for file, part in shards.items():
+        save_file(part, folder / file, metadata={"format": "pt"})
+        weight_map.update({k: file for k in part})
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder, sd
+
+
+@pytest.mark.parametrize("via", ["index", "folder"])
+def test_sharded_safetensors(sharded_safetensors, via):
+    folder, sd = sharded_safetensors
+    path = folder / "model.safetensors.index.json" if via == "index" else folder
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == "safetensors-sharded"
+    assert ckpt.files[0] == str(folder / "model.safetensors.index.json")
+    assert sorted(ckpt.files[1:]) == sorted(str(p) for p in folder.glob("*.safetensors"))
+    assert_same(ckpttool.load(path), sd)
+
+
+def test_sharded_safetensors_missing_shard(sharded_safetensors):
+    folder, _ = sharded_safetensors
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    check_error(run_cli("inspect", folder), 2, "missing shard model-00002-of-00002.safetensors")
+
+
+# ------------------------------------------------------ detection by content
+
+
+@pytest.mark.parametrize(
+    "name,writer,fmt",
+    [
+        ("x.pt", "safetensors", "safetensors"),
+        ("x.bin", "zip", "torch-zip"),
+        ("checkpoint", "zip", "torch-zip"),
+        ("weights.safetensors", "legacy", "torch-legacy"),
+        ("noext", "legacy", "torch-legacy"),
+        ("model.json", "zip", "torch-zip"),
+    ],
+)
+def test_format_is_detected_from_content_not_extension(tmp_path, name, writer, fmt):
+    sd = small_state_dict()
+    path = tmp_path / name
+    if writer == "safetensors":
+        save_file(sd, path)
+    else:
+        torch.save(sd, path, _use_new_zipfile_serialization=writer == "zip")
+    assert ckpttool.read(path).format == fmt
+    loaded = ckpttool.load(path)
+    assert_same(loaded, sd) if writer != "safetensors" else assert_same(
+        loaded, {k: sd[k] for k in loaded}
+    )
+
+
+def test_folder_with_exactly_one_checkpoint_file_is_read(tmp_path):
+    sd = small_state_dict()
+    torch.save(sd, tmp_path / "only.pth")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    ckpt = ckpttool.read(tmp_path)
+    assert ckpt.format == "torch-zip" and ckpt.files == [str(tmp_path / "only.pth")]
+
+
+# ----------------------------------------------------------------------- dcp
+
+
+def test_dcp_single_process(tmp_path):
+    sd = small_state_dict()
+    write_dcp(tmp_path / "ckpt", {"model": sd, "epoch": 4, "name": "run"})
+    ckpt = ckpttool.read(tmp_path / "ckpt")
+    assert ckpt.format == "dcp"
+    assert ckpt.files[0] == str(tmp_path / "ckpt" / ".metadata")
+    everything = ckpttool.load(tmp_path / "ckpt", select="all")
+    assert everything["epoch"] == 4 and everything["name"] == "run"
+    assert_same({k: everything["model"][k] for k in sd}, sd)
+    assert sorted(everything["model"]) == sorted(sd)
+
+
+@pytest.mark.slow
+def test_dcp_two_ranks(dist_runs, dist_reference):
+    path = dist_runs.two / "dcp"
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == "dcp"
+    assert ckpt.world_size == 2
+    assert sorted(ckpt.files[1:]) == [str(path / "__0_0.distcp"), str(path / "__1_0.distcp")]
+    everything = ckpttool.load(path, select="all")
+    assert everything["step"] == 7
+    full = dist_reference["two"]
+    assert_same({k: everything["model"][k] for k in full["model"]}, full["model"])
+    assert_nested_equal(everything["optim"]["state"], full["optim"]["state"])
+    assert_same(ckpttool.load(path), full["model"])  # auto: the model state dict
+    report = inspect_report(ckpt)
+    weight = next(t for t in report["tensors"] if t["key"] == ["model", "0.weight"])
+    assert weight == {
+        "key": ["model", "0.weight"],
+        "dtype": "float32",
+        "shape": [5, 4],
+        "device": "cpu",
+        "nbytes": 80,
+        "sharded": True,
+        "shards": 2,
+    }
+
+
+# ------------------------------------------------------------------ per-rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", ["paths", "glob", "rank0", "rank1"])
+def test_per_rank_fsdp_sharded_state_dict(dist_runs, dist_reference, given):
+    folder = dist_runs.two
+    files = [folder / "ep0-ba1-rank0.pt", folder / "ep0-ba1-rank1.pt"]
+    arg = {
+        "paths": [str(f) for f in files],
+        "glob": str(folder / "ep0-ba1-rank*.pt"),
+        "rank0": str(files[0]),
+        "rank1": str(files[1]),
+    }[given]
+    ckpt = ckpttool.read(arg)
+    assert ckpt.format == "per-rank"
+    assert ckpt.world_size == 2
+    assert ckpt.files == [str(f) for f in files]
+    assert ckpt.dangerous == []
+    everything = ckpttool.load(arg, select="all")
+    full = dist_reference["two"]
+    assert_same(everything["state"]["model"], full["model"])
+    assert_nested_equal(everything["state"]["optimizers"]["Adam"], full["optim"])
+    assert everything["state"]["timestamp"] == {"epoch": 0, "batch": 1}
+    assert_same(ckpttool.load(arg), full["model"])
+
+
+@pytest.mark.slow
+def test_per_rank_uneven_shards_in_the_report(dist_runs):
+    report = inspect_report(ckpttool.read(dist_runs.two / "ep0-ba1-rank0.pt"))
+    assert report["model_key"] == ["state", "model"]
+    by_key = {tuple(t["key"]): t for t in report["tensors"]}
+    # 5 rows over 2 ranks: 3 + 2; the shape and size are the global ones
+    assert by_key[("state", "model", "0.weight")] == {
+        "key": ["state", "model", "0.weight"],
+        "dtype": "float32",
+        "shape": [5, 4],
+        "device": "cpu",
+        "nbytes": 80,
+        "sharded": True,
+        "shards": 2,
+    }
+    assert by_key[("state", "model", "2.bias")]["shape"] == [3]
+    assert by_key[("state", "optimizers", "Adam", "state", "2.weight", "exp_avg")]["shape"] == [
+        3,
+        5,
+    ]
+    assert report["num_params"] == 5 * 4 + 5 + 3 * 5 + 3
+
+
+@pytest.mark.slow
+def test_per_rank_dtensor_pair(dist_runs, dist_reference):
+    files = [str(dist_runs.two / f"dtensor-rank{r}.pt") for r in (0, 1)]
+    ckpt = ckpttool.read(files)
+    assert ckpt.format == "per-rank" and ckpt.world_size == 2
+    assert ckpt.root["w"].kind == "dtensor"
+    assert [s.sizes for s in ckpt.root["w"].shards] == [(3, 3), (2, 3)]
+    assert len(ckpt.root["b"].shards) == 1  # replicated: one copy is enough
+    assert_same(ckpttool.load(files), dist_reference["dtensor"])
+    assert_same(ckpttool.load(files[1]), dist_reference["dtensor"])  # siblings found
+
+
+@pytest.mark.slow
+def test_per_rank_three_ranks_one_holds_nothing(dist_runs, dist_reference):
+    """A 2-row weight and a 2-element bias over 3 ranks: rank 2's shards are empty."""
+    ckpt = ckpttool.read(dist_runs.three / "ep0-ba1-rank2.pt")
+    assert ckpt.world_size == 3
+    assert len(ckpt.files) == 3
+    bias = ckpt.root["state"]["model"]["0.bias"]
+    assert bias.shape == (2,)
+    assert sorted(s.offsets for s in bias.shards) == [(0,), (1,)]
+    everything = ckpttool.load(dist_runs.three / "ep0-ba1-rank*.pt", select="all")
+    full = dist_reference["three"]
+    assert_same(everything["state"]["model"], full["model"])
+    assert_nested_equal(everything["state"]["optimizers"]["Adam"], full["optim"])
+
+
+@pytest.mark.slow
+def test_missing_rank_file_is_named(dist_runs, tmp_path):
+    for r in (0, 2):
+        shutil.copy(dist_runs.three / f"ep0-ba1-rank{r}.pt", tmp_path)
+    expected = str(tmp_path / "ep0-ba1-rank1.pt")
+    line = check_error(
+        run_cli("inspect", tmp_path / "ep0-ba1-rank0.pt", tmp_path / "ep0-ba1-rank2.pt"),
+        2,
+        expected,
+    )
+    assert "Traceback" not in line
+    check_error(run_cli("inspect", tmp_path / "ep0-ba1-rank2.pt"), 2, expected)
+    with pytest.raises(ckpttool.CkptError, match="ep0-ba1-rank1.pt"):
+        ckpttool.load(str(tmp_path / "ep0-ba1-rank*.pt"))
+
+
+@pytest.mark.slow
+def test_lone_rank_file_without_siblings(dist_runs, tmp_path):
+    shutil.copy(dist_runs.two / "ep0-ba1-rank1.pt", tmp_path)
+    check_error(run_cli("inspect", tmp_path / "ep0-ba1-rank1.pt"), 2, "ep0-ba1-rank0.pt")
+
+
+def test_several_full_copies_are_not_per_rank(tmp_path):
+    for r in (0, 1):
+        torch.save({"MODEL_STATE": small_state_dict()}, tmp_path / f"ep0-rank{r}.pt")
+    with pytest.raises(ckpttool.CkptError, match="hold no sharded tensors"):
+        ckpttool.read([str(tmp_path / "ep0-rank0.pt"), str(tmp_path / "ep0-rank1.pt")])
+    # one DDP rank file alone is an ordinary torch-zip checkpoint
+    assert ckpttool.read(tmp_path / "ep0-rank0.pt").format == "torch-zip"
+
+
+# ------------------------------------------------------- committed fixtures
+
+
+def test_committed_ddp_fixture():
+    path = fixture_path("ddp/ep0-rank0.pt")
+    report = inspect_report(ckpttool.read(path))
+    assert report["format"] == "torch-zip"
+    assert report["prefix"] == "module."
+    assert report["dangerous"] == []
+
+
+def test_committed_fsdp_uneven_fixture():
+    path = fixture_path("fsdp_uneven/model-rank0.pt")
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == "per-rank"
+    assert ckpt.world_size == 3
+    sd = ckpttool.load(path)
+    assert all(t.device.type == "cpu" for t in sd.values())
