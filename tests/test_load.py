@@ -1,0 +1,143 @@
+"""``ckpttool.load``: devices, map_location, selection, and that it never changes its input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rewrite_zip, sha256, small_state_dict
+
+import ckpttool
+
+
+def _cuda_bytes(data: bytes) -> bytes:
+    """Rewrite the pickled storage location 'cpu' (BINUNICODE) to 'cuda:0'."""
+    old = b"X\x03\x00\x00\x00cpu"
+    assert old in data
+    return data.replace(old, b"X\x06\x00\x00\x00cuda:0")
+
+
+@pytest.fixture
+def gpu_saved(tmp_path):
+    """A torch.save file whose storages say they were saved on cuda:0 (crafted, no GPU)."""
+    sd = small_state_dict()
+    cpu = tmp_path / "cpu.pt"
+    torch.save({"model": sd, "epoch": 1}, cpu)
+    gpu = tmp_path / "gpu.pt"
+    rewrite_zip(cpu, gpu, lambda n, d: _cuda_bytes(d) if n.endswith("/data.pkl") else None)
+    # the crafted file is a valid torch checkpoint: torch itself reads it back to the CPU
+    reference = torch.load(gpu, map_location="cpu", weights_only=True)
+    for k, v in sd.items():
+        assert torch.equal(reference["model"][k], v)
+    return gpu, sd
+
+
+def test_gpu_saved_tensors_report_their_device(gpu_saved):
+    from ckpttool.report import inspect_report
+
+    path, sd = gpu_saved
+    report = inspect_report(ckpttool.read(path))
+    assert [t["device"] for t in report["tensors"]] == ["cuda:0"] * len(sd)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_gpu_saved_tensors_load_on_cpu(gpu_saved):
+    path, sd = gpu_saved
+    for kwargs in ({}, {"map_location": "cpu"}, {"map_location": {"cuda:0": "cpu"}}):
+        loaded = ckpttool.load(path, **kwargs)
+        assert list(loaded) == list(sd)
+        for k, v in sd.items():
+            assert loaded[k].device.type == "cpu", kwargs
+            assert torch.equal(loaded[k], v), kwargs
+    loaded = ckpttool.load(path, map_location=torch.device("cpu"))
+    assert all(t.device.type == "cpu" for t in loaded.values())
+    # keeping the saved device needs a GPU: a clear error, not a crash
+    with pytest.raises(ckpttool.CkptError, match="cuda:0") as info:
+        ckpttool.load(path, map_location=None)
+    assert "map_location='cpu'" in str(info.value)
+    with pytest.raises(ckpttool.CkptError, match="cuda:0"):
+        ckpttool.load(path, map_location={"cuda:0": "cuda:0"})
+
+
+def test_gpu_saved_map_location_callable(gpu_saved):
+    path, sd = gpu_saved
+    seen = []
+
+    def to_cpu(storage, location):
+        seen.append(location)
+        return storage
+
+    loaded = ckpttool.load(path, map_location=to_cpu)
+    assert set(seen) == {"cuda:0"}
+    assert all(torch.equal(loaded[k], v) for k, v in sd.items())
+
+
+def test_gpu_saved_file_inspects_in_the_cli(gpu_saved, cli):
+    import json
+
+    path, _ = gpu_saved
+    proc = cli("inspect", "--json", path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert {t["device"] for t in report["tensors"]} == {"cuda:0"}
+    assert {"key": ["epoch"], "type": "int", "value": 1} in report["values"]
+
+
+def test_loaded_tensors_are_writable_and_detached_from_the_file(tmp_path):
+    w = torch.arange(6.0)
+    path = tmp_path / "tied.pt"
+    torch.save({"a": w, "b": w}, path)
+    before = sha256(path)
+    sd = ckpttool.load(path)
+    sd["a"].add_(1)  # a writable tensor, not a view of a read-only buffer
+    assert torch.equal(sd["a"], torch.arange(6.0) + 1)
+    assert sha256(path) == before
+    assert torch.equal(ckpttool.load(path)["a"], torch.arange(6.0))
+
+
+def test_load_preserves_dtypes_and_requires_no_grad(tmp_path):
+    sd = {
+        "p": torch.nn.Parameter(torch.ones(2)),
+        "h": torch.ones(2, dtype=torch.float16),
+        "i": torch.ones(2, dtype=torch.int8),
+        "c": torch.ones(2, dtype=torch.complex64),
+    }
+    path = tmp_path / "dtypes.pt"
+    torch.save(sd, path)
+    loaded = ckpttool.load(path)
+    assert {k: v.dtype for k, v in loaded.items()} == {k: v.dtype for k, v in sd.items()}
+    assert all(torch.equal(loaded[k], v.detach()) for k, v in sd.items())
+
+
+def test_select_key_path_with_dotted_keys(tmp_path):
+    path = tmp_path / "snap.pt"
+    torch.save({"state": {"model": {"0.weight": torch.ones(1)}, "step": 3}}, path)
+    assert list(ckpttool.load(path, select="state.model")) == ["0.weight"]
+    assert torch.equal(ckpttool.load(path, select="state.model.0.weight"), torch.ones(1))
+    with pytest.raises(ckpttool.CkptError, match="no key 'nothing'"):
+        ckpttool.load(path, select="state.nothing")
+
+
+def test_load_never_changes_the_input(tmp_path):
+    path = tmp_path / "snap.pt"
+    torch.save({"MODEL_STATE": {"module.w": torch.ones(3)}, "EPOCHS_RUN": 1}, path)
+    before = sha256(path)
+    ckpttool.load(path)
+    ckpttool.load(path, select="all")
+    assert sha256(path) == before
+
+
+def test_read_reads_no_tensor_bytes(tmp_path):
+    """read() is metadata only: it works even when the storage bytes are garbage."""
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    broken = tmp_path / "broken.pt"
+    rewrite_zip(path, broken, lambda n, d: b"\xff" * len(d) if n.endswith("/data/0") else None)
+    ckpt = ckpttool.read(broken)
+    assert ckpt.root["w"].shape == (4,)
+    assert not torch.equal(ckpttool.load(broken)["w"], torch.ones(4))  # bytes read only now
+
+
+def test_pathlike_and_string_inputs(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    assert list(ckpttool.load(path)) == list(ckpttool.load(str(path))) == ["w"]
