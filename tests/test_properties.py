@@ -1,0 +1,229 @@
+"""Property tests: random nested checkpoints over every dtype torch and safetensors share,
+with 0-dim, empty, transposed, sliced, offset and storage-sharing tensors, survive
+``convert --to safetensors``, ``convert --to pt`` and ``merge`` bit for bit.
+
+Tensor contents are random BITS (NaNs, infinities and odd float8 patterns included), so
+equality is checked on the bytes, never with ``==``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_dist import safetensors_header
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from ckpttool.convert import convert
+from ckpttool.errors import UsageError
+from ckpttool.merge import merge
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.bool,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+]
+LAYOUTS = ["contiguous", "transposed", "sliced", "offset"]
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def random_bits(dtype: torch.dtype, numel: int, g: torch.Generator) -> torch.Tensor:
+    """``numel`` elements of random bits (bool: only 0 and 1, anything else is undefined)."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).view(torch.bool)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def make_tensor(dtype: torch.dtype, shape: tuple[int, ...], layout: str, seed: int):
+    """A tensor of ``shape`` laid out as asked: its own storage, a transposed or strided
+    view of a larger one, or a view at a storage offset."""
+    g = torch.Generator().manual_seed(seed)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if layout == "transposed" and len(shape) >= 2:
+        base = random_bits(dtype, numel, g).reshape(shape[::-1])
+        return base.permute(*reversed(range(len(shape))))
+    if layout == "sliced" and shape:
+        big = tuple(2 * n + 1 for n in shape)
+        total = 1
+        for n in big:
+            total *= n
+        base = random_bits(dtype, total, g).reshape(big)
+        return base[tuple(slice(1, 1 + 2 * n, 2) for n in shape)]
+    if layout == "offset":
+        return random_bits(dtype, numel + 3, g)[3:].reshape(shape)
+    return random_bits(dtype, numel, g).reshape(shape)
+
+
+@st.composite
+def tensors(draw) -> torch.Tensor:
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    return make_tensor(dtype, shape, draw(st.sampled_from(LAYOUTS)), draw(st.integers(0, 2**31)))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    # a fresh copy with standard strides: .contiguous() keeps odd strides of size-0/1 dims
+    flat = torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return (
+        got.dtype == want.dtype and got.shape == want.shape and torch.equal(bits(got), bits(want))
+    )
+
+
+def flatten(node, path: tuple = ()) -> dict[str, torch.Tensor]:
+    """Every tensor under ``node``, named by its key path joined with ``.`` (depth first)."""
+    if isinstance(node, torch.Tensor):
+        return {".".join(map(str, path)): node}
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        if isinstance(value, (torch.Tensor, dict, list)):
+            out.update(flatten(value, (*path, key)))
+    return out
+
+
+NAMES = st.text(alphabet="abcdefgh", min_size=1, max_size=3)
+
+
+@st.composite
+def state_trees(draw) -> dict:
+    """Nested dicts (and lists) of tensors beside plain values, plus tensors that share
+    storage with earlier ones: the same tensor again, or a view of it."""
+    tree = draw(
+        st.recursive(
+            st.dictionaries(NAMES, tensors() | st.integers(0, 9), min_size=1, max_size=4),
+            lambda inner: (
+                st.dictionaries(NAMES, inner | tensors(), min_size=1, max_size=3)
+                | st.lists(inner | tensors(), min_size=1, max_size=2)
+            ),
+            max_leaves=10,
+        )
+    )
+    if not isinstance(tree, dict):
+        tree = {"root": tree}
+    existing = list(flatten(tree).values())
+    if existing:
+        for i in range(draw(st.integers(0, 3))):
+            source = draw(st.sampled_from(existing))
+            kind = draw(st.sampled_from(["same", "unsqueeze", "transpose"]))
+            if kind == "same":
+                tree[f"zz{i}"] = source
+            elif kind == "unsqueeze":
+                tree[f"zz{i}"] = source.unsqueeze(0)
+            else:
+                tree[f"zz{i}"] = source.transpose(0, -1) if source.dim() else source
+    return tree
+
+
+def convert_round_trip(tree: dict, to: str) -> None:
+    want = flatten(tree)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "in.pt", Path(tmp) / f"out.{to}"
+        torch.save(tree, src)
+        if not want:
+            with pytest.raises(UsageError, match="no tensors"):
+                convert([str(src)], to, str(out), select="all")
+            return
+        result = convert([str(src)], to, str(out), select="all")
+        assert result.num_tensors == len(want)
+        assert result.nbytes == sum(t.numel() * t.element_size() for t in want.values())
+        if to == "safetensors":
+            header = safetensors_header(out)
+            assert header.pop("__metadata__") == {"format": "pt", "source": "in.pt"}
+            assert list(header) == list(want)
+            got = load_file(out)
+        else:
+            got = torch.load(out, weights_only=True)
+            assert list(got) == list(want)
+        assert sorted(got) == sorted(want)
+        for name, tensor in want.items():
+            assert same_bits(got[name], tensor), name
+            assert got[name].is_contiguous()
+
+
+@SETTINGS
+@given(tree=state_trees())
+def test_convert_to_safetensors_round_trip(tree):
+    convert_round_trip(tree, "safetensors")
+
+
+@SETTINGS
+@given(tree=state_trees())
+def test_convert_to_pt_round_trip(tree):
+    convert_round_trip(tree, "pt")
+
+
+PLAIN = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=4)
+)
+KEYS = st.text(alphabet="abc.", max_size=3) | st.integers(0, 5)
+
+
+@st.composite
+def snapshots(draw) -> dict:
+    """Training-snapshot-like structures: dicts with str or int keys, lists, tuples."""
+    node = st.recursive(
+        tensors() | PLAIN,
+        lambda inner: (
+            st.dictionaries(KEYS, inner, max_size=3)
+            | st.lists(inner, max_size=3)
+            | st.tuples(inner, inner)
+        ),
+        max_leaves=12,
+    )
+    return draw(st.dictionaries(KEYS, node, min_size=1, max_size=4))
+
+
+def assert_identical(got, want, path: tuple = ()) -> None:
+    assert type(got) is type(want), (path, type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        assert same_bits(got, want), path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), path
+        for k in want:
+            assert_identical(got[k], want[k], (*path, k))
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_identical(g, w, (*path, i))
+    else:
+        assert got == want, path
+
+
+@SETTINGS
+@given(snapshot=snapshots())
+def test_merge_round_trip_keeps_structure(snapshot):
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "in.pt", Path(tmp) / "merged.pt"
+        torch.save(snapshot, src)
+        result = merge(str(src), str(out))
+        assert result.stand_ins == []
+        assert_identical(torch.load(out, weights_only=True), snapshot)
