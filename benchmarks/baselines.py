@@ -1,0 +1,68 @@
+"""Plain-PyTorch baselines that need more than a one-liner (run as subprocesses).
+
+    python benchmarks/baselines.py load-save-safetensors SRC.pt DST.safetensors
+    python benchmarks/baselines.py naive-diff A B     # exit 0 equal, 1 different
+
+What a user would write without ckpttool: load everything into memory, then act.
+"""
+
+from __future__ import annotations
+
+import sys
+
+DDP_PREFIX = "module."
+
+
+def flatten(node, prefix: str = "") -> dict:
+    """Every tensor of a nested dict/list, named by its key path joined with ``.``."""
+    import torch
+
+    if isinstance(node, torch.Tensor):
+        return {prefix: node.contiguous()}
+    out: dict = {}
+    if isinstance(node, (dict, list, tuple)):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def load_save_safetensors(src: str, dst: str) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file(flatten(torch.load(src, weights_only=True)), dst, metadata={"format": "pt"})
+    return 0
+
+
+def _load_state_dict(path: str) -> dict:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        sd = load_file(path)
+    else:
+        import torch
+
+        sd = torch.load(path, weights_only=True)
+    if sd and all(k.startswith(DDP_PREFIX) for k in sd):
+        sd = {k[len(DDP_PREFIX) :]: v for k, v in sd.items()}
+    return sd
+
+
+def naive_diff(a: str, b: str) -> int:
+    import torch
+
+    sd_a, sd_b = _load_state_dict(a), _load_state_dict(b)
+    equal = sd_a.keys() == sd_b.keys()
+    for name in sd_a.keys() & sd_b.keys():
+        if not torch.equal(sd_a[name], sd_b[name]):
+            equal = False
+            diff = (sd_a[name] - sd_b[name]).abs().max().item()
+            print(f"{name}: max |a-b| {diff:.6g}")
+    return 0 if equal else 1
+
+
+COMMANDS = {"load-save-safetensors": load_save_safetensors, "naive-diff": naive_diff}
+
+if __name__ == "__main__":
+    sys.exit(COMMANDS[sys.argv[1]](*sys.argv[2:]))
