@@ -1,0 +1,326 @@
+"""``ckpttool inspect``: the --json shape of the contract, --filter, --stats, human output,
+and that it reads metadata only (torch is never imported)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, run_cli, small_state_dict, write_dcp
+from safetensors.torch import save_file
+
+TOP_KEYS = {
+    "format": str,
+    "files": list,
+    "world_size": (int, type(None)),
+    "prefix": (str, type(None)),
+    "model_key": (list, type(None)),
+    "tensors": list,
+    "num_tensors": int,
+    "num_params": int,
+    "nbytes": int,
+    "values": list,
+    "globals": list,
+    "dangerous": list,
+}
+TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded"}
+FORMATS = {
+    "torch-zip",
+    "torch-legacy",
+    "torchscript",
+    "safetensors",
+    "safetensors-sharded",
+    "dcp",
+    "per-rank",
+}
+
+
+def inspect_json(*args) -> dict:
+    proc = run_cli("inspect", "--json", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    report = json.loads(proc.stdout)  # ONE JSON object, nothing else on stdout
+    check_schema(report)
+    return report
+
+
+def check_schema(report: dict) -> None:
+    assert set(report) == set(TOP_KEYS)
+    for key, types in TOP_KEYS.items():
+        assert isinstance(report[key], types), key
+    assert report["format"] in FORMATS
+    assert all(isinstance(f, str) for f in report["files"])
+    assert report["num_tensors"] == len(report["tensors"])
+    assert report["nbytes"] == sum(t["nbytes"] for t in report["tensors"])
+    for t in report["tensors"]:
+        extra = {"shards"} if t["sharded"] else set()
+        extra |= {"stats"} if "stats" in t else set()
+        assert set(t) == TENSOR_KEYS | extra, t
+        assert t["key"] and all(isinstance(k, (str, int)) for k in t["key"])
+        assert isinstance(t["dtype"], str) and not t["dtype"].startswith("torch.")
+        assert all(isinstance(n, int) for n in t["shape"])
+        assert isinstance(t["device"], str) and isinstance(t["sharded"], bool)
+        assert t["nbytes"] == math.prod(t["shape"]) * _itemsize(t["dtype"])
+    for v in report["values"]:
+        assert set(v) == {"key", "type", "value"}
+        assert isinstance(v["type"], str)
+    assert report["globals"] == sorted(report["globals"])
+    assert set(report["dangerous"]) <= set(report["globals"])
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    """The contract's example: a torchrun-tutorial snapshot of a DDP model."""
+    path = tmp_path_factory.mktemp("inspect") / "ep0-rank0.pt"
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(20, 4)
+    torch.save(
+        {
+            "MODEL_STATE": {"module.fc.weight": fc.weight.data, "module.fc.bias": fc.bias.data},
+            "EPOCHS_RUN": 3,
+        },
+        path,
+    )
+    return path
+
+
+def test_json_matches_the_contract_example(snapshot):
+    report = inspect_json(snapshot)
+    assert report == {
+        "format": "torch-zip",
+        "files": [str(snapshot)],
+        "world_size": None,
+        "prefix": "module.",
+        "model_key": ["MODEL_STATE"],
+        "tensors": [
+            {
+                "key": ["MODEL_STATE", "module.fc.weight"],
+                "dtype": "float32",
+                "shape": [4, 20],
+                "device": "cpu",
+                "nbytes": 320,
+                "sharded": False,
+            },
+            {
+                "key": ["MODEL_STATE", "module.fc.bias"],
+                "dtype": "float32",
+                "shape": [4],
+                "device": "cpu",
+                "nbytes": 16,
+                "sharded": False,
+            },
+        ],
+        "num_tensors": 2,
+        "num_params": 84,
+        "nbytes": 336,
+        "values": [{"key": ["EPOCHS_RUN"], "type": "int", "value": 3}],
+        "globals": [
+            "collections.OrderedDict",
+            "torch.FloatStorage",
+            "torch._utils._rebuild_tensor_v2",
+        ],
+        "dangerous": [],
+    }
+
+
+def test_json_for_every_local_format(tmp_path):
+    sd = small_state_dict()
+    torch.save(sd, tmp_path / "a.pt", _use_new_zipfile_serialization=False)
+    save_file(sd, tmp_path / "a.safetensors")
+    write_dcp(tmp_path / "dcp", {"model": sd, "step": 5})
+    legacy = inspect_json(tmp_path / "a.pt")
+    assert legacy["format"] == "torch-legacy"
+    st = inspect_json(tmp_path / "a.safetensors")
+    assert st["format"] == "safetensors" and st["globals"] == [] and st["model_key"] == []
+    assert sorted(t["key"][0] for t in st["tensors"]) == sorted(sd)
+    dcp = inspect_json(tmp_path / "dcp")
+    assert dcp["format"] == "dcp"
+    assert dcp["world_size"] == 1
+    assert dcp["model_key"] == ["model"]
+    assert {"key": ["step"], "type": "int", "value": 5} in dcp["values"]
+    weight = next(t for t in dcp["tensors"] if t["key"] == ["model", "fc.weight"])
+    assert weight["shape"] == [4, 3] and weight["sharded"] is True and weight["nbytes"] == 48
+
+
+@pytest.mark.slow
+def test_json_for_per_rank_has_global_shapes(dist_runs):
+    report = inspect_json(dist_runs.two / "ep0-ba1-rank*.pt")
+    assert report["format"] == "per-rank"
+    assert report["world_size"] == 2
+    assert report["files"] == [str(dist_runs.two / f"ep0-ba1-rank{r}.pt") for r in (0, 1)]
+    sharded = [t for t in report["tensors"] if t["sharded"]]
+    assert {tuple(t["key"][-1:]) for t in sharded if t["key"][1] == "model"} == {
+        ("0.weight",),
+        ("0.bias",),
+        ("2.weight",),
+        ("2.bias",),
+    }
+    by_key = {tuple(t["key"]): t for t in report["tensors"]}
+    assert by_key[("state", "model", "2.weight")]["shape"] == [3, 5]
+    assert by_key[("state", "model", "2.weight")]["nbytes"] == 60
+    assert by_key[("state", "model", "2.weight")]["shards"] == 2
+    assert report["dangerous"] == []
+    assert "torch.distributed._shard.sharded_tensor.api.ShardedTensor" in report["globals"]
+
+
+def test_filter(snapshot):
+    report = inspect_json(snapshot, "--filter", r"bias$")
+    assert [t["key"] for t in report["tensors"]] == [["MODEL_STATE", "module.fc.bias"]]
+    assert report["num_tensors"] == 1 and report["nbytes"] == 16
+    assert report["values"] == []
+    report = inspect_json(snapshot, "--filter", "EPOCHS")
+    assert report["tensors"] == []
+    assert report["values"] == [{"key": ["EPOCHS_RUN"], "type": "int", "value": 3}]
+
+
+def test_bad_filter_is_exit_2(snapshot):
+    from conftest import check_error
+
+    check_error(run_cli("inspect", "--filter", "(", snapshot), 2, "--filter")
+
+
+@pytest.fixture(scope="module")
+def stats_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stats") / "stats.pt"
+    torch.save(
+        {
+            "known": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+            "bad": torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 3.0]),
+            "ints": torch.tensor([1, 5, -2], dtype=torch.int32),
+            "half": torch.tensor([0.5, -0.5], dtype=torch.float16),
+            "empty": torch.empty(0),
+            "all_nan": torch.tensor([float("nan")]),
+        },
+        path,
+    )
+    return path
+
+
+def test_stats_values_are_exact(stats_file):
+    report = inspect_json("--stats", stats_file)
+    stats = {t["key"][0]: t["stats"] for t in report["tensors"]}
+    known = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    assert stats["known"] == {
+        "min": 1.0,
+        "max": 4.0,
+        "mean": 2.5,
+        "std": float(known.std()),
+        "nan": 0,
+        "inf": 0,
+    }
+    assert stats["known"]["std"] == pytest.approx(math.sqrt(5 / 3), rel=1e-15)
+    # NaN/Inf are counted and left out of min/max/mean/std
+    assert stats["bad"] == {
+        "min": 1.0,
+        "max": 3.0,
+        "mean": 2.0,
+        "std": math.sqrt(2),
+        "nan": 1,
+        "inf": 2,
+    }
+    assert stats["ints"]["min"] == -2 and stats["ints"]["max"] == 5
+    assert isinstance(stats["ints"]["min"], int)
+    assert stats["ints"]["mean"] == pytest.approx(4 / 3)
+    assert stats["half"] == {
+        "min": -0.5,
+        "max": 0.5,
+        "mean": 0.0,
+        "std": math.sqrt(0.5),
+        "nan": 0,
+        "inf": 0,
+    }
+    for name in ("empty", "all_nan"):
+        assert stats[name]["min"] is None and stats[name]["std"] is None
+    assert stats["all_nan"]["nan"] == 1
+
+
+def test_stats_in_human_output(stats_file):
+    proc = run_cli("inspect", "--stats", stats_file)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if "bad" in line)
+    assert "1/2" in row  # nan/inf column
+
+
+def test_human_output(snapshot):
+    proc = run_cli("inspect", snapshot)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("torch-zip")
+    assert "wrapper prefix: module." in out
+    assert "MODEL_STATE.module.fc.weight" in out and "MODEL_STATE.module.fc.bias" in out
+    assert "EPOCHS_RUN" in out
+    assert "totals: 2 tensors, 84 model parameters" in out
+    security = [line for line in out.splitlines() if line.startswith("security")]
+    assert security == ["security: read without running code; 3 globals, none dangerous"]
+    assert proc.stderr == ""
+
+
+def test_human_output_for_safetensors_says_no_code(tmp_path):
+    save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
+    proc = run_cli("inspect", tmp_path / "w.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("safetensors")
+    assert "security: safetensors, no code involved" in proc.stdout
+
+
+def test_inspect_does_not_change_the_input(snapshot):
+    from conftest import sha256
+
+    before = sha256(snapshot)
+    run_cli("inspect", snapshot)
+    assert sha256(snapshot) == before
+
+
+NO_TORCH = """
+import sys
+sys.argv = ["ckpttool", *sys.argv[1:]]
+from ckpttool.cli import main
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+assert code == 0, code
+print("TORCH_IMPORTED" if "torch" in sys.modules else "TORCH_NOT_IMPORTED", file=sys.stderr)
+"""
+
+
+def _modules_after_inspect(*args) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, "inspect", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_inspect_never_imports_torch(tmp_path, snapshot, dist_runs):
+    sd = small_state_dict()
+    torch.save(sd, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    save_file(sd, tmp_path / "w.safetensors")
+    cases = [
+        (snapshot,),
+        ("--json", snapshot),
+        (tmp_path / "legacy.pt",),
+        (tmp_path / "w.safetensors",),
+        ("--json", dist_runs.two / "dcp"),
+        ("--json", dist_runs.two / "ep0-ba1-rank0.pt"),
+        (dist_runs.two / "dtensor-rank0.pt",),
+    ]
+    for args in cases:
+        assert _modules_after_inspect(*args) == "TORCH_NOT_IMPORTED", args
+    # the check can fail: --stats reads tensors, which needs torch
+    assert _modules_after_inspect("--stats", snapshot) == "TORCH_IMPORTED"
