@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers_dist import run_cli, tree_files
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", exc_type=ImportError)
 
 
 @pytest.fixture
