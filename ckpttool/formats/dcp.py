@@ -175,6 +175,8 @@ def _bytes_value(folder: str, fqn: str, spans: dict, permissive: bool, seen: set
     file, start, length, transforms = _span(folder, fqn, None, spans)
     if transforms:
         raise CkptError(f"value {fqn!r} stored with transforms is not supported", path=folder)
+    if not os.path.isfile(file):
+        raise CkptError(f"missing .distcp file (it holds the value {fqn!r})", path=file)
     archive = ZipPickle(file, start, length)
     try:
         return archive.load(permissive=permissive, seen=seen)
