@@ -1,0 +1,242 @@
+"""Broken inputs: exit 2, ONE stderr line, no traceback, and the input left as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zipfile
+
+import pytest
+import torch
+from conftest import check_error, rewrite_zip, run_cli, sha256, write_dcp
+from safetensors.torch import save_file
+
+import ckpttool
+
+
+def _torch_file(folder):
+    path = folder / "good.pt"
+    torch.save({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3)}, path)
+    return path
+
+
+def empty_file(d):
+    (d / "empty.pt").write_bytes(b"")
+    return d / "empty.pt", "empty file"
+
+
+def random_bytes(d):
+    (d / "random.bin").write_bytes(os.urandom(4096).replace(b"PK", b"pk"))
+    return d / "random.bin", "not a checkpoint"
+
+
+def truncated_zip(d):
+    data = _torch_file(d).read_bytes()
+    (d / "half.pt").write_bytes(data[: len(data) // 2])
+    return d / "half.pt", "truncated or corrupt zip"
+
+
+def truncated_legacy(d):
+    path = d / "legacy.pt"
+    torch.save({"w": torch.ones(100)}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    path.write_bytes(data[:-50])
+    return path, "truncated"
+
+
+def truncated_safetensors(d):
+    save_file({"w": torch.ones(10)}, d / "t.safetensors")
+    data = (d / "t.safetensors").read_bytes()
+    (d / "t.safetensors").write_bytes(data[:-10])
+    return d / "t.safetensors", "'w'"
+
+
+def absurd_safetensors_header(d):
+    path = d / "absurd.safetensors"
+    path.write_bytes((2**60).to_bytes(8, "little") + b'{"w": {}}' + b"\0" * 64)
+    return path, str(path)
+
+
+def safetensors_bad_offsets(d):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 64]}}).encode()
+    path = d / "offsets.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    return path, "'w'"
+
+
+def json_file(d):
+    (d / "config.json").write_text(json.dumps({"hidden_size": 4}))
+    return d / "config.json", "not a checkpoint"
+
+
+def corrupt_index(d):
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ')
+    return d / "model.safetensors.index.json", "index"
+
+
+def empty_folder(d):
+    (d / "empty").mkdir()
+    return d / "empty", "folder holds no checkpoint"
+
+
+def folder_without_metadata(d):
+    folder = d / "nometa"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 100)
+    return folder, "folder holds no checkpoint"
+
+
+def unrelated_folder(d):
+    folder = d / "unrelated"
+    folder.mkdir()
+    (folder / "a.txt").write_text("hello")
+    (folder / "b.csv").write_text("1,2\n")
+    return folder, "folder holds no checkpoint"
+
+
+def nonexistent(d):
+    return d / "does-not-exist.pt", "no such file or directory"
+
+
+def zip_not_torch(d):
+    with zipfile.ZipFile(d / "archive.zip", "w") as z:
+        z.writestr("hello.txt", "hi")
+    return d / "archive.zip", "not a torch checkpoint"
+
+
+def storage_shorter_than_pickle_says(d):
+    src = _torch_file(d)
+    dst = d / "short.pt"
+    rewrite_zip(src, dst, lambda name, data: data[:8] if name.endswith("/data/0") else None)
+    src.unlink()
+    return dst, "storage 0 holds 8 bytes, expected 48"
+
+
+def plain_pickle(d):
+    import pickle
+
+    (d / "plain.pkl").write_bytes(pickle.dumps({"a": 1}, protocol=2))
+    return d / "plain.pkl", "not a torch checkpoint"
+
+
+def corrupt_data_pkl(d):
+    src = _torch_file(d)
+    dst = d / "badpkl.pt"
+    rewrite_zip(src, dst, lambda name, data: data[:20] if name.endswith("/data.pkl") else None)
+    src.unlink()
+    return dst, "pickle"
+
+
+def dcp_corrupt_metadata(d):
+    folder = d / "dcp"
+    write_dcp(folder, {"w": torch.ones(2)})
+    (folder / ".metadata").write_bytes(b"\x80\x04garbage")
+    return folder, ".metadata"
+
+
+CASES = [
+    empty_file,
+    random_bytes,
+    truncated_zip,
+    truncated_legacy,
+    truncated_safetensors,
+    absurd_safetensors_header,
+    safetensors_bad_offsets,
+    json_file,
+    corrupt_index,
+    empty_folder,
+    folder_without_metadata,
+    unrelated_folder,
+    nonexistent,
+    zip_not_torch,
+    storage_shorter_than_pickle_says,
+    plain_pickle,
+    corrupt_data_pkl,
+    dcp_corrupt_metadata,
+]
+
+
+@pytest.mark.parametrize("make", CASES, ids=lambda f: f.__name__)
+def test_bad_input_is_exit_2_with_one_line(tmp_path, make):
+    path, needle = make(tmp_path)
+    before = sha256(path)
+    line = check_error(run_cli("inspect", path), 2, needle)
+    assert line.startswith("ckpttool: error: ")
+    assert sha256(path) == before
+    with pytest.raises(ckpttool.CkptError) as info:
+        ckpttool.load(path)
+    assert not isinstance(info.value, ckpttool.UnsafeError)
+    assert "\n" not in str(info.value)
+    assert sha256(path) == before
+
+
+@pytest.mark.parametrize(
+    "make",
+    [truncated_zip, storage_shorter_than_pickle_says, truncated_safetensors, empty_folder],
+    ids=lambda f: f.__name__,
+)
+def test_convert_and_merge_write_nothing_for_bad_input(tmp_path, make):
+    path, _ = make(tmp_path)
+    before = sha256(path)
+    out = tmp_path / "out"
+    out.mkdir()
+    check_error(run_cli("convert", path, "--to", "safetensors", "-o", out / "x.safetensors"), 2)
+    check_error(run_cli("merge", path, "-o", out / "x.pt"), 2)
+    assert os.listdir(out) == []
+    assert sha256(path) == before
+
+
+def test_data_error_found_only_when_reading_bytes(tmp_path):
+    """A legacy file whose last storage is cut: metadata is fine, the data is not."""
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(1000)}, path, _use_new_zipfile_serialization=False)
+    path.write_bytes(path.read_bytes()[:-8])
+    check_error(run_cli("inspect", path), 2, "truncated")
+
+
+# ------------------------------------------------------- DCP missing a .distcp
+
+
+def _value_files(folder) -> set[str]:
+    """The .distcp files that hold non-tensor values (they are read even by inspect)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    values = {k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    return {info.relative_path for index, info in meta.storage_data.items() if index.fqn in values}
+
+
+@pytest.mark.slow
+def test_dcp_missing_a_tensor_file(dist_runs, tmp_path):
+    folder = tmp_path / "dcp"
+    shutil.copytree(dist_runs.two / "dcp", folder)
+    files = sorted(p.name for p in folder.glob("*.distcp"))
+    tensor_only = [f for f in files if f not in _value_files(folder)]
+    assert tensor_only, files
+    missing = folder / tensor_only[0]
+    missing.unlink()
+    before = sha256(folder)
+
+    proc = run_cli("inspect", "--json", folder)  # metadata only: still works
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["format"] == "dcp" and report["world_size"] == 2
+    assert {"key": ["step"], "type": "int", "value": 7} in report["values"]
+
+    out = tmp_path / "out.safetensors"
+    check_error(run_cli("convert", folder, "--to", "safetensors", "-o", out), 2, str(missing))
+    assert not out.exists()
+    with pytest.raises(ckpttool.CkptError, match=tensor_only[0]):
+        ckpttool.load(folder)
+    assert sha256(folder) == before
+
+
+@pytest.mark.slow
+def test_dcp_missing_the_file_with_values_names_it(dist_runs, tmp_path):
+    folder = tmp_path / "dcp"
+    shutil.copytree(dist_runs.two / "dcp", folder)
+    value_file = sorted(_value_files(folder))[0]
+    (folder / value_file).unlink()
+    check_error(run_cli("inspect", folder), 2, value_file)
