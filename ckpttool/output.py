@@ -42,7 +42,7 @@ def _clean_stale(folder: str, name: str) -> None:
     for entry in os.listdir(folder):
         if not entry.startswith(stem):
             continue
-        pid = entry[len(stem) :]
+        pid = entry[len(stem) :].removeprefix("old-")  # also the old output of a --force run
         if pid.isdigit() and not _alive(int(pid)):
             _remove(os.path.join(folder, entry))
 
