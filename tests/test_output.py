@@ -152,8 +152,10 @@ def test_stale_temp_of_dead_run_removed_live_one_kept(tmp_path: Path):
     try:
         stale = tmp_path / f".out.safetensors{TEMP_MARK}{dead.pid}"
         running = tmp_path / f".out.safetensors{TEMP_MARK}{live.pid}"
+        # a --force run killed between its two renames also leaves the old output aside
+        stale_old = tmp_path / f".out.safetensors{TEMP_MARK}old-{dead.pid}"
         other = tmp_path / f".other.safetensors{TEMP_MARK}{dead.pid}"
-        for path in (stale, running, other):
+        for path in (stale, stale_old, running, other):
             path.write_bytes(b"partial")
         convert([str(tmp_path / "in.pt")], "safetensors", str(tmp_path / "out.safetensors"))
         assert tree_files(tmp_path) == sorted(
