@@ -79,4 +79,19 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def main() -> None:
     """Console-script entry point."""
-    app()
+    if not sys.argv[1:]:  # bare `ckpttool`: typer shows the help
+        app()
+    try:
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:
+        # Bad arguments (click's usage errors) get one line too, not usage text in a box:
+        # the contract says exit 2 and one clear line on stderr.
+        ctx = getattr(exc, "ctx", None)
+        where = ctx.command_path if ctx is not None else "ckpttool"
+        text = " ".join(exc.format_message().split())
+        sys.stderr.write(f"ckpttool: error: {text} (see: {where} --help)\n")
+        sys.exit(getattr(exc, "exit_code", EXIT_BAD_INPUT))
+    except typer.Abort:
+        sys.stderr.write("ckpttool: interrupted; no output was written\n")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
