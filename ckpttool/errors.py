@@ -48,7 +48,7 @@ class UnsafeError(CkptError):
     def __init__(self, dangerous: list[str], *, path: object = None):
         self.dangerous = sorted(set(dangerous))
         super().__init__(
-            "refused: the pickle references dangerous globals "
+            "the pickle references dangerous globals "
             + ", ".join(self.dangerous)
             + "; nothing was executed",
             path=path,
