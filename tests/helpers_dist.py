@@ -176,7 +176,8 @@ def run_cli(*args: object, **kwargs) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "ckpttool", *map(str, args)],
         capture_output=True,
         text=True,
-        env={**subprocess_env(), "COLUMNS": "200"},
+        # 80 columns, as rich assumes without a terminal: messages must not wrap at it
+        env={**subprocess_env(), "COLUMNS": "80"},
         timeout=TORCHRUN_TIMEOUT_S,
         **kwargs,
     )
