@@ -37,6 +37,12 @@ PAYLOAD_NAMES = (
     "py2_alias_http_server",
 )
 CASES = [(kind, name) for kind in MALICIOUS_KINDS for name in PAYLOAD_NAMES]
+# The CLI runs every payload in a zip, and a few per other container (a subprocess each).
+CLI_CASES = [("torch-zip", name) for name in PAYLOAD_NAMES] + [
+    (kind, name)
+    for kind in ("torch-legacy", "dcp")
+    for name in ("os_system", "getattr_os_system", "torch_load", "py2_alias_http_server")
+]
 
 
 def _ids(case):
@@ -82,7 +88,7 @@ def test_payloads_are_live(malicious, tmp_path):
     assert not any(f.payload.fired() for f in files)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case", CLI_CASES, ids=_ids)
 def test_inspect_refuses_and_names_globals(malicious, case):
     f = malicious[case]
     assert not f.payload.fired()
@@ -142,16 +148,27 @@ def test_no_output_written_when_refused(malicious, kind, command, tmp_path):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_unsafe_inspect_keeps_payload_inert(malicious, case):
+def test_unsafe_read_keeps_payload_inert(malicious, case):
     """``--unsafe`` reads the file, lists the globals as dangerous, and still runs nothing."""
+    from ckpttool.report import inspect_report
+
     f = malicious[case]
-    proc = run_cli("inspect", "--unsafe", "--json", f.path)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = inspect_report(ckpttool.read(f.path, unsafe=True))
     for name in f.payload.expected:
         assert any(name in g for g in report["dangerous"]), (name, report["dangerous"])
     keys = [t["key"] for t in report["tensors"]]
     assert (["model", "w"] if f.kind == "dcp" else ["w"]) in keys
+    assert not f.payload.fired()
+
+
+@pytest.mark.parametrize("kind", MALICIOUS_KINDS)
+def test_unsafe_inspect_cli_exit_0(malicious, kind):
+    f = malicious[(kind, "getattr_os_system")]
+    proc = run_cli("inspect", "--unsafe", "--json", f.path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["dangerous"] == ["builtins.getattr", "importlib.import_module"]
+    assert (["model", "w"] if kind == "dcp" else ["w"]) in [t["key"] for t in report["tensors"]]
     assert not f.payload.fired()
 
 
