@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,8 @@ import ckpttool
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "trainers" / "ddp_trainer.py"
 sys.path.insert(0, str(TRAINER.parent))
-import ddp_trainer  # noqa: E402  (the trainer's own helpers, tested directly below)
+import ddp_trainer  # noqa: E402  (hook names)
+import snapshot_io  # noqa: E402  (the trainer's snapshot helpers, tested directly below)
 
 # Small and quick: ~4 steps an epoch on 2 ranks; dropout keeps the RNG in play.
 TINY = ["--backend", "gloo", "--model", "gpt", "--dim", "16", "--layers", "1"]
@@ -35,24 +37,70 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
-def torchrun(snapshot_dir: Path, *args: str, nproc: int = 2, max_restarts: int = 0,
-             env: dict[str, str] | None = None, check: bool = True, tiny: bool = True
-             ) -> subprocess.CompletedProcess:
+def run_in_own_session(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run, but a timeout kills the whole process group: torchrun's workers too.
+
+    Killing only torchrun would leave its workers hanging in a collective forever.
+    """
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(
+                f"timed out after {TIMEOUT_S}s: {' '.join(cmd)}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            )
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def torchrun(
+    snapshot_dir: Path,
+    *args: str,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    tiny: bool = True,
+) -> subprocess.CompletedProcess:
     """Run the trainer under torchrun; fail with its output unless it exits 0 (``check``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}", str(TRAINER),
-           "--snapshot-dir", str(snapshot_dir), *(TINY if tiny else []), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env=_env(**(env or {})), cwd=snapshot_dir.parent)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
+        str(TRAINER),
+        "--snapshot-dir",
+        str(snapshot_dir),
+        *(TINY if tiny else []),
+        *args,
+    ]
+    proc = run_in_own_session(cmd, env=_env(**(env or {})), cwd=snapshot_dir.parent)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n"
-                    f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n"
+            f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
 def ckpttool_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env=_env())
+    return subprocess.run(
+        [sys.executable, "-m", "ckpttool", *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=_env(),
+    )
 
 
 def final_snapshot(snapshot_dir: Path, fmt: str, epoch: int = 3) -> list[str] | str:
@@ -109,72 +157,94 @@ def straight_run(tmp_path_factory):
 # --- the picking function and helpers, no processes ------------------------------------
 
 
-def _fake_snapshot(snapshot_dir: Path, epoch: int, world_size: int = 2, marker: bool = True,
-                   sizes: dict[str, int] | None = None) -> None:
-    parts = [f"ep{epoch}-rank{r}.pt" for r in range(world_size)]
+def _fake_snapshot(snapshot_dir: Path, epoch: int, marker: bool = True) -> None:
+    parts = [f"ep{epoch}-rank{r}.pt" for r in range(2)]
     for name in parts:
         (snapshot_dir / name).write_bytes(b"x" * 10)
     if marker:
-        info = {"epoch": epoch, "format": "ddp", "world_size": world_size, "parts": parts,
-                "files": sizes or dict.fromkeys(parts, 10)}
-        (snapshot_dir / f"ep{epoch}.complete").write_text(json.dumps(info))
+        snapshot_io.write_complete_marker(snapshot_dir, epoch, "ddp", 2, parts)
 
 
 def test_find_latest_snapshot_skips_incomplete(tmp_path):
-    _fake_snapshot(tmp_path, 0)
-    _fake_snapshot(tmp_path, 1)
-    _fake_snapshot(tmp_path, 2, marker=False)  # killed before rank 0 wrote the marker
-    _fake_snapshot(tmp_path, 3)
+    for epoch in range(5):
+        _fake_snapshot(tmp_path, epoch, marker=epoch != 2)  # 2: died before the marker
     (tmp_path / "ep3-rank1.pt").unlink()  # a rank file went missing
-    _fake_snapshot(tmp_path, 4, sizes={"ep4-rank0.pt": 10, "ep4-rank1.pt": 99})  # truncated
+    (tmp_path / "ep4-rank1.pt").write_bytes(b"x")  # changed after the marker: truncated
     (tmp_path / "ep5.complete").write_text("{not json")
     (tmp_path / ".ep6-rank1.pt.tmp").write_bytes(b"half")
 
-    latest = ddp_trainer.find_latest_snapshot(tmp_path)
+    latest = snapshot_io.find_latest_snapshot(tmp_path)
 
-    assert latest["epoch"] == 1
+    assert (latest["epoch"], latest["format"], latest["world_size"]) == (1, "ddp", 2)
     assert latest["paths"] == [str(tmp_path / "ep1-rank0.pt"), str(tmp_path / "ep1-rank1.pt")]
+    assert latest["files"] == {"ep1-rank0.pt": 10, "ep1-rank1.pt": 10}
+
+
+def test_complete_marker_lists_every_file_of_a_dcp_folder(tmp_path):
+    folder = tmp_path / "ep0"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"m" * 3)
+    (folder / "__0_0.distcp").write_bytes(b"d" * 5)
+
+    snapshot_io.write_complete_marker(tmp_path, 0, "dcp", 2, ["ep0"])
+
+    latest = snapshot_io.find_latest_snapshot(tmp_path)
+    assert latest["paths"] == [str(folder)]
+    assert latest["files"] == {"ep0/.metadata": 3, "ep0/__0_0.distcp": 5}
+    (folder / "__0_0.distcp").unlink()
+    assert snapshot_io.find_latest_snapshot(tmp_path) is None
 
 
 def test_find_latest_snapshot_empty_or_missing_dir(tmp_path):
-    assert ddp_trainer.find_latest_snapshot(tmp_path) is None
-    assert ddp_trainer.find_latest_snapshot(tmp_path / "nope") is None
+    assert snapshot_io.find_latest_snapshot(tmp_path) is None
+    assert snapshot_io.find_latest_snapshot(tmp_path / "nope") is None
 
 
 def test_find_latest_snapshot_orders_epochs_numerically(tmp_path):
     for epoch in (2, 9, 10):
         _fake_snapshot(tmp_path, epoch)
-    assert ddp_trainer.find_latest_snapshot(tmp_path)["epoch"] == 10
+    assert snapshot_io.find_latest_snapshot(tmp_path)["epoch"] == 10
 
 
 def test_optimizer_state_round_trips_between_index_and_name_keys():
     names = ["a.weight", "a.bias", "b.weight"]
-    by_index = {"state": {0: {"step": torch.tensor(1.0)}, 2: {"step": torch.tensor(2.0)}},
-                "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}
+    by_index = {
+        "state": {0: {"step": torch.tensor(1.0)}, 2: {"step": torch.tensor(2.0)}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}],
+    }
 
-    by_name = ddp_trainer.optim_state_by_name(by_index, names)
+    by_name = snapshot_io.optim_state_by_name(by_index, names)
 
     assert list(by_name["state"]) == ["a.weight", "b.weight"]
     assert by_name["param_groups"] == [{"lr": 0.1, "params": names}]
-    assert ddp_trainer.optim_state_by_index(by_name, names) == by_index
+    assert snapshot_io.optim_state_by_index(by_name, names) == by_index
 
 
 def test_strip_wrapper_prefixes_stacked():
     sd = {"module._orig_mod.fc.weight": torch.zeros(1), "module._orig_mod.fc.bias": torch.ones(1)}
-    assert list(ddp_trainer.strip_wrapper_prefixes(sd)) == ["fc.weight", "fc.bias"]
+    assert list(snapshot_io.strip_wrapper_prefixes(sd)) == ["fc.weight", "fc.bias"]
 
 
 @pytest.mark.parametrize(
     ("snapshot", "epochs"),
     [
         ({"MODEL_STATE": {"w": 1}, "OPTIMIZER_STATE": {"state": {}}, "EPOCHS_RUN": 3}, 3),
-        ({"state": {"model": {"w": 1}, "optimizers": {"AdamW": {"state": {}}},
-                    "timestamp": {"epoch": 2}}, "rng": []}, 2),
+        (
+            {
+                "state": {
+                    "model": {"w": 1},
+                    "optimizers": {"AdamW": {"state": {}}},
+                    "timestamp": {"epoch": 2},
+                },
+                "rng": [],
+            },
+            2,
+        ),
         ({"model": {"w": 1}, "optimizer": {"state": {}}, "epoch": 5}, 5),
     ],
 )
 def test_unpack_snapshot_layouts(snapshot, epochs):
-    model, optimizer, _, epochs_run, _ = ddp_trainer.unpack_snapshot(snapshot)
+    model, optimizer, _, epochs_run, _ = snapshot_io.unpack_snapshot(snapshot)
     assert (model, optimizer, epochs_run) == ({"w": 1}, {"state": {}}, epochs)
 
 
@@ -196,29 +266,40 @@ def test_resume_is_bitwise_exact(tmp_path, straight_run, fmt):
 
     assert "after 2 epoch(s)" in resumed.stdout
     assert len(epoch_losses(resumed.stdout)) == 2  # epochs 3 and 4 only, none re-trained
-    tensors = assert_identical(load_all(final_snapshot(straight_run(fmt), fmt)),
-                               load_all(final_snapshot(run_dir, fmt)))
+    tensors = assert_identical(
+        load_all(final_snapshot(straight_run(fmt), fmt)), load_all(final_snapshot(run_dir, fmt))
+    )
     assert tensors > 20  # model, optimizer moments and steps, RNG
 
 
 @pytest.mark.slow
 def test_worker_killed_mid_run_restarts_from_last_snapshot(tmp_path, straight_run):
     run_dir = tmp_path / "snapshots"
-    run = torchrun(run_dir, "--epochs", "4", max_restarts=2,
-                   env={ddp_trainer.KILL_AT_EPOCH_ENV: "2"})
+    run = torchrun(
+        run_dir, "--epochs", "4", max_restarts=2, env={ddp_trainer.KILL_AT_EPOCH_ENV: "2"}
+    )
 
     assert (run_dir / ".killed-at-ep2").exists()  # the hook did fire
     assert "resuming from" in run.stdout and "after 2 epoch(s)" in run.stdout
-    assert_identical(load_all(final_snapshot(straight_run("ddp"), "ddp")),
-                     load_all(final_snapshot(run_dir, "ddp")))
+    assert_identical(
+        load_all(final_snapshot(straight_run("ddp"), "ddp")),
+        load_all(final_snapshot(run_dir, "ddp")),
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["ddp", "dcp"])
 def test_rank_killed_while_saving_leaves_previous_snapshot(tmp_path, straight_run, fmt):
     run_dir = tmp_path / "snapshots"
-    died = torchrun(run_dir, "--epochs", "4", "--save-format", fmt, check=False,
-                    env={ddp_trainer.DIE_DURING_SAVE_ENV: "2"})
+    died = torchrun(
+        run_dir,
+        "--epochs",
+        "4",
+        "--save-format",
+        fmt,
+        check=False,
+        env={ddp_trainer.DIE_DURING_SAVE_ENV: "2"},
+    )
 
     assert died.returncode != 0
     assert not (run_dir / "ep2.complete").exists()
@@ -227,13 +308,14 @@ def test_rank_killed_while_saving_leaves_previous_snapshot(tmp_path, straight_ru
         assert partial.exists() and not (run_dir / "ep2-rank1.pt").exists()
         with pytest.raises(ckpttool.CkptError):  # what a naive picker would have failed on
             ckpttool.load(str(partial))
-    latest = ddp_trainer.find_latest_snapshot(run_dir)
+    latest = snapshot_io.find_latest_snapshot(run_dir)
     assert (latest["epoch"], latest["format"]) == (1, fmt)
 
     resumed = torchrun(run_dir, "--epochs", "4", "--save-format", fmt)
     assert "after 2 epoch(s)" in resumed.stdout
-    assert_identical(load_all(final_snapshot(straight_run(fmt), fmt)),
-                     load_all(final_snapshot(run_dir, fmt)))
+    assert_identical(
+        load_all(final_snapshot(straight_run(fmt), fmt)), load_all(final_snapshot(run_dir, fmt))
+    )
 
 
 @pytest.mark.slow
@@ -269,14 +351,18 @@ def test_inspect_json_on_ddp_snapshot(straight_run):
     assert {"key": ["EPOCHS_RUN"], "type": "int", "value": 1} in report["values"]
 
 
-@pytest.mark.slow
-def test_nccl_without_cuda_fails_clearly(tmp_path):
+def test_nccl_without_cuda_fails_clearly(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: this checks the CPU-only error")
-    run = torchrun(tmp_path / "snapshots", "--backend", "nccl", "--epochs", "1", nproc=1,
-                   check=False, tiny=False)
-    assert run.returncode != 0
-    assert "--backend nccl needs CUDA" in run.stderr
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit, match="--backend nccl needs CUDA; use --backend gloo"):
+        ddp_trainer.setup("nccl")
+
+
+def test_setup_outside_torchrun_says_how_to_launch(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit, match="launch me with torchrun"):
+        ddp_trainer.setup("auto")
 
 
 @pytest.mark.gpu
@@ -287,8 +373,18 @@ def test_nccl_resume(tmp_path, fmt):
         pytest.skip("needs CUDA")
     nproc = min(2, torch.cuda.device_count())  # NCCL wants one GPU per rank
     run_dir = tmp_path / "snapshots"
-    args = ["--backend", "nccl", "--save-format", fmt, "--model", "gpt", "--dim", "16",
-            "--layers", "1"]
+    args = [
+        "--backend",
+        "nccl",
+        "--save-format",
+        fmt,
+        "--model",
+        "gpt",
+        "--dim",
+        "16",
+        "--layers",
+        "1",
+    ]
     torchrun(run_dir, "--epochs", "2", *args, nproc=nproc, tiny=False)
     resumed = torchrun(run_dir, "--epochs", "3", *args, nproc=nproc, tiny=False)
 

@@ -28,11 +28,9 @@ Test hooks (environment variables, used by tests/test_trainer.py):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import sys
@@ -43,11 +41,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from snapshot_io import (
+    COMPLETE_MARKER,
+    SNAPSHOT_DIR,
+    SNAPSHOT_FILE,
+    atomic_write,
+    find_latest_snapshot,
+    get_rng_state,
+    optim_state_by_index,
+    optim_state_by_name,
+    set_rng_state,
+    strip_wrapper_prefixes,
+    unpack_snapshot,
+    write_complete_marker,
+)
 from tinytask import build_task
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -62,24 +73,15 @@ except ImportError:  # running from a checkout without `pip install -e .`
 warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
 warnings.filterwarnings("ignore", message=".*state_dict_type.*", category=FutureWarning)
 # Noise from FSDP1 internals on gloo and on a single rank (where it falls back to NO_SHARD).
-for _noise in (".*_get_pg_default_device.*", ".*Multiple backends are registered.*",
-               ".*NO_SHARD.*full_state_dict.*"):
+for _noise in (
+    ".*_get_pg_default_device.*",
+    ".*Multiple backends are registered.*",
+    ".*NO_SHARD.*full_state_dict.*",
+):
     warnings.filterwarnings("ignore", message=_noise, category=UserWarning)
 
-SNAPSHOT_FILE = "ep{epoch}-rank{rank}.pt"
-SNAPSHOT_DIR = "ep{epoch}"
-COMPLETE_MARKER = "ep{epoch}.complete"
 KILL_AT_EPOCH_ENV = "CKPTTOOL_TRAINER_KILL_AT_EPOCH"
 DIE_DURING_SAVE_ENV = "CKPTTOOL_TRAINER_DIE_DURING_SAVE"
-
-# Where each snapshot layout keeps (model, optimizer, scheduler, epochs run, RNG). Only the
-# model is required, so `--resume PATH` also takes {"model", "optimizer", "epoch"} files.
-SNAPSHOT_LAYOUTS = (
-    (("MODEL_STATE",), ("OPTIMIZER_STATE",), ("SCHEDULER_STATE",), ("EPOCHS_RUN",), ("RNG",)),
-    (("state", "model"), ("state", "optimizers"), ("state", "schedulers"),
-     ("state", "timestamp", "epoch"), ("rng",)),
-    (("model",), ("optimizer",), ("scheduler",), ("epoch",), ("rng",)),
-)
 
 
 def log(*parts: object) -> None:
@@ -91,8 +93,10 @@ def log(*parts: object) -> None:
 def setup(backend: str) -> torch.device:
     """Join the process group torchrun describes in the environment; return this rank's device."""
     if "LOCAL_RANK" not in os.environ:
-        sys.exit("ddp_trainer.py: launch me with torchrun, e.g. "
-                 "torchrun --standalone --nproc_per_node=2 trainers/ddp_trainer.py")
+        sys.exit(
+            "ddp_trainer.py: launch me with torchrun, e.g. "
+            "torchrun --standalone --nproc_per_node=2 trainers/ddp_trainer.py"
+        )
     local_rank = int(os.environ["LOCAL_RANK"])
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -109,142 +113,13 @@ def setup(backend: str) -> torch.device:
     return device
 
 
-# --- snapshot files ----------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    # A rename is durable only once the directory entry is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write, die_half_way: bool = False) -> None:
-    """Write through ``write(fileobj)`` into a temp file beside ``path``, fsync, rename.
-
-    A reader sees the old file or the whole new one, never a torn one. ``die_half_way`` is the
-    test hook: truncate the temp file to half and SIGKILL this process before the rename.
-    """
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        if die_half_way:
-            f.truncate(f.tell() // 2)
-            f.flush()
-            os.fsync(f.fileno())
-            os.kill(os.getpid(), signal.SIGKILL)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def find_latest_snapshot(snapshot_dir: str | os.PathLike) -> dict | None:
-    """Return the newest complete snapshot in ``snapshot_dir``, or None.
-
-    Complete means rank 0 wrote its marker (which it does only after every rank finished) and
-    every file the marker lists is there with the size it lists. Temp files of a rank killed
-    while saving, and snapshots without a marker, are never picked.
-
-    Returns:
-        The marker's content (``epoch``, ``format``, ``world_size``, ``files``) with ``paths``
-        added: the absolute paths to hand to ``ckpttool.load``.
-    """
-    snapshot_dir = Path(snapshot_dir)
-    candidates = []
-    for marker in snapshot_dir.glob(COMPLETE_MARKER.format(epoch="*")):
-        match = re.fullmatch(r"ep(\d+)\.complete", marker.name)
-        if match:
-            candidates.append((int(match.group(1)), marker))
-    for _, marker in sorted(candidates, reverse=True):
-        try:
-            info = json.loads(marker.read_text())
-            sizes = {snapshot_dir / name: size for name, size in info["files"].items()}
-        except (OSError, ValueError, KeyError, AttributeError):
-            continue
-        if all(p.is_file() and p.stat().st_size == size for p, size in sizes.items()):
-            info["paths"] = [str(snapshot_dir / p) for p in info["parts"]]
-            return info
-    return None
-
-
-def _get(tree, path: tuple):
-    for key in path:
-        if not isinstance(tree, dict) or key not in tree:
-            return None
-        tree = tree[key]
-    return tree
-
-
-def unpack_snapshot(snapshot: dict) -> tuple | None:
-    """Split a snapshot of any known layout into (model, optimizer, scheduler, epochs, rng)."""
-    for layout in SNAPSHOT_LAYOUTS:
-        parts = [_get(snapshot, path) for path in layout]
-        if isinstance(parts[0], dict):
-            for i in (1, 2):  # Composer keys optimizers and schedulers by class name
-                if isinstance(parts[i], dict) and "state" not in parts[i] and len(parts[i]) == 1:
-                    parts[i] = next(iter(parts[i].values()))
-            return tuple(parts)
-    return None
-
-
-def strip_wrapper_prefixes(state_dict: dict) -> dict:
-    """Drop DDP's ``module.`` and torch.compile's ``_orig_mod.``, stacked in any order."""
-    state_dict = dict(state_dict)
-    while True:
-        before = list(state_dict)
-        for prefix in ("module.", "_orig_mod."):
-            consume_prefix_in_state_dict_if_present(state_dict, prefix)
-        if list(state_dict) == before:
-            return state_dict
-
-
-def optim_state_by_name(optim_state: dict, names: list[str]) -> dict:
-    """Key optimizer state by parameter name (FSDP's layout), however it was saved."""
-    def name(key):
-        return names[key] if isinstance(key, int) else key
-
-    return {
-        "state": {name(k): v for k, v in optim_state["state"].items()},
-        "param_groups": [{**g, "params": [name(p) for p in g["params"]]}
-                         for g in optim_state["param_groups"]],
-    }
-
-
-def optim_state_by_index(optim_state: dict, names: list[str]) -> dict:
-    """Key optimizer state by parameter index, as ``torch.optim.Optimizer`` wants it."""
-    index = {n: i for i, n in enumerate(names)}
-    return {
-        "state": {index[k]: v for k, v in optim_state["state"].items()},
-        "param_groups": [{**g, "params": [index[p] for p in g["params"]]}
-                         for g in optim_state["param_groups"]],
-    }
-
-
-def get_rng_state(device: torch.device) -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    # RNG states must be CPU byte tensors, wherever map_location put them.
-    torch.set_rng_state(state["torch"].cpu())
-    version, internal, gauss = state["python"]  # a reader may hand tuples back as lists
-    random.setstate((version, tuple(internal), gauss))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
-
-
 def lr_schedule(decay_steps: int, warmup_steps: int = 4, min_factor: float = 0.1):
     """nanoGPT's schedule as a LambdaLR factor: linear warmup, cosine decay, then flat.
 
     The horizon is its own flag, not --epochs: a run of 2 epochs resumed to 4 must see the
     same learning rates as a run of 4, so the schedule cannot depend on the total.
     """
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
@@ -265,10 +140,16 @@ class Trainer:
         self.world_size = dist.get_world_size()
         self.snapshot_dir = Path(args.snapshot_dir)
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        self.config = {"model": args.model, "dim": args.dim, "layers": args.layers,
-                       "batch_size": args.batch_size, "lr": args.lr,
-                       "lr_decay_epochs": args.lr_decay_epochs, "seed": args.seed,
-                       "world_size": self.world_size}
+        self.config = {
+            "model": args.model,
+            "dim": args.dim,
+            "layers": args.layers,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "lr_decay_epochs": args.lr_decay_epochs,
+            "seed": args.seed,
+            "world_size": self.world_size,
+        }
 
         # Same seed on every rank: FSDP does not broadcast initial weights the way DDP does.
         torch.manual_seed(args.seed)
@@ -293,11 +174,16 @@ class Trainer:
         # shuffle=True with a fixed seed: set_epoch(e) then gives the same order on every
         # rank, in every run and after every resume, without touching the global RNG.
         self.sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
-        self.loader = DataLoader(dataset, batch_size=args.batch_size, sampler=self.sampler,
-                                 pin_memory=device.type == "cuda")
+        self.loader = DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=self.sampler,
+            pin_memory=device.type == "cuda",
+        )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_schedule(args.lr_decay_epochs * len(self.loader)))
+            self.optimizer, lr_schedule(args.lr_decay_epochs * len(self.loader))
+        )
 
         if snapshot is not None:
             self._restore_training_state(*snapshot[1:])
@@ -333,8 +219,10 @@ class Trainer:
         if parts is None:  # a plain weights file: start training from those weights
             model_state = ckpttool.load(source, map_location=self.device)
             parts = (model_state, None, None, None, None)
-        log(f"resuming from {source if isinstance(source, str) else source[0] + ' ...'}"
-            f" after {int(parts[3] or 0)} epoch(s)")
+        log(
+            f"resuming from {source if isinstance(source, str) else source[0] + ' ...'}"
+            f" after {int(parts[3] or 0)} epoch(s)"
+        )
         return (strip_wrapper_prefixes(parts[0]),) + tuple(parts[1:])
 
     def _restore_training_state(self, optim_state, scheduler_state, epochs_run, rng) -> None:
@@ -343,9 +231,12 @@ class Trainer:
             by_name = optim_state_by_name(optim_state, self.param_names)
             if isinstance(self.model, FSDP):
                 # Full (merged) tensors in, this rank's flat shards out.
-                with FSDP.state_dict_type(self.model, StateDictType.FULL_STATE_DICT,
-                                          FullStateDictConfig(rank0_only=False),
-                                          FullOptimStateDictConfig(rank0_only=False)):
+                with FSDP.state_dict_type(
+                    self.model,
+                    StateDictType.FULL_STATE_DICT,
+                    FullStateDictConfig(rank0_only=False),
+                    FullOptimStateDictConfig(rank0_only=False),
+                ):
                     flat = FSDP.optim_state_dict_to_load(self.model, self.optimizer, by_name)
                 self.optimizer.load_state_dict(flat)
             else:
@@ -397,12 +288,14 @@ class Trainer:
     def _snapshot_state(self, epoch: int) -> dict:
         rng = get_rng_state(self.device)  # first: nothing below may move the RNG
         if isinstance(self.model, DDP):
-            return {"MODEL_STATE": self.model.state_dict(),
-                    "OPTIMIZER_STATE": self.optimizer.state_dict(),
-                    "SCHEDULER_STATE": self.scheduler.state_dict(),
-                    "EPOCHS_RUN": epoch + 1,
-                    "RNG": rng,
-                    "CONFIG": self.config}
+            return {
+                "MODEL_STATE": self.model.state_dict(),
+                "OPTIMIZER_STATE": self.optimizer.state_dict(),
+                "SCHEDULER_STATE": self.scheduler.state_dict(),
+                "EPOCHS_RUN": epoch + 1,
+                "RNG": rng,
+                "CONFIG": self.config,
+            }
         with FSDP.state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
             model_state = self.model.state_dict()
             optim_state = FSDP.optim_state_dict(self.model, self.optimizer)
@@ -411,20 +304,30 @@ class Trainer:
         all_rng = [None] * self.world_size
         dist.all_gather_object(all_rng, rng)
         if self.args.save_format == "dcp":
-            return {"model": model_state, "optimizer": optim_state,
-                    "scheduler": self.scheduler.state_dict(), "epoch": epoch + 1,
-                    "rng": all_rng, "config": self.config}
+            return {
+                "model": model_state,
+                "optimizer": optim_state,
+                "scheduler": self.scheduler.state_dict(),
+                "epoch": epoch + 1,
+                "rng": all_rng,
+                "config": self.config,
+            }
         steps = (epoch + 1) * len(self.loader)
-        return {"state": {"model": model_state,
-                          "optimizers": {type(self.optimizer).__name__: optim_state},
-                          "schedulers": {type(self.scheduler).__name__:
-                                         self.scheduler.state_dict()},
-                          "timestamp": {"epoch": epoch + 1, "batch": steps,
-                                        "sample": steps * self.args.batch_size
-                                        * self.world_size,
-                                        "batch_in_epoch": 0},
-                          "config": self.config},
-                "rng": all_rng}
+        return {
+            "state": {
+                "model": model_state,
+                "optimizers": {type(self.optimizer).__name__: optim_state},
+                "schedulers": {type(self.scheduler).__name__: self.scheduler.state_dict()},
+                "timestamp": {
+                    "epoch": epoch + 1,
+                    "batch": steps,
+                    "sample": steps * self.args.batch_size * self.world_size,
+                    "batch_in_epoch": 0,
+                },
+                "config": self.config,
+            },
+            "rng": all_rng,
+        }
 
     def _save_snapshot(self, epoch: int) -> None:
         state = self._snapshot_state(epoch)
@@ -436,8 +339,9 @@ class Trainer:
             # half-rewritten snapshot is never mistaken for a complete one.
             marker.unlink(missing_ok=True)
             if fmt == "dcp":
-                shutil.rmtree(self.snapshot_dir / SNAPSHOT_DIR.format(epoch=epoch),
-                              ignore_errors=True)
+                shutil.rmtree(
+                    self.snapshot_dir / SNAPSHOT_DIR.format(epoch=epoch), ignore_errors=True
+                )
         dist.barrier()
 
         if fmt == "dcp":
@@ -453,13 +357,7 @@ class Trainer:
         dist.barrier()  # every rank's part is on disk before the marker says so
 
         if self.rank == 0:
-            files = [p for p in (self.snapshot_dir / SNAPSHOT_DIR.format(epoch=epoch)).iterdir()
-                     ] if fmt == "dcp" else [self.snapshot_dir / p for p in parts]
-            info = {"epoch": epoch, "format": fmt, "world_size": self.world_size,
-                    "parts": parts,
-                    "files": {str(p.relative_to(self.snapshot_dir)): p.stat().st_size
-                              for p in files}}
-            atomic_write(marker, lambda f: f.write(json.dumps(info, indent=1).encode()))
+            write_complete_marker(self.snapshot_dir, epoch, fmt, self.world_size, parts)
         log(f"epoch {epoch + 1} | saved snapshot {self.snapshot_dir / parts[0]}")
 
     def train(self) -> None:
@@ -470,8 +368,10 @@ class Trainer:
         for epoch in range(self.epochs_run, total):
             start = time.perf_counter()
             loss = self._run_epoch(epoch)
-            log(f"epoch {epoch + 1}/{total} | steps {len(self.loader)} | loss {loss:.4f} | "
-                f"lr {self.scheduler.get_last_lr()[0]:.2e} | {time.perf_counter() - start:.2f}s")
+            log(
+                f"epoch {epoch + 1}/{total} | steps {len(self.loader)} | loss {loss:.4f} | "
+                f"lr {self.scheduler.get_last_lr()[0]:.2e} | {time.perf_counter() - start:.2f}s"
+            )
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == total:
                 self._save_snapshot(epoch)
 
@@ -484,15 +384,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--snapshot-dir", default="runs/demo")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     p.add_argument("--save-format", choices=["ddp", "sharded", "dcp"], default="ddp")
-    p.add_argument("--resume", default="auto",
-                   help="auto (newest complete snapshot in --snapshot-dir), none, or a PATH")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto (newest complete snapshot in --snapshot-dir), none, or a PATH",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
     p.add_argument("--dim", type=int, default=32, help="model width (even, for 2 heads)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (gpt)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--lr-decay-epochs", type=int, default=10,
-                   help="cosine decay horizon; independent of --epochs so resuming is exact")
+    p.add_argument(
+        "--lr-decay-epochs",
+        type=int,
+        default=10,
+        help="cosine decay horizon; independent of --epochs so resuming is exact",
+    )
     args = p.parse_args(argv)
     if args.save_every < 1 or args.epochs < 1:
         p.error("--epochs and --save-every must be at least 1")

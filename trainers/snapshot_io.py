@@ -1,0 +1,187 @@
+"""Snapshot files of the reference trainer: atomic writes, completeness markers, layouts.
+
+Plain functions over plain data, so tests can call them without torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+from pathlib import Path
+
+import torch
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+SNAPSHOT_FILE = "ep{epoch}-rank{rank}.pt"
+SNAPSHOT_DIR = "ep{epoch}"
+COMPLETE_MARKER = "ep{epoch}.complete"
+
+# Where each snapshot layout keeps (model, optimizer, scheduler, epochs run, RNG). Only the
+# model is required, so `--resume PATH` also takes {"model", "optimizer", "epoch"} files.
+SNAPSHOT_LAYOUTS = (
+    (("MODEL_STATE",), ("OPTIMIZER_STATE",), ("SCHEDULER_STATE",), ("EPOCHS_RUN",), ("RNG",)),
+    (
+        ("state", "model"),
+        ("state", "optimizers"),
+        ("state", "schedulers"),
+        ("state", "timestamp", "epoch"),
+        ("rng",),
+    ),
+    (("model",), ("optimizer",), ("scheduler",), ("epoch",), ("rng",)),
+)
+
+
+def _fsync_dir(path: Path) -> None:
+    # A rename is durable only once the directory entry is on disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write, die_half_way: bool = False) -> None:
+    """Write through ``write(fileobj)`` into a temp file beside ``path``, fsync, rename.
+
+    A reader sees the old file or the whole new one, never a torn one. ``die_half_way`` is the
+    test hook: truncate the temp file to half and SIGKILL this process before the rename.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        if die_half_way:
+            f.truncate(f.tell() // 2)
+            f.flush()
+            os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_complete_marker(
+    snapshot_dir: Path, epoch: int, fmt: str, world_size: int, parts: list[str]
+) -> None:
+    """Mark snapshot ``epoch`` complete: list its files and their sizes, atomically.
+
+    Only rank 0 calls this, and only after a barrier that every rank reached with its part
+    of the snapshot on disk.
+    """
+    files: list[Path] = []
+    for part in parts:
+        path = snapshot_dir / part
+        files += sorted(path.iterdir()) if path.is_dir() else [path]
+    info = {
+        "epoch": epoch,
+        "format": fmt,
+        "world_size": world_size,
+        "parts": parts,
+        "files": {str(f.relative_to(snapshot_dir)): f.stat().st_size for f in files},
+    }
+    marker = snapshot_dir / COMPLETE_MARKER.format(epoch=epoch)
+    atomic_write(marker, lambda f: f.write(json.dumps(info, indent=1).encode()))
+
+
+def find_latest_snapshot(snapshot_dir: str | os.PathLike) -> dict | None:
+    """Return the newest complete snapshot in ``snapshot_dir``, or None.
+
+    Complete means rank 0 wrote its marker (which it does only after every rank finished) and
+    every file the marker lists is there with the size it lists. Temp files of a rank killed
+    while saving, and snapshots without a marker, are never picked.
+
+    Returns:
+        The marker's content (``epoch``, ``format``, ``world_size``, ``files``) with ``paths``
+        added: the absolute paths to hand to ``ckpttool.load``.
+    """
+    snapshot_dir = Path(snapshot_dir)
+    candidates = []
+    for marker in snapshot_dir.glob(COMPLETE_MARKER.format(epoch="*")):
+        match = re.fullmatch(r"ep(\d+)\.complete", marker.name)
+        if match:
+            candidates.append((int(match.group(1)), marker))
+    for _, marker in sorted(candidates, reverse=True):
+        try:
+            info = json.loads(marker.read_text())
+            sizes = {snapshot_dir / name: size for name, size in info["files"].items()}
+        except (OSError, ValueError, KeyError, AttributeError):
+            continue
+        if all(p.is_file() and p.stat().st_size == size for p, size in sizes.items()):
+            info["paths"] = [str(snapshot_dir / p) for p in info["parts"]]
+            return info
+    return None
+
+
+def _get(tree, path: tuple):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def unpack_snapshot(snapshot: dict) -> tuple | None:
+    """Split a snapshot of any known layout into (model, optimizer, scheduler, epochs, rng)."""
+    for layout in SNAPSHOT_LAYOUTS:
+        parts = [_get(snapshot, path) for path in layout]
+        if isinstance(parts[0], dict):
+            for i in (1, 2):  # Composer keys optimizers and schedulers by class name
+                if isinstance(parts[i], dict) and "state" not in parts[i] and len(parts[i]) == 1:
+                    parts[i] = next(iter(parts[i].values()))
+            return tuple(parts)
+    return None
+
+
+def strip_wrapper_prefixes(state_dict: dict) -> dict:
+    """Drop DDP's ``module.`` and torch.compile's ``_orig_mod.``, stacked in any order."""
+    state_dict = dict(state_dict)
+    while True:
+        before = list(state_dict)
+        for prefix in ("module.", "_orig_mod."):
+            consume_prefix_in_state_dict_if_present(state_dict, prefix)
+        if list(state_dict) == before:
+            return state_dict
+
+
+def optim_state_by_name(optim_state: dict, names: list[str]) -> dict:
+    """Key optimizer state by parameter name (FSDP's layout), however it was saved."""
+
+    def name(key):
+        return names[key] if isinstance(key, int) else key
+
+    return {
+        "state": {name(k): v for k, v in optim_state["state"].items()},
+        "param_groups": [
+            {**g, "params": [name(p) for p in g["params"]]} for g in optim_state["param_groups"]
+        ],
+    }
+
+
+def optim_state_by_index(optim_state: dict, names: list[str]) -> dict:
+    """Key optimizer state by parameter index, as ``torch.optim.Optimizer`` wants it."""
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[k]: v for k, v in optim_state["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[p] for p in g["params"]]} for g in optim_state["param_groups"]
+        ],
+    }
+
+
+def get_rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    # RNG states must be CPU byte tensors, wherever map_location put them.
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss = state["python"]  # a reader may hand tuples back as lists
+    random.setstate((version, tuple(internal), gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
