@@ -37,11 +37,12 @@ def sha256(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def big(tmp_path_factory) -> tuple[Path, str]:
+def big(tmp_path_factory):
     """A ~300 MB torch.save file and its sha256."""
     path = tmp_path_factory.mktemp("big") / "big.pt"
     torch.save({f"layer{i}.weight": torch.full((BIG_ELEMENTS,), float(i)) for i in range(6)}, path)
-    return path, sha256(path)
+    yield path, sha256(path)
+    path.unlink()  # pytest keeps the temp folders of the last runs: do not keep 300 MB there
 
 
 def start_convert(src: Path, out: Path, to: str, **kwargs) -> subprocess.Popen:
@@ -95,6 +96,8 @@ def test_sigkill_midway_leaves_no_output_and_next_run_cleans_up(big, tmp_path: P
     )
     assert sorted(loaded) == [f"layer{i}.weight" for i in range(BIG_TENSORS)]
     assert torch.equal(loaded["layer5.weight"], torch.full((BIG_ELEMENTS,), 5.0))
+    del loaded
+    out.unlink()  # 300 MB: not for pytest's kept temp folders
 
 
 @pytest.mark.slow
