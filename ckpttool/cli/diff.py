@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
@@ -11,6 +10,7 @@ from rich.table import Table
 
 from .app import EXIT_DIFFERENT, app, handle_errors
 from .options import Json, Unsafe
+from .render import dumps_json
 
 
 @app.command()
@@ -28,7 +28,7 @@ def diff(
 
     result = diff_checkpoints(a, b, atol=atol, rtol=rtol, unsafe=unsafe)
     if json_output:
-        print(json.dumps(result))
+        print(dumps_json(result))
     else:
         render(result)
     if not result["equal"]:

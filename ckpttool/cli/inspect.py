@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from typing import Annotated
 
@@ -12,7 +11,7 @@ from rich.table import Table
 
 from .app import app, handle_errors
 from .options import Json, Paths, Unsafe
-from .render import byte_progress, human_bytes, short, structure_tree
+from .render import byte_progress, dumps_json, human_bytes, short, structure_tree
 
 STATS_PROGRESS_BYTES = 256 << 20
 
@@ -41,7 +40,7 @@ def inspect(
     with byte_progress(total, "reading tensors", stats and total > STATS_PROGRESS_BYTES) as advance:
         report = inspect_report(ckpt, filter=filter, stats=stats, progress=advance)
     if json_output:
-        print(json.dumps(report))
+        print(dumps_json(report))
         return
     render(ckpt, report)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +15,21 @@ from rich.tree import Tree
 MAX_CHILDREN = 12
 MAX_DEPTH = 6
 MAX_VALUE_CHARS = 60
+
+
+def dumps_json(value: Any) -> str:
+    """Strict JSON (no NaN/Infinity tokens, which JSON.parse rejects): they become strings."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(value), allow_nan=False)
 
 
 def human_bytes(n: int) -> str:

@@ -19,6 +19,11 @@ HEADER_ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte ali
 def check_dtypes(tensors: dict[str, Any], cast: DType | None) -> None:
     """Fail before writing anything if a tensor has no safetensors dtype."""
     for name, leaf in tensors.items():
+        if getattr(leaf, "kind", "") == "quantized":
+            raise CkptError(
+                f"tensor {name!r} is quantized ({leaf.dtype.name}): its values cannot be converted",
+                hint="dequantize it before saving, or --select other tensors",
+            )
         if output_dtype(leaf, cast).safetensors is None:
             raise CkptError(
                 f"tensor {name!r} has dtype {leaf.dtype.name}, which safetensors cannot store",
