@@ -26,6 +26,7 @@ DCP_TO_TORCH = (
     "dcp_to_torch_save(sys.argv[1], sys.argv[2])"
 )
 CP_FSYNC = 'cp "$1" "$2" && sync "$2"'
+CP_R_FSYNC = 'cp -r "$1" "$2" && find "$2" -type f -exec sync {} +'
 
 
 @dataclass
@@ -143,6 +144,14 @@ def commands(inputs: dict[str, Input], out: Path) -> dict[str, Command]:
             ["cp", "-r", str(rank4_dir), o["cp-rank4"]], ["rank4"], [o["cp-rank4"]]
         ),
         "cp dcp2": Command(["cp", "-r", dcp2, o["cp-dcp2"]], ["dcp2"], [o["cp-dcp2"]]),
+        "cp+fsync rank4": Command(
+            ["sh", "-c", CP_R_FSYNC, "sh", str(rank4_dir), o["cp-rank4"]],
+            ["rank4"],
+            [o["cp-rank4"]],
+        ),
+        "cp+fsync dcp2": Command(
+            ["sh", "-c", CP_R_FSYNC, "sh", dcp2, o["cp-dcp2"]], ["dcp2"], [o["cp-dcp2"]]
+        ),
         "dcp_to_torch_save": Command(
             [py, "-c", DCP_TO_TORCH, dcp2, o["dcp2torch"]], ["dcp2"], [o["dcp2torch"]]
         ),
@@ -211,8 +220,10 @@ def rows(inputs: dict[str, Input]) -> list[Row]:
             "cp dcp2", max_ratio=2, ratio_text="2", max_rss=sharded_rss),
         Row("merge", f"merge {r4} per-rank (4) -> .pt vs cp -r", "merge rank4", "cp rank4",
             max_ratio=2, ratio_text="2", max_rss=sharded_rss),
+        Row("merge", "  same vs cp -r + fsync of the copies", "merge rank4", "cp+fsync rank4"),
         Row("merge", f"merge {d2} DCP (2) -> .pt vs cp -r", "merge dcp2", "cp dcp2",
             max_ratio=2, ratio_text="2", max_rss=sharded_rss),
+        Row("merge", "  same vs cp -r + fsync of the copies", "merge dcp2", "cp+fsync dcp2"),
         Row("merge", "  same vs dcp_to_torch_save", "merge dcp2", "dcp_to_torch_save"),
         Row("diff", f"diff {m1} .pt vs its .safetensors (equal) vs torch.load+equal",
             "diff equal", "naive diff equal", max_rss=512),

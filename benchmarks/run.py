@@ -22,7 +22,7 @@ from pathlib import Path
 
 import cases
 import data
-from measure import CommandFailed, Measurement, measure, rss_source
+from measure import CommandFailed, Measurement, child_env, measure, rss_source
 
 REPO = Path(__file__).resolve().parent.parent
 COLUMNS = ("case", "ckpttool", "baseline", "ratio", "peak RSS", "target", "ok")
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
 
+    env = child_env(args.workdir.resolve() / "pycache")
     results: dict[str, Measurement | None] = {}
     failures: list[str] = []
     for key in keys:
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_stdout=command.check_stdout,
                 warmup=args.warmup,
                 repeat=args.repeat,
+                env=env,
             )
             log(f"  {fmt_time(m.wall)} (runs {', '.join(f'{w:.3f}' for w in m.walls)}), "
                 f"peak RSS {m.rss_mib:.0f} MiB")  # fmt: skip
