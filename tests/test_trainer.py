@@ -7,6 +7,7 @@ shared through module-scoped fixtures to keep the whole file around a minute on 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,23 +38,31 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
-def run_in_own_session(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run, but a timeout kills the whole process group: torchrun's workers too.
+def _descendants(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return children + [d for c in children for d in _descendants(c)]
 
-    Killing only torchrun would leave its workers hanging in a collective forever.
+
+def run_killing_tree_on_timeout(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run, but a timeout kills torchrun's workers too, not just torchrun.
+
+    The workers run in sessions of their own; left alive they would hang in a collective
+    forever and hold our pipes open.
     """
     with subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        **kwargs,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
     ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in [proc.pid, *_descendants(proc.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
             pytest.fail(
                 f"timed out after {TIMEOUT_S}s: {' '.join(cmd)}\n{stdout[-3000:]}\n{stderr[-3000:]}"
@@ -84,7 +93,7 @@ def torchrun(
         *(TINY if tiny else []),
         *args,
     ]
-    proc = run_in_own_session(cmd, env=_env(**(env or {})), cwd=snapshot_dir.parent)
+    proc = run_killing_tree_on_timeout(cmd, env=_env(**(env or {})), cwd=snapshot_dir.parent)
     if check and proc.returncode != 0:
         pytest.fail(
             f"{' '.join(cmd)} exited {proc.returncode}\n"
@@ -244,8 +253,12 @@ def test_strip_wrapper_prefixes_stacked():
     ],
 )
 def test_unpack_snapshot_layouts(snapshot, epochs):
-    model, optimizer, _, epochs_run, _ = snapshot_io.unpack_snapshot(snapshot)
-    assert (model, optimizer, epochs_run) == ({"w": 1}, {"state": {}}, epochs)
+    parts = snapshot_io.unpack_snapshot(snapshot)
+    assert (parts.model, parts.optimizer, parts.epochs_run) == ({"w": 1}, {"state": {}}, epochs)
+
+
+def test_unpack_snapshot_unknown_layout():
+    assert snapshot_io.unpack_snapshot({"fc.weight": torch.zeros(1)}) is None
 
 
 def test_lr_schedule_does_not_depend_on_total_epochs():

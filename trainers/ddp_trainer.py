@@ -41,10 +41,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+# isort: split
+# Our siblings in trainers/, importable because Python puts the script's folder on sys.path.
 from snapshot_io import (
     COMPLETE_MARKER,
     SNAPSHOT_DIR,
     SNAPSHOT_FILE,
+    Snapshot,
     atomic_write,
     find_latest_snapshot,
     get_rng_state,
@@ -56,11 +65,6 @@ from snapshot_io import (
     write_complete_marker,
 )
 from tinytask import build_task
-from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
 try:
     import ckpttool
@@ -90,6 +94,20 @@ def log(*parts: object) -> None:
         print(*parts, flush=True)
 
 
+def _store_for_this_attempt() -> dist.Store | None:
+    """torchrun's shared TCPStore, namespaced by restart attempt (None: torchrun shares none).
+
+    torchrun hands every restart attempt the same store and torch's own keys carry no
+    attempt number, so a restarted rank can read a dead rank's gloo address or NCCL id from
+    the attempt before and hang in init_process_group (pytorch/pytorch#135712). The attempt
+    count is per node: on several nodes set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def setup(backend: str) -> torch.device:
     """Join the process group torchrun describes in the environment; return this rank's device."""
     if "LOCAL_RANK" not in os.environ:
@@ -109,7 +127,12 @@ def setup(backend: str) -> torch.device:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend=backend)
+    store = _store_for_this_attempt()
+    if store is None:
+        dist.init_process_group(backend=backend)
+    else:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
     return device
 
 
@@ -162,7 +185,13 @@ class Trainer:
         self.epochs_run = 0
         snapshot = self._load_snapshot(args.resume)
         if snapshot is not None:
-            model.load_state_dict(snapshot[0])
+            try:
+                model.load_state_dict(snapshot.model)
+            except RuntimeError as e:
+                sys.exit(
+                    f"ddp_trainer.py: the snapshot's weights do not fit --model {args.model} "
+                    f"--dim {args.dim} --layers {args.layers}: {str(e).splitlines()[0]}"
+                )
 
         if args.save_format == "ddp":
             self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -186,7 +215,7 @@ class Trainer:
         )
 
         if snapshot is not None:
-            self._restore_training_state(*snapshot[1:])
+            self._restore_training_state(snapshot)
         else:
             # One dropout stream per rank, as nanoGPT does with its seed offset.
             torch.manual_seed(args.seed + 1 + self.rank)
@@ -207,28 +236,29 @@ class Trainer:
             return latest["paths"][min(self.rank, len(latest["paths"]) - 1)]
         return latest["paths"] if latest["format"] == "sharded" else latest["paths"][0]
 
-    def _load_snapshot(self, resume: str) -> tuple | None:
+    def _load_snapshot(self, resume: str) -> Snapshot | None:
         source = self._resume_source(resume)
         if source is None:
             log("starting fresh")
             return None
         # ckpttool is the safe reader: no code from the file runs, and sharded tensors
         # (ShardedTensor, DTensor, DCP) come back merged into full tensors on our device.
-        snapshot = ckpttool.load(source, map_location=self.device, select="all")
-        parts = unpack_snapshot(snapshot) if isinstance(snapshot, dict) else None
-        if parts is None:  # a plain weights file: start training from those weights
-            model_state = ckpttool.load(source, map_location=self.device)
-            parts = (model_state, None, None, None, None)
-        log(
-            f"resuming from {source if isinstance(source, str) else source[0] + ' ...'}"
-            f" after {int(parts[3] or 0)} epoch(s)"
-        )
-        return (strip_wrapper_prefixes(parts[0]),) + tuple(parts[1:])
+        try:
+            snapshot = unpack_snapshot(
+                ckpttool.load(source, map_location=self.device, select="all")
+            )
+            if snapshot is None:  # a plain weights file: train on from those weights
+                snapshot = Snapshot(ckpttool.load(source, map_location=self.device))
+        except ckpttool.CkptError as e:
+            sys.exit(f"ddp_trainer.py: cannot resume: {e}")
+        shown = source if isinstance(source, str) else f"{source[0]} (+{len(source) - 1})"
+        log(f"resuming from {shown} after {snapshot.epochs_run} epoch(s)")
+        return snapshot._replace(model=strip_wrapper_prefixes(snapshot.model))
 
-    def _restore_training_state(self, optim_state, scheduler_state, epochs_run, rng) -> None:
-        self.epochs_run = int(epochs_run or 0)
-        if optim_state is not None:
-            by_name = optim_state_by_name(optim_state, self.param_names)
+    def _restore_training_state(self, snapshot: Snapshot) -> None:
+        self.epochs_run = snapshot.epochs_run
+        if snapshot.optimizer is not None:
+            by_name = optim_state_by_name(snapshot.optimizer, self.param_names)
             if isinstance(self.model, FSDP):
                 # Full (merged) tensors in, this rank's flat shards out.
                 with FSDP.state_dict_type(
@@ -241,10 +271,11 @@ class Trainer:
                 self.optimizer.load_state_dict(flat)
             else:
                 self.optimizer.load_state_dict(optim_state_by_index(by_name, self.param_names))
-        if scheduler_state is not None:
-            self.scheduler.load_state_dict(scheduler_state)
+        if snapshot.scheduler is not None:
+            self.scheduler.load_state_dict(snapshot.scheduler)
         # The snapshot holds this rank's RNG (ddp) or every rank's (sharded, dcp). From
         # another world size there is no exact match: reseed, deterministically.
+        rng = snapshot.rng
         if isinstance(rng, list):
             rng = rng[self.rank] if len(rng) == self.world_size else None
         if isinstance(rng, dict):

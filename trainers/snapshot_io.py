@@ -11,6 +11,7 @@ import random
 import re
 import signal
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
@@ -19,14 +20,26 @@ SNAPSHOT_FILE = "ep{epoch}-rank{rank}.pt"
 SNAPSHOT_DIR = "ep{epoch}"
 COMPLETE_MARKER = "ep{epoch}.complete"
 
-# Where each snapshot layout keeps (model, optimizer, scheduler, epochs run, RNG). Only the
-# model is required, so `--resume PATH` also takes {"model", "optimizer", "epoch"} files.
+
+class Snapshot(NamedTuple):
+    """The parts of a training snapshot the trainer restores; all but ``model`` optional."""
+
+    model: dict
+    optimizer: dict | None = None
+    scheduler: dict | None = None
+    epochs_run: int = 0
+    rng: dict | list | None = None
+
+
+# Where each layout keeps the parts of a Snapshot, in order. Composer keys its optimizers
+# and schedulers by class name; "*" takes the one value there. Only the model is required,
+# so `--resume PATH` also takes e.g. {"model", "optimizer", "epoch"} files.
 SNAPSHOT_LAYOUTS = (
     (("MODEL_STATE",), ("OPTIMIZER_STATE",), ("SCHEDULER_STATE",), ("EPOCHS_RUN",), ("RNG",)),
     (
         ("state", "model"),
-        ("state", "optimizers"),
-        ("state", "schedulers"),
+        ("state", "optimizers", "*"),
+        ("state", "schedulers", "*"),
         ("state", "timestamp", "epoch"),
         ("rng",),
     ),
@@ -117,21 +130,21 @@ def find_latest_snapshot(snapshot_dir: str | os.PathLike) -> dict | None:
 
 def _get(tree, path: tuple):
     for key in path:
-        if not isinstance(tree, dict) or key not in tree:
+        if not isinstance(tree, dict):
             return None
-        tree = tree[key]
+        if key == "*":
+            tree = next(iter(tree.values())) if len(tree) == 1 else None
+        else:
+            tree = tree.get(key)
     return tree
 
 
-def unpack_snapshot(snapshot: dict) -> tuple | None:
-    """Split a snapshot of any known layout into (model, optimizer, scheduler, epochs, rng)."""
+def unpack_snapshot(snapshot: object) -> Snapshot | None:
+    """Find the parts of a snapshot of any known layout; None if it is none of them."""
     for layout in SNAPSHOT_LAYOUTS:
-        parts = [_get(snapshot, path) for path in layout]
-        if isinstance(parts[0], dict):
-            for i in (1, 2):  # Composer keys optimizers and schedulers by class name
-                if isinstance(parts[i], dict) and "state" not in parts[i] and len(parts[i]) == 1:
-                    parts[i] = next(iter(parts[i].values()))
-            return tuple(parts)
+        model, optimizer, scheduler, epochs_run, rng = (_get(snapshot, p) for p in layout)
+        if isinstance(model, dict):
+            return Snapshot(model, optimizer, scheduler, int(epochs_run or 0), rng)
     return None
 
 
