@@ -737,4 +737,57 @@ def load_pickle(
     if error is not None:
         reason = "truncated" if isinstance(error, EOFError) else "corrupt"
         raise CkptError(f"{reason} pickle ({type(error).__name__}: {error})", path=path) from None
+    check_structure(result, path)
     return result
+
+
+# Far beyond any real checkpoint (Composer snapshots nest ~8 levels), and within what the
+# recursive consumers (layout, materialize, JSON) handle.
+MAX_NESTING = 200
+# Entries seen again through containers that are shared (reachable by several paths).
+MAX_SHARED_ENTRIES = 1_000_000
+
+
+def check_structure(root: Any, path: object = None) -> None:
+    """Refuse shapes that a few bytes of pickle can build and no checkpoint has.
+
+    The memo lets a pickle share one container many times: a list holding the same
+    list twice, 30 levels deep, is 300 bytes but 2**30 paths for every walk over the
+    tree; a dict that holds itself never ends a walk over plain containers.
+
+    Raises:
+        CkptError: nesting deeper than MAX_NESTING, shared containers that expand to
+            more than MAX_SHARED_ENTRIES entries, or a dict/list/tuple that holds itself.
+    """
+    from .tree import children, is_tensor
+
+    expanded: set[int] = set()
+    ancestors: set[int] = set()
+    shared_entries = 0
+    stack: list[tuple[Any, int, bool]] = [(root, 0, False)]
+    while stack:
+        node, depth, leaving = stack.pop()
+        if leaving:
+            ancestors.discard(id(node))
+            continue
+        if is_tensor(node) or not isinstance(node, (dict, list, tuple, Opaque)):
+            continue
+        if id(node) in ancestors:
+            if isinstance(node, Opaque):  # objects may point back at a parent; walks cut that
+                continue
+            raise CkptError("corrupt pickle: a container holds itself", path=path)
+        if depth > MAX_NESTING:
+            raise CkptError(f"corrupt pickle: nests deeper than {MAX_NESTING} levels", path=path)
+        kids = [child for _, child in children(node)]
+        if id(node) in expanded:
+            shared_entries += len(kids)
+            if shared_entries > MAX_SHARED_ENTRIES:
+                raise CkptError(
+                    "corrupt pickle: containers shared by many paths would expand to more "
+                    f"than {MAX_SHARED_ENTRIES} entries",
+                    path=path,
+                )
+        expanded.add(id(node))
+        ancestors.add(id(node))
+        stack.append((node, depth, True))
+        stack.extend((child, depth + 1, False) for child in kids)
