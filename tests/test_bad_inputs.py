@@ -135,6 +135,46 @@ def dcp_corrupt_metadata(d):
     return folder, ".metadata"
 
 
+def _with_data_pkl(d, name, obj):
+    """A real torch.save zip whose data.pkl is replaced by ``pickle.dumps(obj)``."""
+    import pickle
+
+    src = _torch_file(d)
+    dst = d / name
+    data = pickle.dumps(obj, protocol=2)
+    rewrite_zip(src, dst, lambda n, old: data if n.endswith("/data.pkl") else None)
+    src.unlink()
+    return dst
+
+
+def self_containing_dict(d):
+    cyclic = {}
+    cyclic["self"] = cyclic
+    return _with_data_pkl(d, "cycle.pt", {"x": cyclic}), "holds itself"
+
+
+def billion_laughs(d):
+    """300 bytes of pickle, 2**40 paths: the same list twice, 40 levels deep."""
+    x = [1.0]
+    for _ in range(40):
+        x = [x, x]
+    return _with_data_pkl(d, "laughs.pt", {"x": x}), "shared by many paths"
+
+
+def deep_nesting(d):
+    x = []
+    for _ in range(5000):
+        x = [x]
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # pickle.dumps itself recurses
+    try:
+        return _with_data_pkl(d, "deep.pt", {"x": x}), "nests deeper than"
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 CASES = [
     empty_file,
     random_bytes,
@@ -154,6 +194,9 @@ CASES = [
     plain_pickle,
     corrupt_data_pkl,
     dcp_corrupt_metadata,
+    self_containing_dict,
+    billion_laughs,
+    deep_nesting,
 ]
 
 
@@ -161,7 +204,7 @@ CASES = [
 def test_bad_input_is_exit_2_with_one_line(tmp_path, make):
     path, needle = make(tmp_path)
     before = sha256(path)
-    line = check_error(run_cli("inspect", path), 2, needle)
+    line = check_error(run_cli("inspect", path, timeout=60), 2, needle)
     assert line.startswith("ckpttool: error: ")
     assert sha256(path) == before
     with pytest.raises(ckpttool.CkptError) as info:
