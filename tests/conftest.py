@@ -28,10 +28,16 @@ FIXTURES = ROOT / "fixtures"
 # --------------------------------------------------------------------------- CLI
 
 
-def run_cli(*args: Any, cwd: Any = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``python -m ckpttool ARGS`` in a subprocess, capturing text stdout/stderr."""
+def run_cli(
+    *args: Any, cwd: Any = None, timeout: float = 300, columns: int = 80
+) -> subprocess.CompletedProcess:
+    """Run ``python -m ckpttool ARGS`` in a subprocess, capturing text stdout/stderr.
+
+    80 columns, as rich assumes without a terminal: an error message that wraps fails the
+    one-line checks. Tests that read whole table rows ask for more.
+    """
     env = dict(os.environ)
-    env["COLUMNS"] = "250"  # rich wraps tables at 80 columns when stdout is not a terminal
+    env["COLUMNS"] = str(columns)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("CKPTTOOL_DEBUG", None)
     return subprocess.run(
