@@ -307,3 +307,34 @@ def test_malicious_file_does_not_touch_the_input(malicious, tmp_path):
     before = copy.read_bytes()
     run_cli("convert", copy, "--to", "pt", "-o", tmp_path / "o.pt")
     assert copy.read_bytes() == before
+
+
+# --------------------------------------------------- files outside the checkpoint
+
+
+def test_dcp_storage_path_cannot_leave_the_folder(tmp_path):
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "ckpt"
+    write_dcp(folder, {"model": {"w": torch.ones(3)}, "step": 1})
+    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    for info in meta.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    shutil.copy(next(folder.glob("*.distcp")), tmp_path / "outside.distcp")
+    check_error(run_cli("inspect", folder), 2, "'../outside.distcp' leaves the folder")
+
+
+def test_safetensors_index_cannot_point_outside_its_folder(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "outside.safetensors")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    index = {"metadata": {}, "weight_map": {"w": "../outside.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    check_error(run_cli("inspect", folder), 2, "leaves the folder")
