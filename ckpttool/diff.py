@@ -12,7 +12,8 @@ from .api import flatten_tensors, read, select_node
 from .errors import UsageError
 from .tree import TensorRef
 
-CHUNK_ELEMENTS = 4 << 20
+# float64 temporaries of a chunk stay around 40 MiB
+CHUNK_ELEMENTS = 1 << 20
 
 
 def _same_raw_bytes(a: Any, b: Any) -> bool:
@@ -40,7 +41,11 @@ def compare_tensors(a: Any, b: Any, atol: float, rtol: float) -> dict[str, Any]:
         if bitwise:  # element differs when any of its bytes does (-0.0 != 0.0)
             size = x.element_size()
             bits = x.view(torch.uint8).view(-1, size) != y.view(torch.uint8).view(-1, size)
-            different += int(bits.any(dim=1).sum())
+            changed = int(bits.any(dim=1).sum())
+            del bits
+            if not changed:
+                continue  # identical chunk: no float64 temporaries needed
+            different += changed
         if x.is_complex():
             x, y = torch.view_as_real(x).to(torch.float64), torch.view_as_real(y).to(torch.float64)
         else:

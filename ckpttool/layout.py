@@ -51,6 +51,9 @@ NON_MODEL_KEYS = frozenset(
     }
 )
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Inside a pickled nn.Module (``torch.save(model)``) each layer keeps its own
+# ``_parameters`` dict ("weight", "bias"): one layer's, never the model's state dict.
+MODULE_INTERNALS = frozenset({"_parameters", "_buffers"})
 
 
 def is_state_dict(node: Any) -> bool:
@@ -81,6 +84,8 @@ def _largest_state_dict(root: Any) -> KeyPath | None:
     best, best_size = None, 0
     for path, node in walk(root):
         if any(str(k) in NON_MODEL_KEYS for k in path) or isinstance(node, Opaque):
+            continue
+        if any(k in MODULE_INTERNALS for k in path):
             continue
         if is_state_dict(node):
             size = sum(t.numel for _, t in iter_tensors(node))

@@ -17,6 +17,8 @@ app = typer.Typer(
     name="ckpttool",
     help="Inspect, convert, merge and diff PyTorch checkpoints (DDP, FSDP, DCP) safely.",
     add_completion=False,
+    # plain help: rich markup would import markdown-it on every --help (+0.1 s)
+    rich_markup_mode=None,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
