@@ -21,7 +21,8 @@ A snapshot exists only once rank 0 has written ``ep{E}.complete`` beside it, aft
 finished; ``--resume auto`` ignores anything without that marker.
 
 Test hooks (environment variables, used by tests/test_trainer.py):
-    CKPTTOOL_TRAINER_KILL_AT_EPOCH=E     rank 1 SIGKILLs itself once, after a step of epoch E
+    CKPTTOOL_TRAINER_KILL_AT_EPOCH=E     rank 1 SIGKILLs itself once, after a step of epoch E,
+                                         and joins 2 s late after torchrun restarts it
     CKPTTOOL_TRAINER_DIE_DURING_SAVE=E   rank 1 dies half-way through writing snapshot E
 """
 
@@ -99,7 +100,8 @@ def _store_for_this_attempt() -> dist.Store | None:
 
     torchrun hands every restart attempt the same store and torch's own keys carry no
     attempt number, so a restarted rank can read a dead rank's gloo address or NCCL id from
-    the attempt before and hang in init_process_group (pytorch/pytorch#135712). The attempt
+    the attempt before and hang in init_process_group (pytorch/pytorch#135712; the
+    kill-and-restart test provokes it by delaying the restarted rank). The attempt
     count is per node: on several nodes set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -440,6 +442,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @record  # a failing rank's traceback goes into torchrun's error summary
 def main() -> None:
     args = parse_args()
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if os.environ.get(KILL_AT_EPOCH_ENV) and restarted and os.environ.get("RANK") == "1":
+        # Test hook: the killed rank comes back late, as a slow node would, so its peers
+        # reach the store first. This is what used to hang restarts (see setup()).
+        time.sleep(2)
     device = setup(args.backend)
     try:
         Trainer(args, device).train()
