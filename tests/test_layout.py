@@ -223,3 +223,17 @@ def test_largest_state_dict_found_outside_known_keys(tmp_path):
     )
     report = inspect_report(ckpttool.read(path))
     assert report["model_key"] == ["weights_of_run", "inner"]
+
+
+def test_pickled_module_is_not_mistaken_for_one_layer(tmp_path):
+    """torch.save(model) keeps one ``_parameters`` dict per layer: none is the state dict."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 8))
+    path = tmp_path / "whole_model.pt"
+    torch.save({"model": model, "epoch": 1}, path)
+    report = inspect_report(ckpttool.read(path))
+    assert report["model_key"] is None
+    keys = [t["key"] for t in report["tensors"]]
+    assert ["model", "_modules", "2", "_parameters", "weight"] in keys and len(keys) == 4
+    assert {"key": ["epoch"], "type": "int", "value": 1} in report["values"]
+    with pytest.raises(ckpttool.CkptError, match="no model state dict"):
+        ckpttool.load(path)  # not silently layer 2's {"weight", "bias"}
