@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import types
 
 import pytest
@@ -80,6 +81,9 @@ def test_payloads_are_live(malicious, tmp_path):
         timeout=120,
     )
     try:
+        deadline = time.monotonic() + 10  # Popen/pipepager run `touch` in a child process
+        while not all(f.payload.fired() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.1)
         not_fired = [(f.kind, f.payload.name) for f in files if not f.payload.fired()]
         assert not_fired == [], proc.stdout + proc.stderr
     finally:
