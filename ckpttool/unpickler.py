@@ -682,6 +682,74 @@ class SafeUnpickler(pickle.Unpickler):
         return opaque_class("builtins", "getattr", dangerous=True)(obj, name)
 
 
+class _Absorb:
+    """Accepts whatever a pickle does to an object and builds nothing (globals scan)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Absorb:
+        return _ABSORB
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Absorb:
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+_ABSORB = object.__new__(_Absorb)
+
+
+class GlobalsScanner(SafeUnpickler):
+    """Judges every global exactly as :class:`SafeUnpickler` does, but rebuilds nothing.
+
+    Several times faster than a full read: for the rank files of a per-rank
+    checkpoint whose structure rank 0 already describes.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        value = super().find_class(module, name)
+        if value == self._getattr:
+            return value
+        if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
+            return _named_absorb(value.module, value.qualname)  # getattr may look into it
+        return _Absorb
+
+    def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
+        if isinstance(obj, type) and issubclass(obj, _Absorb) and obj is not _Absorb:
+            # the same rule as a full read, on the class the absorbing one stands for
+            obj = opaque_class(obj.module, obj.qualname)
+        value = super()._getattr(obj, name, *default)
+        if isinstance(value, type) and not value.dangerous:
+            return _named_absorb(value.module, value.qualname)
+        return _Absorb
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _ABSORB
+
+
+_NAMED_ABSORB: dict[tuple[str, str], type] = {}
+
+
+def _named_absorb(module: str, qualname: str) -> type:
+    """An absorbing class that remembers which global it stands for."""
+    cls = _NAMED_ABSORB.get((module, qualname))
+    if cls is None:
+        cls = type("Absorb", (_Absorb,), {"module": module, "qualname": qualname})
+        _NAMED_ABSORB[(module, qualname)] = cls
+    return cls
+
+
 def load_pickle(
     data: bytes | IO[bytes],
     persistent_load: Callable[[Any], Any] | None = None,
@@ -689,6 +757,7 @@ def load_pickle(
     path: object = None,
     permissive: bool = False,
     seen: set[str] | None = None,
+    scan_only: bool = False,
 ) -> Any:
     """Unpickle ``data`` safely and return the object (with lazy tensor leaves).
 
@@ -698,6 +767,7 @@ def load_pickle(
         path: The file, for messages.
         permissive: Keep dangerous globals as inert stand-ins instead of refusing.
         seen: A set that collects every global referenced (and ``!name`` for refused ones).
+        scan_only: Only judge the globals (:class:`GlobalsScanner`); returns None.
 
     Raises:
         UnsafeError: The pickle references dangerous globals (and not ``permissive``).
@@ -705,7 +775,8 @@ def load_pickle(
     """
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     start = stream.tell()
-    unpickler = SafeUnpickler(stream, persistent_load, permissive=permissive)
+    unpickler_class = GlobalsScanner if scan_only else SafeUnpickler
+    unpickler = unpickler_class(stream, persistent_load, permissive=permissive)
     error: BaseException | None = None
     result = None
     try:
@@ -714,7 +785,7 @@ def load_pickle(
         except UnicodeDecodeError:
             # Python 2 pickles hold byte strings: torch.load(encoding="latin1") reads them.
             stream.seek(start)
-            unpickler = SafeUnpickler(
+            unpickler = unpickler_class(
                 stream, persistent_load, permissive=permissive, encoding="latin1"
             )
             result = unpickler.load()
@@ -737,6 +808,8 @@ def load_pickle(
     if error is not None:
         reason = "truncated" if isinstance(error, EOFError) else "corrupt"
         raise CkptError(f"{reason} pickle ({type(error).__name__}: {error})", path=path) from None
+    if scan_only:
+        return None
     check_structure(result, path)
     return result
 

@@ -60,29 +60,41 @@ def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Chec
         CkptError: Missing, corrupt, truncated or unsupported input (exit 2).
     """
     files = expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
-    if len(files) == 1:
-        ckpt = _read_one(files[0], unsafe)
-        if ckpt.format in {m.FORMAT for m in PICKLE_FORMATS} and per_rank.has_local_shards(
-            ckpt.root
-        ):
-            rank_files = per_rank.siblings(files[0])
-            others = [_read_one(p, unsafe) for p in rank_files if p != files[0]]
-            return per_rank.combine([ckpt, *others])
-        return ckpt
-    ckpts = [_read_one(p, unsafe) for p in files]
-    for ckpt in ckpts:
-        if ckpt.format not in {m.FORMAT for m in PICKLE_FORMATS}:
-            raise CkptError(
-                f"several inputs must be per-rank torch.save files, this is {ckpt.format}",
-                path=ckpt.files[0],
-            )
-    if not any(per_rank.has_local_shards(c.root) for c in ckpts):
-        raise CkptError(
-            "these files hold no sharded tensors (each is a full copy)",
-            path=files[0],
-            hint="pass just one of them",
+    pickle_formats = {m.FORMAT for m in PICKLE_FORMATS}
+    first = _read_one(files[0], unsafe)
+    if first.format in pickle_formats and per_rank.has_local_shards(first.root):
+        rank_files = per_rank.siblings(files[0]) if len(files) == 1 else files
+        return per_rank.read(
+            first, rank_files, lambda p: _read_one(p, unsafe), lambda p: _scan_one(p, unsafe)
         )
-    return per_rank.combine(ckpts)
+    if len(files) == 1:
+        return first
+    raise CkptError(
+        f"several inputs must be per-rank files of sharded tensors; this is {first.format}"
+        + (" without sharded tensors (a full copy)" if first.format in pickle_formats else ""),
+        path=first.files[0],
+        hint="pass just one of them",
+    )
+
+
+def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str]]:
+    """(globals, dangerous) of a torch zip's pickle, judged without rebuilding it."""
+    from .zip_pickle import ZIP_MAGIC, ZipPickle
+
+    with open(path, "rb") as f:
+        is_zip = f.read(4) == ZIP_MAGIC
+    if not is_zip:  # legacy rank files: rare, read them in full
+        ckpt = _read_one(path, unsafe)
+        return ckpt.globals, ckpt.dangerous
+    seen: set[str] = set()
+    archive = ZipPickle(path)
+    try:
+        archive.scan(permissive=unsafe, seen=seen)
+    finally:
+        archive.close()
+    return sorted(g for g in seen if not g.startswith("!")), sorted(
+        g[1:] for g in seen if g.startswith("!")
+    )
 
 
 def _read_one(path: str, unsafe: bool) -> Checkpoint:

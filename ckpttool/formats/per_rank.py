@@ -2,8 +2,8 @@
 
 Each file holds its rank's blocks of every ShardedTensor (FSDP
 ``SHARDED_STATE_DICT``, Composer ``ep{E}-ba{B}-rank{R}.pt``) or DTensor. We take
-the tree of rank 0, replace each local-shards leaf by a :class:`ShardedRef` that
-gathers the blocks of every rank, and check that they tile the global tensor.
+the tree of the lowest rank, replace each local-shards leaf by a :class:`ShardedRef`
+whose blocks point into every rank's file, and check that they tile the global tensor.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import glob
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CkptError
-from ..tree import Checkpoint, Shard, ShardedRef, get_path, walk
+from ..tree import Checkpoint, Shard, ShardedRef, TensorRef, get_path, walk
 from ..unpickler import LocalShards
 
 FORMAT = "per-rank"
@@ -42,24 +43,27 @@ def siblings(path: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
-def _file_rank(ckpt: Checkpoint, position: int) -> int:
+def _content_rank(ckpt: Checkpoint) -> int | None:
+    """The rank a file says it is (ShardedTensor process-group state, DTensor mesh)."""
     for _, value in walk(ckpt.root):
         if isinstance(value, LocalShards) and isinstance(value.rank, int):
             return value.rank
-    m = RANK_RE.match(os.path.basename(ckpt.files[0]))
-    return int(m.group(2)) if m else position
+    return None
 
 
-def _world_size(ckpts: list[Checkpoint]) -> int:
-    sizes = [len(ckpts)]
-    for _, value in walk(ckpts[0].root):
+def _name_rank(path: str) -> int | None:
+    m = RANK_RE.match(os.path.basename(path))
+    return int(m.group(2)) if m else None
+
+
+def _world_size(root: Any, num_files: int) -> int:
+    for _, value in walk(root):
         if isinstance(value, LocalShards):
             if isinstance(value.world_size, int):
-                sizes.append(value.world_size)
+                return value.world_size
             if value.kind == "dtensor" and value.layout.get("mesh_shape"):
-                sizes.append(math.prod(value.layout["mesh_shape"]))
-            break
-    return max(sizes)
+                return math.prod(value.layout["mesh_shape"])
+    return num_files
 
 
 def _rank_file_name(path: str, rank: int) -> str:
@@ -69,30 +73,111 @@ def _rank_file_name(path: str, rank: int) -> str:
     return os.path.join(os.path.dirname(path), f"{m.group(1)}{rank}{m.group(3)}")
 
 
-def combine(ckpts: list[Checkpoint]) -> Checkpoint:
-    """Merge the per-rank checkpoints into one tree of :class:`ShardedRef` leaves.
+ReadFile = Callable[[str], Checkpoint]
+ScanFile = Callable[[str], tuple[list[str], list[str]]]
+
+
+class RankFiles:
+    """The files of a per-rank checkpoint; each is read (metadata only) on first use."""
+
+    def __init__(self, by_rank: dict[int, str], read_file: ReadFile, loaded: dict[int, Checkpoint]):
+        self.by_rank = by_rank
+        self._read_file = read_file
+        self._loaded = loaded
+
+    def root(self, rank: int) -> Any:
+        if rank not in self._loaded:
+            self._loaded[rank] = self._read_file(self.by_rank[rank])
+        return self._loaded[rank].root
+
+
+class RankShard:
+    """A block that another rank's file holds, read only when its data is needed."""
+
+    def __init__(self, files: RankFiles, rank: int, path: tuple, like: LocalShards, offsets, sizes):
+        self.files, self.rank, self.path = files, rank, path
+        self.like, self.offsets, self.sizes = like, offsets, sizes
+
+    def tensor_ref(self) -> TensorRef:
+        key = ".".join(str(k) for k in self.path)
+        file = self.files.by_rank[self.rank]
+        local = get_path(self.files.root(self.rank), self.path)
+        if (
+            not isinstance(local, LocalShards)
+            or local.kind != self.like.kind
+            or local.shape != self.like.shape
+            or local.dtype != self.like.dtype
+        ):
+            raise CkptError(f"rank files disagree about tensor {key!r}", path=file)
+        for block in local.shards:
+            offsets = getattr(block, "offsets", self.offsets)  # a DTensor block has none
+            if offsets == self.offsets and block.tensor.shape == self.sizes:
+                return block.tensor
+        raise CkptError(f"tensor {key!r}: no block at offsets {list(self.offsets)}", path=file)
+
+    def load(self, map_location: Any = "cpu") -> Any:
+        return self.tensor_ref().load(map_location)
+
+
+def read(
+    first: Checkpoint, paths: list[str], read_file: ReadFile, scan_file: ScanFile
+) -> Checkpoint:
+    """Combine per-rank files into one tree of :class:`ShardedRef` leaves.
+
+    Only the lowest rank's file is read in full: its ShardedTensor metadata (or
+    DTensor mesh) says where every block of every rank lies, so inspecting needs
+    no other file; the others are scanned for dangerous globals and read when
+    their data is asked for.
+
+    Args:
+        first: The file already read (one of ``paths``).
+        paths: Every rank file.
+        read_file: Reads one file fully (lazy tensors).
+        scan_file: Judges one file's globals; returns (globals, dangerous).
 
     Raises:
-        CkptError: a rank file is missing, the files disagree, or the shards do
-            not cover every element of a tensor exactly once.
+        CkptError: a rank file is missing, or the shards do not cover every
+            element of a tensor exactly once.
     """
-    ranked = sorted(((_file_rank(c, i), c) for i, c in enumerate(ckpts)), key=lambda rc: rc[0])
-    ranks = [r for r, _ in ranked]
-    if len(set(ranks)) != len(ranks):
-        raise CkptError(f"several files claim the same rank: {ranks}", path=ckpts[0].files[0])
-    world_size = _world_size([c for _, c in ranked])
-    missing = sorted(set(range(world_size)) - set(ranks))
+    loaded: dict[int, Checkpoint] = {}
+    named = [_name_rank(p) for p in paths]
+    if None in named or len(set(named)) != len(named):  # no rank in the names: ask the content
+        by_rank: dict[int, str] = {}
+        for position, path in enumerate(paths):
+            ckpt = first if path == first.files[0] else read_file(path)
+            rank = _content_rank(ckpt)
+            rank = position if rank is None else rank
+            if rank in by_rank:
+                raise CkptError(f"several files claim rank {rank}", path=path)
+            by_rank[rank], loaded[rank] = path, ckpt
+    else:
+        by_rank = dict(zip(named, paths, strict=True))
+        loaded[_name_rank(first.files[0])] = first
+    base_rank = min(by_rank)
+    base = loaded.get(base_rank) or read_file(by_rank[base_rank])
+    loaded[base_rank] = base
+    globals_, dangerous = set(base.globals), set(base.dangerous)
+    for rank, path in by_rank.items():
+        if rank in loaded:
+            globals_.update(loaded[rank].globals)
+            dangerous.update(loaded[rank].dangerous)
+        else:
+            seen, bad = scan_file(path)
+            globals_.update(seen)
+            dangerous.update(bad)
+    world_size = _world_size(base.root, len(by_rank))
+    missing = sorted(set(range(world_size)) - set(by_rank))
     if missing:
-        names = ", ".join(_rank_file_name(ranked[0][1].files[0], r) for r in missing)
+        names = ", ".join(_rank_file_name(by_rank[base_rank], r) for r in missing)
         raise CkptError(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
         )
-    roots = [c.root for _, c in ranked]
+    files = RankFiles(by_rank, read_file, loaded)
 
     def build(node: Any, path: tuple) -> Any:
         if isinstance(node, LocalShards):
-            return _combine_leaf(path, [get_path(r, path) for r in roots], world_size)
+            return _sharded_ref(path, node, files, base_rank, world_size)
         if isinstance(node, dict):
             out = type(node)() if type(node) is not dict else {}
             for k, v in node.items():
@@ -104,74 +189,81 @@ def combine(ckpts: list[Checkpoint]) -> Checkpoint:
             return tuple(build(v, path + (i,)) for i, v in enumerate(node))
         return node
 
-    root = build(roots[0], ())
-    files = [c.files[0] for _, c in ranked]
     return Checkpoint(
         format=FORMAT,
-        files=files,
-        root=root,
+        files=[by_rank[r] for r in sorted(by_rank)],
+        root=build(base.root, ()),
         world_size=world_size,
-        globals=sorted({g for c in ckpts for g in c.globals}),
-        dangerous=sorted({g for c in ckpts for g in c.dangerous}),
+        globals=sorted(globals_),
+        dangerous=sorted(dangerous),
     )
 
 
-def _combine_leaf(path: tuple, parts: list[Any], world_size: int) -> ShardedRef:
+def _sharded_ref(
+    path: tuple, local: LocalShards, files: RankFiles, base_rank: int, world_size: int
+) -> ShardedRef:
     key = ".".join(str(k) for k in path)
-    first = parts[0]
-    for part in parts:
-        if (
-            not isinstance(part, LocalShards)
-            or part.kind != first.kind
-            or part.shape != first.shape
-            or part.dtype != first.dtype
-        ):
-            raise CkptError(f"rank files disagree about tensor {key!r}")
-    if first.kind == "dtensor":
-        shards = _dtensor_shards(key, parts)
+    if local.kind == "dtensor":
+        shards = _dtensor_shards(key, path, local, files, base_rank, world_size)
     else:
-        shards = _sharded_tensor_shards(key, parts)
-    check_coverage(key, first.shape, shards)
+        shards = _sharded_tensor_shards(key, path, local, files)
+    check_coverage(key, local.shape, shards)
     return ShardedRef(
-        dtype=first.dtype,
-        shape=first.shape,
+        dtype=local.dtype,
+        shape=local.shape,
         shards=shards,
-        device=first.device,
-        kind=first.kind,
-        requires_grad=first.requires_grad,
+        device=local.device,
+        kind=local.kind,
+        requires_grad=local.requires_grad,
         world_size=world_size,
     )
 
 
-def _sharded_tensor_shards(key: str, parts: list[LocalShards]) -> list[Shard]:
-    provided: dict[tuple, Shard] = {}
-    for part in parts:
-        for shard in part.shards:
-            provided.setdefault((shard.offsets, shard.sizes), shard)
-    for offsets, sizes, rank in parts[0].layout or []:
-        if (offsets, sizes) not in provided and math.prod(sizes) > 0:
-            raise CkptError(
-                f"tensor {key!r}: the shard at offsets {list(offsets)} (rank {rank}) is in no file"
-            )
-    return [s for s in provided.values() if math.prod(s.sizes) > 0]
+def _sharded_tensor_shards(
+    key: str, path: tuple, local: LocalShards, files: RankFiles
+) -> list[Shard]:
+    own = {(s.offsets, s.sizes): s for s in local.shards}
+    shards = []
+    for offsets, sizes, rank in local.layout or []:
+        if math.prod(sizes) == 0:
+            continue  # a rank that holds nothing of this tensor
+        if (offsets, sizes) in own:
+            shards.append(own[(offsets, sizes)])
+        elif rank in files.by_rank:
+            block = RankShard(files, rank, path, local, offsets, sizes)
+            shards.append(Shard(offsets, sizes, block, rank))
+        else:
+            raise CkptError(f"tensor {key!r}: the shard at offsets {list(offsets)} is in no file")
+    return shards
 
 
-def _dtensor_shards(key: str, parts: list[LocalShards]) -> list[Shard]:
-    shards: dict[tuple, Shard] = {}
-    for part in parts:
-        layout = part.layout
-        offsets, sizes = dtensor_block(
-            key, part.shape, layout["mesh_shape"], layout["coordinate"], layout["placements"]
+def _dtensor_shards(
+    key: str, path: tuple, local: LocalShards, files: RankFiles, base_rank: int, world_size: int
+) -> list[Shard]:
+    layout = local.layout
+    mesh_shape, placements = layout["mesh_shape"], layout["placements"]
+    own = local.shards[0].tensor
+    offsets, sizes = dtensor_block(key, local.shape, mesh_shape, layout["coordinate"], placements)
+    if own.shape != sizes:
+        raise CkptError(
+            f"tensor {key!r}: local tensor of shape {list(own.shape)} does not match its "
+            f"placement (expected {list(sizes)})"
         )
-        local = part.shards[0].tensor
-        if local.shape != sizes:
-            raise CkptError(
-                f"tensor {key!r}: local tensor of shape {list(local.shape)} does not match its "
-                f"placement (expected {list(sizes)})"
-            )
-        if math.prod(sizes) > 0:  # replicated blocks appear once per replica: keep one
-            shards.setdefault((offsets, sizes), Shard(offsets, sizes, local, part.rank))
-    return list(shards.values())
+    blocks: dict[tuple, Shard] = {}
+    if math.prod(sizes) > 0:
+        blocks[(offsets, sizes)] = Shard(offsets, sizes, own, base_rank)
+    for rank in range(world_size):
+        if rank == base_rank:
+            continue
+        # default device mesh: ranks laid out row-major over the mesh
+        coordinate = tuple(
+            (rank // math.prod(mesh_shape[d + 1 :])) % mesh_shape[d] for d in range(len(mesh_shape))
+        )
+        offsets, sizes = dtensor_block(key, local.shape, mesh_shape, coordinate, placements)
+        if math.prod(sizes) > 0 and (offsets, sizes) not in blocks:  # replicas: keep one
+            block = RankShard(files, rank, path, local, offsets, sizes)
+            blocks[(offsets, sizes)] = Shard(offsets, sizes, block, rank)
+    return list(blocks.values())
 
 
 def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple, tuple]:

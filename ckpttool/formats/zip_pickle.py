@@ -110,12 +110,28 @@ class ZipPickle:
             self.path, length=info.file_size, zip_header_offset=self.start + info.header_offset
         )
 
+    def scan(self, *, permissive: bool = False, seen: set[str] | None = None) -> None:
+        """Judge the globals of ``data.pkl`` without rebuilding anything (see GlobalsScanner)."""
+        data = self.read_entry(self._pickle_info("data.pkl").filename)
+        load_pickle(data, path=self.path, permissive=permissive, seen=seen, scan_only=True)
+
+    def _pickle_info(self, entry: str) -> zipfile.ZipInfo:
+        if self.prefix is None:
+            raise CkptError("zip archive without data.pkl: not a torch checkpoint", path=self.path)
+        info = self.infos.get(f"{self.prefix}{entry}")
+        if info is None:
+            raise CkptError(f"missing {entry} in the archive", path=self.path)
+        if info.file_size > MAX_PICKLE_BYTES:
+            raise CkptError(
+                f"{entry} of {info.file_size} bytes is implausibly large", path=self.path
+            )
+        return info
+
     def load(
         self, *, entry: str = "data.pkl", permissive: bool = False, seen: set[str] | None = None
     ) -> Any:
         """Unpickle ``<prefix>/<entry>`` with lazy storages from ``<prefix>/data/<key>``."""
-        if self.prefix is None:
-            raise CkptError("zip archive without data.pkl: not a torch checkpoint", path=self.path)
+        info = self._pickle_info(entry)
         big_endian = self.big_endian()
         storages: dict[str, StorageRef] = {}
 
@@ -139,13 +155,6 @@ class ZipPickle:
                 storages[key] = ref
             return storages[key]
 
-        info = self.infos.get(f"{self.prefix}{entry}")
-        if info is None:
-            raise CkptError(f"missing {entry} in the archive", path=self.path)
-        if info.file_size > MAX_PICKLE_BYTES:
-            raise CkptError(
-                f"{entry} of {info.file_size} bytes is implausibly large", path=self.path
-            )
         data = self.read_entry(info.filename)
         return load_pickle(data, persistent_load, path=self.path, permissive=permissive, seen=seen)
 
