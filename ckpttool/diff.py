@@ -6,25 +6,37 @@ whatever the checkpoint size. Tolerances of 0 mean bitwise equality.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import UsageError
-from .tree import TensorRef
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
 
 
-def _same_raw_bytes(a: Any, b: Any) -> bool:
-    """Bitwise comparison straight from the files, without torch, when both allow it."""
-    from .writers import _raw_copy_ok, iter_chunks
+def _blocks(chunks: Iterator[memoryview], size: int = 16 << 20) -> Iterator[bytes]:
+    """Re-cut a byte stream into blocks of ``size`` (the last may be shorter)."""
+    buf = bytearray()
+    for chunk in chunks:
+        buf += chunk
+        while len(buf) >= size:
+            yield bytes(buf[:size])
+            del buf[:size]
+    if buf:
+        yield bytes(buf)
 
-    if not (isinstance(a, TensorRef) and isinstance(b, TensorRef)):
+
+def _same_raw_bytes(a: Any, b: Any) -> bool:
+    """Bitwise comparison straight from the files, without torch, when both allow it
+    (plain tensors, and sharded ones split along dim 0, whatever their shard sizes)."""
+    from .writers import iter_chunks, raw_parts
+
+    if raw_parts(a, None) is None or raw_parts(b, None) is None:
         return False
-    if not (_raw_copy_ok(a, None) and _raw_copy_ok(b, None)):
-        return False
-    return all(x == y for x, y in zip(iter_chunks(a, None), iter_chunks(b, None), strict=True))
+    blocks_a, blocks_b = _blocks(iter_chunks(a, None)), _blocks(iter_chunks(b, None))
+    return all(x == y for x, y in zip(blocks_a, blocks_b, strict=True))
 
 
 def compare_tensors(a: Any, b: Any, atol: float, rtol: float) -> dict[str, Any]:

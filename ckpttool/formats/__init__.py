@@ -69,11 +69,15 @@ def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Chec
         )
     if len(files) == 1:
         return first
+    if first.format in pickle_formats:
+        raise CkptError(
+            "these files hold no sharded tensors (each is a full copy)",
+            path=first.files[0],
+            hint="pass just one of them",
+        )
     raise CkptError(
-        f"several inputs must be per-rank files of sharded tensors; this is {first.format}"
-        + (" without sharded tensors (a full copy)" if first.format in pickle_formats else ""),
+        f"several inputs must be per-rank torch.save files, this is {first.format}",
         path=first.files[0],
-        hint="pass just one of them",
     )
 
 

@@ -55,13 +55,42 @@ def tensor_bytes(tensor: Any) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
 
 
+def raw_parts(leaf: Any, cast: DType | None) -> list[TensorRef] | None:
+    """Stored tensors whose bytes, one after the other, are the leaf's output bytes.
+
+    A plain contiguous tensor is its own single part. A sharded tensor split along
+    dim 0 only (FSDP, DCP and DTensor ``Shard(0)`` all are) is its shards in offset
+    order: no torch, no full tensor in memory. None when the bytes need torch
+    (a cast, a view, a byte swap, blocks split along other dims).
+    """
+    if isinstance(leaf, TensorRef):
+        return [leaf] if _raw_copy_ok(leaf, cast) else None
+    if not getattr(leaf, "sharded", False) or output_dtype(leaf, cast) != leaf.dtype:
+        return None
+    parts = []
+    for shard in sorted(leaf.shards, key=lambda s: s.offsets):
+        if any(shard.offsets[1:]) or tuple(shard.sizes[1:]) != tuple(leaf.shape[1:]):
+            return None
+        block = shard.tensor
+        ref = block if isinstance(block, TensorRef) else block.tensor_ref()
+        if not _raw_copy_ok(ref, None) or ref.dtype != leaf.dtype:
+            return None
+        parts.append(ref)
+    return parts
+
+
+def _raw_chunks(ref: TensorRef, start: int = 0) -> Iterator[memoryview]:
+    source, base = ref.storage.source, ref.offset * ref.dtype.itemsize
+    for at in range(start, ref.nbytes, CHUNK_BYTES):
+        yield memoryview(source.read(base + at, min(CHUNK_BYTES, ref.nbytes - at)))
+
+
 def iter_chunks(leaf: Any, cast: DType | None) -> Iterator[memoryview]:
     """The bytes of one output tensor, in chunks of at most CHUNK_BYTES when copied raw."""
-    if _raw_copy_ok(leaf, cast):
-        source = leaf.storage.source
-        start, size = leaf.offset * leaf.dtype.itemsize, leaf.nbytes
-        for at in range(0, size, CHUNK_BYTES):
-            yield memoryview(source.read(start + at, min(CHUNK_BYTES, size - at)))
+    parts = raw_parts(leaf, cast)
+    if parts is not None:
+        for ref in parts:
+            yield from _raw_chunks(ref)
         return
     tensor = tensor_for_write(leaf, cast)
     yield tensor_bytes(tensor)  # the view keeps no reference: `tensor` lives until here
@@ -73,36 +102,41 @@ def write_leaf(fd: int, leaf: Any, cast: DType | None, progress: Progress | None
     Raw copies go through ``os.copy_file_range`` (kernel-side, no user-space buffer)
     where the platform allows, else through bounded chunks.
     """
-    if not _raw_copy_ok(leaf, cast):
+    parts = raw_parts(leaf, cast)
+    if parts is None:
         for chunk in iter_chunks(leaf, cast):
             _write_all(fd, chunk)
             if progress:
                 progress(len(chunk))
         return
-    source = leaf.storage.source
-    start, remaining = leaf.offset * leaf.dtype.itemsize, leaf.nbytes
+    for ref in parts:
+        _copy_raw(fd, ref, progress)
+
+
+def _copy_raw(fd: int, ref: TensorRef, progress: Progress | None) -> None:
+    source = ref.storage.source
+    done = 0
     if source.data is None and hasattr(os, "copy_file_range"):
         source._resolve()
+        start = source.offset + ref.offset * ref.dtype.itemsize
         src = os.open(source.path, os.O_RDONLY)
         try:
-            while remaining:
+            while done < ref.nbytes:
                 try:
-                    n = os.copy_file_range(src, fd, min(remaining, 1 << 30), source.offset + start)
+                    n = os.copy_file_range(src, fd, min(ref.nbytes - done, 1 << 30), start + done)
                 except OSError:
                     break  # unsupported here (old kernel, other file system): chunks below
                 if n == 0:
                     raise CkptError("input ends early (truncated)", path=source.path)
-                start, remaining = start + n, remaining - n
+                done += n
                 if progress:
                     progress(n)
         finally:
             os.close(src)
-    while remaining:
-        n = min(CHUNK_BYTES, remaining)
-        _write_all(fd, memoryview(source.read(start, n)))
-        start, remaining = start + n, remaining - n
+    for chunk in _raw_chunks(ref, done):
+        _write_all(fd, chunk)
         if progress:
-            progress(n)
+            progress(len(chunk))
 
 
 def _write_all(fd: int, data: memoryview) -> None:
