@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -130,7 +131,7 @@ def find_latest_snapshot(snapshot_dir: str | os.PathLike) -> dict | None:
 
 def _get(tree, path: tuple):
     for key in path:
-        if not isinstance(tree, dict):
+        if not isinstance(tree, Mapping):
             return None
         if key == "*":
             tree = next(iter(tree.values())) if len(tree) == 1 else None
@@ -143,7 +144,7 @@ def unpack_snapshot(snapshot: object) -> Snapshot | None:
     """Find the parts of a snapshot of any known layout; None if it is none of them."""
     for layout in SNAPSHOT_LAYOUTS:
         model, optimizer, scheduler, epochs_run, rng = (_get(snapshot, p) for p in layout)
-        if isinstance(model, dict):
+        if isinstance(model, Mapping):
             return Snapshot(model, optimizer, scheduler, int(epochs_run or 0), rng)
     return None
 
