@@ -342,3 +342,33 @@ def test_safetensors_index_cannot_point_outside_its_folder(tmp_path):
     index = {"metadata": {}, "weight_map": {"w": "../outside.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     check_error(run_cli("inspect", folder), 2, "leaves the folder")
+
+
+@pytest.mark.slow
+def test_malicious_sibling_rank_file_is_refused(dist_runs, tmp_path):
+    """Rank 1's file carries the payload; giving rank 0 (siblings found) or a glob refuses."""
+    from conftest import rewrite_zip
+
+    marker = tmp_path / "marker"
+    evil = (
+        b"X\x04\x00\x00\x00evil"
+        + b"cposix\nsystem\n(X"
+        + len(f"touch {marker}").to_bytes(4, "little")
+        + f"touch {marker}".encode()
+        + b"tRs."
+    )
+    for rank in (0, 1):
+        src = dist_runs.two / f"ep0-ba1-rank{rank}.pt"
+        dst = tmp_path / src.name
+        if rank == 0:
+            shutil.copy(src, dst)
+        else:  # set root["evil"] = os.system(...) just before the pickle's STOP
+            rewrite_zip(src, dst, lambda n, d: d[:-1] + evil if n.endswith("/data.pkl") else None)
+    for args in ([tmp_path / "ep0-ba1-rank0.pt"], [tmp_path / "ep0-ba1-rank*.pt"]):
+        check_error(run_cli("inspect", *args), 3, "posix.system", "ep0-ba1-rank1.pt")
+        with pytest.raises(ckpttool.UnsafeError):
+            ckpttool.load(str(args[0]), select="all")
+    out = tmp_path / "merged.pt"
+    check_error(run_cli("merge", tmp_path / "ep0-ba1-rank*.pt", "-o", out), 3, "posix.system")
+    assert not out.exists()
+    assert not marker.exists()
