@@ -378,7 +378,7 @@ def test_lone_rank_file_without_siblings(dist_runs, tmp_path):
 def test_several_full_copies_are_not_per_rank(tmp_path):
     for r in (0, 1):
         torch.save({"MODEL_STATE": small_state_dict()}, tmp_path / f"ep0-rank{r}.pt")
-    with pytest.raises(ckpttool.CkptError, match="hold no sharded tensors"):
+    with pytest.raises(ckpttool.CkptError, match=r"full cop(y|ies).*pass just one"):
         ckpttool.read([str(tmp_path / "ep0-rank0.pt"), str(tmp_path / "ep0-rank1.pt")])
     # one DDP rank file alone is an ordinary torch-zip checkpoint
     assert ckpttool.read(tmp_path / "ep0-rank0.pt").format == "torch-zip"
