@@ -24,6 +24,7 @@ from ..tree import (
     contiguous_stride,
     state_attrs,
 )
+from ..unpickler import MAX_NESTING
 from .torch_zip import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle
 
@@ -112,6 +113,12 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     for fqn, entry in entries.items():
         obj_path = planner.get(fqn)
         obj_path = tuple(obj_path) if isinstance(obj_path, (tuple, list)) and obj_path else (fqn,)
+        if len(obj_path) > MAX_NESTING:  # set_element recurses once per level
+            raise CkptError(
+                f"corrupt DCP .metadata: the key path of {fqn!r} nests deeper than "
+                f"{MAX_NESTING} levels",
+                path=meta_path,
+            )
         kind = type(entry).__name__
         if kind == "TensorStorageMetadata":
             value = _tensor(path, fqn, _attrs(entry), spans, world_size)
