@@ -175,6 +175,20 @@ def deep_nesting(d):
         sys.setrecursionlimit(limit)
 
 
+def dcp_deep_key_path(d):
+    """DCP .metadata whose planner data nests one value 5000 dicts deep."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = d / "dcp"
+    write_dcp(folder, {"w": torch.ones(2)})
+    meta = dcp.FileSystemReader(str(folder)).read_metadata()
+    meta.planner_data = {"w": tuple(["a"] * 5000)}
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    return folder, "nests deeper than"
+
+
 CASES = [
     empty_file,
     random_bytes,
@@ -197,6 +211,7 @@ CASES = [
     self_containing_dict,
     billion_laughs,
     deep_nesting,
+    dcp_deep_key_path,
 ]
 
 
