@@ -80,33 +80,21 @@ def flatten_tensors(node: Any) -> dict[str, Any]:
 
 
 def materialize(node: Any, map_location: Any = "cpu") -> Any:
-    """The same structure with every lazy tensor read (shards merged into full tensors)."""
-    memo: dict[int, Any] = {}
+    """The same structure with every lazy tensor read (shards merged into full tensors).
 
-    def build(value: Any) -> Any:
-        if id(value) in memo:
-            return memo[id(value)]
-        if is_tensor(value):
-            result = value.load(map_location)
-        elif isinstance(value, Mapping):
-            result = type(value)() if type(value) is not dict else {}
-            memo[id(value)] = result
-            for k, v in value.items():
-                result[k] = build(v)
-            return result
-        elif isinstance(value, list):
-            result = []
-            memo[id(value)] = result
-            result.extend(build(v) for v in value)
-            return result
-        elif isinstance(value, tuple):
-            result = tuple(build(v) for v in value)
-        else:
-            result = value
-        memo[id(value)] = result
-        return result
+    Opaque objects become plain-data stand-ins (``{"__class__": ..., "state": ...}``),
+    as in ``ckpttool merge`` output; a tensor referenced twice comes back as one tensor.
+    """
+    from .materialize import to_torch
 
-    return build(node)
+    loaded: dict[int, Any] = {}
+
+    def leaf(ref: Any) -> Any:
+        if id(ref) not in loaded:
+            loaded[id(ref)] = ref.load(map_location)
+        return loaded[id(ref)]
+
+    return to_torch(node, leaf)
 
 
 def load(
@@ -130,7 +118,8 @@ def load(
 
     Returns:
         A dict of tensors (``auto``) or the nested structure, sharded tensors merged.
-        Objects of classes that are not rebuilt are :class:`ckpttool.Opaque` stand-ins.
+        Objects of classes that are not rebuilt are plain-data stand-ins
+        (``{"__class__": "pkg.mod.Class", "state": {...}}``).
 
     Raises:
         UnsafeError: The file references dangerous globals and ``unsafe`` is False.

@@ -141,3 +141,33 @@ def test_pathlike_and_string_inputs(tmp_path):
     path = tmp_path / "w.pt"
     torch.save({"w": torch.ones(2)}, path)
     assert list(ckpttool.load(path)) == list(ckpttool.load(str(path))) == ["w"]
+
+
+def test_select_all_turns_objects_into_plain_stand_ins_with_real_tensors(tmp_path):
+    """load(select="all") never hands back lazy references: tensors inside objects are read,
+    objects become the same plain-data stand-ins as merge writes, torch names torch objects."""
+    import argparse
+
+    import torch.nn as nn
+
+    model = nn.Sequential(nn.Linear(2, 3))
+    torch.save(
+        {
+            "module": model,
+            "hparams": argparse.Namespace(scale=torch.ones(2), lr=0.1),
+            "device": torch.device("cuda", 1),
+            "dtype": torch.bfloat16,
+        },
+        tmp_path / "objects.pt",
+    )
+    out = ckpttool.load(tmp_path / "objects.pt", select="all")
+    assert out["hparams"] == {
+        "__class__": "argparse.Namespace",
+        "state": {"scale": out["hparams"]["state"]["scale"], "lr": 0.1},
+    }
+    assert torch.equal(out["hparams"]["state"]["scale"], torch.ones(2))
+    assert out["module"]["__class__"] == "torch.nn.modules.container.Sequential"
+    linear = out["module"]["state"]["_modules"]["0"]["state"]["_parameters"]
+    assert torch.equal(linear["weight"], model[0].weight.detach())
+    assert out["device"] == torch.device("cuda", 1)
+    assert out["dtype"] is torch.bfloat16

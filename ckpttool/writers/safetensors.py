@@ -21,7 +21,8 @@ def check_dtypes(tensors: dict[str, Any], cast: DType | None) -> None:
     for name, leaf in tensors.items():
         if getattr(leaf, "kind", "") == "quantized":
             raise CkptError(
-                f"tensor {name!r} is quantized ({leaf.dtype.name}): its values cannot be converted",
+                f"tensor {name!r} is quantized ({leaf.dtype.name}): safetensors cannot store it "
+                "and its values cannot be read without its scale and zero point",
                 hint="dequantize it before saving, or --select other tensors",
             )
         if output_dtype(leaf, cast).safetensors is None:

@@ -12,14 +12,12 @@ import io
 import pickle
 import struct
 import zipfile
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..materialize import torch_dtype
-from ..tree import STORAGE_CLASSES, DType, Opaque, is_tensor
-from ..unpickler import Device, TorchName
+from ..materialize import to_torch, torch_dtype
+from ..tree import STORAGE_CLASSES, DType
 from . import Progress, iter_chunks, output_dtype
 
 ARCHIVE = "archive"
@@ -73,41 +71,6 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def plain(value: Any) -> Any:
-    """A ``weights_only``-loadable stand-in for a non-tensor value.
-
-    Opaque objects become ``{"__class__": "pkg.mod.Class", "state": ..., ...}`` so no
-    key disappears; a class saved by reference (``{"optimizer_cls": AdamW}``) becomes
-    ``{"__global__": "pkg.mod.Class"}``; torch names become the torch objects they name.
-    """
-    if isinstance(value, type) and issubclass(value, Opaque):
-        return {"__global__": value.class_name()}
-    if isinstance(value, Opaque):
-        out: dict[str, Any] = {"__class__": value.class_name()}
-        if value.args:
-            out["args"] = plain(list(value.args))
-        if value.state is not None:
-            out["state"] = plain(value.state)
-        if value.items:
-            out["items"] = plain(value.items)
-        if value.list:
-            out["list"] = plain(value.list)
-        return out
-    if isinstance(value, Device):
-        return torch.device(str(value))
-    if isinstance(value, DType):
-        return torch_dtype(value)
-    if isinstance(value, TorchName):
-        return getattr(torch, value.removeprefix("torch."), str(value))
-    if isinstance(value, range):
-        return list(value)
-    if isinstance(value, Mapping):
-        return {plain(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return type(value)(plain(v) for v in value)
-    return value
-
-
 class TorchZipWriter:
     """Stream tensors into a torch zip, then pickle the structure that refers to them."""
 
@@ -148,20 +111,7 @@ class TorchZipWriter:
 
     def convert(self, node: Any) -> Any:
         """The structure with every lazy tensor written and replaced by its stub."""
-        if is_tensor(node):
-            return self.add_tensor(node)
-        if isinstance(node, Mapping):
-            out = collections.OrderedDict() if isinstance(node, collections.OrderedDict) else {}
-            for k, v in node.items():
-                out[plain(k)] = self.convert(v)
-            return out
-        if isinstance(node, list):
-            return [self.convert(v) for v in node]
-        if isinstance(node, tuple):
-            return tuple(self.convert(v) for v in node)
-        if isinstance(node, Opaque):
-            return self.convert(plain(node))
-        return plain(node)
+        return to_torch(node, self.add_tensor)
 
     def finish(self, structure: Any) -> None:
         data = io.BytesIO()
