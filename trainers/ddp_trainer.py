@@ -192,7 +192,7 @@ class Trainer:
             except RuntimeError as e:
                 sys.exit(
                     f"ddp_trainer.py: the snapshot's weights do not fit --model {args.model} "
-                    f"--dim {args.dim} --layers {args.layers}: {str(e).splitlines()[0]}"
+                    f"--dim {args.dim} --layers {args.layers}: {' '.join(str(e).split())[:400]}"
                 )
 
         if args.save_format == "ddp":
