@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from .errors import CkptError
+from .stand_ins import Device, TorchName
 from .tree import DType, Opaque, ShardedRef, TensorRef, is_tensor
-from .unpickler import Device, TorchName
 
 
 def torch_dtype(dt: DType) -> torch.dtype:

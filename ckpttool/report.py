@@ -12,8 +12,8 @@ from typing import Any
 
 from .errors import CkptError
 from .layout import detect_prefix, find_model_key, plain_values
+from .stand_ins import Device, TorchName
 from .tree import Checkpoint, DType, KeyPath, Opaque, ShardedRef, get_path, iter_tensors
-from .unpickler import Device, TorchName
 
 Progress = Callable[[int], None]
 

@@ -10,8 +10,9 @@ from conftest import lazy_tensor, torch_pickle_bytes
 
 import ckpttool
 from ckpttool.errors import CkptError, UnsafeError
+from ckpttool.policy import is_dangerous
 from ckpttool.tree import DTYPES, ByteSource, Opaque, StorageRef, TensorRef
-from ckpttool.unpickler import is_dangerous, load_pickle
+from ckpttool.unpickler import load_pickle
 
 PLAIN = {
     "int": 3,

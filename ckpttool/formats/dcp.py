@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from ..errors import CkptError
+from ..policy import MAX_NESTING
 from ..tree import (
     ByteSource,
     Checkpoint,
@@ -24,7 +25,6 @@ from ..tree import (
     contiguous_stride,
     state_attrs,
 )
-from ..unpickler import MAX_NESTING
 from .torch_zip import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle
 

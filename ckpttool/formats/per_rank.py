@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CkptError
+from ..stand_ins import LocalShards
 from ..tree import Checkpoint, Shard, ShardedRef, TensorRef, get_path, walk
-from ..unpickler import LocalShards
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")

@@ -11,8 +11,9 @@ import os
 from typing import Any
 
 from ..errors import CkptError
-from ..tree import ByteSource, Checkpoint, StorageRef
-from ..unpickler import Device, StorageType, load_pickle, opaque_class
+from ..stand_ins import Device, StorageType
+from ..tree import ByteSource, Checkpoint, StorageRef, opaque_class
+from ..unpickler import load_pickle
 from .torch_zip import checkpoint
 
 FORMAT = "torch-legacy"

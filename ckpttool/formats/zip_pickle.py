@@ -14,8 +14,9 @@ import zipfile
 from typing import Any
 
 from ..errors import CkptError
+from ..stand_ins import Device, StorageType
 from ..tree import ByteSource, StorageRef
-from ..unpickler import Device, StorageType, load_pickle
+from ..unpickler import load_pickle
 
 ZIP_MAGIC = b"PK\x03\x04"
 # data.pkl holds structure, not tensor bytes; real ones are KB to a few MB.

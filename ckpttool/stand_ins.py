@@ -1,0 +1,500 @@
+"""Stand-ins the restricted unpickler hands out for torch and numpy globals.
+
+torch's tensor rebuild functions return lazy :class:`~ckpttool.tree.TensorRef`
+leaves (no bytes read); ShardedTensor and DTensor become :class:`LocalShards`
+records that :mod:`ckpttool.formats.per_rank` combines; numpy arrays become
+tensors and numpy scalars numbers; containers and primitives are rebuilt for
+real, as they run no code. ``SAFE_GLOBALS`` maps each allowed global to its stand-in.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import struct
+from typing import Any
+
+from .errors import CkptError
+from .tree import (
+    DTYPES,
+    ByteSource,
+    DType,
+    Opaque,
+    Shard,
+    StorageRef,
+    TensorRef,
+    contiguous_stride,
+    opaque_class,
+    state_attrs,
+)
+
+# Module-level torch objects referenced by real checkpoints that need nothing but a name.
+TORCH_LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "_mkldnn", "jagged"})
+TORCH_MEMORY_FORMATS = frozenset(
+    {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"}
+)
+# Metadata classes of ShardedTensor, DTensor and DCP: rebuilt as records, not opaque.
+KNOWN_TORCH_PREFIXES = (
+    "torch.distributed._shard.",
+    "torch.distributed.tensor.",
+    "torch.distributed._tensor.",
+    "torch.distributed.device_mesh.",
+    "torch.distributed._mesh_layout.",
+    "torch.distributed.checkpoint.",
+    "torch.distributed.remote_device.",
+    "torch.nn.parameter.",
+    "torch.Tensor",
+    "torch._tensor.",
+)
+SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+DTENSOR_CLASSES = frozenset(
+    {
+        "torch.distributed.tensor.DTensor",
+        "torch.distributed._tensor.api.DTensor",
+        "torch.distributed.tensor._api.DTensor",
+    }
+)
+MAX_BYTES_CONSTRUCTOR = 1 << 24
+
+
+class Device(str):
+    """A ``torch.device`` seen in a pickle, kept as its string (``cuda:0``)."""
+
+
+class TorchName(str):
+    """A torch module-level object seen in a pickle (layout, memory format), by name."""
+
+
+class StorageType:
+    """Stand-in for a ``torch.*Storage`` class: only its element dtype matters."""
+
+    def __init__(self, name: str, dtype: DType):
+        self.name = name
+        self.dtype = dtype
+
+
+class WrapperStub:
+    """What ``torch._utils._rebuild_wrapper_subclass`` returns: the global tensor's metadata."""
+
+    def __init__(self, cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+        self.cls = cls
+        self.dtype = dtype
+        self.shape = _int_tuple(size, "size")
+        self.device = str(device)
+        self.requires_grad = bool(requires_grad)
+
+
+class LocalShards:
+    """One rank's part of a ShardedTensor or DTensor, before ranks are combined.
+
+    Attributes:
+        kind: ``sharded_tensor`` or ``dtensor``.
+        dtype, shape, device: the global tensor's.
+        shards: this rank's blocks, as :class:`~ckpttool.tree.Shard`.
+        layout: global description of every block (ShardedTensor: list of
+            (offsets, sizes, rank)); DTensor: mesh shape, coordinate, placements.
+        rank, world_size: when the file says so.
+    """
+
+    def __init__(self, kind, dtype, shape, device, requires_grad=False):
+        self.kind = kind
+        self.dtype = dtype
+        self.shape = shape
+        self.device = device
+        self.requires_grad = requires_grad
+        self.shards: list = []
+        self.layout: Any = None
+        self.rank: int | None = None
+        self.world_size: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise CkptError(f"corrupt tensor {what} {value!r}")
+    return tuple(value)
+
+
+def _as_dtype(value: Any) -> DType:
+    if isinstance(value, DType):
+        return value
+    raise CkptError(f"corrupt tensor dtype {value!r}")
+
+
+def rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, *_, dtype=None):
+    """Stand-in for ``torch._utils._rebuild_tensor_v2``: a lazy TensorRef, bounds-checked."""
+    if not isinstance(storage, StorageRef):
+        raise CkptError("corrupt pickle: tensor without a storage")
+    shape = _int_tuple(size, "shape")
+    strides = _int_tuple(stride, "stride") if stride is not None else contiguous_stride(shape)
+    if not isinstance(storage_offset, int) or storage_offset < 0 or len(strides) != len(shape):
+        raise CkptError("corrupt tensor metadata (offset or stride)")
+    if any(s < 0 for s in shape) or any(s < 0 for s in strides):
+        raise CkptError("corrupt tensor metadata (negative size or stride)")
+    dt = dtype or storage.dtype
+    # The last element must lie inside the storage, or reading would run past it.
+    if all(shape):
+        last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+        if (last + 1) * dt.itemsize > storage.nbytes:
+            raise CkptError(
+                f"tensor of shape {list(shape)} does not fit its storage of "
+                f"{storage.nbytes} bytes (corrupt or truncated file)"
+            )
+    return TensorRef(
+        dtype=dt,
+        shape=shape,
+        stride=strides,
+        offset=storage_offset,
+        storage=storage,
+        device=storage.device,
+        requires_grad=bool(requires_grad),
+    )
+
+
+def _rebuild_tensor_v1(storage, storage_offset, size, stride):
+    return rebuild_tensor(storage, storage_offset, size, stride)
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_):
+    return rebuild_tensor(
+        storage, storage_offset, size, stride, requires_grad, dtype=_as_dtype(dtype)
+    )
+
+
+def _rebuild_parameter(data, requires_grad=False, *_):
+    if isinstance(data, TensorRef):
+        data.kind = "parameter"
+        data.requires_grad = bool(requires_grad)
+    return data
+
+
+def _rebuild_qtensor(storage, storage_offset, size, stride, *_):
+    """Stand-in for ``torch._utils._rebuild_qtensor``: a tensor of the quantized dtype.
+
+    The quantizer (scale, zero point) is not kept, so reading its values fails with a
+    clear error instead of the tensor silently vanishing from conversions.
+    """
+    ref = rebuild_tensor(storage, storage_offset, size, stride)
+    ref.kind = "quantized"
+    return ref
+
+
+def _rebuild_meta(dtype, size, stride, requires_grad=False):
+    shape = _int_tuple(size, "shape")
+    return TensorRef(
+        dtype=_as_dtype(dtype),
+        shape=shape,
+        stride=_int_tuple(stride, "stride"),
+        offset=0,
+        storage=None,
+        device="meta",
+        requires_grad=bool(requires_grad),
+    )
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    """Stand-in for ``torch._tensor._rebuild_from_type_v2`` (tensor subclasses)."""
+    base = func(*args)
+    name = (
+        new_type.class_name() if isinstance(new_type, type) and issubclass(new_type, Opaque) else ""
+    )
+    if isinstance(base, WrapperStub) and name == SHARDED_TENSOR:
+        return _sharded_tensor_local(base, state)
+    if isinstance(base, WrapperStub) and name in DTENSOR_CLASSES:
+        return _dtensor_local(base, state)
+    if isinstance(base, TensorRef):
+        if name == "torch.nn.parameter.Parameter":
+            base.kind = "parameter"
+        elif name and name not in ("torch.Tensor", "torch._tensor.Tensor"):
+            base.kind = name
+        return base
+    return opaque_class("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state)
+
+
+_attrs = state_attrs
+
+
+def _sharded_tensor_local(stub: WrapperStub, state: Any) -> LocalShards:
+    """A ShardedTensor's pickled state: (local shards, metadata, process group state, ...)."""
+
+    if not isinstance(state, tuple) or len(state) < 2:
+        raise CkptError("corrupt ShardedTensor state")
+    local_shards, metadata = state[0], state[1]
+    meta = _attrs(metadata)
+    out = LocalShards(
+        "sharded_tensor", _as_dtype(stub.dtype), stub.shape, stub.device, stub.requires_grad
+    )
+    layout = []
+    for shard_meta in meta.get("shards_metadata", []):
+        m = _attrs(shard_meta)
+        layout.append(
+            (
+                _int_tuple(m.get("shard_offsets"), "shard offsets"),
+                _int_tuple(m.get("shard_sizes"), "shard sizes"),
+                _placement_rank(m.get("placement")),
+            )
+        )
+    out.layout = layout
+    for shard in local_shards or []:
+        s = _attrs(shard)
+        m = _attrs(s.get("metadata"))
+        offsets = _int_tuple(m.get("shard_offsets"), "shard offsets")
+        sizes = _int_tuple(m.get("shard_sizes"), "shard sizes")
+        tensor = s.get("tensor")
+        if not isinstance(tensor, TensorRef) or tensor.shape != sizes:
+            raise CkptError("corrupt ShardedTensor: a local shard does not match its metadata")
+        out.shards.append(Shard(offsets, sizes, tensor, _placement_rank(m.get("placement"))))
+    if len(state) > 2:
+        pg = _attrs(state[2])
+        out.rank = pg.get("global_rank")
+        out.world_size = pg.get("global_world_size")
+    if out.device == "cpu" and out.shards:
+        out.device = out.shards[0].tensor.device
+    return out
+
+
+def _placement_rank(placement: Any) -> int | None:
+    """``_remote_device('rank:1/cuda:1')`` -> 1."""
+    if isinstance(placement, Opaque):
+        a = placement.attrs()
+        if isinstance(a.get("_worker_name"), str) and a["_worker_name"].startswith("rank:"):
+            return int(a["_worker_name"][5:])
+        if isinstance(a.get("_rank"), int):
+            return a["_rank"]
+        for arg in placement.args:
+            if isinstance(arg, str) and arg.startswith("rank:"):
+                return int(arg[5:].split("/", 1)[0])
+    return None
+
+
+def _dtensor_local(stub: WrapperStub, state: Any) -> LocalShards:
+    """A DTensor's pickled state: ``{"_local_tensor", "_spec": DTensorSpec(mesh, placements)}``."""
+    s = _attrs(state)
+    local = s.get("_local_tensor")
+    spec = _attrs(s.get("_spec"))
+    mesh = _attrs(spec.get("mesh"))
+    if not isinstance(local, TensorRef):
+        raise CkptError("corrupt DTensor: no local tensor")
+    out = LocalShards(
+        "dtensor", _as_dtype(stub.dtype), stub.shape, local.device, stub.requires_grad
+    )
+    placements = []
+    for p in spec.get("placements") or ():
+        cls = type(p).__name__ if isinstance(p, Opaque) else ""
+        a = _attrs(p)
+        if cls in ("Shard", "_StridedShard"):
+            if cls == "_StridedShard":
+                raise CkptError("DTensor _StridedShard placements are not supported")
+            placements.append(("shard", a.get("dim")))
+        elif cls == "Replicate":
+            placements.append(("replicate", None))
+        else:
+            placements.append((cls.lower() or "unknown", None))
+    out.layout = {
+        "mesh_shape": _mesh_shape(mesh),
+        "coordinate": tuple(mesh.get("_coordinate_on_dim") or ()),
+        "placements": placements,
+    }
+    out.rank = mesh.get("_rank") if isinstance(mesh.get("_rank"), int) else None
+    out.shards.append(_LocalBlock(local))
+    return out
+
+
+class _LocalBlock:
+    """A DTensor's local tensor before its offsets are known (set when ranks are combined)."""
+
+    def __init__(self, tensor: TensorRef):
+        self.tensor = tensor
+
+
+def _mesh_shape(mesh: dict) -> tuple[int, ...] | None:
+    layout = _attrs(mesh.get("_layout"))
+    if layout:
+        shapes = []
+        for axis in layout.get("axes") or ():
+            shape = _attrs(axis).get("shape")
+            if isinstance(shape, tuple):
+                shapes.extend(shape)
+        if shapes:
+            return tuple(shapes)
+    mesh_tensor = mesh.get("mesh")
+    if isinstance(mesh_tensor, TensorRef):
+        return mesh_tensor.shape
+    return None
+
+
+def _torch_size(values=()):
+    return tuple(values)
+
+
+def _torch_device(kind, index=None):
+    if isinstance(kind, Device):
+        return kind
+    if not isinstance(kind, str):
+        raise CkptError(f"corrupt torch.device {kind!r}")
+    return Device(kind if index is None else f"{kind}:{index}")
+
+
+def _get_layout(name):
+    return TorchName(name)
+
+
+def _codecs_encode(obj, encoding="utf-8", errors="strict"):
+    # Protocol 2 pickles bytes as _codecs.encode(str, "latin1").
+    if not isinstance(obj, str) or encoding.lower() not in (
+        "latin1",
+        "latin-1",
+        "utf-8",
+        "utf8",
+        "ascii",
+    ):
+        raise CkptError("corrupt pickle: unexpected _codecs.encode call")
+    return obj.encode(encoding, errors)
+
+
+def _bounded(ctor):
+    def build(*args):
+        if args and isinstance(args[0], int) and args[0] > MAX_BYTES_CONSTRUCTOR:
+            raise CkptError("corrupt pickle: absurd buffer size")
+        return ctor(*args)
+
+    return build
+
+
+def _reconstructor(cls, base, state=None):
+    # copyreg._reconstructor(cls, object, None) == object.__new__(cls)
+    if isinstance(cls, type) and issubclass(cls, Opaque):
+        return cls()
+    return opaque_class("copyreg", "_reconstructor")(cls, base, state)
+
+
+def _newobj(cls, *args):
+    if isinstance(cls, type) and issubclass(cls, Opaque):
+        return cls(*args)
+    return opaque_class("copyreg", "__newobj__")(cls, *args)
+
+
+def _defaultdict(default_factory=None, *args):
+    # Keep the mapping, drop the factory: we never call it, and a plain dict
+    # stays loadable with weights_only=True.
+    return dict(*args)
+
+
+# numpy dtype codes (``numpy.dtype("f4")``) -> (torch dtype, struct format for scalars)
+NUMPY_CODES = {
+    "f8": ("float64", "d"),
+    "f4": ("float32", "f"),
+    "f2": ("float16", "e"),
+    "i8": ("int64", "q"),
+    "i4": ("int32", "i"),
+    "i2": ("int16", "h"),
+    "i1": ("int8", "b"),
+    "u8": ("uint64", "Q"),
+    "u4": ("uint32", "I"),
+    "u2": ("uint16", "H"),
+    "u1": ("uint8", "B"),
+    "b1": ("bool", "?"),
+    "c8": ("complex64", None),
+    "c16": ("complex128", None),
+}
+
+
+def _numpy_dtype(obj: Any) -> tuple[DType, str | None, bool] | None:
+    """(dtype, struct format, big endian) of a pickled ``numpy.dtype``, None if not numeric."""
+    if not isinstance(obj, Opaque) or not obj.args or not isinstance(obj.args[0], str):
+        return None
+    code = NUMPY_CODES.get(obj.args[0])
+    if code is None:
+        return None
+    order = obj.state[1] if isinstance(obj.state, tuple) and len(obj.state) > 1 else "<"
+    return DTYPES[code[0]], code[1], order == ">"
+
+
+class NumpyArrayRef(TensorRef):
+    """A pickled ``numpy.ndarray``, read as a tensor (no numpy import, bytes kept in memory).
+
+    Built empty by ``_reconstruct`` and filled by the pickle's BUILD, as numpy does.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(DTYPES["uint8"], (0,), (1,), 0, None, kind="numpy.ndarray")
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) < 4:
+            return
+        shape, np_dtype, fortran, raw = state[-4:]
+        described = _numpy_dtype(np_dtype)
+        if described is None or not isinstance(raw, (bytes, bytearray)):
+            self.kind = "numpy.ndarray (object or unsupported dtype, not read)"
+            return
+        dtype, _, big_endian = described
+        shape = _int_tuple(shape, "shape")
+        stride = contiguous_stride(shape[::-1])[::-1] if fortran else contiguous_stride(shape)
+        numel = len(raw) // dtype.itemsize
+        self.dtype, self.shape, self.stride = dtype, shape, stride
+        self.storage = StorageRef("numpy", dtype, numel, "cpu", ByteSource(data=raw), big_endian)
+        if self.numel > numel:
+            raise CkptError("corrupt numpy array: fewer bytes than its shape needs")
+
+
+def _numpy_scalar(np_dtype: Any, raw: Any = None) -> Any:
+    described = _numpy_dtype(np_dtype)
+    if described is None or described[1] is None or not isinstance(raw, (bytes, bytearray)):
+        return opaque_class("numpy", "generic", known=True)(np_dtype, raw)
+    dtype, fmt, big_endian = described
+    try:
+        return struct.unpack((">" if big_endian else "<") + fmt, raw)[0]
+    except struct.error:
+        raise CkptError("corrupt numpy scalar") from None
+
+
+def _wrapper_subclass(
+    cls, dtype, size, stride, storage_offset, layout, device, requires_grad=False
+):
+    return WrapperStub(cls, dtype, size, stride, storage_offset, layout, device, requires_grad)
+
+
+SAFE_GLOBALS: dict[str, Any] = {
+    "collections.OrderedDict": collections.OrderedDict,
+    "collections.defaultdict": _defaultdict,
+    "builtins.dict": dict,
+    "builtins.list": list,
+    "builtins.tuple": tuple,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.str": str,
+    "builtins.int": int,
+    "builtins.float": float,
+    "builtins.complex": complex,
+    "builtins.bool": bool,
+    "builtins.slice": slice,
+    "builtins.bytes": _bounded(bytes),
+    "builtins.bytearray": _bounded(bytearray),
+    "builtins.object": opaque_class("builtins", "object"),
+    "_codecs.encode": _codecs_encode,
+    "copyreg._reconstructor": _reconstructor,
+    "copyreg.__newobj__": _newobj,
+    "torch._utils._rebuild_tensor": _rebuild_tensor_v1,
+    "torch._utils._rebuild_tensor_v2": rebuild_tensor,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
+    "torch._utils._rebuild_qtensor": _rebuild_qtensor,
+    "torch._utils._rebuild_wrapper_subclass": _wrapper_subclass,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch._tensor._rebuild_from_type": lambda func, type_, args, dict_: func(*args),
+    "numpy.core.multiarray._reconstruct": NumpyArrayRef,
+    "numpy._core.multiarray._reconstruct": NumpyArrayRef,
+    "numpy.core.multiarray.scalar": _numpy_scalar,
+    "numpy._core.multiarray.scalar": _numpy_scalar,
+    "torch.Size": _torch_size,
+    "torch.device": _torch_device,
+    "torch.serialization._get_layout": _get_layout,
+}
