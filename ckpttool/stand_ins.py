@@ -114,11 +114,10 @@ class LocalShards:
 
 
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise CkptError(f"corrupt tensor {what} {value!r}")
-    return tuple(value)
+    # hot: called for every size, stride and shard offset; `type(v) is int` also rejects bool
+    if type(value) in (tuple, list) and all(type(v) is int for v in value):
+        return tuple(value)
+    raise CkptError(f"corrupt tensor {what} {value!r}")
 
 
 def _as_dtype(value: Any) -> DType:

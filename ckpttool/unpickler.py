@@ -131,16 +131,10 @@ class SafeUnpickler(pickle.Unpickler):
         return opaque_class("builtins", "getattr", dangerous=True)(obj, name)
 
 
-class _Absorb:
-    """Accepts whatever a pickle does to an object and builds nothing (globals scan)."""
+class _Sink:
+    """The one object a globals scan builds: it accepts whatever the pickle does to it."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Absorb:
-        return _ABSORB
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _Absorb:
+    def __call__(self, *args: Any, **kwargs: Any) -> _Sink:
         return self
 
     def __setstate__(self, state: Any) -> None:
@@ -156,7 +150,18 @@ class _Absorb:
         pass
 
 
-_ABSORB = object.__new__(_Absorb)
+_ABSORB = _Sink()
+
+
+class _Absorb:
+    """What a globals scan hands out for a global: calling or instantiating it gives the sink.
+
+    ``__new__`` returns an object that is not an instance of the class, so Python
+    skips ``__init__``: one Python call per object the pickle builds, not two.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Sink:
+        return _ABSORB
 
 
 class GlobalsScanner(SafeUnpickler):

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from .app import EXIT_DIFFERENT, app, handle_errors
 from .options import Json, Unsafe
@@ -36,6 +34,9 @@ def diff(
 
 
 def render(result: dict) -> None:
+    from rich.console import Console  # only for human output: --json stays fast
+    from rich.table import Table
+
     console = Console(highlight=False)
     for name in result["only_in_a"]:
         console.print(f"[red]- only in A[/]: {name}")

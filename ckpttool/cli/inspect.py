@@ -6,8 +6,6 @@ from collections import defaultdict
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from .app import app, handle_errors
 from .options import Json, Paths, Unsafe
@@ -46,6 +44,9 @@ def inspect(
 
 
 def render(ckpt, report: dict) -> None:
+    from rich.console import Console  # only for human output: --json stays fast
+    from rich.table import Table
+
     from ..tree import get_path
 
     console = Console()

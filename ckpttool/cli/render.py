@@ -6,11 +6,12 @@ import json
 import math
 import sys
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.tree import Tree
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.tree import Tree
+
 
 MAX_CHILDREN = 12
 MAX_DEPTH = 6
@@ -61,6 +62,9 @@ def describe_tensor(ref: Any) -> str:
 
 def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: str) -> Tree:
     """The nested structure, with the model state dict collapsed to one line."""
+    from rich.markup import escape
+    from rich.tree import Tree
+
     from ..layout import is_plain
     from ..tree import Opaque, ShardedRef, TensorRef, children
 
@@ -96,6 +100,8 @@ def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: 
 
 def stderr_console() -> Console:
     # soft_wrap: a message is one line whatever the width (no folded paths or class names)
+    from rich.console import Console
+
     return Console(stderr=True, soft_wrap=True)
 
 
