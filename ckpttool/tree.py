@@ -172,8 +172,23 @@ class StorageRef:
         return self.numel * self.dtype.itemsize
 
 
+class _Sized:
+    """numel and nbytes from ``shape`` and ``dtype`` (global sizes for sharded tensors)."""
+
+    shape: tuple[int, ...]
+    dtype: DType
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
 @dataclass(eq=False)
-class TensorRef:
+class TensorRef(_Sized):
     """A tensor whose bytes stay on disk until :meth:`load`.
 
     ``offset`` and ``stride`` are in elements of ``dtype``, as in ``torch.as_strided``.
@@ -190,14 +205,6 @@ class TensorRef:
     value: Any = None  # a tensor already in memory (``--unsafe`` loads, numpy arrays)
 
     sharded = False
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
     def is_contiguous(self) -> bool:
         return self.stride == contiguous_stride(self.shape) or self.numel <= 1
@@ -220,7 +227,7 @@ class Shard:
 
 
 @dataclass(eq=False)
-class ShardedRef:
+class ShardedRef(_Sized):
     """A global tensor made of shards (ShardedTensor, DTensor or DCP chunks)."""
 
     dtype: DType
@@ -232,14 +239,6 @@ class ShardedRef:
     world_size: int | None = None
 
     sharded = True
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
     def load(self, map_location: Any = "cpu") -> Any:
         """Assemble the full tensor from its shards."""

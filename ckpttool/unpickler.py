@@ -266,3 +266,11 @@ def load_pickle(
         return None
     check_structure(result, path)
     return result
+
+
+def split_seen(seen: set[str]) -> tuple[list[str], list[str]]:
+    """(globals, dangerous), sorted, from a ``seen`` set that :func:`load_pickle` filled."""
+    return (
+        sorted(g for g in seen if not g.startswith("!")),
+        sorted(g[1:] for g in seen if g.startswith("!")),
+    )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from ..errors import CkptError, UnsafeError
 from ..tree import Checkpoint
+from ..unpickler import split_seen
 from . import (
     dcp,
     per_rank,
@@ -91,14 +92,9 @@ def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str]]:
         ckpt = _read_one(path, unsafe)
         return ckpt.globals, ckpt.dangerous
     seen: set[str] = set()
-    archive = ZipPickle(path)
-    try:
+    with ZipPickle(path) as archive:
         archive.scan(permissive=unsafe, seen=seen)
-    finally:
-        archive.close()
-    return sorted(g for g in seen if not g.startswith("!")), sorted(
-        g[1:] for g in seen if g.startswith("!")
-    )
+    return split_seen(seen)
 
 
 def _read_one(path: str, unsafe: bool) -> Checkpoint:

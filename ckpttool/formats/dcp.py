@@ -63,11 +63,8 @@ class DcpChunk:
             f.seek(self.offset)
             head = f.read(4)
         if head == ZIP_MAGIC:
-            archive = ZipPickle(self.path, self.offset, self.length)
-            try:
+            with ZipPickle(self.path, self.offset, self.length) as archive:
                 ref = archive.load()
-            finally:
-                archive.close()
             if not isinstance(ref, TensorRef):
                 raise CkptError("corrupt chunk: not a tensor", path=self.path)
             return ref
@@ -184,11 +181,8 @@ def _bytes_value(folder: str, fqn: str, spans: dict, permissive: bool, seen: set
         raise CkptError(f"value {fqn!r} stored with transforms is not supported", path=folder)
     if not os.path.isfile(file):
         raise CkptError(f"missing .distcp file (it holds the value {fqn!r})", path=file)
-    archive = ZipPickle(file, start, length)
-    try:
+    with ZipPickle(file, start, length) as archive:
         return archive.load(permissive=permissive, seen=seen)
-    finally:
-        archive.close()
 
 
 def set_element(root: Any, path: tuple, value: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..tree import Checkpoint
+from ..unpickler import split_seen
 from .zip_pickle import ZIP_MAGIC, ZipPickle
 
 FORMAT = "torch-zip"
@@ -14,21 +15,13 @@ def detect(path: str, head: bytes) -> bool:
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     """Read the pickle with lazy tensors; bytes stay in the zip until asked for."""
-    archive = ZipPickle(path)
     seen: set[str] = set()
-    try:
+    with ZipPickle(path) as archive:
         root = archive.load(permissive=permissive, seen=seen)
-    finally:
-        archive.close()
     return checkpoint(FORMAT, [path], root, seen)
 
 
 def checkpoint(fmt: str, files: list[str], root: object, seen: set[str]) -> Checkpoint:
     """A Checkpoint from a safe unpickle's result and the globals it saw."""
-    return Checkpoint(
-        format=fmt,
-        files=files,
-        root=root,
-        globals=sorted(g for g in seen if not g.startswith("!")),
-        dangerous=sorted(g[1:] for g in seen if g.startswith("!")),
-    )
+    globals_, dangerous = split_seen(seen)
+    return Checkpoint(format=fmt, files=files, root=root, globals=globals_, dangerous=dangerous)

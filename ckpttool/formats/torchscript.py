@@ -19,20 +19,14 @@ FORMAT = "torchscript"
 def detect(path: str, head: bytes) -> bool:
     if not head.startswith(ZIP_MAGIC):
         return False
-    archive = ZipPickle(path)
-    try:
+    with ZipPickle(path) as archive:
         return any(n.endswith("/constants.pkl") or "/code/" in n for n in archive.names())
-    finally:
-        archive.close()
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
-    archive = ZipPickle(path)
     seen: set[str] = set()
-    try:
+    with ZipPickle(path) as archive:
         module = archive.load(permissive=permissive, seen=seen)
-    finally:
-        archive.close()
     state: dict[str, Any] = {}
     _flatten_module(module, "", state, set())
     return checkpoint(FORMAT, [path], state, seen)

@@ -161,3 +161,9 @@ class ZipPickle:
 
     def close(self) -> None:
         self.zip.close()
+
+    def __enter__(self) -> ZipPickle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
