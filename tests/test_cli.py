@@ -164,3 +164,21 @@ def test_exit_code_3_for_unsafe_and_0_with_unsafe(tmp_path):
 
 def test_debug_is_accepted():
     assert run_cli("--debug", "--version").returncode == 0
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_reader_leaving_early_is_not_an_error(json_flag):
+    """`ckpttool inspect ... | head`: exit 0, no traceback (rich alone would exit 1)."""
+    fixture = ROOT / "fixtures" / "ddp" / "ep0-rank0.pt"
+    if not fixture.exists():
+        pytest.skip("fixture not generated")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpttool", "inspect", str(fixture), *json_flag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.read(20)
+    proc.stdout.close()  # the reader leaves, as `head -c 20` does
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0
+    assert "Traceback" not in stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -65,8 +66,11 @@ def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             prefix = "refused" if exc.exit_code == EXIT_UNSAFE else "error"
             fail(f"{prefix}: {exc.one_line()}", exc.exit_code)
-        except BrokenPipeError:  # `ckpttool inspect --json | head`: the reader left, fine
-            sys.stderr.close()
+        except BrokenPipeError:  # `ckpttool inspect | head`: the reader left, that is fine
+            # Later flushes would fail again (and click would exit 1, which means
+            # "differences" here): send what is left of stdout to /dev/null.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
             raise typer.Exit(EXIT_OK) from None
         except KeyboardInterrupt:
             fail("interrupted; no output was written", 130)

@@ -8,7 +8,7 @@ import typer
 
 from .app import EXIT_DIFFERENT, app, handle_errors
 from .options import Json, Unsafe
-from .render import dumps_json
+from .render import dumps_json, stdout_console
 
 
 @app.command()
@@ -34,10 +34,9 @@ def diff(
 
 
 def render(result: dict) -> None:
-    from rich.console import Console  # only for human output: --json stays fast
-    from rich.table import Table
+    from rich.table import Table  # only for human output: --json stays fast
 
-    console = Console(highlight=False)
+    console = stdout_console(highlight=False)
     for name in result["only_in_a"]:
         console.print(f"[red]- only in A[/]: {name}")
     for name in result["only_in_b"]:

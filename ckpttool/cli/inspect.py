@@ -9,7 +9,14 @@ import typer
 
 from .app import app, handle_errors
 from .options import Json, Paths, Unsafe
-from .render import byte_progress, dumps_json, human_bytes, short, structure_tree
+from .render import (
+    byte_progress,
+    dumps_json,
+    human_bytes,
+    short,
+    stdout_console,
+    structure_tree,
+)
 
 STATS_PROGRESS_BYTES = 256 << 20
 
@@ -44,12 +51,11 @@ def inspect(
 
 
 def render(ckpt, report: dict) -> None:
-    from rich.console import Console  # only for human output: --json stays fast
-    from rich.table import Table
+    from rich.table import Table  # only for human output: --json stays fast
 
     from ..tree import get_path
 
-    console = Console()
+    console = stdout_console()
     world = f", world size {report['world_size']}" if report["world_size"] else ""
     console.print(
         f"[bold]{report['format']}[/]{world}: "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,22 @@ def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: 
     else:
         add(root, tree, (), 0)
     return tree
+
+
+def stdout_console(**options: Any) -> Console:
+    """A rich console on stdout; a reader that leaves early (``| head``) is not an error.
+
+    rich's default exits 1 on a broken pipe, and 1 means "differences" to ``diff``'s callers.
+    """
+    from rich.console import Console
+
+    class _Stdout(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(0)
+
+    return _Stdout(**options)
 
 
 def stderr_console() -> Console:
