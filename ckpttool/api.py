@@ -8,7 +8,13 @@ from typing import Any
 
 from .errors import CkptError
 from .formats import read_checkpoint
-from .layout import find_model_key, parse_key_path, resolve_prefix, strip_prefix
+from .layout import (
+    find_model_key,
+    module_state_dict,
+    parse_key_path,
+    resolve_prefix,
+    strip_prefix,
+)
 from .tree import Checkpoint, KeyPath, Opaque, get_path, is_tensor, iter_tensors
 
 PathArg = str | PathLike | Sequence[str | PathLike]
@@ -61,6 +67,7 @@ def select_node(
     else:
         path = parse_key_path(ckpt.root, select)
     node = get_path(ckpt.root, path)
+    node = module_state_dict(node) or node  # a pickled nn.Module: its state dict
     if isinstance(node, Mapping) and all(isinstance(k, str) for k in node):
         node = strip_prefix(node, resolve_prefix(node, strip))
     return path, node

@@ -66,16 +66,51 @@ def is_state_dict(node: Any) -> bool:
     return tensors > 0 and tensors * 2 >= len(node)
 
 
+def module_state_dict(node: Any) -> dict[str, Any] | None:
+    """The state dict of a pickled ``nn.Module`` (``torch.save(model)``), read from its
+    ``_parameters``, persistent ``_buffers`` and ``_modules`` without running its class."""
+    if not isinstance(node, Opaque):
+        return None
+    attrs = node.attrs()
+    if not isinstance(attrs.get("_parameters"), Mapping) or not isinstance(
+        attrs.get("_modules"), Mapping
+    ):
+        return None
+    state: dict[str, Any] = {}
+
+    def visit(module: Opaque, prefix: str) -> None:
+        a = module.attrs()
+        transient = a.get("_non_persistent_buffers_set") or ()
+        for name, value in (a.get("_parameters") or {}).items():
+            if is_tensor(value):
+                state[prefix + name] = value
+        for name, value in (a.get("_buffers") or {}).items():
+            if is_tensor(value) and name not in transient:
+                state[prefix + name] = value
+        for name, child in (a.get("_modules") or {}).items():
+            if isinstance(child, Opaque):
+                visit(child, f"{prefix}{name}.")
+
+    visit(node, "")
+    return state or None
+
+
+def model_state(node: Any) -> Mapping[str, Any] | None:
+    """The state dict a node holds: itself, or the parameters and buffers of a pickled module."""
+    return node if is_state_dict(node) else module_state_dict(node)
+
+
 def find_model_key(root: Any) -> KeyPath | None:
-    """The path to the model state dict: ``()`` for the root, ``None`` when there is none."""
-    if is_state_dict(root):
+    """The path to the model state dict (or pickled module): ``()`` for the root, ``None``
+    when there is none."""
+    if model_state(root) is not None:
         return ()
     for path in MODEL_KEYS:
         try:
             node = get_path(root, path)
         except CkptError:
             continue
-        if is_state_dict(node):
+        if model_state(node) is not None:
             return path
     return _largest_state_dict(root)
 

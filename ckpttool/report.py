@@ -11,9 +11,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import CkptError
-from .layout import detect_prefix, find_model_key, plain_values
+from .layout import detect_prefix, find_model_key, model_state, plain_values
 from .stand_ins import Device, TorchName
-from .tree import Checkpoint, DType, KeyPath, Opaque, ShardedRef, get_path, iter_tensors
+from .tree import (
+    Checkpoint,
+    DType,
+    KeyPath,
+    Opaque,
+    ShardedRef,
+    get_path,
+    is_tensor,
+    iter_tensors,
+)
 
 Progress = Callable[[int], None]
 
@@ -47,14 +56,14 @@ def inspect_report(
     except re.error as exc:
         raise CkptError(f"bad --filter regular expression: {exc}") from None
     model_key = find_model_key(ckpt.root)
-    model = get_path(ckpt.root, model_key) if model_key is not None else None
+    model = model_state(get_path(ckpt.root, model_key)) if model_key is not None else None
     prefix = (
         detect_prefix([k for k in model if isinstance(k, str)])
         if isinstance(model, Mapping)
         else None
     )
 
-    tensors, num_params, nbytes = [], 0, 0
+    tensors, nbytes = [], 0
     for path, ref in iter_tensors(ckpt.root):
         if pattern and not pattern.search(dotted(path)):
             continue
@@ -65,8 +74,13 @@ def inspect_report(
                 progress(ref.nbytes)
         tensors.append(entry)
         nbytes += ref.nbytes
-        if model_key is not None and path[: len(model_key)] == model_key:
-            num_params += ref.numel
+    # counted over the state dict itself: for a pickled module, its non-persistent
+    # buffers are tensors in the file but not part of its state dict
+    num_params = sum(
+        ref.numel
+        for name, ref in (model or {}).items()
+        if is_tensor(ref) and (not pattern or pattern.search(dotted((*model_key, name))))
+    )
 
     values = [
         value_entry(path, value)

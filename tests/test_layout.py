@@ -231,9 +231,31 @@ def test_pickled_module_is_not_mistaken_for_one_layer(tmp_path):
     path = tmp_path / "whole_model.pt"
     torch.save({"model": model, "epoch": 1}, path)
     report = inspect_report(ckpttool.read(path))
-    assert report["model_key"] is None
+    assert report["model_key"] == ["model"]  # the module itself, not a layer inside it
     keys = [t["key"] for t in report["tensors"]]
     assert ["model", "_modules", "2", "_parameters", "weight"] in keys and len(keys) == 4
     assert {"key": ["epoch"], "type": "int", "value": 1} in report["values"]
-    with pytest.raises(ckpttool.CkptError, match="no model state dict"):
-        ckpttool.load(path)  # not silently layer 2's {"weight", "bias"}
+    loaded = ckpttool.load(path)  # not silently layer 2's {"weight", "bias"}
+    assert list(loaded) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_pickled_whole_module_gives_its_state_dict(tmp_path, legacy, snapshot):
+    """torch.save(model) (old repos do it): the module's parameters and persistent buffers,
+    read from the pickled object without running its class."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Sequential(nn.Linear(3, 2)))
+    model.register_buffer("scratch", torch.zeros(5), persistent=False)
+    path = tmp_path / "whole.pt"
+    obj = {"model": model, "epoch": 7} if snapshot else model
+    torch.save(obj, path, _use_new_zipfile_serialization=not legacy)
+
+    expected = model.state_dict()
+    loaded = ckpttool.load(path)
+    assert list(loaded) == list(expected)  # scratch (non-persistent) is not in it
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor)
+    report = inspect_report(ckpttool.read(path))
+    assert report["model_key"] == (["model"] if snapshot else [])
+    assert report["num_params"] == sum(t.numel() for t in expected.values())

@@ -53,6 +53,7 @@ def inspect(
 def render(ckpt, report: dict) -> None:
     from rich.table import Table  # only for human output: --json stays fast
 
+    from ..layout import model_state
     from ..tree import get_path
 
     console = stdout_console()
@@ -68,7 +69,7 @@ def render(ckpt, report: dict) -> None:
         model_label = ""
     else:
         where = ".".join(map(str, model_key)) or "(root)"
-        n = len(get_path(ckpt.root, model_key))
+        n = len(model_state(get_path(ckpt.root, model_key)) or ())
         prefix = report["prefix"] or "none"
         model_label = f"model state dict, {n} entries, prefix {prefix}"
         console.print(f"model state dict: [green]{where}[/], wrapper prefix: [green]{prefix}[/]")

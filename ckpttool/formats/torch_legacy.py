@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..stand_ins import Device, StorageType
-from ..tree import ByteSource, Checkpoint, StorageRef, opaque_class
+from ..tree import ByteSource, Checkpoint, Opaque, StorageRef, opaque_class
 from ..unpickler import load_pickle
 from .torch_zip import checkpoint
 
@@ -54,7 +54,10 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
 
         def persistent_load(pid: Any) -> Any:
             if isinstance(pid, tuple) and pid and pid[0] == "module":
-                return opaque_class("torch.nn", "Module")(*pid[1:2])
+                # ("module", cls, source_file, source): torch hands back the class itself
+                cls = pid[1] if len(pid) > 1 else None
+                is_stand_in = isinstance(cls, type) and issubclass(cls, Opaque)
+                return cls if is_stand_in else opaque_class("torch.nn", "Module")
             if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
                 raise CkptError(f"corrupt pickle: unknown persistent id {pid!r:.80}")
             storage_type, key, location, numel = pid[1:5]
