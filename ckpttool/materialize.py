@@ -43,8 +43,6 @@ def target_device(saved: str, map_location: Any) -> Any:
 def _read_cpu(ref: TensorRef) -> torch.Tensor:
     """The tensor's own elements, in a fresh CPU buffer (views are made contiguous)."""
     dt = torch_dtype(ref.dtype)
-    if ref.value is not None:
-        return ref.value.detach().to("cpu")
     if ref.storage is None:
         raise CkptError("tensor has no stored data (saved on the meta device)")
     if ref.kind == "quantized":

@@ -10,7 +10,6 @@ real, as they run no code. ``SAFE_GLOBALS`` maps each allowed global to its stan
 from __future__ import annotations
 
 import collections
-import math
 import struct
 from typing import Any
 
@@ -106,11 +105,6 @@ class LocalShards:
         self.layout: Any = None
         self.rank: int | None = None
         self.world_size: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:

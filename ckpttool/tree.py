@@ -11,7 +11,6 @@ Nothing here imports torch: bytes are read and tensors built only in
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,7 +116,8 @@ class ByteSource:
         self.data = data
         self._zip_header_offset = zip_header_offset
 
-    def _resolve(self) -> None:
+    def resolve(self) -> None:
+        """Find a zip entry's data offset from its local header (done once, on first use)."""
         if self._zip_header_offset is None:
             return
         with open(self.path, "rb") as f:  # type: ignore[arg-type]
@@ -137,7 +137,7 @@ class ByteSource:
             raise CkptError("read outside of the stored bytes (truncated file?)", path=self.path)
         if self.data is not None:
             return bytearray(self.data[start : start + size])
-        self._resolve()
+        self.resolve()
         buf = bytearray(size)
         with open(self.path, "rb", buffering=0) as f:  # type: ignore[arg-type]
             f.seek(self.offset + start)
@@ -202,7 +202,6 @@ class TensorRef(_Sized):
     device: str = "cpu"
     requires_grad: bool = False
     kind: str = "tensor"  # "parameter" for nn.Parameter, or a tensor subclass name
-    value: Any = None  # a tensor already in memory (``--unsafe`` loads, numpy arrays)
 
     sharded = False
 
@@ -438,7 +437,3 @@ class Checkpoint:
     globals: list[str] = field(default_factory=list)
     dangerous: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(self.files[0]) if self.files else "checkpoint"

@@ -538,3 +538,18 @@ def malicious(tmp_path_factory) -> dict[tuple[str, str], MaliciousFile]:
             WRITERS[kind](path, payload.obj)
             out[(kind, name)] = MaliciousFile(kind, path, payload)
     return out
+
+
+# The FSDP runs of helpers_dist (2 and 3 ranks, run once per session), for any test module.
+@pytest.fixture(scope="session")
+def fsdp2(tmp_path_factory) -> Path:
+    from helpers_dist import fsdp_checkpoints
+
+    return fsdp_checkpoints(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="session")
+def fsdp3(tmp_path_factory) -> Path:
+    from helpers_dist import fsdp_checkpoints
+
+    return fsdp_checkpoints(tmp_path_factory, 3)

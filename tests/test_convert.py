@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_dist import (
-    fsdp_checkpoints,
     one_line_error,
     run_cli,
     safetensors_header,
@@ -70,16 +69,6 @@ def assert_same(got: dict, want: dict) -> None:
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype, name
         assert torch.equal(got[name], tensor), name
-
-
-@pytest.fixture(scope="session")
-def fsdp2(tmp_path_factory) -> Path:
-    return fsdp_checkpoints(tmp_path_factory, 2)
-
-
-@pytest.fixture(scope="session")
-def fsdp3(tmp_path_factory) -> Path:
-    return fsdp_checkpoints(tmp_path_factory, 3)
 
 
 def sha256(path: Path) -> str:

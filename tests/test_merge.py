@@ -14,22 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers_dist import fsdp_checkpoints, one_line_error, run_cli, tree_files
+from helpers_dist import one_line_error, run_cli, tree_files
 
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def fsdp2(tmp_path_factory) -> Path:
-    return fsdp_checkpoints(tmp_path_factory, 2)
-
-
-@pytest.fixture(scope="session")
-def fsdp3(tmp_path_factory) -> Path:
-    return fsdp_checkpoints(tmp_path_factory, 3)
 
 
 def assert_identical(got, want, path: tuple = ()) -> int:

@@ -26,7 +26,6 @@ def _raw_copy_ok(leaf: Any, cast: DType | None) -> bool:
     """Bytes can be copied as stored: a contiguous on-disk tensor, no cast, no byte swap."""
     return (
         isinstance(leaf, TensorRef)
-        and leaf.value is None
         and leaf.kind != "quantized"
         and leaf.storage is not None
         and leaf.storage.source is not None
@@ -117,7 +116,7 @@ def _copy_raw(fd: int, ref: TensorRef, progress: Progress | None) -> None:
     source = ref.storage.source
     done = 0
     if source.data is None and hasattr(os, "copy_file_range"):
-        source._resolve()
+        source.resolve()
         start = source.offset + ref.offset * ref.dtype.itemsize
         src = os.open(source.path, os.O_RDONLY)
         try:
