@@ -5,15 +5,15 @@ The only core module that imports torch, so that ``inspect`` and ``--help`` neve
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .errors import CkptError
-from .stand_ins import Device, TorchName
-from .tree import DType, Opaque, ShardedRef, TensorRef, is_tensor
+from .plain import TorchValue, to_plain
+from .stand_ins import Device
+from .tree import DType, ShardedRef, TensorRef
 
 
 def torch_dtype(dt: DType) -> torch.dtype:
@@ -110,57 +110,15 @@ def load_sharded(ref: ShardedRef, map_location: Any = "cpu") -> torch.Tensor:
     return place(out, target_device(ref.device, map_location))
 
 
+def torch_value(value: TorchValue) -> Any:
+    """The torch object a stand-in names: ``torch.device``, ``torch.dtype``, a layout."""
+    if isinstance(value, Device):
+        return torch.device(str(value))
+    if isinstance(value, DType):
+        return torch_dtype(value)
+    return getattr(torch, value.removeprefix("torch."), str(value))
+
+
 def to_torch(node: Any, leaf: Callable[[Any], Any]) -> Any:
-    """The tree as plain data that ``torch.load(weights_only=True)`` accepts.
-
-    Each tensor leaf becomes ``leaf(ref)``; an opaque object becomes
-    ``{"__class__": "pkg.mod.Class", "state": ..., "args": ..., ...}`` so no key
-    disappears; a class saved by reference becomes ``{"__global__": "pkg.mod.Class"}``;
-    devices, dtypes and layouts become the torch objects they name. Containers
-    shared by several paths stay shared.
-    """
-    memo: dict[int, Any] = {}
-
-    def build(value: Any) -> Any:
-        if is_tensor(value):
-            return leaf(value)
-        if id(value) in memo:
-            return memo[id(value)]
-        if isinstance(value, Mapping):
-            out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
-            memo[id(value)] = out
-            for k, v in value.items():
-                out[build(k)] = build(v)
-            return out
-        if isinstance(value, list):
-            out_list: list[Any] = []
-            memo[id(value)] = out_list
-            out_list.extend(build(v) for v in value)
-            return out_list
-        if isinstance(value, (tuple, set, frozenset)):
-            result: Any = type(value)(build(v) for v in value)
-        elif isinstance(value, type) and issubclass(value, Opaque):
-            result = {"__global__": value.class_name()}
-        elif isinstance(value, Opaque):
-            result = {"__class__": value.class_name()}
-            parts = {
-                "args": list(value.args),
-                "state": value.state,
-                "items": value.items,
-                "list": value.list,
-            }
-            for name, part in parts.items():
-                if part is not None and (part or name == "state"):
-                    result[name] = build(part)
-        elif isinstance(value, Device):
-            result = torch.device(str(value))
-        elif isinstance(value, DType):
-            result = torch_dtype(value)
-        elif isinstance(value, TorchName):
-            result = getattr(torch, value.removeprefix("torch."), str(value))
-        else:
-            result = value
-        memo[id(value)] = result
-        return result
-
-    return build(node)
+    """The tree as plain data with real torch objects (see :func:`ckpttool.plain.to_plain`)."""
+    return to_plain(node, leaf, torch_value)

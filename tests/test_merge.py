@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import collections
 import shutil
+import struct
+import subprocess
+import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,7 @@ from helpers_dist import one_line_error, run_cli, tree_files
 
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
+from ckpttool.writers import torch_zip
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +185,7 @@ def test_plain_snapshot_objects_numpy_and_class_refs(tmp_path: Path):
         "np_scalar": np.float64(2.5),
         "dtype": torch.bfloat16,
         "device": torch.device("cuda", 1),
+        "layout": torch.sparse_coo,
         "nested": [(1, "a"), {"x": None, 2: [torch.zeros(0)]}],
     }
     torch.save(snapshot, tmp_path / "plain.pt")
@@ -200,6 +206,63 @@ def test_plain_snapshot_objects_numpy_and_class_refs(tmp_path: Path):
         "np_scalar": 2.5,
         "dtype": torch.bfloat16,
         "device": torch.device("cuda", 1),
+        "layout": torch.sparse_coo,
         "nested": [(1, "a"), {"x": None, 2: [torch.zeros(0)]}],
     }
     assert assert_identical(merged, want) == 6
+
+
+def test_merged_zip_is_valid_and_aligned(fsdp2: Path, tmp_path: Path):
+    """Our own zip writer: every CRC-32 right (zipfile checks them), data 64-byte aligned,
+    and torch's mmap loader maps it."""
+    out = tmp_path / "m.pt"
+    merge(str(fsdp2 / "ep0-ba2-rank*.pt"), str(out))
+    with zipfile.ZipFile(out) as z:
+        assert z.testzip() is None
+        names = z.namelist()
+        assert names[-5:] == [
+            f"archive/{n}"
+            for n in ("data.pkl", "byteorder", "version", ".format_version", ".storage_alignment")
+        ]
+        assert names[:-5] == [f"archive/data/{i}" for i in range(27)]
+    raw = out.read_bytes()
+    for info in z.infolist():
+        name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+        data_start = info.header_offset + 30 + name_len + extra_len
+        if info.filename.startswith("archive/data/"):
+            assert data_start % 64 == 0, info.filename
+    plain = torch.load(out, weights_only=True)
+    mapped = torch.load(out, weights_only=True, mmap=True)
+    assert assert_identical(mapped, plain) == 27
+
+
+def test_zip64_records_when_sizes_pass_the_limit(monkeypatch, tmp_path: Path):
+    """Sizes and offsets past the zip64 limit (2 GiB, lowered here so the records appear in
+    a small file) go to zip64 extra fields and end records that zipfile and torch read."""
+    monkeypatch.setattr(torch_zip, "_ZIP64_LIMIT", 100)
+    tensors = {f"t{i}": torch.arange(40, dtype=torch.float32) + i for i in range(5)}
+    torch.save(tensors, tmp_path / "in.pt")
+    merge(str(tmp_path / "in.pt"), str(tmp_path / "out.pt"))
+    raw = (tmp_path / "out.pt").read_bytes()
+    assert b"PK\x06\x06" in raw and b"PK\x06\x07" in raw  # zip64 end record and locator
+    with zipfile.ZipFile(tmp_path / "out.pt") as z:
+        assert z.testzip() is None
+        assert [i.file_size for i in z.infolist()][:5] == [160] * 5
+    assert assert_identical(torch.load(tmp_path / "out.pt", weights_only=True), tensors) == 5
+
+
+def test_merging_whole_shards_does_not_import_torch(fsdp2: Path, tmp_path: Path):
+    """Row-split shards are copied as bytes and the pickle only names torch's globals."""
+    code = (
+        "import sys\nfrom ckpttool.merge import merge\n"
+        "merge(sys.argv[1], sys.argv[2])\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    out = tmp_path / "m.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(fsdp2 / "ep0-ba2-rank*.pt"), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert assert_identical(torch.load(out, weights_only=True), expected_snapshot(fsdp2)) == 27

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..tree import DType
-from . import Progress, output_dtype, write_leaf
+from . import OutputFile, Progress, output_dtype, write_leaf
 
 SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -59,13 +59,10 @@ def write_file(
 ) -> None:
     """Write ``tensors`` (name -> lazy leaf) to one safetensors file, one tensor at a time."""
     check_dtypes(tensors, cast)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, header_bytes(tensors, cast, metadata or {}))
+    with OutputFile(path) as out:
+        out.write(header_bytes(tensors, cast, metadata or {}))
         for leaf in tensors.values():
-            write_leaf(fd, leaf, cast, progress)
-    finally:
-        os.close(fd)
+            write_leaf(out, leaf, cast, progress)
 
 
 def plan_shards(

@@ -1,8 +1,12 @@
-"""Write a ``torch.save``-compatible zip, streaming one tensor at a time.
+"""Write a ``torch.save``-compatible zip, streaming one tensor at a time, without torch.
 
 ``torch.save`` needs the whole object in memory; this writer copies each tensor's
-bytes into its own ``data/<key>`` entry as it goes and pickles the structure last,
-with only allow-listed globals, so ``torch.load(weights_only=True)`` reads it.
+bytes into its own ``archive/data/<key>`` entry as it goes (kernel-side where the
+bytes are stored as they are, see :func:`write_leaf`) and pickles the structure
+last. The pickle names torch's rebuild functions, storage classes, dtypes and
+devices as globals, exactly as ``torch.save`` does, so ``torch.load(weights_only=True)``
+(and ``mmap=True``) read it, yet torch is never imported unless a tensor must be
+cast or gathered.
 """
 
 from __future__ import annotations
@@ -11,64 +15,271 @@ import collections
 import io
 import pickle
 import struct
-import zipfile
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
-from ..materialize import to_torch, torch_dtype
+from ..errors import CkptError
+from ..plain import TorchValue, to_plain
+from ..stand_ins import TORCH_LAYOUTS, Device
 from ..tree import STORAGE_CLASSES, DType
-from . import Progress, iter_chunks, output_dtype
+from . import CHUNK_BYTES, OutputFile, Progress, output_dtype, write_leaf
 
 ARCHIVE = "archive"
 ALIGNMENT = 64  # torch aligns tensor data to 64 bytes so torch.load(mmap=True) can map it
-ZIP64_EXTRA = 20  # zipfile adds a zip64 extra field to local headers with force_zip64
-PICKLE_PROTOCOL = 2
+PICKLE_PROTOCOL = 2  # what torch.save uses
 _STORAGE_FOR_DTYPE = {
     dtype: name for name, dtype in STORAGE_CLASSES.items() if name != "UntypedStorage"
 }
+
+# ---------------------------------------------------------------- the pickle
+
+
+class _TorchGlobal:
+    """A torch name written as a pickle GLOBAL without importing torch.
+
+    Callable only so that pickle accepts it as the function of a reduce tuple.
+    """
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Any:
+        raise TypeError(f"{self.module}.{self.name} is only a name here")
+
+
+_GLOBALS: dict[tuple[str, str], _TorchGlobal] = {}
+
+
+def torch_global(module: str, name: str) -> _TorchGlobal:
+    """One object per name, so the pickle memo writes each GLOBAL once."""
+    return _GLOBALS.setdefault((module, name), _TorchGlobal(module, name))
+
+
+class _Reduced:
+    """Pickles as ``func(*args)``."""
+
+    def __init__(self, func: _TorchGlobal, args: tuple[Any, ...]):
+        self.func, self.args = func, args
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (self.func, self.args)
 
 
 class _Storage:
     def __init__(self, key: str, dtype: DType, numel: int, location: str):
         self.key, self.dtype, self.numel, self.location = key, dtype, numel, location
+        self.nbytes = numel * dtype.itemsize
 
 
-class _TensorStub:
-    """Pickles as torch does: ``_rebuild_tensor_v2(storage, 0, size, stride, False, {})``."""
-
-    def __init__(self, storage: _Storage, shape: tuple[int, ...]):
-        self.storage, self.shape = storage, shape
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        stride, acc = [], 1
-        for n in reversed(self.shape):
-            stride.append(acc)
-            acc *= max(n, 1)
-        args = (
-            self.storage,
-            0,
-            torch.Size(self.shape),
-            tuple(reversed(stride)),
-            False,
-            collections.OrderedDict(),
-        )
-        if self.storage.dtype.name in _STORAGE_FOR_DTYPE:
-            return (torch._utils._rebuild_tensor_v2, args)
-        # dtypes without a typed storage class (fp8, uint16...) use v3 with an untyped storage
-        return (torch._utils._rebuild_tensor_v3, (*args, torch_dtype(self.storage.dtype)))
+def _tensor(storage: _Storage, shape: tuple[int, ...]) -> _Reduced:
+    """``_rebuild_tensor_v2(storage, 0, size, stride, False, {})``, as torch pickles a tensor."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    args = (
+        storage,
+        0,
+        _Reduced(torch_global("torch", "Size"), (tuple(shape),)),
+        tuple(reversed(stride)),
+        False,
+        collections.OrderedDict(),
+    )
+    if storage.dtype.name in _STORAGE_FOR_DTYPE:
+        return _Reduced(torch_global("torch._utils", "_rebuild_tensor_v2"), args)
+    # dtypes without a typed storage class (fp8, uint16...) use v3 with an untyped storage
+    dtype = torch_global("torch", storage.dtype.name)
+    return _Reduced(torch_global("torch._utils", "_rebuild_tensor_v3"), (*args, dtype))
 
 
-class _Pickler(pickle.Pickler):
+def pickle_value(value: TorchValue) -> Any:
+    """What a device, dtype or layout stand-in pickles as (torch's own globals)."""
+    if isinstance(value, Device):
+        return _Reduced(torch_global("torch", "device"), (str(value),))
+    if isinstance(value, DType):
+        return torch_global("torch", value.name)
+    name = value.removeprefix("torch.")
+    if name in TORCH_LAYOUTS:  # torch pickles layouts this way
+        return _Reduced(torch_global("torch.serialization", "_get_layout"), (f"torch.{name}",))
+    return str(value)  # a memory format: torch cannot pickle one, its name is kept
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its dispatch table can be extended
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def save_torch_global(self, obj: _TorchGlobal) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    dispatch[_TorchGlobal] = save_torch_global
+
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
             name = _STORAGE_FOR_DTYPE.get(obj.dtype.name)
             if name is None:
-                storage_type, numel = torch.storage.UntypedStorage, obj.numel * obj.dtype.itemsize
-            else:
-                storage_type, numel = getattr(torch, name), obj.numel
-            return ("storage", storage_type, obj.key, obj.location, numel)
+                untyped = torch_global("torch.storage", "UntypedStorage")
+                return ("storage", untyped, obj.key, obj.location, obj.nbytes)
+            return ("storage", torch_global("torch", name), obj.key, obj.location, obj.numel)
         return None
+
+
+# ---------------------------------------------------------------- the zip container
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # 30 bytes, then name and extra
+_CENTRAL_HEADER = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_END = struct.Struct("<IHHHHIIH")
+_ZIP64_VERSION = 45
+_DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01, as zipfile and torch write
+_ZIP64_LIMIT = (1 << 31) - 1  # as Python's zipfile: sizes and offsets past this use zip64
+_CRC_OFFSET = 14  # of the CRC field in a local header
+_PAD_ID = 0x4246  # the extra field torch pads with ("FB") to align data
+
+
+class _Entry:
+    def __init__(self, name: bytes, header_offset: int, size: int):
+        self.name, self.header_offset, self.size = name, header_offset, size
+        self.data_offset = 0
+        self.crc: int | Future[int] = 0
+
+
+class ZipWriter:
+    """A stored (uncompressed) zip written front to back, its data 64-byte aligned.
+
+    Each entry's size is declared before its data and its CRC-32 patched in after,
+    so data can be copied kernel-side; every local header carries zip64 sizes.
+    """
+
+    def __init__(self, out: OutputFile):
+        self.out = out
+        self.entries: list[_Entry] = []
+        # CRCs are read back by one worker thread while the next entries are copied
+        # (zlib and preadv release the GIL), then patched into the headers at close
+        self._crc_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpttool-crc")
+        self._crc_buffer = bytearray(CHUNK_BYTES)
+
+    def begin(self, name: str, size: int) -> _Entry:
+        raw = name.encode()
+        entry = _Entry(raw, self.out.pos, size)
+        header_end = entry.header_offset + _LOCAL_HEADER.size + len(raw) + 20 + 4
+        pad = -header_end % ALIGNMENT
+        extra = struct.pack("<HHQQ", 1, 16, size, size) + struct.pack("<HH", _PAD_ID, pad)
+        extra += b"Z" * pad
+        self.out.write(
+            _LOCAL_HEADER.pack(
+                0x04034B50,
+                _ZIP64_VERSION,
+                0,
+                0,
+                0,
+                _DOS_DATE,
+                0,
+                0xFFFFFFFF,
+                0xFFFFFFFF,
+                len(raw),
+                len(extra),
+            )  # fmt: skip
+            + raw
+            + extra
+        )
+        entry.data_offset = self.out.pos
+        return entry
+
+    def end(self, entry: _Entry, crc: int | None = None) -> None:
+        """Close the entry whose data was just written; its CRC is read back if not given."""
+        if self.out.pos - entry.data_offset != entry.size:
+            raise CkptError(
+                f"internal error: {self.out.pos - entry.data_offset} bytes written for "
+                f"{entry.name.decode()}, {entry.size} declared"
+            )
+        if crc is None:
+            entry.crc = self._crc_worker.submit(
+                self.out.crc32, entry.data_offset, entry.size, self._crc_buffer
+            )
+        else:
+            entry.crc = crc
+        self.entries.append(entry)
+
+    def add(self, name: str, data: bytes) -> None:
+        entry = self.begin(name, len(data))
+        self.out.write(data)
+        self.end(entry, zlib.crc32(data))
+
+    def stop_worker(self) -> None:
+        """Drop queued CRCs and wait for the running one: it reads the file until then."""
+        self._crc_worker.shutdown(wait=True, cancel_futures=True)
+
+    def close(self) -> None:
+        """Patch the CRCs in, write the central directory (and zip64 end records if needed)."""
+        self._crc_worker.shutdown(wait=True)
+        for entry in self.entries:
+            if isinstance(entry.crc, Future):
+                entry.crc = entry.crc.result()
+            self.out.patch(entry.header_offset + _CRC_OFFSET, struct.pack("<I", entry.crc))
+        directory_offset = self.out.pos
+        for entry in self.entries:
+            sizes = (entry.size, entry.size) if entry.size > _ZIP64_LIMIT else ()
+            offset = (entry.header_offset,) if entry.header_offset > _ZIP64_LIMIT else ()
+            values = (*sizes, *offset)
+            extra = b""
+            if values:
+                extra = struct.pack(f"<HH{len(values)}Q", 1, 8 * len(values), *values)
+            small_size = 0xFFFFFFFF if sizes else entry.size
+            self.out.write(
+                _CENTRAL_HEADER.pack(
+                    0x02014B50,
+                    (3 << 8) | _ZIP64_VERSION,
+                    _ZIP64_VERSION,
+                    0,
+                    0,
+                    0,
+                    _DOS_DATE,
+                    entry.crc,
+                    small_size,
+                    small_size,
+                    len(entry.name),
+                    len(extra),
+                    0,
+                    0,
+                    0,
+                    0o644 << 16,
+                    0xFFFFFFFF if offset else entry.header_offset,
+                )  # fmt: skip
+                + entry.name
+                + extra
+            )
+        directory_size = self.out.pos - directory_offset
+        count = len(self.entries)
+        if count > 0xFFFF or max(directory_offset, directory_size) > _ZIP64_LIMIT:
+            zip64_end = self.out.pos
+            self.out.write(
+                _ZIP64_END.pack(
+                    0x06064B50,
+                    _ZIP64_END.size - 12,
+                    _ZIP64_VERSION,
+                    _ZIP64_VERSION,
+                    0,
+                    0,
+                    count,
+                    count,
+                    directory_size,
+                    directory_offset,
+                )  # fmt: skip
+                + _ZIP64_LOCATOR.pack(0x07064B50, 0, zip64_end, 1)
+            )
+            count, directory_size, directory_offset = (
+                min(count, 0xFFFF),
+                min(directory_size, 0xFFFFFFFF),
+                0xFFFFFFFF,
+            )
+        self.out.write(
+            _END.pack(0x06054B50, 0, 0, count, count, directory_size, directory_offset, 0)
+        )
+
+
+# ---------------------------------------------------------------- the writer
 
 
 class TorchZipWriter:
@@ -76,51 +287,38 @@ class TorchZipWriter:
 
     def __init__(
         self,
-        path: str,
+        out: OutputFile,
         *,
         cast: DType | None = None,
         location: str = "cpu",
         progress: Progress | None = None,
     ):
-        self.zip = zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self.zip = ZipWriter(out)
         self.cast, self.location, self.progress = cast, location, progress
         self._count = 0
 
-    def _aligned_info(self, name: str) -> zipfile.ZipInfo:
-        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-        info.compress_type = zipfile.ZIP_STORED
-        header_end = self.zip.fp.tell() + 30 + len(name.encode()) + ZIP64_EXTRA + 4
-        info.extra = struct.pack("<HH", 0x4246, -header_end % ALIGNMENT) + b"Z" * (
-            -header_end % ALIGNMENT
-        )
-        return info
-
-    def add_tensor(self, leaf: Any) -> _TensorStub:
+    def add_tensor(self, leaf: Any) -> _Reduced:
         """Write one tensor's bytes now; return what the pickle will hold for it."""
         key = str(self._count)
         self._count += 1
         dt = output_dtype(leaf, self.cast)
-        with self.zip.open(
-            self._aligned_info(f"{ARCHIVE}/data/{key}"), "w", force_zip64=True
-        ) as out:
-            for chunk in iter_chunks(leaf, self.cast):
-                out.write(chunk)
-                if self.progress:
-                    self.progress(len(chunk))
-        return _TensorStub(_Storage(key, dt, leaf.numel, self.location), tuple(leaf.shape))
+        entry = self.zip.begin(f"{ARCHIVE}/data/{key}", leaf.numel * dt.itemsize)
+        write_leaf(self.zip.out, leaf, self.cast, self.progress)
+        self.zip.end(entry)
+        return _tensor(_Storage(key, dt, leaf.numel, self.location), tuple(leaf.shape))
 
     def convert(self, node: Any) -> Any:
-        """The structure with every lazy tensor written and replaced by its stub."""
-        return to_torch(node, self.add_tensor)
+        """The structure with every lazy tensor written and replaced by its pickle stand-in."""
+        return to_plain(node, self.add_tensor, pickle_value)
 
     def finish(self, structure: Any) -> None:
         data = io.BytesIO()
         _Pickler(data, protocol=PICKLE_PROTOCOL).dump(structure)
-        self.zip.writestr(f"{ARCHIVE}/data.pkl", data.getvalue())
-        self.zip.writestr(f"{ARCHIVE}/byteorder", "little")
-        self.zip.writestr(f"{ARCHIVE}/version", "3\n")
-        self.zip.writestr(f"{ARCHIVE}/.format_version", "1")
-        self.zip.writestr(f"{ARCHIVE}/.storage_alignment", str(ALIGNMENT))
+        self.zip.add(f"{ARCHIVE}/data.pkl", data.getvalue())
+        self.zip.add(f"{ARCHIVE}/byteorder", b"little")
+        self.zip.add(f"{ARCHIVE}/version", b"3\n")
+        self.zip.add(f"{ARCHIVE}/.format_version", b"1")
+        self.zip.add(f"{ARCHIVE}/.storage_alignment", str(ALIGNMENT).encode())
         self.zip.close()
 
 
@@ -133,8 +331,9 @@ def write_torch(
     progress: Progress | None = None,
 ) -> None:
     """Write ``root`` (a nested structure with lazy tensors) as a torch.save file."""
-    writer = TorchZipWriter(path, cast=cast, location=location, progress=progress)
-    try:
-        writer.finish(writer.convert(root))
-    finally:
-        writer.zip.close()
+    with OutputFile(path) as out:
+        writer = TorchZipWriter(out, cast=cast, location=location, progress=progress)
+        try:
+            writer.finish(writer.convert(root))
+        finally:
+            writer.zip.stop_worker()  # before the file closes, also when writing failed

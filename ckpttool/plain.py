@@ -1,0 +1,70 @@
+"""The lazy tree as plain data, what ``torch.load(weights_only=True)`` accepts.
+
+Shared by ``ckpttool.load(select="all")``, which builds real torch objects, and the
+torch zip writer, which only needs to name them in its pickle (and so never imports
+torch for a merge that copies bytes).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .stand_ins import Device, TorchName
+from .tree import DType, Opaque, is_tensor
+
+TorchValue = Device | DType | TorchName
+
+
+def to_plain(
+    node: Any, leaf: Callable[[Any], Any], torch_value: Callable[[TorchValue], Any]
+) -> Any:
+    """The tree with tensors as ``leaf(ref)`` and torch values as ``torch_value(value)``.
+
+    An opaque object becomes ``{"__class__": "pkg.mod.Class", "state": ..., "args": ...,
+    ...}`` so no key disappears; a class saved by reference becomes
+    ``{"__global__": "pkg.mod.Class"}``; devices, dtypes, layouts and memory formats
+    go through ``torch_value``. Containers shared by several paths stay shared.
+    """
+    memo: dict[int, Any] = {}
+
+    def build(value: Any) -> Any:
+        if is_tensor(value):
+            return leaf(value)
+        if id(value) in memo:
+            return memo[id(value)]
+        if isinstance(value, Mapping):
+            out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
+            memo[id(value)] = out
+            for k, v in value.items():
+                out[build(k)] = build(v)
+            return out
+        if isinstance(value, list):
+            out_list: list[Any] = []
+            memo[id(value)] = out_list
+            out_list.extend(build(v) for v in value)
+            return out_list
+        if isinstance(value, (tuple, set, frozenset)):
+            result: Any = type(value)(build(v) for v in value)
+        elif isinstance(value, type) and issubclass(value, Opaque):
+            result = {"__global__": value.class_name()}
+        elif isinstance(value, Opaque):
+            result = {"__class__": value.class_name()}
+            parts = {
+                "args": list(value.args),
+                "state": value.state,
+                "items": value.items,
+                "list": value.list,
+            }
+            for name, part in parts.items():
+                if part is not None and (part or name == "state"):
+                    result[name] = build(part)
+        elif isinstance(value, (Device, DType, TorchName)):
+            result = torch_value(value)
+        else:
+            result = value
+        memo[id(value)] = result
+        return result
+
+    return build(node)
