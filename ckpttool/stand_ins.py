@@ -107,9 +107,13 @@ class LocalShards:
         self.world_size: int | None = None
 
 
+_INT_ONLY = frozenset({int})
+
+
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    # hot: called for every size, stride and shard offset; `type(v) is int` also rejects bool
-    if type(value) in (tuple, list) and all(type(v) is int for v in value):
+    # hot: called for every size, stride and shard offset, so the check runs in C;
+    # exact `int` types also reject bool
+    if type(value) in (tuple, list) and _INT_ONLY.issuperset(map(type, value)):
         return tuple(value)
     raise CkptError(f"corrupt tensor {what} {value!r}")
 

@@ -11,8 +11,9 @@ Nothing here imports torch: bytes are read and tensors built only in
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from .errors import CkptError
@@ -268,27 +269,33 @@ class Opaque(metaclass=_ReadOnlyClass):
     dangerous = False
     known = False  # a torch metadata class we understand, not worth a warning
 
+    # What SETITEM(S) and APPENDS gave it; shared empty defaults until then (hot: a
+    # ShardedTensor pickles a dozen metadata objects, none with items).
+    items: Mapping[Any, Any] = MappingProxyType({})
+    list: Sequence[Any] = ()
+
+    # No __init__: with __new__ overridden, object.__init__ accepts the arguments, and
+    # Python makes one call per object instead of two.
     def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
         self = object.__new__(cls)
         self.args = args
         self.state = kwargs or None
-        self.items: dict[Any, Any] = {}
-        self.list: list[Any] = []
         return self
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if "items" not in self.__dict__:
+            self.items = {}
         self.items[key] = value
 
     def append(self, value: Any) -> None:
-        self.list.append(value)
+        self.extend((value,))
 
     def extend(self, values: Any) -> None:
+        if "list" not in self.__dict__:
+            self.list = []
         self.list.extend(values)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
@@ -321,17 +328,25 @@ class Opaque(metaclass=_ReadOnlyClass):
 
 
 def state_attrs(state: Any) -> dict[str, Any]:
-    """Attributes from a pickled state: a dict, or a ``(dict_state, slots_state)`` pair."""
+    """Attributes from a pickled state: a dict, or a ``(dict_state, slots_state)`` pair.
+
+    A dict state comes back as it is, not copied (hot: every ShardedTensor has
+    dozens): read it, do not change it.
+    """
+    if type(state) is dict:
+        return state
     if isinstance(state, Opaque):
         return state.attrs()
-    if (
-        isinstance(state, tuple)
-        and len(state) == 2
-        and all(s is None or isinstance(s, dict) for s in state)
-    ):
-        merged = dict(state[0] or {})
-        merged.update(state[1] or {})
-        return merged
+    if type(state) is tuple and len(state) == 2:
+        attrs, slots = state
+        if (attrs is None or isinstance(attrs, dict)) and (
+            slots is None or isinstance(slots, dict)
+        ):
+            if not slots:
+                return attrs or {}
+            if not attrs:
+                return slots
+            return {**attrs, **slots}
     return dict(state) if isinstance(state, dict) else {}
 
 

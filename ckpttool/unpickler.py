@@ -17,6 +17,7 @@ what is refused is decided in :mod:`ckpttool.policy`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import pickle
 from collections.abc import Callable
@@ -33,25 +34,6 @@ from .stand_ins import (
     TorchName,
 )
 from .tree import DTYPES, STORAGE_CLASSES, Opaque, opaque_class
-
-
-class _ReadOnlyCall:
-    """A safe global as a pickle gets it: callable, but no attribute can be set.
-
-    A pickle may BUILD on any object it names; on our shared functions that would
-    change how every later file is read (``__kwdefaults__``, ``__defaults__``).
-    """
-
-    __slots__ = ("_func",)
-
-    def __init__(self, func: Callable[..., Any]):
-        object.__setattr__(self, "_func", func)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._func(*args, **kwargs)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("read-only")
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -94,7 +76,11 @@ class SafeUnpickler(pickle.Unpickler):
                 value.__module__ in ("builtins", "collections") or issubclass(value, Opaque)
             ):
                 return value
-            return _ReadOnlyCall(value)
+            # A pickle may BUILD on any object it names. A fresh partial per read keeps it
+            # off our shared functions (``__kwdefaults__`` would change how every later
+            # file is read); partial's own __setstate__ takes only a (func, args, ...)
+            # tuple, and it calls through in C, without a Python frame per tensor.
+            return functools.partial(value)
         if module == "builtins" and name == "getattr":
             return self._getattr
         if is_dangerous(module, name):

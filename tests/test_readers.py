@@ -402,3 +402,27 @@ def test_committed_fsdp_uneven_fixture():
     assert ckpt.world_size == 3
     sd = ckpttool.load(path)
     assert all(t.device.type == "cpu" for t in sd.values())
+
+
+def test_central_directory_names_every_entry_with_and_without_zip64(monkeypatch, tmp_path):
+    """TorchScript is told from torch.save by entry names, read from the raw central
+    directory (found through the zip64 end record when there is one)."""
+    import zipfile
+
+    from ckpttool.formats.zip_pickle import central_directory
+    from ckpttool.merge import merge
+    from ckpttool.writers import torch_zip
+
+    torch.save({"a": torch.ones(3), "b": torch.zeros(2)}, tmp_path / "plain.pt")
+    monkeypatch.setattr(torch_zip, "_ZIP64_LIMIT", 10)
+    merge(str(tmp_path / "plain.pt"), str(tmp_path / "zip64.pt"))
+    assert b"PK\x06\x06" in (tmp_path / "zip64.pt").read_bytes()
+    for name in ("plain.pt", "zip64.pt"):
+        directory = central_directory(str(tmp_path / name))
+        names = zipfile.ZipFile(tmp_path / name).namelist()
+        assert all(n.encode() in directory for n in names), name
+        assert ckpttool.read(str(tmp_path / name)).format == "torch-zip"
+    assert ckpttool.read(fixture_path("torchscript/model.pt")).format == "torchscript"
+    raw = (tmp_path / "plain.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(raw[: len(raw) - 30])
+    assert central_directory(str(tmp_path / "cut.pt")) == b""

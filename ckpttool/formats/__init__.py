@@ -22,6 +22,7 @@ from . import (
     torch_zip,
     torchscript,
 )
+from .prescan import Prescan
 
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip.
 FOLDER_FORMATS = [dcp, safetensors_sharded]
@@ -62,12 +63,12 @@ def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Chec
     """
     files = expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
     pickle_formats = {m.FORMAT for m in PICKLE_FORMATS}
-    first = _read_one(files[0], unsafe)
-    if first.format in pickle_formats and per_rank.has_local_shards(first.root):
-        rank_files = per_rank.siblings(files[0]) if len(files) == 1 else files
-        return per_rank.read(
-            first, rank_files, lambda p: _read_one(p, unsafe), lambda p: _scan_one(p, unsafe)
-        )
+    # several files are most likely rank files: judge the others while reading the first
+    with Prescan(files[1:], lambda p: _scan_one(p, unsafe)) as prescan:
+        first = _read_one(files[0], unsafe)
+        if first.format in pickle_formats and per_rank.has_local_shards(first.root):
+            rank_files = per_rank.siblings(files[0]) if len(files) == 1 else files
+            return per_rank.read(first, rank_files, lambda p: _read_one(p, unsafe), prescan.scan)
     if len(files) == 1:
         return first
     if first.format in pickle_formats:

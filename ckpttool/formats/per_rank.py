@@ -156,15 +156,30 @@ def read(
     base_rank = min(by_rank)
     base = loaded.get(base_rank) or read_file(by_rank[base_rank])
     loaded[base_rank] = base
-    globals_, dangerous = set(base.globals), set(base.dangerous)
-    for rank, path in by_rank.items():
-        if rank in loaded:
-            globals_.update(loaded[rank].globals)
-            dangerous.update(loaded[rank].dangerous)
-        else:
-            seen, bad = scan_file(path)
-            globals_.update(seen)
-            dangerous.update(bad)
+    try:
+        world_size, root = _combine(base, by_rank, base_rank, read_file, loaded)
+    except CkptError:
+        _judge(by_rank, loaded, scan_file)  # a dangerous rank file is reported first
+        raise
+    globals_, dangerous = _judge(by_rank, loaded, scan_file)
+    return Checkpoint(
+        format=FORMAT,
+        files=[by_rank[r] for r in sorted(by_rank)],
+        root=root,
+        world_size=world_size,
+        globals=sorted(globals_),
+        dangerous=sorted(dangerous),
+    )
+
+
+def _combine(
+    base: Checkpoint,
+    by_rank: dict[int, str],
+    base_rank: int,
+    read_file: ReadFile,
+    loaded: dict[int, Checkpoint],
+) -> tuple[int, Any]:
+    """(world size, the lowest rank's tree with every local-shards leaf a ShardedRef)."""
     world_size = _world_size(base.root, len(by_rank))
     missing = sorted(set(range(world_size)) - set(by_rank))
     if missing:
@@ -189,14 +204,24 @@ def read(
             return tuple(build(v, path + (i,)) for i, v in enumerate(node))
         return node
 
-    return Checkpoint(
-        format=FORMAT,
-        files=[by_rank[r] for r in sorted(by_rank)],
-        root=build(base.root, ()),
-        world_size=world_size,
-        globals=sorted(globals_),
-        dangerous=sorted(dangerous),
-    )
+    return world_size, build(base.root, ())
+
+
+def _judge(
+    by_rank: dict[int, str], loaded: dict[int, Checkpoint], scan_file: ScanFile
+) -> tuple[set[str], set[str]]:
+    """(globals, dangerous) of every rank file: read ones know theirs, others are scanned.
+
+    Called last: the scans may still be running in a child process (see prescan.py).
+    """
+    globals_: set[str] = set()
+    dangerous: set[str] = set()
+    for rank, path in by_rank.items():
+        ckpt = loaded.get(rank)
+        seen, bad = (ckpt.globals, ckpt.dangerous) if ckpt is not None else scan_file(path)
+        globals_.update(seen)
+        dangerous.update(bad)
+    return globals_, dangerous
 
 
 def _sharded_ref(
@@ -288,6 +313,8 @@ def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple
 
 def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
     """Every element of the global tensor is in exactly one shard."""
+    if _rows_tile(shape, shards):
+        return
     total = math.prod(shape)
     covered = 0
     for s in shards:
@@ -314,3 +341,20 @@ def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
         raise CkptError(
             f"tensor {key!r}: shards cover {covered} of {total} elements (a rank file is missing?)"
         )
+
+
+def _rows_tile(shape: tuple, shards: list[Shard]) -> bool:
+    """The common case, checked in linear time: full-width blocks of rows (FSDP, DCP and
+    DTensor ``Shard(0)`` split this way) that follow each other from row 0 to the last.
+    False means only "not this case": the general check decides."""
+    if not shape:
+        return False
+    rest = tuple(shape[1:])
+    end = 0
+    for s in sorted(shards, key=lambda s: s.offsets[:1]):
+        if len(s.offsets) != len(shape) or s.offsets[0] != end or any(s.offsets[1:]):
+            return False
+        if tuple(s.sizes[1:]) != rest or s.sizes[0] < 0:
+            return False
+        end += s.sizes[0]
+    return end == shape[0]

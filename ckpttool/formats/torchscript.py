@@ -11,7 +11,7 @@ from typing import Any
 
 from ..tree import Checkpoint, Opaque, is_tensor
 from .torch_zip import checkpoint
-from .zip_pickle import ZIP_MAGIC, ZipPickle
+from .zip_pickle import ZIP_MAGIC, ZipPickle, central_directory
 
 FORMAT = "torchscript"
 
@@ -19,8 +19,8 @@ FORMAT = "torchscript"
 def detect(path: str, head: bytes) -> bool:
     if not head.startswith(ZIP_MAGIC):
         return False
-    with ZipPickle(path) as archive:
-        return any(n.endswith("/constants.pkl") or "/code/" in n for n in archive.names())
+    names = central_directory(path)
+    return b"/constants.pkl" in names or b"/code/" in names
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import zipfile
 from typing import Any
 
@@ -21,6 +22,38 @@ from ..unpickler import load_pickle
 ZIP_MAGIC = b"PK\x03\x04"
 # data.pkl holds structure, not tensor bytes; real ones are KB to a few MB.
 MAX_PICKLE_BYTES = 1 << 30
+
+
+def central_directory(path: str) -> bytes:
+    """The raw central directory of a zip file (every entry's name), not parsed.
+
+    For a cheap look at the names (is it TorchScript?) before the real read parses it.
+    Empty when the file has no readable end record; the real read then says why.
+    """
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        tail_start = max(0, size - _END.size - 0xFFFF)  # the end record, then a comment
+        f.seek(tail_start)
+        tail = f.read()
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or at + _END.size > len(tail):
+            return b""
+        cd_size, cd_offset = _END.unpack_from(tail, at)[5:7]
+        locator = at - _ZIP64_LOCATOR.size
+        if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
+            f.seek(_ZIP64_LOCATOR.unpack_from(tail, locator)[2])
+            record = f.read(_ZIP64_END.size)
+            if len(record) == _ZIP64_END.size and record[:4] == b"PK\x06\x06":
+                cd_size, cd_offset = _ZIP64_END.unpack(record)[8:10]
+        if cd_offset + cd_size > size or cd_size > MAX_PICKLE_BYTES:
+            return b""
+        f.seek(cd_offset)
+        return f.read(cd_size)
+
+
+_END = struct.Struct("<IHHHHIIH")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
 
 
 class FileSpan(io.RawIOBase):
