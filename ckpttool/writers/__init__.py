@@ -179,7 +179,7 @@ class OutputFile:
         return done
 
 
-WRITEBACK_BYTES = 256 << 20
+WRITEBACK_BYTES = 64 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait
 _sync_file_range: Any = None  # resolved on first use; False where unavailable
 

@@ -136,6 +136,7 @@ _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01, as zipfile and torch write
 _ZIP64_LIMIT = (1 << 31) - 1  # as Python's zipfile: sizes and offsets past this use zip64
 _CRC_OFFSET = 14  # of the CRC field in a local header
 _PAD_ID = 0x4246  # the extra field torch pads with ("FB") to align data
+_LOCAL_EXTRA = 20 + 4  # zip64 sizes, then the padding field's header
 
 
 class _Entry:
@@ -163,27 +164,17 @@ class ZipWriter:
     def begin(self, name: str, size: int) -> _Entry:
         raw = name.encode()
         entry = _Entry(raw, self.out.pos, size)
-        header_end = entry.header_offset + _LOCAL_HEADER.size + len(raw) + 20 + 4
+        header_end = entry.header_offset + _LOCAL_HEADER.size + len(raw) + _LOCAL_EXTRA
         pad = -header_end % ALIGNMENT
-        extra = struct.pack("<HHQQ", 1, 16, size, size) + struct.pack("<HH", _PAD_ID, pad)
-        extra += b"Z" * pad
-        self.out.write(
-            _LOCAL_HEADER.pack(
-                0x04034B50,
-                _ZIP64_VERSION,
-                0,
-                0,
-                0,
-                _DOS_DATE,
-                0,
-                0xFFFFFFFF,
-                0xFFFFFFFF,
-                len(raw),
-                len(extra),
-            )  # fmt: skip
-            + raw
-            + extra
+        extra = struct.pack("<HHQQHH", 1, 16, size, size, _PAD_ID, pad) + b"Z" * pad
+        # fmt: off
+        header = _LOCAL_HEADER.pack(
+            0x04034B50, _ZIP64_VERSION, 0, 0, 0, _DOS_DATE,  # signature .. date
+            0, 0xFFFFFFFF, 0xFFFFFFFF,  # CRC (patched in at close), sizes (in the extra)
+            len(raw), len(extra),
         )
+        # fmt: on
+        self.out.write(header + raw + extra)
         entry.data_offset = self.out.pos
         return entry
 
@@ -214,69 +205,35 @@ class ZipWriter:
     def close(self) -> None:
         """Patch the CRCs in, write the central directory (and zip64 end records if needed)."""
         self._crc_worker.shutdown(wait=True)
+        directory = bytearray()
         for entry in self.entries:
             if isinstance(entry.crc, Future):
                 entry.crc = entry.crc.result()
             self.out.patch(entry.header_offset + _CRC_OFFSET, struct.pack("<I", entry.crc))
-        directory_offset = self.out.pos
-        for entry in self.entries:
-            sizes = (entry.size, entry.size) if entry.size > _ZIP64_LIMIT else ()
-            offset = (entry.header_offset,) if entry.header_offset > _ZIP64_LIMIT else ()
-            values = (*sizes, *offset)
-            extra = b""
-            if values:
-                extra = struct.pack(f"<HH{len(values)}Q", 1, 8 * len(values), *values)
-            small_size = 0xFFFFFFFF if sizes else entry.size
-            self.out.write(
-                _CENTRAL_HEADER.pack(
-                    0x02014B50,
-                    (3 << 8) | _ZIP64_VERSION,
-                    _ZIP64_VERSION,
-                    0,
-                    0,
-                    0,
-                    _DOS_DATE,
-                    entry.crc,
-                    small_size,
-                    small_size,
-                    len(entry.name),
-                    len(extra),
-                    0,
-                    0,
-                    0,
-                    0o644 << 16,
-                    0xFFFFFFFF if offset else entry.header_offset,
-                )  # fmt: skip
-                + entry.name
-                + extra
-            )
-        directory_size = self.out.pos - directory_offset
-        count = len(self.entries)
-        if count > 0xFFFF or max(directory_offset, directory_size) > _ZIP64_LIMIT:
-            zip64_end = self.out.pos
-            self.out.write(
-                _ZIP64_END.pack(
-                    0x06064B50,
-                    _ZIP64_END.size - 12,
-                    _ZIP64_VERSION,
-                    _ZIP64_VERSION,
-                    0,
-                    0,
-                    count,
-                    count,
-                    directory_size,
-                    directory_offset,
-                )  # fmt: skip
-                + _ZIP64_LOCATOR.pack(0x07064B50, 0, zip64_end, 1)
-            )
-            count, directory_size, directory_offset = (
-                min(count, 0xFFFF),
-                min(directory_size, 0xFFFFFFFF),
-                0xFFFFFFFF,
-            )
-        self.out.write(
-            _END.pack(0x06054B50, 0, 0, count, count, directory_size, directory_offset, 0)
-        )
+            big_size, big_offset = entry.size > _ZIP64_LIMIT, entry.header_offset > _ZIP64_LIMIT
+            values = (entry.size, entry.size) * big_size + (entry.header_offset,) * big_offset
+            zip64 = struct.pack(f"<HH{len(values)}Q", 1, 8 * len(values), *values)
+            extra = zip64 if values else b""
+            # fmt: off
+            directory += _CENTRAL_HEADER.pack(
+                0x02014B50, (3 << 8) | _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, 0, _DOS_DATE,
+                entry.crc,
+                0xFFFFFFFF if big_size else entry.size, 0xFFFFFFFF if big_size else entry.size,
+                len(entry.name), len(extra), 0, 0, 0, 0o644 << 16,  # name .. external attrs
+                0xFFFFFFFF if big_offset else entry.header_offset,
+            ) + entry.name + extra
+            # fmt: on
+        offset, size, count = self.out.pos, len(directory), len(self.entries)
+        if count > 0xFFFF or max(offset, size) > _ZIP64_LIMIT:
+            # fmt: off
+            directory += _ZIP64_END.pack(
+                0x06064B50, _ZIP64_END.size - 12, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0,
+                count, count, size, offset,
+            ) + _ZIP64_LOCATOR.pack(0x07064B50, 0, offset + size, 1)
+            # fmt: on
+            count, size, offset = min(count, 0xFFFF), min(size, 0xFFFFFFFF), 0xFFFFFFFF
+        directory += _END.pack(0x06054B50, 0, 0, count, count, size, offset, 0)
+        self.out.write(directory)
 
 
 # ---------------------------------------------------------------- the writer
