@@ -426,3 +426,36 @@ def test_central_directory_names_every_entry_with_and_without_zip64(monkeypatch,
     raw = (tmp_path / "plain.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(raw[: len(raw) - 30])
     assert central_directory(str(tmp_path / "cut.pt")) == b""
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_trees_are_built_with_the_garbage_collector_paused(tmp_path, enabled):
+    """No collections while a tree is built; the caller's setting comes back, even on error."""
+    import gc
+
+    # thousands of containers: with GC on, building them would trigger collections
+    torch.save(
+        {f"step{i}": {"lr": 0.1, "betas": [0.9, 0.99]} for i in range(5000)}, tmp_path / "ok.pt"
+    )
+    (tmp_path / "bad.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    collections = []
+
+    def record(phase, info):
+        collections.append(phase)
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        ckpttool.read(str(tmp_path / "ok.pt"))  # imports done: they allocate too
+        gc.callbacks.append(record)
+        assert len(ckpttool.read(str(tmp_path / "ok.pt")).root) == 5000
+        # none while the tree is built, at most one once the collector is back on
+        assert collections.count("start") <= (1 if enabled else 0)
+        assert gc.isenabled() is enabled
+        with pytest.raises(ckpttool.CkptError):
+            ckpttool.read(str(tmp_path / "bad.pt"))
+        assert gc.isenabled() is enabled
+    finally:
+        if record in gc.callbacks:
+            gc.callbacks.remove(record)
+        gc.enable() if was else gc.disable()

@@ -21,6 +21,10 @@ MAX_VALUE_CHARS = 60
 
 def dumps_json(value: Any) -> str:
     """Strict JSON (no NaN/Infinity tokens, which JSON.parse rejects): they become strings."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:  # a NaN or infinity somewhere: walk the value to replace them
+        pass
 
     def clean(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
