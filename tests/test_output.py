@@ -100,11 +100,17 @@ def test_sigkill_midway_leaves_no_output_and_next_run_cleans_up(big, tmp_path: P
     out.unlink()  # 300 MB: not for pytest's kept temp folders
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_sigint_midway_exit_130_nothing_left(big, tmp_path: Path):
     src, digest = big
     out = tmp_path / "out.pt"
-    proc = start_convert(src, out, "pt")
+    # a suite run in the background (`pytest &` from a script) ignores SIGINT, and so
+    # would the child: give it the default disposition, as in a terminal
+    proc = start_convert(src, out, "pt", preexec_fn=_default_sigint)
     wait_for_bytes(proc, tmp_path / f".out.pt{TEMP_MARK}{proc.pid}")
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
