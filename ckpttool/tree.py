@@ -11,6 +11,7 @@ Nothing here imports torch: bytes are read and tensors built only in
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -117,13 +118,19 @@ class ByteSource:
         self.data = data
         self._zip_header_offset = zip_header_offset
 
-    def resolve(self) -> None:
-        """Find a zip entry's data offset from its local header (done once, on first use)."""
+    def resolve(self, fd: int | None = None) -> None:
+        """Find a zip entry's data offset from its local header (done once, on first use).
+
+        ``fd``: the file, already open (writers copying many entries keep it open).
+        """
         if self._zip_header_offset is None:
             return
-        with open(self.path, "rb") as f:  # type: ignore[arg-type]
-            f.seek(self._zip_header_offset)
-            header = f.read(30)
+        if fd is not None:
+            header = os.pread(fd, 30, self._zip_header_offset)
+        else:
+            with open(self.path, "rb") as f:  # type: ignore[arg-type]
+                f.seek(self._zip_header_offset)
+                header = f.read(30)
         if len(header) < 30 or header[:4] != b"PK\x03\x04":
             raise CkptError("corrupt zip entry header", path=self.path)
         name_len = int.from_bytes(header[26:28], "little")

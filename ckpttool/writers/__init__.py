@@ -111,12 +111,24 @@ class OutputFile:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.pos = 0
         self._written_back = 0
+        # input files stay open while we write: a per-rank merge copies thousands of
+        # blocks from the same few files, an open and a close each otherwise
+        self._sources: dict[str, int] = {}
 
     def __enter__(self) -> OutputFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for fd in self._sources.values():
+            os.close(fd)
         os.close(self.fd)
+
+    def source_fd(self, path: str) -> int:
+        """A read-only descriptor of an input file, open until this output closes."""
+        fd = self._sources.get(path)
+        if fd is None:
+            fd = self._sources[path] = os.open(path, os.O_RDONLY)
+        return fd
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -158,24 +170,20 @@ class OutputFile:
         """
         if not hasattr(os, "copy_file_range"):
             return 0
-        done = 0
-        src = os.open(path, os.O_RDONLY)
-        try:
-            while done < nbytes:
-                try:
-                    n = os.copy_file_range(
-                        src, self.fd, min(nbytes - done, WRITEBACK_BYTES), offset + done
-                    )
-                except OSError:
-                    break
-                if n == 0:
-                    raise CkptError("input ends early (truncated)", path=path)
-                done += n
-                self._advance(n)
-                if progress:
-                    progress(n)
-        finally:
-            os.close(src)
+        done, src = 0, self.source_fd(path)
+        while done < nbytes:
+            try:
+                n = os.copy_file_range(
+                    src, self.fd, min(nbytes - done, WRITEBACK_BYTES), offset + done
+                )
+            except OSError:
+                break
+            if n == 0:
+                raise CkptError("input ends early (truncated)", path=path)
+            done += n
+            self._advance(n)
+            if progress:
+                progress(n)
         return done
 
 
@@ -220,7 +228,7 @@ def _copy_raw(out: OutputFile, ref: TensorRef, progress: Progress | None) -> Non
     source = ref.storage.source
     done = 0
     if source.data is None:
-        source.resolve()
+        source.resolve(out.source_fd(source.path))
         start = source.offset + ref.offset * ref.dtype.itemsize
         done = out.copy_from(source.path, start, ref.nbytes, progress)
     for chunk in _raw_chunks(ref, done):
