@@ -113,6 +113,31 @@ def storage_shorter_than_pickle_says(d):
     return dst, "storage 0 holds 8 bytes, expected 48"
 
 
+def _patch_central_entry(d, name, offset, value):
+    """A torch file whose central directory says ``value`` at ``offset`` of every entry
+    (or only of the entry whose name ends with ``name``)."""
+    path = _torch_file(d)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while at != -1:
+        name_len = int.from_bytes(data[at + 28 : at + 30], "little")
+        if data[at + 46 : at + 46 + name_len].endswith(name):
+            data[at + offset : at + offset + 2] = value.to_bytes(2, "little")
+        at = data.find(b"PK\x01\x02", at + 46)
+    path.write_bytes(data)
+    return path
+
+
+def zip_version_unknown(d):
+    # "version needed to extract" 9.4: zipfile raises NotImplementedError
+    return _patch_central_entry(d, b"", 6, 94), "truncated or corrupt zip"
+
+
+def zip_flag_bit_5(d):
+    # "compressed patched data" on data.pkl: NotImplementedError when it is read
+    return _patch_central_entry(d, b"data.pkl", 8, 1 << 5), "corrupt zip entry"
+
+
 def plain_pickle(d):
     import pickle
 
@@ -204,6 +229,8 @@ CASES = [
     unrelated_folder,
     nonexistent,
     zip_not_torch,
+    zip_version_unknown,
+    zip_flag_bit_5,
     storage_shorter_than_pickle_says,
     plain_pickle,
     corrupt_data_pkl,

@@ -22,6 +22,9 @@ from ..unpickler import load_pickle
 ZIP_MAGIC = b"PK\x03\x04"
 # data.pkl holds structure, not tensor bytes; real ones are KB to a few MB.
 MAX_PICKLE_BYTES = 1 << 30
+# what zipfile raises on a damaged archive (NotImplementedError: flag bits or a
+# version it does not know, which corrupt bytes easily produce)
+ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError)
 
 
 def central_directory(path: str) -> bytes:
@@ -108,7 +111,7 @@ class ZipPickle:
         try:
             self.zip = zipfile.ZipFile(stream)
             self.infos = {info.filename: info for info in self.zip.infolist()}
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        except ZIP_ERRORS as exc:
             raise CkptError(f"truncated or corrupt zip archive ({exc})", path=path) from None
         for info in self.infos.values():
             if info.header_offset + info.compress_size > self.length:
@@ -122,7 +125,7 @@ class ZipPickle:
     def read_entry(self, name: str) -> bytes:
         try:
             return self.zip.read(name)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        except ZIP_ERRORS as exc:
             raise CkptError(f"corrupt zip entry {name!r} ({exc})", path=self.path) from None
 
     def big_endian(self) -> bool:
