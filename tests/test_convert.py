@@ -288,6 +288,39 @@ def test_max_shard_size_writes_hf_shards(tmp_path: Path, size, plan):
     assert_same(ckpttool.load(str(out)), source)  # and ckpttool reads the folder back
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_many_input_files_keep_few_descriptors_open(tmp_path: Path, monkeypatch):
+    """Inputs stay open while copying, but only the last few: thousands of rank or shard
+    files must not reach the per-process descriptor limit, nor leak one."""
+    import contextlib
+    import os
+
+    import ckpttool.writers
+
+    source = shard_source()
+    torch.save(source, tmp_path / "w.pt")
+    shards = tmp_path / "shards"
+    convert([str(tmp_path / "w.pt")], "safetensors", str(shards), max_shard_size="100")
+    monkeypatch.setattr(ckpttool.writers, "MAX_OPEN_SOURCES", 2)
+
+    def open_inputs() -> int:
+        fds = [os.path.join("/proc/self/fd", n) for n in os.listdir("/proc/self/fd")]
+        return sum(os.readlink(fd).startswith(str(shards)) for fd in fds if os.path.islink(fd))
+
+    seen = []
+
+    @contextlib.contextmanager
+    def progress(total, description):
+        yield lambda n: seen.append(open_inputs())
+
+    before = os.listdir("/proc/self/fd")
+    out = tmp_path / "one.safetensors"
+    convert([str(shards)], "safetensors", str(out), progress=progress)
+    assert sorted(os.listdir("/proc/self/fd")) == sorted(before)
+    assert len(seen) == len(source) and max(seen) == 2  # 6 shard files, 2 open at most
+    assert_same(load_file(out), source)
+
+
 def test_max_shard_size_default_folder(snap: Path):
     result = convert([str(snap)], "safetensors", max_shard_size="200")
     out = snap.parent / "snap-safetensors"

@@ -113,7 +113,7 @@ class OutputFile:
         self._written_back = 0
         # input files stay open while we write: a per-rank merge copies thousands of
         # blocks from the same few files, an open and a close each otherwise
-        self._sources: dict[str, int] = {}
+        self._sources: dict[str, int] = {}  # least recently used first
 
     def __enter__(self) -> OutputFile:
         return self
@@ -124,10 +124,17 @@ class OutputFile:
         os.close(self.fd)
 
     def source_fd(self, path: str) -> int:
-        """A read-only descriptor of an input file, open until this output closes."""
-        fd = self._sources.get(path)
+        """A read-only descriptor of an input file, open until this output closes.
+
+        At most ``MAX_OPEN_SOURCES`` stay open (a DCP folder from a thousand ranks
+        would otherwise reach the usual limit of 1024 descriptors per process).
+        """
+        fd = self._sources.pop(path, None)
         if fd is None:
-            fd = self._sources[path] = os.open(path, os.O_RDONLY)
+            if len(self._sources) >= MAX_OPEN_SOURCES:
+                os.close(self._sources.pop(next(iter(self._sources))))
+            fd = os.open(path, os.O_RDONLY)
+        self._sources[path] = fd
         return fd
 
     def write(self, data: bytes | memoryview) -> None:
@@ -188,6 +195,7 @@ class OutputFile:
 
 
 WRITEBACK_BYTES = 64 << 20
+MAX_OPEN_SOURCES = 64
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait
 _sync_file_range: Any = None  # resolved on first use; False where unavailable
 
