@@ -138,6 +138,11 @@ def zip_flag_bit_5(d):
     return _patch_central_entry(d, b"data.pkl", 8, 1 << 5), "corrupt zip entry"
 
 
+def zip_entry_encrypted(d):
+    # flag bit 0 on data.pkl: zipfile asks for a password (RuntimeError)
+    return _patch_central_entry(d, b"data.pkl", 8, 1), "corrupt zip entry"
+
+
 def plain_pickle(d):
     import pickle
 
@@ -231,6 +236,7 @@ CASES = [
     zip_not_torch,
     zip_version_unknown,
     zip_flag_bit_5,
+    zip_entry_encrypted,
     storage_shorter_than_pickle_says,
     plain_pickle,
     corrupt_data_pkl,

@@ -426,6 +426,13 @@ def test_central_directory_names_every_entry_with_and_without_zip64(monkeypatch,
     raw = (tmp_path / "plain.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(raw[: len(raw) - 30])
     assert central_directory(str(tmp_path / "cut.pt")) == b""
+    # a zip64 locator whose record offset is damaged (past the end, beyond 2**63)
+    raw = bytearray((tmp_path / "zip64.pt").read_bytes())
+    at = raw.rfind(b"PK\x06\x07")
+    raw[at + 8 : at + 16] = (2**63 + 5).to_bytes(8, "little")
+    (tmp_path / "bad64.pt").write_bytes(raw)
+    assert central_directory(str(tmp_path / "bad64.pt")) == b""
+    assert ckpttool.read(str(tmp_path / "bad64.pt")).format == "torch-zip"  # zipfile copes
 
 
 @pytest.mark.parametrize("enabled", [True, False])

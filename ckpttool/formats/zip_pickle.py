@@ -22,9 +22,16 @@ from ..unpickler import load_pickle
 ZIP_MAGIC = b"PK\x03\x04"
 # data.pkl holds structure, not tensor bytes; real ones are KB to a few MB.
 MAX_PICKLE_BYTES = 1 << 30
-# what zipfile raises on a damaged archive (NotImplementedError: flag bits or a
-# version it does not know, which corrupt bytes easily produce)
-ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError)
+# what zipfile raises on a damaged archive: NotImplementedError for flag bits or a
+# version it does not know, RuntimeError for an "encrypted" entry (one flipped bit)
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    OSError,
+    EOFError,
+    ValueError,
+    NotImplementedError,
+    RuntimeError,
+)
 
 
 def central_directory(path: str) -> bytes:
@@ -44,10 +51,12 @@ def central_directory(path: str) -> bytes:
         cd_size, cd_offset = _END.unpack_from(tail, at)[5:7]
         locator = at - _ZIP64_LOCATOR.size
         if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
-            f.seek(_ZIP64_LOCATOR.unpack_from(tail, locator)[2])
-            record = f.read(_ZIP64_END.size)
-            if len(record) == _ZIP64_END.size and record[:4] == b"PK\x06\x06":
-                cd_size, cd_offset = _ZIP64_END.unpack(record)[8:10]
+            record_offset = _ZIP64_LOCATOR.unpack_from(tail, locator)[2]
+            if record_offset + _ZIP64_END.size <= size:  # else damaged: the real read says so
+                f.seek(record_offset)
+                record = f.read(_ZIP64_END.size)
+                if record[:4] == b"PK\x06\x06":
+                    cd_size, cd_offset = _ZIP64_END.unpack(record)[8:10]
         if cd_offset + cd_size > size or cd_size > MAX_PICKLE_BYTES:
             return b""
         f.seek(cd_offset)
