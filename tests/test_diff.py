@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FIXTURES
 from helpers_dist import fsdp_checkpoints, one_line_error, run_cli
 
 from ckpttool.convert import convert
@@ -98,6 +99,64 @@ def test_sharded_inputs_equal_to_full_state(tmp_path_factory):
     assert diff(str(folder / "dcp"), str(folder / "full.pt")) == report(compared=7)
     dtensors = [str(folder / "dt-rank0.pt"), str(folder / "dt-rank1.pt")]
     assert diff(dtensors, ranks) == report(compared=7)
+
+
+def test_differences_found_in_every_block_and_shard(tmp_path: Path, monkeypatch):
+    """Stored bytes are compared block by block: differences on both sides of a block
+    boundary, in a short last block, and in shards of different ranks are all counted."""
+    from safetensors.torch import save_file
+
+    import ckpttool
+    import ckpttool.diff
+
+    monkeypatch.setattr(ckpttool.diff, "BLOCK_BYTES", 64)  # 16 float32 elements
+    a = torch.arange(1000, dtype=torch.float32)
+    b = a.clone()
+    b[[0, 15, 16, 999]] += torch.tensor([1.0, 2.0, 3.0, 0.5])
+    torch.save({"x": a, "same": a[:20].clone()}, tmp_path / "a.pt")
+    save_file({"x": b, "same": a[:20].clone()}, tmp_path / "b.safetensors")
+    got = diff(str(tmp_path / "a.pt"), str(tmp_path / "b.safetensors"))
+    assert got["different"] == [{"name": "x", "max_abs_diff": 3.0, "num_different": 4}]
+    got = diff(str(tmp_path / "a.pt"), str(tmp_path / "b.safetensors"), atol=1.5)
+    assert got["different"] == [{"name": "x", "max_abs_diff": 3.0, "num_different": 2}]
+
+    monkeypatch.setattr(ckpttool.diff, "BLOCK_BYTES", 8)  # 2 float32 elements
+    ranks = [str(p) for p in sorted((FIXTURES / "fsdp_uneven").glob("model-rank*.pt"))]
+    full = ckpttool.load(ranks, select="all")
+    assert diff(ranks, _saved(tmp_path / "full.pt", full), select="all") == report(compared=4)
+    full["model"]["0.weight"][1, 3] = 100.0  # the last element, in the last rank's block
+    full["model"]["2.bias"][0] = -5.0
+    got = diff(ranks, _saved(tmp_path / "changed.pt", full), select="all")
+    assert [d["name"] for d in got["different"]] == ["model.0.weight", "model.2.bias"]
+    assert [d["num_different"] for d in got["different"]] == [1, 1]
+
+
+def test_equal_checkpoints_are_compared_without_torch(tmp_path: Path):
+    """Identical stored bytes need no torch; only differing blocks are loaded with it."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    tensors = {"w": torch.randn(300, 7), "ids": torch.arange(9)}
+    torch.save({"module." + k: v for k, v in tensors.items()}, tmp_path / "a.pt")
+    save_file(tensors, tmp_path / "b.safetensors")
+    code = (
+        "import sys\nfrom ckpttool.diff import diff\n"
+        "assert diff(sys.argv[1], sys.argv[2])['equal']\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "a.pt"), str(tmp_path / "b.safetensors")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def _saved(path: Path, obj) -> str:
+    torch.save(obj, path)
+    return str(path)
 
 
 def test_differences_exit_1_with_exact_json(tmp_path: Path):
