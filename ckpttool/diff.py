@@ -13,6 +13,7 @@ from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError
+from .tree import OpenFiles
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -30,14 +31,14 @@ class RawReader:
 
     def __init__(self, block_bytes: int):
         self.buffer = bytearray(block_bytes)
-        self._fds: dict[str, int] = {}
+        self.files = OpenFiles()
 
     def spans(self, parts: list[Any]) -> Iterator[tuple[Any, int, int]]:
         """(source, start, nbytes) of each part, zip entries resolved."""
         for ref in parts:
             source = ref.storage.source
             if source.data is None:
-                source.resolve(self._fd(source.path))
+                source.resolve(self.files.fd(source.path))
             yield source, ref.offset * ref.dtype.itemsize, ref.nbytes
 
     def blocks(self, parts: list[Any]) -> Iterator[int]:
@@ -50,24 +51,17 @@ class RawReader:
                 target = view[filled : filled + n]
                 if source.data is not None:
                     target[:] = memoryview(source.data).cast("B")[start + done : start + done + n]
-                elif os.preadv(self._fd(source.path), [target], source.offset + start + done) != n:
-                    raise CkptError("file ends early (truncated?)", path=source.path)
+                else:
+                    fd = self.files.fd(source.path)
+                    n = os.preadv(fd, [target], source.offset + start + done)
+                    if n == 0:
+                        raise CkptError("file ends early (truncated?)", path=source.path)
                 done, filled = done + n, filled + n
                 if filled == len(view):
                     yield filled
                     filled = 0
         if filled:
             yield filled
-
-    def _fd(self, path: str) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
 
 def _differing_raw_blocks(
@@ -209,7 +203,7 @@ def diff(
                 different.append({"name": name, **result})
     finally:
         for reader in readers:
-            reader.close()
+            reader.files.close()
     return {
         "equal": not (only_a or only_b or mismatched or different),
         "only_in_a": only_a,

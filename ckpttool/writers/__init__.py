@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CkptError
-from ..tree import DType, TensorRef
+from ..tree import DType, OpenFiles, TensorRef
 
 Progress = Callable[[int], None]
 CHUNK_BYTES = 16 << 20
@@ -111,31 +111,14 @@ class OutputFile:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.pos = 0
         self._written_back = 0
-        # input files stay open while we write: a per-rank merge copies thousands of
-        # blocks from the same few files, an open and a close each otherwise
-        self._sources: dict[str, int] = {}  # least recently used first
+        self.inputs = OpenFiles()  # the files we copy from
 
     def __enter__(self) -> OutputFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for fd in self._sources.values():
-            os.close(fd)
+        self.inputs.close()
         os.close(self.fd)
-
-    def source_fd(self, path: str) -> int:
-        """A read-only descriptor of an input file, open until this output closes.
-
-        At most ``MAX_OPEN_SOURCES`` stay open (a DCP folder from a thousand ranks
-        would otherwise reach the usual limit of 1024 descriptors per process).
-        """
-        fd = self._sources.pop(path, None)
-        if fd is None:
-            if len(self._sources) >= MAX_OPEN_SOURCES:
-                os.close(self._sources.pop(next(iter(self._sources))))
-            fd = os.open(path, os.O_RDONLY)
-        self._sources[path] = fd
-        return fd
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -177,7 +160,7 @@ class OutputFile:
         """
         if not hasattr(os, "copy_file_range"):
             return 0
-        done, src = 0, self.source_fd(path)
+        done, src = 0, self.inputs.fd(path)
         while done < nbytes:
             try:
                 n = os.copy_file_range(
@@ -195,7 +178,6 @@ class OutputFile:
 
 
 WRITEBACK_BYTES = 64 << 20
-MAX_OPEN_SOURCES = 64
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait
 _sync_file_range: Any = None  # resolved on first use; False where unavailable
 
@@ -236,7 +218,7 @@ def _copy_raw(out: OutputFile, ref: TensorRef, progress: Progress | None) -> Non
     source = ref.storage.source
     done = 0
     if source.data is None:
-        source.resolve(out.source_fd(source.path))
+        source.resolve(out.inputs.fd(source.path))
         start = source.offset + ref.offset * ref.dtype.itemsize
         done = out.copy_from(source.path, start, ref.nbytes, progress)
     for chunk in _raw_chunks(ref, done):
