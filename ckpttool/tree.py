@@ -118,19 +118,14 @@ class ByteSource:
         self.data = data
         self._zip_header_offset = zip_header_offset
 
-    def resolve(self, fd: int | None = None) -> None:
+    def resolve(self, fd: int) -> None:
         """Find a zip entry's data offset from its local header (done once, on first use).
 
-        ``fd``: the file, already open (writers copying many entries keep it open).
+        ``fd``: the file, open (readers of many entries keep it open).
         """
         if self._zip_header_offset is None:
             return
-        if fd is not None:
-            header = os.pread(fd, 30, self._zip_header_offset)
-        else:
-            with open(self.path, "rb") as f:  # type: ignore[arg-type]
-                f.seek(self._zip_header_offset)
-                header = f.read(30)
+        header = os.pread(fd, 30, self._zip_header_offset)
         if len(header) < 30 or header[:4] != b"PK\x03\x04":
             raise CkptError("corrupt zip entry header", path=self.path)
         name_len = int.from_bytes(header[26:28], "little")
@@ -145,9 +140,9 @@ class ByteSource:
             raise CkptError("read outside of the stored bytes (truncated file?)", path=self.path)
         if self.data is not None:
             return bytearray(self.data[start : start + size])
-        self.resolve()
         buf = bytearray(size)
         with open(self.path, "rb", buffering=0) as f:  # type: ignore[arg-type]
+            self.resolve(f.fileno())
             f.seek(self.offset + start)
             view = memoryview(buf)
             done = 0
