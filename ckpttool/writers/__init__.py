@@ -4,16 +4,14 @@ memory stays bounded by the largest tensor, never by the checkpoint."""
 from __future__ import annotations
 
 import ctypes
-import errno
-import os
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from ..errors import CkptError
-from ..tree import DType, OpenFiles, TensorRef
+from ..tree import DType, TensorRef
+from .output_file import OutputFile, Progress
 
-Progress = Callable[[int], None]
+__all__ = ["OutputFile", "Progress", "output_dtype", "write_leaf"]
+
 CHUNK_BYTES = 16 << 20
 
 
@@ -80,9 +78,9 @@ def raw_parts(leaf: Any, cast: DType | None) -> list[TensorRef] | None:
     return parts
 
 
-def _raw_chunks(ref: TensorRef, start: int = 0) -> Iterator[memoryview]:
+def _raw_chunks(ref: TensorRef) -> Iterator[memoryview]:
     source, base = ref.storage.source, ref.offset * ref.dtype.itemsize
-    for at in range(start, ref.nbytes, CHUNK_BYTES):
+    for at in range(0, ref.nbytes, CHUNK_BYTES):
         yield memoryview(source.read(base + at, min(CHUNK_BYTES, ref.nbytes - at)))
 
 
@@ -97,111 +95,13 @@ def iter_chunks(leaf: Any, cast: DType | None) -> Iterator[memoryview]:
     yield tensor_bytes(tensor)  # the view keeps no reference: `tensor` lives until here
 
 
-class OutputFile:
-    """An output file written front to back, its pages sent to disk while we go on.
-
-    ``atomic_output`` fsyncs before its rename. Left alone, the kernel holds most of
-    a multi-GB output as dirty pages until then, and the fsync waits for all of it.
-    Every ``WRITEBACK_BYTES`` we ask the kernel to start writing what we have so far
-    (Linux ``sync_file_range``, without waiting), so the disk works while we copy and
-    the final fsync waits only for the tail. Elsewhere the fsync does it all, as before.
-    """
-
-    def __init__(self, path: str):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.pos = 0
-        self._written_back = 0
-        self.inputs = OpenFiles()  # the files we copy from
-
-    def __enter__(self) -> OutputFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.inputs.close()
-        os.close(self.fd)
-
-    def write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        n = len(view)
-        while len(view):
-            view = view[os.write(self.fd, view) :]
-        self._advance(n)
-
-    def patch(self, offset: int, data: bytes) -> None:
-        """Overwrite bytes already written (a header field known only after its data)."""
-        if os.pwrite(self.fd, data, offset) != len(data):
-            raise OSError(errno.EIO, "short write")
-
-    def crc32(self, offset: int, nbytes: int, buffer: bytearray) -> int:
-        """CRC-32 of bytes already written, read back from the page cache through ``buffer``.
-
-        Safe to call from another thread while the file grows: reads are positional.
-        """
-        view, crc, done = memoryview(buffer), 0, 0
-        while done < nbytes:
-            n = os.preadv(self.fd, [view[: min(nbytes - done, len(view))]], offset + done)
-            if n == 0:
-                raise OSError(errno.EIO, "output shorter than written")
-            crc = zlib.crc32(view[:n], crc)
-            done += n
-        return crc
-
-    def _advance(self, n: int) -> None:
-        self.pos += n
-        if self.pos - self._written_back >= WRITEBACK_BYTES:
-            _start_writeback(self.fd, self._written_back, self.pos - self._written_back)
-            self._written_back = self.pos
-
-    def copy_from(self, path: str, offset: int, nbytes: int, progress: Progress | None) -> int:
-        """Copy ``nbytes`` at ``offset`` of ``path`` kernel-side; return how many were copied.
-
-        Fewer than asked (0 included) where ``copy_file_range`` is unsupported (old
-        kernel, another file system): the caller copies the rest through memory.
-        """
-        if not hasattr(os, "copy_file_range"):
-            return 0
-        done, src = 0, self.inputs.fd(path)
-        while done < nbytes:
-            try:
-                n = os.copy_file_range(
-                    src, self.fd, min(nbytes - done, WRITEBACK_BYTES), offset + done
-                )
-            except OSError:
-                break
-            if n == 0:
-                raise CkptError("input ends early (truncated)", path=path)
-            done += n
-            self._advance(n)
-            if progress:
-                progress(n)
-        return done
-
-
-WRITEBACK_BYTES = 64 << 20
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait
-_sync_file_range: Any = None  # resolved on first use; False where unavailable
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    global _sync_file_range
-    if _sync_file_range is None:
-        try:
-            func = ctypes.CDLL(None, use_errno=True).sync_file_range
-            func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            _sync_file_range = func
-        except (AttributeError, OSError):  # not Linux/glibc: the final fsync does it all
-            _sync_file_range = False
-    if _sync_file_range:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only costs speed
-
-
 def write_leaf(
     out: OutputFile, leaf: Any, cast: DType | None, progress: Progress | None = None
 ) -> None:
     """Append one tensor's bytes to ``out``.
 
-    Raw copies go through ``os.copy_file_range`` (kernel-side, no user-space buffer)
-    where the platform allows, else through bounded chunks.
+    Stored bytes that need no change are read from their file straight into the
+    output's buffers; anything else goes through torch, one tensor at a time.
     """
     parts = raw_parts(leaf, cast)
     if parts is None:
@@ -216,12 +116,12 @@ def write_leaf(
 
 def _copy_raw(out: OutputFile, ref: TensorRef, progress: Progress | None) -> None:
     source = ref.storage.source
-    done = 0
     if source.data is None:
         source.resolve(out.inputs.fd(source.path))
         start = source.offset + ref.offset * ref.dtype.itemsize
-        done = out.copy_from(source.path, start, ref.nbytes, progress)
-    for chunk in _raw_chunks(ref, done):
+        out.copy_from(source.path, start, ref.nbytes, progress)
+        return
+    for chunk in _raw_chunks(ref):
         out.write(chunk)
         if progress:
             progress(len(chunk))

@@ -1,8 +1,8 @@
 """Write a ``torch.save``-compatible zip, streaming one tensor at a time, without torch.
 
 ``torch.save`` needs the whole object in memory; this writer copies each tensor's
-bytes into its own ``archive/data/<key>`` entry as it goes (kernel-side where the
-bytes are stored as they are, see :func:`write_leaf`) and pickles the structure
+bytes into its own ``archive/data/<key>`` entry as it goes (straight from the input
+file where the bytes are stored as they are, see :func:`write_leaf`) and pickles the structure
 last. The pickle names torch's rebuild functions, storage classes, dtypes and
 devices as globals, exactly as ``torch.save`` does, so ``torch.load(weights_only=True)``
 (and ``mmap=True``) read it, yet torch is never imported unless a tensor must be
@@ -15,15 +15,13 @@ import collections
 import io
 import pickle
 import struct
-import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CkptError
 from ..plain import TorchValue, to_plain
 from ..stand_ins import TORCH_LAYOUTS, Device
 from ..tree import STORAGE_CLASSES, DType
-from . import CHUNK_BYTES, OutputFile, Progress, output_dtype, write_leaf
+from . import OutputFile, Progress, output_dtype, write_leaf
 
 ARCHIVE = "archive"
 ALIGNMENT = 64  # torch aligns tensor data to 64 bytes so torch.load(mmap=True) can map it
@@ -143,23 +141,20 @@ class _Entry:
     def __init__(self, name: bytes, header_offset: int, size: int):
         self.name, self.header_offset, self.size = name, header_offset, size
         self.data_offset = 0
-        self.crc: int | Future[int] = 0
+        self.crc = 0
 
 
 class ZipWriter:
     """A stored (uncompressed) zip written front to back, its data 64-byte aligned.
 
-    Each entry's size is declared before its data and its CRC-32 patched in after,
-    so data can be copied kernel-side; every local header carries zip64 sizes.
+    Each entry's size is declared before its data and its CRC-32, computed as the
+    data passes, patched in at close: the data streams through once, nothing is held
+    or read back. Every local header carries zip64 sizes.
     """
 
     def __init__(self, out: OutputFile):
         self.out = out
         self.entries: list[_Entry] = []
-        # CRCs are read back by one worker thread while the next entries are copied
-        # (zlib and preadv release the GIL), then patched into the headers at close
-        self._crc_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpttool-crc")
-        self._crc_buffer = bytearray(CHUNK_BYTES)
 
     def begin(self, name: str, size: int) -> _Entry:
         raw = name.encode()
@@ -176,39 +171,28 @@ class ZipWriter:
         # fmt: on
         self.out.write(header + raw + extra)
         entry.data_offset = self.out.pos
+        self.out.begin_crc32()
         return entry
 
-    def end(self, entry: _Entry, crc: int | None = None) -> None:
-        """Close the entry whose data was just written; its CRC is read back if not given."""
+    def end(self, entry: _Entry) -> None:
+        """Close the entry whose data was just written."""
         if self.out.pos - entry.data_offset != entry.size:
             raise CkptError(
                 f"internal error: {self.out.pos - entry.data_offset} bytes written for "
                 f"{entry.name.decode()}, {entry.size} declared"
             )
-        if crc is None:
-            entry.crc = self._crc_worker.submit(
-                self.out.crc32, entry.data_offset, entry.size, self._crc_buffer
-            )
-        else:
-            entry.crc = crc
+        entry.crc = self.out.end_crc32()
         self.entries.append(entry)
 
     def add(self, name: str, data: bytes) -> None:
         entry = self.begin(name, len(data))
         self.out.write(data)
-        self.end(entry, zlib.crc32(data))
-
-    def stop_worker(self) -> None:
-        """Drop queued CRCs and wait for the running one: it reads the file until then."""
-        self._crc_worker.shutdown(wait=True, cancel_futures=True)
+        self.end(entry)
 
     def close(self) -> None:
         """Patch the CRCs in, write the central directory (and zip64 end records if needed)."""
-        self._crc_worker.shutdown(wait=True)
         directory = bytearray()
         for entry in self.entries:
-            if isinstance(entry.crc, Future):
-                entry.crc = entry.crc.result()
             self.out.patch(entry.header_offset + _CRC_OFFSET, struct.pack("<I", entry.crc))
             big_size, big_offset = entry.size > _ZIP64_LIMIT, entry.header_offset > _ZIP64_LIMIT
             values = (entry.size, entry.size) * big_size + (entry.header_offset,) * big_offset
@@ -290,7 +274,4 @@ def write_torch(
     """Write ``root`` (a nested structure with lazy tensors) as a torch.save file."""
     with OutputFile(path) as out:
         writer = TorchZipWriter(out, cast=cast, location=location, progress=progress)
-        try:
-            writer.finish(writer.convert(root))
-        finally:
-            writer.zip.stop_worker()  # before the file closes, also when writing failed
+        writer.finish(writer.convert(root))

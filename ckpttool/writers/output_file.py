@@ -1,0 +1,227 @@
+"""One output file, written front to back at disk speed and durable at the end.
+
+Every output is fsynced before its rename (``atomic_output``). Written through the
+page cache, a multi-GB output sits as dirty pages until then and the fsync waits for
+all of it; the kernel also has to find free pages for the copy while the input fills
+the cache. So the bytes go through a ring of page-aligned staging buffers instead:
+the caller fills one (``write``, or ``copy_from`` reading straight into it) while
+writer threads send the others to disk with ``O_DIRECT``, bypassing the page cache.
+Several writes in flight keep the disk's queue full; the final fsync has almost
+nothing left to do. (On this project's benchmark machine: 4 GiB durably written in
+about the time ``cp`` takes to leave it in the page cache.)
+
+Where ``O_DIRECT`` is missing or refused (not Linux, tmpfs, some network file
+systems) the same buffers are written through the page cache, and writeback of
+what is done is started as we go (``sync_file_range``), so the fsync waits only
+for the tail.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import CkptError
+from ..tree import OpenFiles
+
+Progress = Callable[[int], None]
+
+BUFFER_BYTES = 8 << 20  # one staging buffer
+BUFFERS = 4  # one being filled, up to three being written: a disk takes several at once
+ALIGNMENT = 4096  # O_DIRECT offsets and sizes: a multiple of any disk's logical block
+WRITEBACK_BYTES = 64 << 20  # without O_DIRECT: start writeback this often
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class OutputFile:
+    """An output file written front to back through a ring of staging buffers.
+
+    ``pos`` is the number of bytes written so far. ``patch`` rewrites bytes already
+    written (a zip header field known only after its data). ``begin_crc32`` /
+    ``end_crc32`` give the CRC-32 of the bytes written in between, computed as they
+    pass, so nothing is read back.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd, self.direct = _open_output(path)
+        self.pos = 0
+        self.inputs = OpenFiles()  # the files we copy from
+        size = _round_up(BUFFER_BYTES)  # module constants, read here so tests can shrink them
+        self._buffers = [mmap.mmap(-1, size) for _ in range(max(2, BUFFERS))]
+        self._views = [memoryview(b) for b in self._buffers]
+        self._pending: list[Future[None] | None] = [None] * len(self._buffers)
+        self._writers = ThreadPoolExecutor(len(self._buffers) - 1, "ckpttool-write")
+        self._current = 0  # index of the buffer being filled
+        self._base = 0  # file offset of its first byte (a multiple of the buffer size)
+        self._fill = 0  # bytes in it
+        self._written_back = 0
+        self._crc: int | None = None
+        self._patch_fd: int | None = None
+
+    def __enter__(self) -> OutputFile:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            self._writers.shutdown(wait=True)  # never close a file a write is still using
+            self.inputs.close()
+            for fd in {self.fd, self._patch_fd} - {None}:
+                os.close(fd)
+            # the buffers are unmapped when the last view of them goes (a traceback
+            # may still hold one, and closing an exported mmap raises)
+
+    # ------------------------------------------------------------ appending
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            target = self._room(len(view))
+            target[:] = view[: len(target)]
+            self._filled(target)
+            view = view[len(target) :]
+
+    def copy_from(self, path: str, offset: int, nbytes: int, progress: Progress | None) -> None:
+        """Append ``nbytes`` at ``offset`` of ``path``, read straight into the buffers."""
+        src, done = self.inputs.fd(path), 0
+        while done < nbytes:
+            target = self._room(nbytes - done)
+            n = os.preadv(src, [target], offset + done)
+            if n == 0:
+                raise CkptError("input ends early (truncated)", path=path)
+            self._filled(target[:n])
+            done += n
+            if progress:
+                progress(n)
+
+    def _room(self, nbytes: int) -> memoryview:
+        """Where the next bytes go: at most ``nbytes`` of the current buffer's free space."""
+        view = self._views[self._current]
+        return view[self._fill : self._fill + min(nbytes, len(view) - self._fill)]
+
+    def _filled(self, view: memoryview) -> None:
+        """``view`` (the next bytes of the current buffer) now holds data."""
+        if self._crc is not None:
+            self._crc = zlib.crc32(view, self._crc)
+        self._fill += len(view)
+        self.pos += len(view)
+        if self._fill == len(self._views[self._current]):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the current buffer to a writer thread; go on in the next free one."""
+        index = self._current
+        self._pending[index] = self._writers.submit(self._write_out, index, self._base, self._fill)
+        self._base += self._fill
+        self._fill = 0
+        self._current = (index + 1) % len(self._buffers)
+        self._wait(self._current)
+        if not self.direct and self._base - self._written_back >= WRITEBACK_BYTES:
+            _start_writeback(self.fd, self._written_back, self._base - self._written_back)
+            self._written_back = self._base
+
+    def _wait(self, *indices: int) -> None:
+        """Wait until these buffers (all by default) are written and free."""
+        for index in indices or range(len(self._buffers)):
+            pending, self._pending[index] = self._pending[index], None
+            if pending is not None:
+                pending.result()  # raises the writer's OSError (disk full) here
+
+    def _write_out(self, index: int, offset: int, nbytes: int) -> None:
+        """In a writer thread: ``nbytes`` of buffer ``index`` to ``offset`` of the file."""
+        view = self._views[index][: _round_up(nbytes) if self.direct else nbytes]
+        while len(view):
+            try:
+                n = os.pwrite(self.fd, view, offset)
+            except OSError as exc:
+                if not (self.direct and exc.errno == errno.EINVAL):
+                    raise
+                self._stop_direct()  # this file system accepted O_DIRECT, then refused it
+                continue
+            view, offset = view[n:], offset + n
+
+    def _stop_direct(self) -> None:
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        self.direct = False
+
+    def _finish(self) -> None:
+        """Write the partly filled buffer; cut off the padding a direct write needs."""
+        end = self.pos
+        if self._fill:
+            self._flush()
+        self._wait()
+        if end % ALIGNMENT:  # (also if O_DIRECT was given up during a padded write)
+            os.ftruncate(self.fd, end)
+
+    # ------------------------------------------------------------ checksums, patches
+
+    def begin_crc32(self) -> None:
+        """Start the CRC-32 of the bytes appended from now on."""
+        self._crc = 0
+
+    def end_crc32(self) -> int:
+        crc, self._crc = self._crc, None
+        if crc is None:
+            raise RuntimeError("end_crc32 without begin_crc32")
+        return crc
+
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrite bytes already written (a header field known only after its data)."""
+        split = min(len(data), max(0, self._base - offset))
+        written, buffered = data[:split], data[split:]
+        if buffered:  # still in the buffer being filled: change it there
+            at = offset + split - self._base
+            self._views[self._current][at : at + len(buffered)] = buffered
+        if not written:
+            return
+        self._wait()  # a writer may still be writing these bytes
+        if self._patch_fd is None:
+            # a few bytes cannot go through O_DIRECT: a second descriptor through the
+            # page cache (the fsync at the end writes it; the ranges never overlap later
+            # direct writes, which all start at or after ``_base``)
+            self._patch_fd = os.open(self.path, os.O_WRONLY) if self.direct else self.fd
+        if os.pwrite(self._patch_fd, written, offset) != len(written):
+            raise OSError(errno.EIO, "short write")
+
+
+def _open_output(path: str) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait
+_sync_file_range: Any = None  # resolved on first use; False where unavailable
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            func = ctypes.CDLL(None, use_errno=True).sync_file_range
+            func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            _sync_file_range = func
+        except (AttributeError, OSError):  # not Linux/glibc: the final fsync does it all
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only costs speed
