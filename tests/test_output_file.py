@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttool.convert import convert
+from ckpttool.errors import CkptError
 from ckpttool.merge import merge
 from ckpttool.writers import output_file
 from ckpttool.writers.output_file import OutputFile
@@ -114,6 +115,17 @@ def test_write_error_in_a_writer_thread_reaches_the_caller(small_buffers, tmp_pa
         out.fd = os.open(os.devnull, os.O_RDONLY)
         out.write(b"x" * 100_000)
     assert caught.value.errno == errno.EBADF
+
+
+def test_input_read_errors_name_the_input(tmp_path: Path):
+    with OutputFile(str(tmp_path / "out.bin")) as out:
+        with pytest.raises(CkptError, match=r"cannot read the input \(Is a directory\)"):
+            out.copy_from(str(tmp_path), 0, 10, None)
+        short = tmp_path / "short.bin"
+        short.write_bytes(b"abc")
+        with pytest.raises(CkptError, match=r"input ends early \(truncated\)") as caught:
+            out.copy_from(str(short), 0, 10, None)
+        assert caught.value.path == str(short)
 
 
 INPUTS = {

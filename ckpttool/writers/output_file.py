@@ -96,7 +96,10 @@ class OutputFile:
         src, done = self.inputs.fd(path), 0
         while done < nbytes:
             target = self._room(nbytes - done)
-            n = os.preadv(src, [target], offset + done)
+            try:
+                n = os.preadv(src, [target], offset + done)
+            except OSError as exc:  # the input's fault, not the output's
+                raise CkptError(f"cannot read the input ({exc.strerror})", path=path) from None
             if n == 0:
                 raise CkptError("input ends early (truncated)", path=path)
             self._filled(target[:n])
