@@ -64,7 +64,7 @@ class OutputFile:
         self._fill = 0  # bytes in it
         self._written_back = 0
         self._crc: int | None = None
-        self._patch_fd: int | None = None
+        self._patches: list[tuple[int, bytes]] = []  # for bytes the writers have
 
     def __enter__(self) -> OutputFile:
         return self
@@ -76,8 +76,7 @@ class OutputFile:
         finally:
             self._writers.shutdown(wait=True)  # never close a file a write is still using
             self.inputs.close()
-            for fd in {self.fd, self._patch_fd} - {None}:
-                os.close(fd)
+            os.close(self.fd)
             # the buffers are unmapped when the last view of them goes (a traceback
             # may still hold one, and closing an exported mmap raises)
 
@@ -159,11 +158,12 @@ class OutputFile:
         self.direct = False
 
     def _finish(self) -> None:
-        """Write the partly filled buffer; cut off the padding a direct write needs."""
+        """Write the partly filled buffer, then the patches; cut off the direct write's padding."""
         end = self.pos
         if self._fill:
             self._flush()
         self._wait()
+        self._apply_patches()
         if end % ALIGNMENT:  # (also if O_DIRECT was given up during a padded write)
             os.ftruncate(self.fd, end)
 
@@ -180,22 +180,33 @@ class OutputFile:
         return crc
 
     def patch(self, offset: int, data: bytes) -> None:
-        """Overwrite bytes already written (a header field known only after its data)."""
+        """Overwrite bytes already written (a header field known only after its data).
+
+        Bytes still in the buffer being filled change there, at no cost. Bytes already
+        handed to the writers are patched once the last write is done (``_finish``):
+        patching now would wait for the writes in flight.
+        """
         split = min(len(data), max(0, self._base - offset))
         written, buffered = data[:split], data[split:]
-        if buffered:  # still in the buffer being filled: change it there
+        if buffered:
             at = offset + split - self._base
             self._views[self._current][at : at + len(buffered)] = buffered
-        if not written:
+        if written:
+            self._patches.append((offset, written))
+
+    def _apply_patches(self) -> None:
+        if not self._patches:
             return
-        self._wait()  # a writer may still be writing these bytes
-        if self._patch_fd is None:
-            # a few bytes cannot go through O_DIRECT: a second descriptor through the
-            # page cache (the fsync at the end writes it; the ranges never overlap later
-            # direct writes, which all start at or after ``_base``)
-            self._patch_fd = os.open(self.path, os.O_WRONLY) if self.direct else self.fd
-        if os.pwrite(self._patch_fd, written, offset) != len(written):
-            raise OSError(errno.EIO, "short write")
+        # a few bytes cannot go through O_DIRECT: a second descriptor through the page
+        # cache (the fsync at the end writes it; every direct write is done by now)
+        fd = os.open(self.path, os.O_WRONLY) if self.direct else self.fd
+        try:
+            for offset, data in sorted(self._patches):
+                if os.pwrite(fd, data, offset) != len(data):
+                    raise OSError(errno.EIO, "short write")
+        finally:
+            if fd != self.fd:
+                os.close(fd)
 
 
 def _open_output(path: str) -> tuple[int, bool]:

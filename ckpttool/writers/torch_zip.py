@@ -148,7 +148,7 @@ class ZipWriter:
     """A stored (uncompressed) zip written front to back, its data 64-byte aligned.
 
     Each entry's size is declared before its data and its CRC-32, computed as the
-    data passes, patched in at close: the data streams through once, nothing is held
+    data passes, patched in after: the data streams through once, nothing is held
     or read back. Every local header carries zip64 sizes.
     """
 
@@ -182,6 +182,7 @@ class ZipWriter:
                 f"{entry.name.decode()}, {entry.size} declared"
             )
         entry.crc = self.out.end_crc32()
+        self.out.patch(entry.header_offset + _CRC_OFFSET, struct.pack("<I", entry.crc))
         self.entries.append(entry)
 
     def add(self, name: str, data: bytes) -> None:
@@ -190,10 +191,9 @@ class ZipWriter:
         self.end(entry)
 
     def close(self) -> None:
-        """Patch the CRCs in, write the central directory (and zip64 end records if needed)."""
+        """Write the central directory (and zip64 end records if needed)."""
         directory = bytearray()
         for entry in self.entries:
-            self.out.patch(entry.header_offset + _CRC_OFFSET, struct.pack("<I", entry.crc))
             big_size, big_offset = entry.size > _ZIP64_LIMIT, entry.header_offset > _ZIP64_LIMIT
             values = (entry.size, entry.size) * big_size + (entry.header_offset,) * big_offset
             zip64 = struct.pack(f"<HH{len(values)}Q", 1, 8 * len(values), *values)
