@@ -10,8 +10,8 @@ Several writes in flight keep the disk's queue full; the final fsync has almost
 nothing left to do. (On this project's benchmark machine: 4 GiB durably written in
 about the time ``cp`` takes to leave it in the page cache.)
 
-Where ``O_DIRECT`` is missing or refused (not Linux, tmpfs, some network file
-systems) the same buffers are written through the page cache, and writeback of
+Where ``O_DIRECT`` is missing or refused (not Linux, FUSE, older overlayfs and
+tmpfs) the same buffers are written through the page cache, and writeback of
 what is done is started as we go (``sync_file_range``), so the fsync waits only
 for the tail.
 """
@@ -55,10 +55,10 @@ class OutputFile:
         self.pos = 0
         self.inputs = OpenFiles()  # the files we copy from
         size = _round_up(BUFFER_BYTES)  # module constants, read here so tests can shrink them
-        self._buffers = [mmap.mmap(-1, size) for _ in range(max(2, BUFFERS))]
-        self._views = [memoryview(b) for b in self._buffers]
-        self._pending: list[Future[None] | None] = [None] * len(self._buffers)
-        self._writers = ThreadPoolExecutor(len(self._buffers) - 1, "ckpttool-write")
+        # page-aligned anonymous maps, as O_DIRECT needs; each view keeps its map alive
+        self._views = [memoryview(mmap.mmap(-1, size)) for _ in range(max(2, BUFFERS))]
+        self._pending: list[Future[None] | None] = [None] * len(self._views)
+        self._writers = ThreadPoolExecutor(len(self._views) - 1, "ckpttool-write")
         self._current = 0  # index of the buffer being filled
         self._base = 0  # file offset of its first byte (a multiple of the buffer size)
         self._fill = 0  # bytes in it
@@ -126,7 +126,7 @@ class OutputFile:
         self._pending[index] = self._writers.submit(self._write_out, index, self._base, self._fill)
         self._base += self._fill
         self._fill = 0
-        self._current = (index + 1) % len(self._buffers)
+        self._current = (index + 1) % len(self._views)
         self._wait(self._current)
         if not self.direct and self._base - self._written_back >= WRITEBACK_BYTES:
             _start_writeback(self.fd, self._written_back, self._base - self._written_back)
@@ -134,7 +134,7 @@ class OutputFile:
 
     def _wait(self, *indices: int) -> None:
         """Wait until these buffers (all by default) are written and free."""
-        for index in indices or range(len(self._buffers)):
+        for index in indices or range(len(self._views)):
             pending, self._pending[index] = self._pending[index], None
             if pending is not None:
                 pending.result()  # raises the writer's OSError (disk full) here
