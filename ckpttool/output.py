@@ -58,10 +58,27 @@ def _alive(pid: int) -> bool:
 
 
 def fsync_tree(path: str) -> None:
-    """fsync a file, or every file of a folder and the folder itself."""
-    if os.path.isdir(path):
+    """fsync a file, or every file of a folder and the folder itself.
+
+    Only for what we wrote (the temp output): it walks the whole folder.
+    """
+    if os.path.isdir(path) and not os.path.islink(path):
         for entry in os.listdir(path):
             fsync_tree(os.path.join(path, entry))
+    _fsync(path)
+
+
+def _fsync_entry(folder: str) -> None:
+    """Make a rename in ``folder`` durable: fsync the folder itself, never what it holds.
+
+    Best effort: the output is in place and its data on disk; some file systems
+    refuse fsync on a folder.
+    """
+    with contextlib.suppress(OSError):
+        _fsync(folder)
+
+
+def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -105,7 +122,6 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
             _remove(old)
         else:
             os.replace(tmp, out)
-        fsync_tree(parent)
     except OSError as exc:
         _remove(tmp)
         reason = (
@@ -119,3 +135,4 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
     except BaseException:
         _remove(tmp)
         raise
+    _fsync_entry(parent)

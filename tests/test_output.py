@@ -248,3 +248,18 @@ def test_force_into_the_folder_holding_the_input_is_refused(tmp_path: Path):
         merge(str(tmp_path / "in.pt"), str(tmp_path), force=True)
     assert tree_files(tmp_path) == ["in.pt"]
     assert sha256(tmp_path / "in.pt") == before
+
+
+def test_output_beside_files_we_cannot_open_is_written(tmp_path: Path):
+    """Only the output's folder entry is synced after the rename, never what else the folder
+    holds: a dangling link (or a file we may not read) next to the output is no error, and a
+    big folder (``-o ~/model.safetensors``) is not walked."""
+    src = tmp_path / "in.pt"
+    torch.save({"w": torch.arange(6.0)}, src)
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "gone").symlink_to(tmp_path / "missing")
+    result = run_cli("convert", str(src), "--to", "safetensors", "-o", str(tmp_path / "o.st"))
+    assert result.returncode == 0, result.stderr
+    assert torch.equal(load_file(tmp_path / "o.st")["w"], torch.arange(6.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "in.pt", "o.st", "sub"]
