@@ -79,3 +79,44 @@ def test_from_pretrained_loads_converted_ddp_shards(ddp_gpt2, tmp_path: Path):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_pytorch_model_bin_shards_from_huggingface_hub_convert_and_load(ddp_gpt2, tmp_path: Path):
+    """The older HF layout, written by its real producer: ``huggingface_hub`` saves
+    ``pytorch_model-0000k-of-0000n.bin`` (torch.save) shards and ``pytorch_model.bin.index.json``.
+    ckpttool reads the folder as one checkpoint and converts it to one safetensors file
+    that ``from_pretrained`` loads."""
+    from huggingface_hub import save_torch_state_dict
+
+    model, _ = ddp_gpt2
+    state = model.state_dict()
+    src = tmp_path / "bin"
+    src.mkdir()
+    save_torch_state_dict(
+        state,
+        src,
+        safe_serialization=False,
+        max_shard_size="20KB",
+        shared_tensors_to_discard=["lm_head.weight"],
+    )
+    index = json.loads((src / "pytorch_model.bin.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 3
+
+    report = json.loads(run_cli("inspect", "--json", src).stdout)
+    assert report["format"] == "torch-zip"
+    assert report["files"][0] == str(src / "pytorch_model.bin.index.json")
+    assert [t["key"][0] for t in report["tensors"]] == list(index["weight_map"])
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    proc = run_cli("convert", src, "--to", "safetensors", "-o", out / "model.safetensors")
+    assert proc.returncode == 0, proc.stderr
+    model.config.save_pretrained(out)
+    loaded, info = transformers.GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    loaded.eval()
+    for name, tensor in state.items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

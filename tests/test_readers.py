@@ -161,25 +161,39 @@ def test_safetensors_file(tmp_path):
     assert sorted(ckpt.root) == sorted(original)
 
 
+def write_hf_shards(folder, sd, shard_format="safetensors"):
+    """A Hugging Face style sharded checkpoint of ``sd`` in two shards; returns the index.
+
+    ``safetensors``: ``model-0000k-of-00002.safetensors`` + ``model.safetensors.index.json``;
+    ``zip`` / ``legacy``: ``pytorch_model-0000k-of-00002.bin`` (torch.save) +
+    ``pytorch_model.bin.index.json``, as transformers 4 wrote them.
+    """
+    names = list(sd)
+    stem, suffix = (
+        ("model", "safetensors") if shard_format == "safetensors" else ("pytorch_model", "bin")
+    )
+    parts = [{k: sd[k] for k in names[:2]}, {k: sd[k] for k in names[2:]}]
+    folder.mkdir(exist_ok=True)
+    weight_map = {}
+    for i, part in enumerate(parts, 1):
+        file = f"{stem}-{i:05d}-of-00002.{suffix}"
+        if shard_format == "safetensors":
+            save_file(part, folder / file, metadata={"format": "pt"})
+        else:
+            torch.save(part, folder / file, _use_new_zipfile_serialization=shard_format == "zip")
+        weight_map.update({k: file for k in part})
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    index = folder / f"{stem}.{suffix}.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return index
+
+
 @pytest.fixture
 def sharded_safetensors(tmp_path):
     """A Hugging Face style folder: two shards and model.safetensors.index.json."""
     sd = small_state_dict()
-    names = list(sd)
-    shards = {
-        "model-00001-of-00002.safetensors": {k: sd[k] for k in names[:2]},
-        "model-00002-of-00002.safetensors": {k: sd[k] for k in names[2:]},
-    }
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    weight_map = {}
-    for file, part in shards.items():
-        save_file(part, folder / file, metadata={"format": "pt"})
-        weight_map.update({k: file for k in part})
-    total = sum(v.numel() * v.element_size() for v in sd.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return folder, sd
+    write_hf_shards(tmp_path / "hf", sd)
+    return tmp_path / "hf", sd
 
 
 @pytest.mark.parametrize("via", ["index", "folder"])
@@ -197,6 +211,57 @@ def test_sharded_safetensors_missing_shard(sharded_safetensors):
     folder, _ = sharded_safetensors
     (folder / "model-00002-of-00002.safetensors").unlink()
     check_error(run_cli("inspect", folder), 2, "missing shard model-00002-of-00002.safetensors")
+
+
+@pytest.mark.parametrize("shard_format,fmt", [("zip", "torch-zip"), ("legacy", "torch-legacy")])
+@pytest.mark.parametrize("via", ["index", "folder"])
+def test_sharded_torch_bin(tmp_path, shard_format, fmt, via):
+    """``pytorch_model.bin.index.json`` + torch.save shards: one checkpoint, the shards' format."""
+    sd = small_state_dict()
+    index = write_hf_shards(tmp_path / "hf", sd, shard_format)
+    ckpt = ckpttool.read(index if via == "index" else index.parent)
+    assert ckpt.format == fmt
+    assert ckpt.files == [str(index)] + [
+        str(index.parent / f"pytorch_model-0000{i}-of-00002.bin") for i in (1, 2)
+    ]
+    assert list(ckpt.root) == list(sd)
+    assert "torch._utils._rebuild_tensor_v2" in ckpt.globals and ckpt.dangerous == []
+    assert_same(ckpttool.load(index), sd)
+    out = tmp_path / "one.safetensors"
+    assert run_cli("convert", index.parent, "--to", "safetensors", "-o", out).returncode == 0
+    assert_same(ckpttool.load(out), sd)
+
+
+def test_sharded_torch_bin_tensor_missing_from_its_shard(tmp_path):
+    index = write_hf_shards(tmp_path / "hf", small_state_dict(), "zip")
+    data = json.loads(index.read_text())
+    data["weight_map"]["extra.weight"] = "pytorch_model-00001-of-00002.bin"
+    index.write_text(json.dumps(data))
+    check_error(
+        run_cli("inspect", index),
+        2,
+        "'extra.weight' is not in pytorch_model-00001-of-00002.bin",
+    )
+
+
+def test_hf_folder_with_both_serializations_reads_the_safetensors(tmp_path):
+    """A model repo often holds the same weights as safetensors and as .bin; like
+    ``from_pretrained``, the safetensors copy is read (sharded or single file)."""
+    sd = small_state_dict()
+    sharded = tmp_path / "sharded"
+    write_hf_shards(sharded, sd, "zip")
+    write_hf_shards(sharded, sd, "safetensors")
+    ckpt = ckpttool.read(sharded)
+    assert ckpt.format == "safetensors-sharded"
+    assert ckpt.files[0] == str(sharded / "model.safetensors.index.json")
+    single = tmp_path / "single"
+    single.mkdir()
+    torch.save(sd, single / "pytorch_model.bin")
+    save_file(sd, single / "model.safetensors")
+    (single / "config.json").write_text("{}")
+    assert ckpttool.read(single).files == [str(single / "model.safetensors")]
+    (single / "model.safetensors").rename(single / "other.pt")  # two pickles: ambiguous
+    check_error(run_cli("inspect", single), 2, "not exactly one checkpoint file")
 
 
 # ------------------------------------------------------ detection by content

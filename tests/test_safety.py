@@ -375,3 +375,23 @@ def test_malicious_sibling_rank_file_is_refused(dist_runs, tmp_path):
     check_error(run_cli("merge", tmp_path / "ep0-ba1-rank*.pt", "-o", out), 3, "posix.system")
     assert not out.exists()
     assert not marker.exists()
+
+
+def test_sharded_bin_with_a_malicious_shard_is_refused(malicious, tmp_path):
+    """``pytorch_model.bin.index.json``: every torch.save shard is read with the same rules."""
+    import torch
+
+    f = malicious[("torch-zip", "os_system")]
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    torch.save({"a": torch.ones(2)}, folder / "pytorch_model-00001-of-00002.bin")
+    shutil.copy(f.path, folder / "pytorch_model-00002-of-00002.bin")
+    weight_map = {"a": "pytorch_model-00001-of-00002.bin", "w": "pytorch_model-00002-of-00002.bin"}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    line = check_error(run_cli("inspect", folder), 3, "posix.system")
+    assert "pytorch_model-00002-of-00002.bin" in line
+    out = tmp_path / "out.safetensors"
+    check_error(run_cli("convert", folder, "--to", "safetensors", "-o", out), 3, "posix.system")
+    assert not out.exists()
+    assert not f.payload.fired()
+    assert ckpttool.read(folder, unsafe=True).dangerous == ["posix.system"]

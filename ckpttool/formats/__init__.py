@@ -20,7 +20,7 @@ from . import (
     dcp,
     per_rank,
     safetensors_file,
-    safetensors_sharded,
+    sharded_index,
     torch_legacy,
     torch_zip,
     torchscript,
@@ -28,8 +28,8 @@ from . import (
 from .prescan import Prescan
 
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip.
-FOLDER_FORMATS = [dcp, safetensors_sharded]
-FILE_FORMATS = [torchscript, torch_zip, safetensors_sharded, safetensors_file, torch_legacy]
+FOLDER_FORMATS = [dcp, sharded_index]
+FILE_FORMATS = [torchscript, torch_zip, sharded_index, safetensors_file, torch_legacy]
 # Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
 PICKLE_FORMATS = (torch_zip, torch_legacy)
 HEAD_BYTES = 512
@@ -139,16 +139,12 @@ def _read_one(path: str, unsafe: bool) -> Checkpoint:
         for fmt in FOLDER_FORMATS:
             if fmt.detect(path, b""):
                 return _read(fmt, path, unsafe)
-        inner = [
-            os.path.join(path, n)
-            for n in sorted(os.listdir(path))
-            if n.endswith(CHECKPOINT_SUFFIXES)
-        ]
-        if len(inner) == 1:
-            return _read_one(inner[0], unsafe)
+        inner = _single_checkpoint_file(path)
+        if inner is not None:
+            return _read_one(inner, unsafe)
         raise CkptError(
             "folder holds no checkpoint ckpttool knows (no DCP .metadata, no "
-            "*.safetensors.index.json, not exactly one checkpoint file)",
+            "*.index.json, not exactly one checkpoint file)",
             path=path,
         )
     try:
@@ -166,6 +162,21 @@ def _read_one(path: str, unsafe: bool) -> Checkpoint:
         "safetensors, sharded safetensors index, DCP folder)",
         path=path,
     )
+
+
+def _single_checkpoint_file(folder: str) -> str | None:
+    """The one checkpoint file of a folder, if there is exactly one.
+
+    A Hugging Face model folder often holds the same weights twice
+    (``model.safetensors`` and ``pytorch_model.bin``); like ``from_pretrained``,
+    take the safetensors file then.
+    """
+    names = sorted(n for n in os.listdir(folder) if n.endswith(CHECKPOINT_SUFFIXES))
+    safetensors_names = [n for n in names if n.endswith(".safetensors")]
+    for candidates in (names, safetensors_names):
+        if len(candidates) == 1:
+            return os.path.join(folder, candidates[0])
+    return None
 
 
 def _read(fmt, path: str, unsafe: bool) -> Checkpoint:

@@ -1,0 +1,119 @@
+"""Hugging Face sharded checkpoints: an ``*.index.json`` (``weight_map``) and its shard files.
+
+``model.safetensors.index.json`` with safetensors shards is ``safetensors-sharded``.
+The older ``pytorch_model.bin.index.json`` names ``torch.save`` shards; many published
+models still come that way. Its shards are read by the torch readers, with the same
+safety rules, and the checkpoint takes their format id (``torch-zip``, ``torch-legacy``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+from ..errors import CkptError
+from ..tree import Checkpoint, TensorRef
+from . import safetensors_file, torch_legacy, torch_zip
+
+FORMAT = "safetensors-sharded"
+INDEX_SUFFIX = ".index.json"
+SAFETENSORS_INDEX_SUFFIX = ".safetensors" + INDEX_SUFFIX
+HEAD_BYTES = 512
+
+
+def detect(path: str, head: bytes) -> bool:
+    if os.path.isdir(path):
+        return bool(_indexes(path))
+    return path.endswith(".json") and head.lstrip()[:1] == b"{" and b"weight_map" in head
+
+
+def _indexes(folder: str) -> list[str]:
+    """The index files of a folder; safetensors ones only when there are any.
+
+    A Hugging Face repo often holds both ``model.safetensors.index.json`` and
+    ``pytorch_model.bin.index.json`` for the same weights; like ``from_pretrained``,
+    prefer safetensors.
+    """
+    found = sorted(glob.glob(os.path.join(glob.escape(folder), "*" + INDEX_SUFFIX)))
+    safetensors_indexes = [p for p in found if p.endswith(SAFETENSORS_INDEX_SUFFIX)]
+    return safetensors_indexes or found
+
+
+def read(path: str, *, permissive: bool = False) -> Checkpoint:
+    index_path = path
+    if os.path.isdir(path):
+        found = _indexes(path)
+        if len(found) > 1:
+            names = ", ".join(os.path.basename(p) for p in found)
+            raise CkptError(f"several index files: {names}", path=path, hint="pass one")
+        index_path = found[0]
+    index = _read_index(index_path)
+    folder = os.path.dirname(index_path)
+    shards: dict[str, _Shard] = {}
+    root = {}
+    for name, shard_name in index["weight_map"].items():
+        shard_name = str(shard_name)
+        if os.path.basename(shard_name) != shard_name or shard_name in ("", ".", ".."):
+            raise CkptError(f"shard name {shard_name!r} leaves the folder", path=index_path)
+        shard_path = os.path.join(folder, shard_name)
+        if shard_path not in shards:
+            if not os.path.isfile(shard_path):
+                raise CkptError(f"missing shard {shard_name}", path=index_path)
+            shards[shard_path] = _Shard(shard_path, permissive)
+        ref = shards[shard_path].tensor(name)
+        if ref is None:
+            raise CkptError(f"tensor {name!r} is not in {shard_name}", path=index_path)
+        root[name] = ref
+    pickled = [s.checkpoint for s in shards.values() if s.checkpoint is not None]
+    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
+    return Checkpoint(
+        format=pickled[0].format if pickled else FORMAT,
+        files=[index_path, *shards],
+        root=root,
+        globals=sorted({g for c in pickled for g in c.globals}),
+        dangerous=sorted({g for c in pickled for g in c.dangerous}),
+        metadata=dict(metadata),
+    )
+
+
+def _read_index(index_path: str) -> dict[str, Any]:
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+        if not isinstance(index, dict) or not isinstance(index["weight_map"], dict):
+            raise TypeError
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise CkptError("corrupt shard index (no weight_map)", path=index_path) from None
+    return index
+
+
+class _Shard:
+    """One shard file: a safetensors header, or a torch.save file read by the torch readers."""
+
+    def __init__(self, path: str, permissive: bool):
+        self.path = path
+        self.checkpoint: Checkpoint | None = None
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+        if safetensors_file.detect(path, head):
+            self.header, self.start = safetensors_file.read_header(path)
+            self.data_len = os.path.getsize(path) - self.start
+            return
+        for fmt in (torch_zip, torch_legacy):
+            if fmt.detect(path, head):
+                self.checkpoint = fmt.read(path, permissive=permissive)
+                return
+        raise CkptError("shard is neither safetensors nor a torch.save file", path=path)
+
+    def tensor(self, name: str) -> TensorRef | None:
+        if self.checkpoint is None:
+            if name not in self.header or name == "__metadata__":
+                return None
+            return safetensors_file.tensor_ref(
+                self.path, name, self.header[name], self.start, self.data_len
+            )
+        root = self.checkpoint.root
+        ref = root.get(name) if isinstance(root, dict) else None
+        return ref if isinstance(ref, TensorRef) else None
