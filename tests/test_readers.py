@@ -531,3 +531,29 @@ def test_trees_are_built_with_the_garbage_collector_paused(tmp_path, enabled):
         if record in gc.callbacks:
             gc.callbacks.remove(record)
         gc.enable() if was else gc.disable()
+
+
+def test_folder_of_one_checkpoints_rank_files_is_read_as_that_checkpoint(tmp_path):
+    """``ckpttool inspect ckpt_dir/``: a folder holding the rank files of one checkpoint."""
+    composer = fixture_path("composer")
+    ckpt = ckpttool.read(composer)
+    assert ckpt.format == "per-rank" and ckpt.world_size == 2
+    assert ckpt.files == [str(composer / f"ep0-ba4-rank{r}.pt") for r in (0, 1)]
+    assert_nested_equal(
+        ckpttool.load(composer, select="all"), ckpttool.load(ckpt.files, select="all")
+    )
+    # DDP rank files are full copies: the folder reads as the lowest rank's file
+    ddp = tmp_path / "ddp"
+    shutil.copytree(fixture_path("ddp"), ddp)
+    (ddp / "notes.txt").write_text("not a checkpoint")
+    ckpt = ckpttool.read(ddp)
+    assert ckpt.format == "torch-zip" and ckpt.files == [str(ddp / "ep0-rank0.pt")]
+    # a trainer's snapshot folder holds several checkpoints: which one is not guessed
+    shutil.copy(ddp / "ep0-rank1.pt", ddp / "ep1-rank1.pt")
+    shutil.copy(ddp / "ep0-rank0.pt", ddp / "ep1-rank0.pt")
+    check_error(
+        run_cli("inspect", ddp),
+        2,
+        "folder holds the rank files of several checkpoints (ep0-rank*.pt, ep1-rank*.pt)",
+        "quoted glob",
+    )

@@ -75,7 +75,8 @@ def _read_checkpoint(paths: str | Sequence[str], unsafe: bool) -> Checkpoint:
     with Prescan(files[1:], lambda p: _scan_one(p, unsafe)) as prescan:
         first = _read_one(files[0], unsafe)
         if first.format in pickle_formats and per_rank.has_local_shards(first.root):
-            rank_files = per_rank.siblings(files[0]) if len(files) == 1 else files
+            # one path: a rank's file or a folder of them (``first`` read the lowest rank)
+            rank_files = per_rank.siblings(first.files[0]) if len(files) == 1 else files
             return per_rank.read(
                 first, rank_files, functools.partial(_read_rank, unsafe=unsafe), prescan.scan
             )
@@ -165,18 +166,34 @@ def _read_one(path: str, unsafe: bool) -> Checkpoint:
 
 
 def _single_checkpoint_file(folder: str) -> str | None:
-    """The one checkpoint file of a folder, if there is exactly one.
+    """The file that stands for a folder's one checkpoint, if it holds exactly one.
 
-    A Hugging Face model folder often holds the same weights twice
-    (``model.safetensors`` and ``pytorch_model.bin``); like ``from_pretrained``,
-    take the safetensors file then.
+    That is its only checkpoint file; or the lowest rank's file when every file is one
+    rank of the same checkpoint (``ep0-ba4-rank0.pt``, ``ep0-ba4-rank1.pt``: the caller
+    finds the siblings); or, in a Hugging Face model folder holding the same weights
+    twice (``model.safetensors`` and ``pytorch_model.bin``), the safetensors file, as
+    ``from_pretrained`` takes.
+
+    Raises:
+        CkptError: The rank files of several checkpoints (a trainer's snapshot folder).
     """
     names = sorted(n for n in os.listdir(folder) if n.endswith(CHECKPOINT_SUFFIXES))
     safetensors_names = [n for n in names if n.endswith(".safetensors")]
     for candidates in (names, safetensors_names):
         if len(candidates) == 1:
             return os.path.join(folder, candidates[0])
-    return None
+    ranks = [per_rank.RANK_RE.match(n) for n in names]
+    if not names or not all(ranks):
+        return None
+    checkpoints = sorted({f"{m.group(1)}*{m.group(3)}" for m in ranks if m})
+    if len(checkpoints) > 1:
+        raise CkptError(
+            f"folder holds the rank files of several checkpoints ({', '.join(checkpoints)})",
+            path=folder,
+            hint="pass one of them as a quoted glob",
+        )
+    lowest = min(ranks, key=lambda m: int(m.group(2)) if m else 0)
+    return os.path.join(folder, lowest.string) if lowest else None
 
 
 def _read(fmt, path: str, unsafe: bool) -> Checkpoint:
