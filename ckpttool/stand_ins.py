@@ -297,6 +297,7 @@ def _dtensor_local(stub: WrapperStub, state: Any) -> LocalShards:
         "mesh_shape": _mesh_shape(mesh),
         "coordinate": tuple(mesh.get("_coordinate_on_dim") or ()),
         "placements": placements,
+        "world_size": _mesh_world_size(mesh),
     }
     out.rank = mesh.get("_rank") if isinstance(mesh.get("_rank"), int) else None
     out.shards.append(_LocalBlock(local))
@@ -308,6 +309,18 @@ class _LocalBlock:
 
     def __init__(self, tensor: TensorRef):
         self.tensor = tensor
+
+
+def _mesh_world_size(mesh: dict) -> int | None:
+    """The ranks of the whole job, when the mesh records them (torch >= 2.9: the root
+    mesh's rank map, also in a submesh such as the ``dp`` dimension of a 2-D mesh)."""
+    ranks = mesh.get("_flatten_rank_map")
+    if isinstance(ranks, tuple) and ranks:
+        return len(ranks)
+    rank_map = mesh.get("_rank_map")
+    if isinstance(rank_map, TensorRef) and rank_map.numel:
+        return rank_map.numel
+    return None
 
 
 def _mesh_shape(mesh: dict) -> tuple[int, ...] | None:

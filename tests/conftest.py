@@ -345,12 +345,65 @@ DIST_WORKER = textwrap.dedent(
 )
 
 
+MESH_WORKER = textwrap.dedent(
+    '''
+    """4 ranks on a 2-D (dp=2, tp=2) CPU mesh: DTensors on the mesh and on its dp submesh,
+    saved per rank with torch.save, with dcp.save, and with dcp.save in the safetensors
+    serialization format; plus the full tensors (the reference)."""
+    import os
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    full = {
+        "lin.weight": torch.randn(5, 6),  # rows over dp (3 + 2), columns over tp
+        "lin.bias": torch.randn(5),  # rows over dp, replicated over tp
+        "emb.weight": torch.randn(7, 3).to(torch.bfloat16),  # on the dp submesh only
+        "step": torch.tensor(3),  # replicated everywhere
+    }
+    placements = {
+        "lin.weight": (mesh, [Shard(0), Shard(1)]),
+        "lin.bias": (mesh, [Shard(0), Replicate()]),
+        "emb.weight": (mesh["dp"], [Shard(0)]),
+        "step": (mesh, [Replicate(), Replicate()]),
+    }
+    model = {k: distribute_tensor(v, *placements[k]) for k, v in full.items()}
+    if rank == 0:
+        torch.save({"model": full, "epoch": 2}, os.path.join(out, "full.pt"))
+    torch.save({"model": model, "epoch": 2}, os.path.join(out, f"model-rank{rank}.pt"))
+    dcp.save({"model": model, "epoch": 2}, checkpoint_id=os.path.join(out, "dcp"))
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    writer = dcp.FileSystemWriter(
+        os.path.join(out, "dcp-safetensors"),
+        serialization_format=SerializationFormat.SAFETENSORS,
+    )
+    dcp.save({"model": model, "epoch": 2, "name": "run"}, storage_writer=writer)
+    dist.barrier()
+    open(os.path.join(out, f"done-rank{rank}"), "w").close()
+    dist.destroy_process_group()
+    '''
+)
+
+
 @dataclass
 class DistRuns:
-    """Outputs of the two torchrun runs (2 ranks and 3 ranks)."""
+    """Outputs of the torchrun runs (2 ranks, 3 ranks, 4 ranks on a 2-D mesh)."""
 
     two: Path  # ep0-ba1-rank{0,1}.pt, dcp/, dtensor-rank{0,1}.pt, full.pt, dtensor_full.pt
     three: Path  # ep0-ba1-rank{0,1,2}.pt, full.pt
+    mesh: Path  # model-rank{0..3}.pt, dcp/, dcp-safetensors/, full.pt
 
 
 def _torchrun(worker: Path, out: Path, world: int) -> subprocess.Popen:
@@ -376,25 +429,28 @@ def _complete(out: Path, world: int) -> bool:
 
 @pytest.fixture(scope="session")
 def dist_runs(tmp_path_factory) -> DistRuns:
-    """Run both torchrun jobs at once (about 10 s together) and share their files.
+    """Run the torchrun jobs at once (about 15 s together) and share their files.
 
     A run whose ranks all finished writing counts even if teardown crashed; an
     incomplete run is retried once.
     """
     base = tmp_path_factory.mktemp("dist")
-    worker = base / "worker.py"
-    worker.write_text(DIST_WORKER)
-    runs = {"two": 2, "three": 3}
-    procs = {name: _torchrun(worker, base / name, world) for name, world in runs.items()}
+    (base / "worker.py").write_text(DIST_WORKER)
+    (base / "mesh_worker.py").write_text(MESH_WORKER)
+    runs = {"two": (2, "worker.py"), "three": (3, "worker.py"), "mesh": (4, "mesh_worker.py")}
+    procs = {
+        name: _torchrun(base / script, base / name, world) for name, (world, script) in runs.items()
+    }
     for name, proc in procs.items():
+        world, script = runs[name]
         output, _ = proc.communicate(timeout=300)
-        if not _complete(base / name, runs[name]):
+        if not _complete(base / name, world):
             shutil.rmtree(base / name)
-            retry = _torchrun(worker, base / name, runs[name])
+            retry = _torchrun(base / script, base / name, world)
             output, _ = retry.communicate(timeout=300)
-            if not _complete(base / name, runs[name]):
+            if not _complete(base / name, world):
                 pytest.fail(f"torchrun ({name}) failed twice:\n{output[-4000:]}")
-    return DistRuns(base / "two", base / "three")
+    return DistRuns(base / "two", base / "three", base / "mesh")
 
 
 @pytest.fixture(scope="session")

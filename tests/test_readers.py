@@ -419,6 +419,43 @@ def test_per_rank_three_ranks_one_holds_nothing(dist_runs, dist_reference):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("given", ["per-rank", "dcp", "dcp-safetensors"])
+def test_2d_mesh_dtensors_and_a_submesh(dist_runs, given):
+    """4 ranks on a (dp=2, tp=2) mesh: a weight sharded over both dims (uneven rows), a
+    bias sharded over dp and replicated over tp, an embedding on the dp submesh (whose
+    coordinate cannot be told from the rank number), a replicated scalar. Saved per rank,
+    with dcp.save, and with dcp.save's safetensors serialization format (every chunk's
+    span points at the file's safetensors blob; its header says where the bytes are)."""
+    run = dist_runs.mesh
+    path = str(run / "model-rank*.pt") if given == "per-rank" else run / given
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == ("per-rank" if given == "per-rank" else "dcp")
+    assert ckpt.world_size == 4
+    full = torch.load(run / "full.pt", weights_only=True)
+    everything = ckpttool.load(path, select="all")
+    assert everything["epoch"] == 2
+    assert_same(everything["model"], full["model"])
+    assert_same(ckpttool.load(path), full["model"])
+
+
+@pytest.mark.slow
+def test_dcp_safetensors_blob_that_lacks_a_chunk_is_refused(dist_runs, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(dist_runs.mesh / "dcp-safetensors", folder)
+    distcp = folder / "__0_0.distcp"
+    data = distcp.read_bytes()
+    name = b'"model.lin.weight"'
+    assert data.count(name) == 1  # the header's key (DCP_SHARDING_INFO escapes its quotes)
+    distcp.write_bytes(data.replace(name, b'"model.lin.weighs"'))
+    check_error(
+        run_cli("convert", folder, "--to", "safetensors", "-o", tmp_path / "o.safetensors"),
+        2,
+        "holds no chunk of 'model.lin.weight' at [0, 0]",
+    )
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.slow
 def test_missing_rank_file_is_named(dist_runs, tmp_path):
     for r in (0, 2):
         shutil.copy(dist_runs.three / f"ep0-ba1-rank{r}.pt", tmp_path)

@@ -4,10 +4,17 @@
 flattened key to its global size and chunks, and each chunk to a byte span of a
 ``.distcp`` file. With the default ``FileSystemWriter`` every span is a complete
 ``torch.save`` zip; non-tensor values are pickled the same way.
+
+``FileSystemWriter(serialization_format=SerializationFormat.SAFETENSORS)`` instead
+appends one safetensors blob to each file, and every tensor span of that file
+points at the blob's start: the blob's header (keyed by the flattened key, with
+each chunk's offsets in ``DCP_SHARDING_INFO``) says where the bytes are.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
 from typing import Any
@@ -15,16 +22,15 @@ from typing import Any
 from ..errors import CkptError
 from ..policy import MAX_NESTING
 from ..tree import (
-    ByteSource,
     Checkpoint,
     DType,
     Shard,
     ShardedRef,
-    StorageRef,
     TensorRef,
-    contiguous_stride,
     state_attrs,
 )
+from .safetensors_file import MAX_HEADER
+from .safetensors_file import tensor_ref as safetensors_tensor_ref
 from .torch_zip import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle
 
@@ -41,15 +47,30 @@ _attrs = state_attrs
 
 
 class DcpChunk:
-    """A span of a ``.distcp`` file holding one chunk: a ``torch.save`` zip, or raw bytes."""
+    """A span of a ``.distcp`` file holding one chunk of ``fqn`` at ``offsets``.
 
-    def __init__(self, path: str, offset: int, length: int, dtype: DType, sizes: tuple, transforms):
+    The span is a ``torch.save`` zip, or the start of the file's safetensors blob.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        offset: int,
+        length: int,
+        dtype: DType,
+        sizes: tuple,
+        transforms: Any,
+        fqn: str,
+        offsets: tuple,
+    ):
         self.path = path
         self.offset = offset
         self.length = length
         self.dtype = dtype
         self.sizes = sizes
         self.transforms = transforms
+        self.fqn = fqn
+        self.offsets = offsets
 
     def tensor_ref(self) -> TensorRef:
         if self.transforms:
@@ -68,17 +89,67 @@ class DcpChunk:
             if not isinstance(ref, TensorRef):
                 raise CkptError("corrupt chunk: not a tensor", path=self.path)
             return ref
-        # SerializationFormat.SAFETENSORS-style raw bytes.
-        ref = TensorRef(self.dtype, self.sizes, contiguous_stride(self.sizes), 0, None)
-        if self.length != ref.nbytes:
-            raise CkptError("corrupt chunk: size does not match", path=self.path)
-        ref.storage = StorageRef(
-            "raw", self.dtype, ref.numel, "cpu", ByteSource(self.path, self.offset, self.length)
-        )
+        return self._safetensors_ref()
+
+    def _safetensors_ref(self) -> TensorRef:
+        blob = _safetensors_blob(self.path, self.offset)
+        if blob is None:
+            raise CkptError(
+                f"corrupt chunk of {self.fqn!r}: neither a torch.save zip nor a safetensors blob",
+                path=self.path,
+            )
+        header, data_start, data_len = blob
+        saved = _saved_offsets(header).get(self.fqn)
+        if self.fqn not in header or (saved is not None and tuple(saved) != self.offsets):
+            raise CkptError(
+                f"the safetensors data of this file holds no chunk of {self.fqn!r} at "
+                f"{list(self.offsets)} (corrupt checkpoint)",
+                path=self.path,
+            )
+        ref = safetensors_tensor_ref(self.path, self.fqn, header[self.fqn], data_start, data_len)
+        if ref.dtype.name != self.dtype.name or ref.shape != tuple(self.sizes):
+            raise CkptError(
+                f"chunk of {self.fqn!r}: the safetensors data says {ref.dtype.name} "
+                f"{list(ref.shape)}, .metadata {self.dtype.name} {list(self.sizes)}",
+                path=self.path,
+            )
         return ref
 
     def load(self, map_location: Any = "cpu") -> Any:
         return self.tensor_ref().load(map_location)
+
+
+@functools.lru_cache(maxsize=64)
+def _safetensors_blob(path: str, offset: int) -> tuple[dict, int, int] | None:
+    """(header, data start, data length) of a safetensors blob at ``offset``, if one is there.
+
+    The blob ends the file (it is written last), so its data runs to the end.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        head = f.read(9)
+        n = int.from_bytes(head[:8], "little")
+        if len(head) < 9 or head[8:9] != b"{" or n > MAX_HEADER or offset + 8 + n > size:
+            return None
+        raw = f.read(n - 1)
+    try:
+        header = json.loads(b"{" + raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    data_start = offset + 8 + n
+    return header, data_start, size - data_start
+
+
+def _saved_offsets(header: dict) -> dict[str, Any]:
+    """``{fqn: chunk offsets}`` from the blob's ``DCP_SHARDING_INFO`` metadata ({} if none)."""
+    try:
+        info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+        return {k: v["saved_offsets"] for k, v in info.items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return {}
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
@@ -155,7 +226,8 @@ def _tensor(folder: str, fqn: str, entry: dict, spans: dict, world_size: int | N
         c = _attrs(chunk)
         offsets, sizes = tuple(c.get("offsets") or ()), tuple(c.get("sizes") or ())
         file, start, length, transforms = _span(folder, fqn, offsets, spans)
-        shards.append(Shard(offsets, sizes, DcpChunk(file, start, length, dt, sizes, transforms)))
+        chunk = DcpChunk(file, start, length, dt, sizes, transforms, fqn, offsets)
+        shards.append(Shard(offsets, sizes, chunk))
     return ShardedRef(
         dt,
         size,

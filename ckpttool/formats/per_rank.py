@@ -57,13 +57,20 @@ def _name_rank(path: str) -> int | None:
 
 
 def _world_size(root: Any, num_files: int) -> int:
+    """The ranks that wrote the checkpoint, as its sharded leaves tell.
+
+    A DTensor may live on a submesh (the ``dp`` dimension of a 2-D mesh) smaller than
+    the job: the largest mesh (or the root mesh's rank map, where recorded) counts.
+    """
+    dtensor_sizes = []
     for _, value in walk(root):
         if isinstance(value, LocalShards):
             if isinstance(value.world_size, int):
                 return value.world_size
-            if value.kind == "dtensor" and value.layout.get("mesh_shape"):
-                return math.prod(value.layout["mesh_shape"])
-    return num_files
+            if value.kind == "dtensor":
+                layout = value.layout
+                dtensor_sizes.append(layout.get("world_size") or math.prod(layout["mesh_shape"]))
+    return max(dtensor_sizes) if dtensor_sizes else num_files
 
 
 def _rank_file_name(path: str, rank: int) -> str:
@@ -124,10 +131,11 @@ def read(
 ) -> Checkpoint:
     """Combine per-rank files into one tree of :class:`ShardedRef` leaves.
 
-    Only the lowest rank's file is read in full: its ShardedTensor metadata (or
-    DTensor mesh) says where every block of every rank lies, so inspecting needs
-    no other file; the others are scanned for dangerous globals and read when
-    their data is asked for.
+    For ShardedTensors only the lowest rank's file is read in full: their metadata
+    says where every block of every rank lies, so inspecting needs no other file;
+    the others are scanned for dangerous globals and read when their data is asked
+    for. A DTensor records only its own rank's mesh coordinate, so with DTensor
+    leaves every file is read (metadata only).
 
     Args:
         first: The file already read (one of ``paths``).
@@ -229,7 +237,7 @@ def _sharded_ref(
 ) -> ShardedRef:
     key = ".".join(str(k) for k in path)
     if local.kind == "dtensor":
-        shards = _dtensor_shards(key, path, local, files, base_rank, world_size)
+        shards = _dtensor_shards(key, path, local, files, base_rank)
     else:
         shards = _sharded_tensor_shards(key, path, local, files)
     check_coverage(key, local.shape, shards)
@@ -263,31 +271,37 @@ def _sharded_tensor_shards(
 
 
 def _dtensor_shards(
-    key: str, path: tuple, local: LocalShards, files: RankFiles, base_rank: int, world_size: int
+    key: str, path: tuple, local: LocalShards, files: RankFiles, base_rank: int
 ) -> list[Shard]:
-    layout = local.layout
-    mesh_shape, placements = layout["mesh_shape"], layout["placements"]
-    own = local.shards[0].tensor
-    offsets, sizes = dtensor_block(key, local.shape, mesh_shape, layout["coordinate"], placements)
-    if own.shape != sizes:
-        raise CkptError(
-            f"tensor {key!r}: local tensor of shape {list(own.shape)} does not match its "
-            f"placement (expected {list(sizes)})"
-        )
+    """Every rank's block of a DTensor, placed by that rank's own mesh coordinate.
+
+    Each file records where its rank sits in the mesh; on a submesh (FSDP over the
+    ``dp`` dimension of a 2-D mesh) that cannot be told from the rank number, so
+    every rank's file is read (metadata only).
+    """
     blocks: dict[tuple, Shard] = {}
-    if math.prod(sizes) > 0:
-        blocks[(offsets, sizes)] = Shard(offsets, sizes, own, base_rank)
-    for rank in range(world_size):
-        if rank == base_rank:
-            continue
-        # default device mesh: ranks laid out row-major over the mesh
-        coordinate = tuple(
-            (rank // math.prod(mesh_shape[d + 1 :])) % mesh_shape[d] for d in range(len(mesh_shape))
+    for rank in sorted(files.by_rank):
+        mine = local if rank == base_rank else get_path(files.root(rank), path)
+        if (
+            not isinstance(mine, LocalShards)
+            or mine.kind != "dtensor"
+            or mine.shape != local.shape
+            or mine.dtype != local.dtype
+        ):
+            raise CkptError(f"rank files disagree about tensor {key!r}", path=files.by_rank[rank])
+        layout = mine.layout
+        offsets, sizes = dtensor_block(
+            key, local.shape, layout["mesh_shape"], layout["coordinate"], layout["placements"]
         )
-        offsets, sizes = dtensor_block(key, local.shape, mesh_shape, coordinate, placements)
+        own = mine.shards[0].tensor
+        if own.shape != sizes:
+            raise CkptError(
+                f"tensor {key!r}: local tensor of shape {list(own.shape)} does not match its "
+                f"placement (expected {list(sizes)})",
+                path=files.by_rank[rank],
+            )
         if math.prod(sizes) > 0 and (offsets, sizes) not in blocks:  # replicas: keep one
-            block = RankShard(files, rank, path, local, offsets, sizes)
-            blocks[(offsets, sizes)] = Shard(offsets, sizes, block, rank)
+            blocks[(offsets, sizes)] = Shard(offsets, sizes, own, rank)
     return list(blocks.values())
 
 
