@@ -9,7 +9,8 @@ from typing import Any
 
 from .api import read
 from .output import atomic_output, check_output
-from .tree import Opaque, iter_tensors, walk
+from .plain import stand_in_names
+from .tree import iter_tensors
 
 
 @dataclass
@@ -50,14 +51,7 @@ def merge(
     check_output(out, [*inputs, *ckpt.files], force=force)
     leaves = [leaf for _, leaf in iter_tensors(ckpt.root)]
     total = sum(leaf.nbytes for leaf in leaves)
-    # objects and class references alike become plain data in the output
-    stand_ins = sorted(
-        {
-            v.class_name()
-            for _, v in walk(ckpt.root)
-            if isinstance(v, Opaque) or (isinstance(v, type) and issubclass(v, Opaque))
-        }
-    )
+    stand_ins = stand_in_names(ckpt.root)
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
     with bar as advance, atomic_output(out, force=force) as tmp:
         from .writers.torch_zip import write_torch

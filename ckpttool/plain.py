@@ -12,13 +12,38 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .stand_ins import Device, TorchName
-from .tree import DType, Opaque, is_tensor
+from .tree import DType, Opaque, is_tensor, walk
 
 TorchValue = Device | DType | TorchName
+SLICE_ARGS = ("start", "stop", "step")
+
+
+def _weights_only_refuses(value: Any) -> bool:
+    """Plain Python values ``torch.load(weights_only=True)`` has no global for."""
+    return isinstance(value, (frozenset, slice)) or value is Ellipsis
+
+
+def _builtin_name(value: Any) -> str:
+    return "builtins.Ellipsis" if value is Ellipsis else f"builtins.{type(value).__name__}"
+
+
+def stand_in_names(root: Any) -> list[str]:
+    """The classes whose objects a torch.save output keeps as plain-data stand-ins."""
+    names = set()
+    for _, value in walk(root):
+        if isinstance(value, Opaque) or (isinstance(value, type) and issubclass(value, Opaque)):
+            names.add(value.class_name())
+        elif _weights_only_refuses(value):
+            names.add(_builtin_name(value))
+    return sorted(names)
 
 
 def to_plain(
-    node: Any, leaf: Callable[[Any], Any], torch_value: Callable[[TorchValue], Any]
+    node: Any,
+    leaf: Callable[[Any], Any],
+    torch_value: Callable[[TorchValue], Any],
+    *,
+    weights_only: bool = False,
 ) -> Any:
     """The tree with tensors as ``leaf(ref)`` and torch values as ``torch_value(value)``.
 
@@ -26,6 +51,8 @@ def to_plain(
     ...}`` so no key disappears; a class saved by reference becomes
     ``{"__global__": "pkg.mod.Class"}``; devices, dtypes, layouts and memory formats
     go through ``torch_value``. Containers shared by several paths stay shared.
+    With ``weights_only`` (a torch.save output) a frozenset, slice or Ellipsis, which
+    ``torch.load(weights_only=True)`` refuses, becomes such a stand-in too.
     """
     memo: dict[int, Any] = {}
 
@@ -34,6 +61,10 @@ def to_plain(
             return leaf(value)
         if id(value) in memo:
             return memo[id(value)]
+        if weights_only and _weights_only_refuses(value):
+            result = _stand_in(value)
+            memo[id(value)] = result
+            return result
         if isinstance(value, Mapping):
             out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
             memo[id(value)] = out
@@ -66,5 +97,16 @@ def to_plain(
             result = value
         memo[id(value)] = result
         return result
+
+    def _stand_in(value: Any) -> dict:
+        name = _builtin_name(value)
+        if isinstance(value, frozenset):
+            return {"__class__": name, "args": [[build(v) for v in value]]}
+        if isinstance(value, slice):
+            return {
+                "__class__": name,
+                "args": [build(value.start), build(value.stop), build(value.step)],
+            }
+        return {"__global__": name}
 
     return build(node)

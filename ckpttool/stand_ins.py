@@ -470,6 +470,10 @@ def _wrapper_subclass(
     return WrapperStub(cls, dtype, size, stride, storage_offset, layout, device, requires_grad)
 
 
+def _identity(value: Any) -> Any:
+    return value
+
+
 SAFE_GLOBALS: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
     "collections.defaultdict": _defaultdict,
@@ -507,4 +511,13 @@ SAFE_GLOBALS: dict[str, Any] = {
     "torch.Size": _torch_size,
     "torch.device": _torch_device,
     "torch.serialization._get_layout": _get_layout,
+    "builtins.Ellipsis": Ellipsis,
+    # TorchScript pickles (a scripted module's data.pkl) wrap typed lists in these;
+    # torch's own are identity functions too
+    "torch.jit._pickle.build_intlist": _identity,
+    "torch.jit._pickle.build_tensorlist": _identity,
+    "torch.jit._pickle.build_doublelist": _identity,
+    "torch.jit._pickle.build_boollist": _identity,
+    "torch.jit._pickle.build_tensor_from_id": _identity,
+    "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: value,
 }

@@ -76,6 +76,8 @@ class SafeUnpickler(pickle.Unpickler):
                 value.__module__ in ("builtins", "collections") or issubclass(value, Opaque)
             ):
                 return value
+            if value is Ellipsis:  # a constant, immutable
+                return value
             # A pickle may BUILD on any object it names. A fresh partial per read keeps it
             # off our shared functions (``__kwdefaults__`` would change how every later
             # file is read); partial's own __setstate__ takes only a (func, args, ...)

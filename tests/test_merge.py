@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers_dist import one_line_error, run_cli, tree_files
 
+import ckpttool
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
 from ckpttool.writers import torch_zip
@@ -210,6 +211,44 @@ def test_plain_snapshot_objects_numpy_and_class_refs(tmp_path: Path):
         "nested": [(1, "a"), {"x": None, 2: [torch.zeros(0)]}],
     }
     assert assert_identical(merged, want) == 6
+
+
+def test_values_weights_only_refuses_become_stand_ins(tmp_path: Path):
+    """frozenset, slice and Ellipsis have no global torch.load(weights_only=True) accepts;
+    io.BytesIO and range are harmless classes (opaque, not refused as unsafe)."""
+    import io
+
+    snapshot = {
+        "w": torch.ones(2),
+        "tags": frozenset({"a"}),
+        "window": slice(1, 5, 2),
+        "index": (Ellipsis, 0),
+        "steps": range(3),
+        "buffer": io.BytesIO(b"state"),
+    }
+    torch.save(snapshot, tmp_path / "in.pt")
+    loaded = ckpttool.load(tmp_path / "in.pt", select="all")  # plain Python values stay
+    assert (loaded["tags"], loaded["window"], loaded["index"]) == (
+        frozenset({"a"}),
+        slice(1, 5, 2),
+        (Ellipsis, 0),
+    )
+    result = merge(str(tmp_path / "in.pt"), str(tmp_path / "m.pt"))
+    assert result.stand_ins == [
+        "_io.BytesIO",
+        "builtins.Ellipsis",
+        "builtins.frozenset",
+        "builtins.range",
+        "builtins.slice",
+    ]
+    merged = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert torch.equal(merged["w"], torch.ones(2))
+    assert merged["tags"] == {"__class__": "builtins.frozenset", "args": [["a"]]}
+    assert merged["window"] == {"__class__": "builtins.slice", "args": [1, 5, 2]}
+    assert merged["index"] == ({"__global__": "builtins.Ellipsis"}, 0)
+    assert merged["steps"] == {"__class__": "builtins.range", "args": [0, 3, 1]}
+    assert merged["buffer"]["__class__"] == "_io.BytesIO"
+    assert merged["buffer"]["state"][0] == b"state"
 
 
 def test_merged_zip_is_valid_and_aligned(fsdp2: Path, tmp_path: Path):

@@ -135,6 +135,28 @@ def test_torchscript_lists_parameters_and_buffers(tmp_path):
     ckpt = ckpttool.read(path)
     assert ckpt.format == "torchscript"
     assert sorted(ckpt.root) == ["buf", "fc.bias", "fc.weight", "sub.lin.bias", "sub.lin.weight"]
+    _check_torchscript(path, ckpt, net)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_torchscript_cnn(tmp_path, how):
+    """A scripted conv net's pickle wraps typed lists in torch.jit._pickle.build_intlist
+    & co. (identity functions): read, not refused."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    net.eval()
+    module = (
+        torch.jit.script(net) if how == "script" else torch.jit.trace(net, torch.randn(1, 3, 8, 8))
+    )
+    path = tmp_path / f"{how}.pt"
+    torch.jit.save(module, path)
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == "torchscript" and ckpt.dangerous == []
+    _check_torchscript(path, ckpt, net)
+
+
+def _check_torchscript(path, ckpt, net):
     loaded = ckpttool.load(path)
     expected = net.state_dict()
     assert sorted(loaded) == sorted(expected)

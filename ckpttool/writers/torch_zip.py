@@ -250,7 +250,7 @@ class TorchZipWriter:
 
     def convert(self, node: Any) -> Any:
         """The structure with every lazy tensor written and replaced by its pickle stand-in."""
-        return to_plain(node, self.add_tensor, pickle_value)
+        return to_plain(node, self.add_tensor, pickle_value, weights_only=True)
 
     def finish(self, structure: Any) -> None:
         data = io.BytesIO()
