@@ -62,8 +62,14 @@ def _read_cpu(ref: TensorRef) -> torch.Tensor:
         flat = flat.view(-1, itemsize).flip(1).reshape(-1)
     flat = flat.view(dt)
     if ref.is_contiguous():
-        return flat.view(ref.shape)
-    return torch.as_strided(flat, ref.shape, ref.stride).contiguous()
+        tensor = flat.view(ref.shape)
+    else:
+        tensor = torch.as_strided(flat, ref.shape, ref.stride).contiguous()
+    if ref.conj:  # the values torch.load gives, without the lazy bit
+        tensor = tensor.conj_physical()
+    if ref.neg:
+        tensor = tensor.neg()
+    return tensor
 
 
 def load_tensor(ref: TensorRef, map_location: Any = "cpu") -> torch.Tensor:

@@ -124,8 +124,21 @@ def _as_dtype(value: Any) -> DType:
     raise CkptError(f"corrupt tensor dtype {value!r}")
 
 
-def rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, *_, dtype=None):
-    """Stand-in for ``torch._utils._rebuild_tensor_v2``: a lazy TensorRef, bounds-checked."""
+def rebuild_tensor(
+    storage,
+    storage_offset,
+    size,
+    stride,
+    requires_grad=False,
+    backward_hooks=None,
+    metadata=None,
+    *_,
+    dtype=None,
+):
+    """Stand-in for ``torch._utils._rebuild_tensor_v2``: a lazy TensorRef, bounds-checked.
+
+    ``metadata`` carries the conjugate / negative bits of a lazy view (``{"conj": True}``).
+    """
     if not isinstance(storage, StorageRef):
         raise CkptError("corrupt pickle: tensor without a storage")
     shape = _int_tuple(size, "shape")
@@ -151,6 +164,8 @@ def rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, *
         storage=storage,
         device=storage.device,
         requires_grad=bool(requires_grad),
+        conj=isinstance(metadata, dict) and metadata.get("conj") is True,
+        neg=isinstance(metadata, dict) and metadata.get("neg") is True,
     )
 
 
@@ -158,9 +173,18 @@ def _rebuild_tensor_v1(storage, storage_offset, size, stride):
     return rebuild_tensor(storage, storage_offset, size, stride)
 
 
-def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_):
+def _rebuild_tensor_v3(
+    storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None, *_
+):
     return rebuild_tensor(
-        storage, storage_offset, size, stride, requires_grad, dtype=_as_dtype(dtype)
+        storage,
+        storage_offset,
+        size,
+        stride,
+        requires_grad,
+        hooks,
+        metadata,
+        dtype=_as_dtype(dtype),
     )
 
 

@@ -42,10 +42,10 @@ def _dtypes() -> dict[str, DType]:
         ("bfloat16", 2, "BF16", True),
         ("float8_e4m3fn", 1, "F8_E4M3", True),
         ("float8_e5m2", 1, "F8_E5M2", True),
-        ("float8_e4m3fnuz", 1, None, True),
-        ("float8_e5m2fnuz", 1, None, True),
+        ("float8_e4m3fnuz", 1, "F8_E4M3FNUZ", True),
+        ("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", True),
         ("float8_e8m0fnu", 1, "F8_E8M0", True),
-        ("complex128", 16, "C128", False),
+        ("complex128", 16, None, False),  # the safetensors format has C64 only
         ("complex64", 8, "C64", False),
         ("complex32", 4, None, False),
         ("int64", 8, "I64", False),
@@ -235,6 +235,9 @@ class TensorRef(_Sized):
     device: str = "cpu"
     requires_grad: bool = False
     kind: str = "tensor"  # "parameter" for nn.Parameter, or a tensor subclass name
+    # torch's lazy conjugate / negative views: the stored bytes are the values before it
+    conj: bool = False
+    neg: bool = False
 
     sharded = False
 

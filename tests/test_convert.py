@@ -472,11 +472,11 @@ def test_missing_input_exit_2(tmp_path: Path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("kind", ["complex32", "qint8"])
+@pytest.mark.parametrize("kind", ["complex32", "complex128", "qint8"])
 def test_dtype_safetensors_cannot_store_refused_before_writing(tmp_path: Path, kind):
     ok = torch.randn(3)
-    if kind == "complex32":
-        odd = torch.randn(4, dtype=torch.complex64).to(torch.complex32)
+    if kind.startswith("complex"):
+        odd = torch.randn(4, dtype=torch.complex64).to(getattr(torch, kind))
     else:
         odd = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
     torch.save({"a.ok": ok, "b.odd": odd, "c.ok": ok * 2}, tmp_path / "odd.pt")
@@ -486,6 +486,16 @@ def test_dtype_safetensors_cannot_store_refused_before_writing(tmp_path: Path, k
     with pytest.raises(CkptError, match=kind):
         convert([str(tmp_path / "odd.pt")], "safetensors", str(tmp_path / "o"), force=True)
     assert tree_files(tmp_path) == ["odd.pt"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.complex64])
+def test_dtypes_safetensors_has_codes_for_round_trip(tmp_path: Path, dtype):
+    t = torch.randn(5, dtype=torch.complex64 if dtype.is_complex else torch.float32).to(dtype)
+    torch.save({"t": t}, tmp_path / "in.pt")
+    out = tmp_path / "o.safetensors"
+    assert run_cli("convert", tmp_path / "in.pt", "--to", "safetensors", "-o", out).returncode == 0
+    got = load_file(out)["t"]
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
 
 
 def test_quantized_tensor_never_silently_dropped(tmp_path: Path):

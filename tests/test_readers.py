@@ -616,3 +616,24 @@ def test_folder_of_one_checkpoints_rank_files_is_read_as_that_checkpoint(tmp_pat
         "folder holds the rank files of several checkpoints (ep0-rank*.pt, ep1-rank*.pt)",
         "quoted glob",
     )
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["zip", "legacy"])
+def test_conjugate_and_negative_views_read_as_torch_load_gives_them(tmp_path, zip_format):
+    """torch.save keeps a lazy conj / neg view as the original bytes plus a bit; the bit
+    must be applied when reading and writing (not the raw bytes copied)."""
+    sd = {
+        "c": torch.tensor([1 + 2j, 3 - 4j]).conj(),
+        "n": torch.tensor([1.0, -2.0])._neg_view(),
+        "cn": torch.tensor([[1 + 1j, 2 - 2j]]).conj().t(),
+    }
+    path = tmp_path / "views.pt"
+    torch.save(sd, path, _use_new_zipfile_serialization=zip_format)
+    want = torch.load(path, weights_only=True)
+    assert want["c"].is_conj() and want["n"].is_neg()  # the bits really are in the file
+    assert_same(ckpttool.load(path), {k: v.resolve_conj().resolve_neg() for k, v in want.items()})
+    for to, name in (("safetensors", "o.safetensors"), ("pt", "o.pt")):
+        proc = run_cli("convert", path, "--to", to, "-o", tmp_path / name)
+        assert proc.returncode == 0, proc.stderr
+        assert_same(ckpttool.load(tmp_path / name), ckpttool.load(path))
+        assert run_cli("diff", path, tmp_path / name).returncode == 0

@@ -27,6 +27,7 @@ def _raw_copy_ok(leaf: Any, cast: DType | None) -> bool:
     return (
         isinstance(leaf, TensorRef)
         and leaf.kind != "quantized"
+        and not (leaf.conj or leaf.neg)
         and leaf.storage is not None
         and leaf.storage.source is not None
         and not leaf.storage.big_endian
