@@ -637,3 +637,20 @@ def test_conjugate_and_negative_views_read_as_torch_load_gives_them(tmp_path, zi
         assert proc.returncode == 0, proc.stderr
         assert_same(ckpttool.load(tmp_path / name), ckpttool.load(path))
         assert run_cli("diff", path, tmp_path / name).returncode == 0
+
+
+def test_file_saved_without_crcs_is_read(tmp_path, monkeypatch):
+    """``torch.utils.serialization.config.save.compute_crc32 = False`` writes every CRC as 0;
+    torch.load reads such files, so do we (a real CRC mismatch is still corruption)."""
+    import zipfile
+
+    import torch.utils.serialization
+
+    monkeypatch.setattr(torch.utils.serialization.config.save, "compute_crc32", False)
+    sd = small_state_dict()
+    torch.save(sd, tmp_path / "nocrc.pt")
+    assert {i.CRC for i in zipfile.ZipFile(tmp_path / "nocrc.pt").infolist()} == {0}
+    assert_same(ckpttool.load(tmp_path / "nocrc.pt"), sd)
+    proc = run_cli("convert", tmp_path / "nocrc.pt", "--to", "pt", "-o", tmp_path / "o.pt")
+    assert proc.returncode == 0, proc.stderr
+    assert_same(torch.load(tmp_path / "o.pt", weights_only=True), sd)
