@@ -19,6 +19,7 @@ from .tree import (
     KeyPath,
     Opaque,
     ShardedRef,
+    TensorRef,
     get_path,
     is_tensor,
     iter_tensors,
@@ -151,17 +152,27 @@ def json_value(value: Any) -> Any:
 
 
 def tensor_stats(ref: Any) -> dict[str, Any]:
-    """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes)."""
+    """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes).
+
+    A tensor saved without data (meta device) has none to show.
+    """
     import torch
 
-    t = ref.load("cpu")
     out: dict[str, Any] = {"nan": 0, "inf": 0}
+    none = {**out, "min": None, "max": None, "mean": None, "std": None}
+    if isinstance(ref, TensorRef) and ref.storage is None:
+        return none
+    t = ref.load("cpu")
     if t.numel() == 0:
-        return {**out, "min": None, "max": None, "mean": None, "std": None}
+        return none
+    if t.dtype == torch.complex32:  # torch warns that its kernels are experimental
+        t = t.to(torch.complex64)
     if t.is_complex():
         t = t.abs()
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
+    if t.dtype in (torch.bool, torch.uint16, torch.uint32):  # no min/max kernels for these
+        t = t.to(torch.int64)
+    if t.dtype == torch.uint64:
+        return {**out, **_uint64_stats(t)}
     if t.is_floating_point():
         t = t.to(torch.float64)
         finite = torch.isfinite(t)
@@ -176,6 +187,20 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     out["mean"] = float(f.mean())
     out["std"] = float(f.std()) if f.numel() > 1 else 0.0
     return out
+
+
+def _uint64_stats(t: Any) -> dict[str, Any]:
+    """Exact min/max of a uint64 tensor: flipping the top bit maps it onto int64 in order."""
+    import torch
+
+    shifted = t.view(torch.int64) ^ torch.iinfo(torch.int64).min
+    f = shifted.to(torch.float64) + 2.0**63
+    return {
+        "min": int(shifted.min()) + 2**63,
+        "max": int(shifted.max()) + 2**63,
+        "mean": float(f.mean()),
+        "std": float(f.std()) if f.numel() > 1 else 0.0,
+    }
 
 
 def _number(x: Any) -> int | float:

@@ -458,14 +458,21 @@ class NumpyArrayRef(TensorRef):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(DTYPES["uint8"], (0,), (1,), 0, None, kind="numpy.ndarray")
+        self._args = args
 
     def __setstate__(self, state: Any) -> None:
-        if not isinstance(state, tuple) or len(state) < 4:
-            return
-        shape, np_dtype, fortran, raw = state[-4:]
-        described = _numpy_dtype(np_dtype)
+        described = None
+        if isinstance(state, tuple) and len(state) >= 4:
+            shape, np_dtype, fortran, raw = state[-4:]
+            described = _numpy_dtype(np_dtype)
         if described is None or not isinstance(raw, (bytes, bytearray)):
-            self.kind = "numpy.ndarray (object or unsupported dtype, not read)"
+            # strings, objects, records: not a tensor. The object becomes what any other
+            # class's does, an inert placeholder keeping the state (the layouts match,
+            # both are plain objects with a __dict__)
+            args = self._args
+            self.__dict__.clear()
+            self.__class__ = opaque_class("numpy", "ndarray", known=True)
+            self.args, self.state = args, state
             return
         dtype, _, big_endian = described
         shape = _int_tuple(shape, "shape")

@@ -333,3 +333,24 @@ def test_stats_human_output_and_torch_import(stats_file):
     assert "1/2" in row  # the nan/inf column
     for column in ("min", "max", "mean", "std", "nan/inf"):
         assert column in out
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf:UserWarning")
+def test_stats_for_dtypes_without_min_max_kernels_and_meta_tensors(tmp_path):
+    """One tensor torch has no reduction for must not fail --stats for the whole file."""
+    sd = {
+        "u16": torch.tensor([1, 65535], dtype=torch.uint16),
+        "u32": torch.tensor([0, 2**32 - 1], dtype=torch.uint32),
+        "u64": torch.tensor([3, 2**64 - 1], dtype=torch.uint64),
+        "meta": torch.empty(3, device="meta"),
+        "c32": torch.tensor([3 + 4j]).to(torch.complex32),
+    }
+    torch.save(sd, tmp_path / "odd.pt")
+    proc = run_cli("inspect", "--stats", "--json", tmp_path / "odd.pt")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    stats = {t["key"][0]: t["stats"] for t in json.loads(proc.stdout)["tensors"]}
+    assert (stats["u16"]["min"], stats["u16"]["max"]) == (1, 65535)
+    assert (stats["u32"]["min"], stats["u32"]["max"]) == (0, 2**32 - 1)
+    assert (stats["u64"]["min"], stats["u64"]["max"]) == (3, 2**64 - 1)
+    assert stats["meta"]["min"] is None and stats["meta"]["mean"] is None
+    assert stats["c32"]["max"] == 5.0  # of the magnitudes

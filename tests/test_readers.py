@@ -654,3 +654,29 @@ def test_file_saved_without_crcs_is_read(tmp_path, monkeypatch):
     proc = run_cli("convert", tmp_path / "nocrc.pt", "--to", "pt", "-o", tmp_path / "o.pt")
     assert proc.returncode == 0, proc.stderr
     assert_same(torch.load(tmp_path / "o.pt", weights_only=True), sd)
+
+
+def test_numpy_arrays_of_strings_or_objects_are_placeholders_not_tensors(tmp_path):
+    import numpy as np
+
+    sd = {"w": torch.ones(2), "f": np.arange(3.0)}
+    torch.save(
+        {"model": sd, "names": np.array(["a", "b"]), "objs": np.array([{"x": 1}])},
+        tmp_path / "np.pt",
+    )
+    ckpt = ckpttool.read(tmp_path / "np.pt")
+    report = inspect_report(ckpt)
+    assert [t["key"] for t in report["tensors"]] == [["model", "w"], ["model", "f"]]
+    assert {v["key"][0]: v["value"] for v in report["values"]} == {
+        "names": "<opaque numpy.ndarray>",
+        "objs": "<opaque numpy.ndarray>",
+    }
+    everything = ckpttool.load(tmp_path / "np.pt", select="all")
+    assert everything["names"]["__class__"] == "numpy.ndarray"
+    assert torch.equal(everything["model"]["f"], torch.arange(3.0, dtype=torch.float64))
+    out = tmp_path / "all.safetensors"
+    proc = run_cli(
+        "convert", tmp_path / "np.pt", "--to", "safetensors", "--select", "all", "-o", out
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(ckpttool.load(out)) == ["model.f", "model.w"]
