@@ -115,7 +115,7 @@ def compare_tensors(
             for va, vb in itertools.chain([first], blocks)
         )
     else:
-        pairs = iter([(a.load("cpu").reshape(-1), b.load("cpu").reshape(-1))])
+        pairs = iter([(_values(a), _values(b))])
     max_diff, different = 0.0, 0
     for ta, tb in pairs:
         for start in range(0, ta.numel(), CHUNK_ELEMENTS):
@@ -123,6 +123,12 @@ def compare_tensors(
             chunk_max, chunk_different = _compare_chunk(x, y, atol, rtol)
             max_diff, different = max(max_diff, chunk_max), different + chunk_different
     return {"max_abs_diff": max_diff, "num_different": different}
+
+
+def _values(ref: Any) -> Any:
+    """A tensor's elements, flat; a quantized tensor's are the values it stands for."""
+    t = ref.load("cpu")
+    return (t.dequantize() if t.is_quantized else t).reshape(-1)
 
 
 def _compare_chunk(x: Any, y: Any, atol: float, rtol: float) -> tuple[float, int]:

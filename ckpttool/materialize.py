@@ -5,6 +5,7 @@ The only core module that imports torch, so that ``inspect`` and ``--help`` neve
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,17 +41,35 @@ def target_device(saved: str, map_location: Any) -> Any:
     raise CkptError(f"unsupported map_location {map_location!r}")
 
 
+# The integer type a quantized tensor's bytes hold.
+QUANTIZED_INT = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}
+
+
 def _read_cpu(ref: TensorRef) -> torch.Tensor:
     """The tensor's own elements, in a fresh CPU buffer (views are made contiguous)."""
-    dt = torch_dtype(ref.dtype)
+    if ref.kind == "quantized":
+        return _read_quantized(ref)
+    return _read_elements(ref, torch_dtype(ref.dtype))
+
+
+def _read_quantized(ref: TensorRef) -> torch.Tensor:
+    q = ref.quantizer
+    if q is None or ref.dtype.name not in QUANTIZED_INT:
+        raise CkptError(
+            f"cannot read a quantized {ref.dtype.name} tensor (unknown quantization scheme)",
+            hint="--select other tensors",
+        )
+    ints = _read_elements(ref, getattr(torch, QUANTIZED_INT[ref.dtype.name]))
+    with warnings.catch_warnings():  # torch >= 2.13 deprecates making quantized tensors
+        warnings.simplefilter("ignore", UserWarning)
+        if q[0] == "per_tensor_affine":
+            return torch._make_per_tensor_quantized_tensor(ints, q[1], q[2])
+        return torch._make_per_channel_quantized_tensor(ints, q[1].load(), q[2].load(), q[3])
+
+
+def _read_elements(ref: TensorRef, dt: torch.dtype) -> torch.Tensor:
     if ref.storage is None:
         raise CkptError("tensor has no stored data (saved on the meta device)")
-    if ref.kind == "quantized":
-        raise CkptError(
-            f"cannot read a quantized {ref.dtype.name} tensor (its scale and zero point are "
-            "not kept)",
-            hint="dequantize it before saving, or --select other tensors",
-        )
     itemsize = ref.dtype.itemsize
     if ref.numel == 0:
         return torch.empty(ref.shape, dtype=dt)
@@ -100,7 +119,7 @@ def place(tensor: torch.Tensor, device: Any) -> torch.Tensor:
 
 def load_sharded(ref: ShardedRef, map_location: Any = "cpu") -> torch.Tensor:
     """Assemble a sharded tensor's full value, one shard in memory at a time."""
-    out = torch.empty(ref.shape, dtype=torch_dtype(ref.dtype))
+    out = None
     for shard in ref.shards:
         block = shard.tensor.load("cpu")
         if tuple(block.shape) != tuple(shard.sizes):
@@ -108,9 +127,16 @@ def load_sharded(ref: ShardedRef, map_location: Any = "cpu") -> torch.Tensor:
                 f"shard at offsets {list(shard.offsets)} has shape {list(block.shape)}, "
                 f"expected {list(shard.sizes)}"
             )
+        if len(ref.shards) == 1 and tuple(shard.sizes) == tuple(ref.shape):
+            out = block  # the whole tensor (also a quantized one, which cannot be assembled)
+            break
+        if out is None:
+            out = torch.empty(ref.shape, dtype=torch_dtype(ref.dtype))
         index = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.sizes, strict=True))
         out[index] = block
         del block
+    if out is None:  # no shard: an empty tensor
+        out = torch.empty(ref.shape, dtype=torch_dtype(ref.dtype))
     if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
         map_location = "cpu"
     return place(out, target_device(ref.device, map_location))

@@ -165,6 +165,8 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     t = ref.load("cpu")
     if t.numel() == 0:
         return none
+    if t.is_quantized:  # the values it stands for
+        t = t.dequantize()
     if t.dtype == torch.complex32:  # torch warns that its kernels are experimental
         t = t.to(torch.complex64)
     if t.is_complex():

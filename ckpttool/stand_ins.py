@@ -195,15 +195,39 @@ def _rebuild_parameter(data, requires_grad=False, *_):
     return data
 
 
-def _rebuild_qtensor(storage, storage_offset, size, stride, *_):
-    """Stand-in for ``torch._utils._rebuild_qtensor``: a tensor of the quantized dtype.
-
-    The quantizer (scale, zero point) is not kept, so reading its values fails with a
-    clear error instead of the tensor silently vanishing from conversions.
-    """
-    ref = rebuild_tensor(storage, storage_offset, size, stride)
+def _rebuild_qtensor(storage, storage_offset, size, stride, quantizer_params=None, *rest):
+    """Stand-in for ``torch._utils._rebuild_qtensor``: a tensor of the quantized dtype
+    (its stored bytes are the integer representation) with its quantizer."""
+    requires_grad = rest[0] if rest else False
+    ref = rebuild_tensor(storage, storage_offset, size, stride, requires_grad)
     ref.kind = "quantized"
+    ref.quantizer = _quantizer(quantizer_params)
     return ref
+
+
+PER_CHANNEL_QSCHEMES = ("per_channel_affine", "per_channel_affine_float_qparams")
+
+
+def _quantizer(params: Any) -> tuple | None:
+    """The quantizer torch pickles: (qscheme, scale, zero point) or (qscheme, scales,
+    zero points, axis); the qscheme is a ``torch.per_*`` global. None if not one of these."""
+    if not isinstance(params, tuple) or not params:
+        return None
+    scheme = params[0]
+    is_torch_name = (
+        isinstance(scheme, type) and issubclass(scheme, Opaque) and scheme.module == "torch"
+    )
+    name = scheme.qualname if is_torch_name else None
+    if name == "per_tensor_affine" and len(params) == 3:
+        scale, zero_point = params[1:]
+        if isinstance(scale, (int, float)) and isinstance(zero_point, int):
+            return (name, float(scale), zero_point)
+    if name in PER_CHANNEL_QSCHEMES and len(params) == 4:
+        scales, zero_points, axis = params[1:]
+        if isinstance(scales, TensorRef) and isinstance(zero_points, TensorRef):
+            if isinstance(axis, int):
+                return (name, scales, zero_points, axis)
+    return None
 
 
 def _rebuild_meta(dtype, size, stride, requires_grad=False):

@@ -238,6 +238,9 @@ class TensorRef(_Sized):
     # torch's lazy conjugate / negative views: the stored bytes are the values before it
     conj: bool = False
     neg: bool = False
+    # a quantized tensor's scheme and parameters (kind "quantized"): ("per_tensor_affine",
+    # scale, zero_point) or (per-channel scheme, scales, zero_points, axis), None if unknown
+    quantizer: Any = None
 
     sharded = False
 

@@ -498,14 +498,46 @@ def test_dtypes_safetensors_has_codes_for_round_trip(tmp_path: Path, dtype):
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
 
 
-def test_quantized_tensor_never_silently_dropped(tmp_path: Path):
-    """A quantized tensor is a tensor: --to pt refuses it rather than writing a file without it."""
-    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
-    torch.save({"w": torch.randn(2), "q": q}, tmp_path / "q.pt")
-    assert [
-        t["key"]
-        for t in json.loads(run_cli("inspect", tmp_path / "q.pt", "--json").stdout)["tensors"]
-    ] == [["w"], ["q"]]
-    with pytest.raises(CkptError, match="quantized qint8"):
-        convert([str(tmp_path / "q.pt")], "pt", str(tmp_path / "o.pt"))
-    assert tree_files(tmp_path) == ["q.pt"]
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("to", ["pt", "dcp"])
+def test_quantized_tensors_keep_their_quantizer(tmp_path: Path, to):
+    """Quantized tensors (torchvision's published int8 weights are) read and write with their
+    scheme: per tensor (scale, zero point) and per channel (scales, zero points, axis)."""
+    torch.manual_seed(0)
+    sd = {
+        "w": torch.randn(2),
+        "pt": torch.quantize_per_tensor(torch.randn(4, 3), 0.1, 3, torch.quint8).t(),
+        "pc": torch.quantize_per_channel(
+            torch.randn(3, 2),
+            torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64),
+            torch.tensor([0, 1, -1]),
+            0,
+            torch.qint8,
+        ),
+        "i32": torch.quantize_per_tensor(torch.randn(5), 0.5, 0, torch.qint32),
+    }
+    torch.save(sd, tmp_path / "q.pt")
+    report = json.loads(run_cli("inspect", tmp_path / "q.pt", "--json").stdout)
+    assert [(t["key"], t["dtype"]) for t in report["tensors"]] == [
+        (["w"], "float32"),
+        (["pt"], "quint8"),
+        (["pc"], "qint8"),
+        (["i32"], "qint32"),
+    ]
+    out = tmp_path / f"o.{to}"
+    proc = run_cli("convert", tmp_path / "q.pt", "--to", to, "-o", out)
+    assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr
+    for got in (ckpttool.load(tmp_path / "q.pt"), ckpttool.load(out)):
+        for key, want in sd.items():
+            assert got[key].dtype == want.dtype, key
+            if want.is_quantized:
+                assert got[key].qscheme() == want.qscheme(), key
+                assert torch.equal(got[key].int_repr(), want.int_repr()), key
+                assert torch.equal(got[key].dequantize(), want.dequantize()), key
+            else:
+                assert torch.equal(got[key], want), key
+    if to == "pt":  # torch reads it as it reads its own
+        again = torch.load(out, weights_only=True)
+        assert torch.equal(again["pc"].q_per_channel_scales(), sd["pc"].q_per_channel_scales())
+        assert again["pt"].q_scale() == 0.1 and again["pt"].q_zero_point() == 3
+    assert run_cli("diff", tmp_path / "q.pt", out).returncode == 0

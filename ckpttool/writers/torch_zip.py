@@ -246,7 +246,21 @@ class TorchZipWriter:
         entry = self.zip.begin(f"{ARCHIVE}/data/{key}", leaf.numel * dt.itemsize)
         write_leaf(self.zip.out, leaf, self.cast, self.progress)
         self.zip.end(entry)
-        return _tensor(_Storage(key, dt, leaf.numel, self.location), tuple(leaf.shape))
+        storage = _Storage(key, dt, leaf.numel, self.location)
+        quantizer = getattr(leaf, "quantizer", None)
+        if quantizer is not None:
+            return self._quantized(storage, tuple(leaf.shape), quantizer)
+        return _tensor(storage, tuple(leaf.shape))
+
+    def _quantized(self, storage: _Storage, shape: tuple[int, ...], quantizer: tuple) -> _Reduced:
+        """``_rebuild_qtensor(storage, 0, size, stride, quantizer_params, False, {})``; a
+        per-channel quantizer's scales and zero points are tensors of their own."""
+        scheme, *params = quantizer
+        if len(params) == 3:  # per channel: scales, zero points, axis
+            params = [self.add_tensor(params[0]), self.add_tensor(params[1]), params[2]]
+        plain = _tensor(storage, shape)  # the same arguments, up to the quantizer
+        args = (*plain.args[:4], (torch_global("torch", scheme), *params), *plain.args[4:])
+        return _Reduced(torch_global("torch._utils", "_rebuild_qtensor"), args)
 
     def convert(self, node: Any) -> Any:
         """The structure with every lazy tensor written and replaced by its pickle stand-in."""
