@@ -322,6 +322,9 @@ DIST_WORKER = textwrap.dedent(
         "rng": [{"torch": torch.get_rng_state()}],
     }
     torch.save(snapshot, os.path.join(out, f"ep0-ba1-rank{rank}.pt"))
+    if world == 3:  # each rank's own piece of each parameter, as a plain tensor
+        with FSDP.state_dict_type(fsdp, StateDictType.LOCAL_STATE_DICT):
+            torch.save({"model": fsdp.state_dict()}, os.path.join(out, f"local-rank{rank}.pt"))
     if world == 2:
         dcp.save({"model": sd, "optim": osd, "step": 7}, checkpoint_id=os.path.join(out, "dcp"))
         from torch.distributed.device_mesh import init_device_mesh
@@ -402,7 +405,7 @@ class DistRuns:
     """Outputs of the torchrun runs (2 ranks, 3 ranks, 4 ranks on a 2-D mesh)."""
 
     two: Path  # ep0-ba1-rank{0,1}.pt, dcp/, dtensor-rank{0,1}.pt, full.pt, dtensor_full.pt
-    three: Path  # ep0-ba1-rank{0,1,2}.pt, full.pt
+    three: Path  # ep0-ba1-rank{0,1,2}.pt, local-rank{0,1,2}.pt (LOCAL_STATE_DICT), full.pt
     mesh: Path  # model-rank{0..3}.pt, dcp/, dcp-safetensors/, full.pt
 
 

@@ -141,6 +141,16 @@ def test_dtensor_merge(fsdp2: Path, tmp_path: Path):
     assert_identical(dict(merged["model"]), dict(full["model"]))
 
 
+def test_local_state_dict_pieces_are_refused_not_taken_from_rank_0(dist_runs, tmp_path):
+    """FSDP LOCAL_STATE_DICT with use_orig_params: each rank's file holds a plain tensor
+    that is its own piece of the parameter. Taking rank 0's as the whole was wrong data."""
+    files = str(dist_runs.three / "local-rank*.pt")
+    out = tmp_path / "m.pt"
+    line = one_line_error(run_cli("merge", files, "-o", out), 2, "differs between rank files")
+    assert "LOCAL_STATE_DICT" in line and "SHARDED_STATE_DICT" in line
+    assert not out.exists()
+
+
 def test_merge_refuses_missing_rank(fsdp3: Path, tmp_path: Path):
     alone = tmp_path / "alone"
     alone.mkdir()

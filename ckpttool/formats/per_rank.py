@@ -87,15 +87,49 @@ ScanFile = Callable[[str], tuple[list[str], list[str]]]
 class RankFiles:
     """The files of a per-rank checkpoint; each is read (metadata only) on first use."""
 
-    def __init__(self, by_rank: dict[int, str], read_file: ReadFile, loaded: dict[int, Checkpoint]):
+    def __init__(
+        self,
+        by_rank: dict[int, str],
+        read_file: ReadFile,
+        loaded: dict[int, Checkpoint],
+        base_rank: int,
+    ):
         self.by_rank = by_rank
         self._read_file = read_file
         self._loaded = loaded
+        self._base_rank = base_rank
 
     def root(self, rank: int) -> Any:
         if rank not in self._loaded:
-            self._loaded[rank] = self._read_file(self.by_rank[rank])
+            ckpt = self._read_file(self.by_rank[rank])
+            _check_plain_tensors(self._loaded[self._base_rank].root, ckpt.root, ckpt.files[0])
+            self._loaded[rank] = ckpt
         return self._loaded[rank].root
+
+
+def _check_plain_tensors(base: Any, other: Any, path: str) -> None:
+    """The lowest rank's unsharded tensors stand for every rank's: refuse files where
+    another rank's differ in shape or dtype. Each rank then holds its own piece of
+    them (FSDP ``LOCAL_STATE_DICT`` with ``use_orig_params``), and nothing says how
+    the pieces fit."""
+    for key_path, ref in walk(base):
+        if not isinstance(ref, TensorRef):
+            continue
+        try:
+            theirs = get_path(other, key_path)
+        except CkptError:
+            continue  # rank-specific entries (RNG state lists...) may differ in structure
+        if isinstance(theirs, TensorRef) and (
+            theirs.shape != ref.shape or theirs.dtype != ref.dtype
+        ):
+            key = ".".join(str(k) for k in key_path)
+            raise CkptError(
+                f"tensor {key!r} is not sharded but differs between rank files "
+                f"({ref.dtype.name} {list(ref.shape)} here, {theirs.dtype.name} "
+                f"{list(theirs.shape)} in {os.path.basename(path)}): each rank holds its own "
+                "piece and nothing says how they fit (FSDP LOCAL_STATE_DICT?)",
+                hint="save with SHARDED_STATE_DICT or FULL_STATE_DICT",
+            )
 
 
 class RankShard:
@@ -196,7 +230,7 @@ def _combine(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
         )
-    files = RankFiles(by_rank, read_file, loaded)
+    files = RankFiles(by_rank, read_file, loaded, base_rank)
 
     def build(node: Any, path: tuple) -> Any:
         if isinstance(node, LocalShards):
