@@ -45,6 +45,8 @@ def _dtypes() -> dict[str, DType]:
         ("float8_e4m3fnuz", 1, "F8_E4M3FNUZ", True),
         ("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", True),
         ("float8_e8m0fnu", 1, "F8_E8M0", True),
+        # two fp4 values per byte; not cast by --dtype (torch has no conversion for it)
+        ("float4_e2m1fn_x2", 1, None, False),
         ("complex128", 16, None, False),  # the safetensors format has C64 only
         ("complex64", 8, "C64", False),
         ("complex32", 4, None, False),

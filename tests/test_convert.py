@@ -541,3 +541,17 @@ def test_quantized_tensors_keep_their_quantizer(tmp_path: Path, to):
         assert torch.equal(again["pc"].q_per_channel_scales(), sd["pc"].q_per_channel_scales())
         assert again["pt"].q_scale() == 0.1 and again["pt"].q_zero_point() == 3
     assert run_cli("diff", tmp_path / "q.pt", out).returncode == 0
+
+
+def test_float4_packed_pairs_round_trip_through_pt(tmp_path: Path):
+    t = torch.arange(0, 256, 37, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    torch.save({"f4": t, "w": torch.ones(2)}, tmp_path / "in.pt")
+    out = tmp_path / "o.pt"
+    proc = run_cli("convert", tmp_path / "in.pt", "--to", "pt", "--dtype", "bfloat16", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    got = torch.load(out, weights_only=True)
+    assert got["f4"].dtype == torch.float4_e2m1fn_x2  # not cast: torch cannot convert it
+    assert torch.equal(got["f4"].view(torch.uint8), t.view(torch.uint8))
+    assert got["w"].dtype == torch.bfloat16
+    proc = run_cli("convert", tmp_path / "in.pt", "--to", "safetensors", "-o", tmp_path / "o.st")
+    one_line_error(proc, 2, "'f4'", "float4_e2m1fn_x2", "safetensors cannot store")
