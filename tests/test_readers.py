@@ -639,16 +639,21 @@ def test_conjugate_and_negative_views_read_as_torch_load_gives_them(tmp_path, zi
         assert run_cli("diff", path, tmp_path / name).returncode == 0
 
 
-def test_file_saved_without_crcs_is_read(tmp_path, monkeypatch):
+def test_file_saved_without_crcs_is_read(tmp_path):
     """``torch.utils.serialization.config.save.compute_crc32 = False`` writes every CRC as 0;
     torch.load reads such files, so do we (a real CRC mismatch is still corruption)."""
     import zipfile
 
     import torch.utils.serialization
 
-    monkeypatch.setattr(torch.utils.serialization.config.save, "compute_crc32", False)
+    config = torch.utils.serialization.config.save
     sd = small_state_dict()
-    torch.save(sd, tmp_path / "nocrc.pt")
+    # not monkeypatch: its undo deletes the option from torch's config module for good
+    was, config.compute_crc32 = config.compute_crc32, False
+    try:
+        torch.save(sd, tmp_path / "nocrc.pt")
+    finally:
+        config.compute_crc32 = was
     assert {i.CRC for i in zipfile.ZipFile(tmp_path / "nocrc.pt").infolist()} == {0}
     assert_same(ckpttool.load(tmp_path / "nocrc.pt"), sd)
     proc = run_cli("convert", tmp_path / "nocrc.pt", "--to", "pt", "-o", tmp_path / "o.pt")
