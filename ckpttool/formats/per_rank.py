@@ -133,7 +133,7 @@ def _check_plain_tensors(base: Any, other: Any, path: str) -> None:
 
 
 class RankShard:
-    """A block that another rank's file holds, read only when its data is needed."""
+    """A ShardedTensor block that another rank's file holds, read only when its data is needed."""
 
     def __init__(self, files: RankFiles, rank: int, path: tuple, like: LocalShards, offsets, sizes):
         self.files, self.rank, self.path = files, rank, path
@@ -150,9 +150,8 @@ class RankShard:
             or local.dtype != self.like.dtype
         ):
             raise CkptError(f"rank files disagree about tensor {key!r}", path=file)
-        for block in local.shards:
-            offsets = getattr(block, "offsets", self.offsets)  # a DTensor block has none
-            if offsets == self.offsets and block.tensor.shape == self.sizes:
+        for block in local.shards:  # ShardedTensor blocks (DTensor ones are placed at read)
+            if block.offsets == self.offsets and block.tensor.shape == self.sizes:
                 return block.tensor
         raise CkptError(f"tensor {key!r}: no block at offsets {list(self.offsets)}", path=file)
 
