@@ -15,7 +15,6 @@ from .stand_ins import Device, TorchName
 from .tree import DType, Opaque, is_tensor, walk
 
 TorchValue = Device | DType | TorchName
-SLICE_ARGS = ("start", "stop", "step")
 
 
 def _weights_only_refuses(value: Any) -> bool:

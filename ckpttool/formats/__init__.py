@@ -182,18 +182,18 @@ def _single_checkpoint_file(folder: str) -> str | None:
     for candidates in (names, safetensors_names):
         if len(candidates) == 1:
             return os.path.join(folder, candidates[0])
-    ranks = [per_rank.RANK_RE.match(n) for n in names]
-    if not names or not all(ranks):
+    ranks = [m for n in names if (m := per_rank.RANK_RE.match(n))]
+    if not names or len(ranks) != len(names):
         return None
-    checkpoints = sorted({f"{m.group(1)}*{m.group(3)}" for m in ranks if m})
+    checkpoints = sorted({f"{m.group(1)}*{m.group(3)}" for m in ranks})
     if len(checkpoints) > 1:
         raise CkptError(
             f"folder holds the rank files of several checkpoints ({', '.join(checkpoints)})",
             path=folder,
             hint="pass one of them as a quoted glob",
         )
-    lowest = min(ranks, key=lambda m: int(m.group(2)) if m else 0)
-    return os.path.join(folder, lowest.string) if lowest else None
+    lowest = min(ranks, key=lambda m: int(m.group(2)))
+    return os.path.join(folder, lowest.string)
 
 
 def _read(fmt, path: str, unsafe: bool) -> Checkpoint:

@@ -119,18 +119,26 @@ class DcpChunk:
         return self.tensor_ref().load(map_location)
 
 
-@functools.lru_cache(maxsize=64)
 def _safetensors_blob(path: str, offset: int) -> tuple[dict, int, int] | None:
     """(header, data start, data length) of a safetensors blob at ``offset``, if one is there.
 
-    The blob ends the file (it is written last), so its data runs to the end.
+    The blob ends the file (it is written last), so its data runs to the end. Every
+    chunk of a file points at the same blob: its header is parsed once per version
+    of the file (size and mtime are part of the cache key).
     """
-    size = os.path.getsize(path)
+    stat = os.stat(path)
+    return _parse_safetensors_blob(path, offset, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_safetensors_blob(
+    path: str, offset: int, size: int, mtime_ns: int
+) -> tuple[dict, int, int] | None:
     with open(path, "rb") as f:
         f.seek(offset)
         head = f.read(9)
         n = int.from_bytes(head[:8], "little")
-        if len(head) < 9 or head[8:9] != b"{" or n > MAX_HEADER or offset + 8 + n > size:
+        if len(head) < 9 or head[8:9] != b"{" or not 2 <= n <= MAX_HEADER or offset + 8 + n > size:
             return None
         raw = f.read(n - 1)
     try:
