@@ -12,7 +12,7 @@ from .api import flatten_tensors, read, select_node
 from .errors import UsageError
 from .output import atomic_output, check_output
 from .tree import DTYPES, DType
-from .writers import output_dtype
+from .writers import output_nbytes
 
 TARGETS = ("safetensors", "pt", "dcp")
 CAST_DTYPES = ("float32", "float16", "bfloat16")
@@ -139,7 +139,7 @@ def convert(
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     out = out or default_output(inputs, to, shard_limit is not None)
     check_output(out, [*inputs, *ckpt.files], force=force)
-    total = sum(leaf.numel * output_dtype(leaf, cast).itemsize for leaf in tensors.values())
+    total = sum(output_nbytes(leaf, cast) for leaf in tensors.values())
     metadata = {"source": os.path.basename(os.path.normpath(inputs[0]))}
     folder_output = to == "dcp" or shard_limit is not None
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError
-from .tree import OpenFiles
+from .tree import OpenFiles, SparseRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -114,6 +114,8 @@ def compare_tensors(
             (torch.frombuffer(va, dtype=dtype), torch.frombuffer(vb, dtype=dtype))
             for va, vb in itertools.chain([first], blocks)
         )
+    elif isinstance(a, SparseRef) or isinstance(b, SparseRef):
+        pairs = iter([_sparse_values(a, b)])
     else:
         pairs = iter([(_values(a), _values(b))])
     max_diff, different = 0.0, 0
@@ -129,6 +131,31 @@ def _values(ref: Any) -> Any:
     """A tensor's elements, flat; a quantized tensor's are the values it stands for."""
     t = ref.load("cpu")
     return (t.dequantize() if t.is_quantized else t).reshape(-1)
+
+
+def _sparse_values(a: Any, b: Any) -> tuple[Any, Any]:
+    """Two tensors of which one or both are sparse, as flat values over the positions
+    either stores (an unstored element is 0): compared as the dense tensors would be,
+    in memory for what they store, not for their dense size."""
+    import torch
+
+    ta, tb = a.load("cpu"), b.load("cpu")
+    if ta.layout == torch.strided or tb.layout == torch.strided:  # a dense one is that big
+        return ta.to_dense().reshape(-1), tb.to_dense().reshape(-1)
+    ta, tb = ta.to_sparse_coo().coalesce(), tb.to_sparse_coo().coalesce()
+    if ta.sparse_dim() != tb.sparse_dim():
+        return ta.to_dense().reshape(-1), tb.to_dense().reshape(-1)
+    sparse_shape = tuple(ta.shape[: ta.sparse_dim()])
+    strides = torch.tensor(contiguous_stride(sparse_shape), dtype=torch.int64).unsqueeze(1)
+    where_a, where_b = (t.indices().mul(strides).sum(0) for t in (ta, tb))
+    union = torch.unique(torch.cat([where_a, where_b]))  # sorted
+    out = []
+    for t, where in ((ta, where_a), (tb, where_b)):
+        values = t.values()
+        full = values.new_zeros((union.numel(), *values.shape[1:]))
+        full[torch.searchsorted(union, where)] = values
+        out.append(full.reshape(-1))
+    return out[0], out[1]
 
 
 def _compare_chunk(x: Any, y: Any, atol: float, rtol: float) -> tuple[float, int]:

@@ -14,7 +14,7 @@ import torch
 from .errors import CkptError
 from .plain import TorchValue, to_plain
 from .stand_ins import Device
-from .tree import DType, ShardedRef, TensorRef
+from .tree import DType, ShardedRef, SparseRef, TensorRef
 
 
 def torch_dtype(dt: DType) -> torch.dtype:
@@ -140,6 +140,29 @@ def load_sharded(ref: ShardedRef, map_location: Any = "cpu") -> torch.Tensor:
     if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
         map_location = "cpu"
     return place(out, target_device(ref.device, map_location))
+
+
+def load_sparse(ref: SparseRef, map_location: Any = "cpu") -> torch.Tensor:
+    """Build a sparse tensor from its parts, its invariants checked as ``torch.load``
+    checks them: indices out of range would make later reads go out of bounds."""
+    parts = [_read_cpu(part) for part in ref.parts]
+    with warnings.catch_warnings():  # "sparse CSR support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            if ref.layout == "sparse_coo":
+                tensor = torch.sparse_coo_tensor(
+                    *parts, ref.shape, is_coalesced=ref.is_coalesced, check_invariants=True
+                )
+            else:
+                tensor = torch.sparse_compressed_tensor(
+                    *parts, ref.shape, layout=getattr(torch, ref.layout), check_invariants=True
+                )
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CkptError(f"corrupt sparse tensor ({ref.layout}): {first}") from None
+    if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
+        map_location = "cpu"
+    return place(tensor, target_device(ref.device, map_location))
 
 
 def torch_value(value: TorchValue) -> Any:

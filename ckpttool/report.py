@@ -19,6 +19,7 @@ from .tree import (
     KeyPath,
     Opaque,
     ShardedRef,
+    SparseRef,
     TensorRef,
     get_path,
     is_tensor,
@@ -115,6 +116,8 @@ def tensor_entry(path: KeyPath, ref: Any) -> dict[str, Any]:
     }
     if isinstance(ref, ShardedRef):
         entry["shards"] = len(ref.shards)
+    if isinstance(ref, SparseRef):
+        entry["layout"] = ref.layout
     return entry
 
 
@@ -154,7 +157,9 @@ def json_value(value: Any) -> Any:
 def tensor_stats(ref: Any) -> dict[str, Any]:
     """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes).
 
-    A tensor saved without data (meta device) has none to show.
+    A tensor saved without data (meta device) has none to show. A sparse tensor's
+    are those of the dense tensor it stands for, computed from its stored values
+    (the elements it does not store are zeros), never densified.
     """
     import torch
 
@@ -163,7 +168,11 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     if isinstance(ref, TensorRef) and ref.storage is None:
         return none
     t = ref.load("cpu")
-    if t.numel() == 0:
+    zeros = 0  # elements a sparse tensor does not store
+    if isinstance(ref, SparseRef):
+        t = (t.coalesce() if ref.layout == "sparse_coo" else t).values().reshape(-1)
+        zeros = ref.numel - t.numel()
+    if t.numel() + zeros == 0:
         return none
     if t.is_quantized:  # the values it stands for
         t = t.dequantize()
@@ -173,7 +182,7 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
         t = t.abs()
     if t.dtype in (torch.bool, torch.uint16, torch.uint32):  # no min/max kernels for these
         t = t.to(torch.int64)
-    if t.dtype == torch.uint64:
+    if t.dtype == torch.uint64 and not zeros:
         return {**out, **_uint64_stats(t)}
     if t.is_floating_point():
         t = t.to(torch.float64)
@@ -181,14 +190,34 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
         out["nan"] = int(torch.isnan(t).sum())
         out["inf"] = int(torch.isinf(t).sum())
         t = t[finite]
-        if t.numel() == 0:
-            return {**out, "min": None, "max": None, "mean": None, "std": None}
+    if zeros:
+        return {**out, **_stats_with_zeros(t, zeros)}
+    if t.numel() == 0:
+        return none | out
     out["min"] = _number(t.min())
     out["max"] = _number(t.max())
     f = t.to(torch.float64)
     out["mean"] = float(f.mean())
     out["std"] = float(f.std()) if f.numel() > 1 else 0.0
     return out
+
+
+def _stats_with_zeros(values: Any, zeros: int) -> dict[str, Any]:
+    """Stats of ``values`` (real, finite) together with ``zeros`` more zero elements."""
+    import torch
+
+    count = values.numel() + zeros
+    f = values.to(torch.float64)
+    mean = float(f.sum()) / count
+    # squared deviations of the stored values, then those of the zeros
+    squares = float(((f - mean) ** 2).sum()) + zeros * mean**2
+    stored = values.numel() > 0
+    return {
+        "min": min(_number(values.min()), 0) if stored else 0,
+        "max": max(_number(values.max()), 0) if stored else 0,
+        "mean": mean,
+        "std": math.sqrt(squares / (count - 1)) if count > 1 else 0.0,
+    }
 
 
 def _uint64_stats(t: Any) -> dict[str, Any]:

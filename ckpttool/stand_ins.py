@@ -16,10 +16,12 @@ from typing import Any
 from .errors import CkptError
 from .tree import (
     DTYPES,
+    SPARSE_PARTS,
     ByteSource,
     DType,
     Opaque,
     Shard,
+    SparseRef,
     StorageRef,
     TensorRef,
     contiguous_stride,
@@ -28,7 +30,9 @@ from .tree import (
 )
 
 # Module-level torch objects referenced by real checkpoints that need nothing but a name.
-TORCH_LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "_mkldnn", "jagged"})
+TORCH_LAYOUTS = frozenset(
+    "strided sparse_coo sparse_csr sparse_csc sparse_bsr sparse_bsc _mkldnn jagged".split()
+)
 TORCH_MEMORY_FORMATS = frozenset(
     {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format"}
 )
@@ -189,7 +193,7 @@ def _rebuild_tensor_v3(
 
 
 def _rebuild_parameter(data, requires_grad=False, *_):
-    if isinstance(data, TensorRef):
+    if isinstance(data, (TensorRef, SparseRef)):
         data.kind = "parameter"
         data.requires_grad = bool(requires_grad)
     return data
@@ -241,6 +245,35 @@ def _rebuild_meta(dtype, size, stride, requires_grad=False):
         device="meta",
         requires_grad=bool(requires_grad),
     )
+
+
+def _rebuild_sparse_tensor(layout, data):
+    """Stand-in for ``torch._utils._rebuild_sparse_tensor``: a :class:`SparseRef` of the
+    stored index and value tensors. torch checks their invariants when it is read."""
+    name = layout.removeprefix("torch.") if isinstance(layout, TorchName) else None
+    if name not in SPARSE_PARTS:  # a layout this version does not know: kept inert
+        return opaque_class("torch._utils", "_rebuild_sparse_tensor")(layout, data)
+    count = len(SPARSE_PARTS[name])
+    is_coalesced = None
+    # COO data is (indices, values, size) before torch 2.1, then is_coalesced too
+    if name == "sparse_coo" and isinstance(data, tuple) and len(data) == count + 2:
+        data, is_coalesced = data[:-1], data[-1]
+    if (
+        not isinstance(data, tuple)
+        or len(data) != count + 1
+        or not all(isinstance(part, TensorRef) for part in data[:count])
+        or not isinstance(is_coalesced, (bool, type(None)))
+    ):
+        raise CkptError(f"corrupt sparse tensor ({name})")
+    parts, size = data[:count], _int_tuple(data[count], "shape")
+    if name == "sparse_coo":
+        indices, values = parts
+        nnz = indices.shape[1] if len(indices.shape) == 2 else -1
+        if nnz < 0 or not values.shape or values.shape[0] != nnz:
+            raise CkptError("corrupt sparse tensor: its indices and values do not match")
+        if indices.shape[0] + len(values.shape) - 1 != len(size):
+            raise CkptError(f"corrupt sparse tensor: indices do not fit its shape {list(size)}")
+    return SparseRef(name, size, parts, is_coalesced)
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
@@ -556,6 +589,7 @@ SAFE_GLOBALS: dict[str, Any] = {
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
     "torch._utils._rebuild_meta_tensor_no_storage": _rebuild_meta,
     "torch._utils._rebuild_qtensor": _rebuild_qtensor,
+    "torch._utils._rebuild_sparse_tensor": _rebuild_sparse_tensor,
     "torch._utils._rebuild_wrapper_subclass": _wrapper_subclass,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "torch._tensor._rebuild_from_type": lambda func, type_, args, dict_: func(*args),

@@ -2,8 +2,9 @@
 
 A checkpoint is plain Python containers (dict, list, tuple) whose leaves are
 primitives, :class:`TensorRef` (one tensor: metadata plus where its bytes live),
-:class:`ShardedRef` (a global tensor made of shards spread over ranks or files)
-or :class:`Opaque` (an inert stand-in for an object of a class we do not rebuild).
+:class:`ShardedRef` (a global tensor made of shards spread over ranks or files),
+:class:`SparseRef` (a sparse tensor, made of stored index and value tensors) or
+:class:`Opaque` (an inert stand-in for an object of a class we do not rebuild).
 Nothing here imports torch: bytes are read and tensors built only in
 :mod:`ckpttool.materialize`, when a tensor is actually asked for.
 """
@@ -287,6 +288,61 @@ class ShardedRef(_Sized):
         return load_sharded(self, map_location)
 
 
+# Sparse layouts torch.save writes, and the stored tensors each is rebuilt from.
+SPARSE_PARTS: dict[str, tuple[str, ...]] = {
+    "sparse_coo": ("indices", "values"),
+    "sparse_csr": ("crow_indices", "col_indices", "values"),
+    "sparse_csc": ("ccol_indices", "row_indices", "values"),
+    "sparse_bsr": ("crow_indices", "col_indices", "values"),
+    "sparse_bsc": ("ccol_indices", "row_indices", "values"),
+}
+
+
+@dataclass(eq=False)
+class SparseRef:
+    """A sparse tensor: its layout, its dense shape and the stored tensors it is made of.
+
+    ``parts`` are named by ``SPARSE_PARTS[layout]``: (indices, values) for COO,
+    (compressed indices, plain indices, values) for CSR, CSC, BSR and BSC. Its size
+    is what those hold, not the dense shape.
+    """
+
+    layout: str
+    shape: tuple[int, ...]
+    parts: tuple[TensorRef, ...]
+    is_coalesced: bool | None = None  # COO only; None when the file does not say
+    requires_grad: bool = False
+    kind: str = "tensor"
+
+    sharded = False
+
+    @property
+    def values(self) -> TensorRef:
+        return self.parts[-1]
+
+    @property
+    def dtype(self) -> DType:
+        return self.values.dtype
+
+    @property
+    def device(self) -> str:
+        return self.values.device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def load(self, map_location: Any = "cpu") -> Any:
+        """Read the parts and return the sparse ``torch.Tensor`` (its invariants checked)."""
+        from .materialize import load_sparse
+
+        return load_sparse(self, map_location)
+
+
 class _ReadOnlyClass(type):
     """Stand-in classes are shared by every read: a pickle's BUILD must not change them."""
 
@@ -413,7 +469,7 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-LEAF_TYPES = (TensorRef, ShardedRef)
+LEAF_TYPES = (TensorRef, ShardedRef, SparseRef)
 KeyPath = tuple[Any, ...]
 
 
@@ -448,7 +504,9 @@ def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
             stack.extend((here + (k,), v, inner) for k, v in reversed(kids))
 
 
-def iter_tensors(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, TensorRef | ShardedRef]]:
+def iter_tensors(
+    node: Any, path: KeyPath = ()
+) -> Iterator[tuple[KeyPath, TensorRef | ShardedRef | SparseRef]]:
     """Yield (key path, tensor leaf) for every tensor under ``node``, in order."""
     for here, value in walk(node, path):
         if is_tensor(value):

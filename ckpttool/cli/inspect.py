@@ -91,7 +91,7 @@ def render(ckpt, report: dict) -> None:
     for t in report["tensors"]:
         row = [
             ".".join(map(str, t["key"])),
-            t["dtype"],
+            f"{t['dtype']} {t['layout']}" if "layout" in t else t["dtype"],
             str(t["shape"]),
             t["device"],
             human_bytes(t["nbytes"]),

@@ -54,13 +54,15 @@ def short(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
 
 
 def describe_tensor(ref: Any) -> str:
-    from ..tree import ShardedRef, TensorRef
+    from ..tree import ShardedRef, SparseRef
 
     shape = "×".join(map(str, ref.shape)) or "scalar"
     text = f"[cyan]{ref.dtype.name}[/] [{shape}]"
+    if isinstance(ref, SparseRef):
+        text += f" [magenta]{ref.layout}[/]"
     if isinstance(ref, ShardedRef):
         text += f" [magenta]{len(ref.shards)} shards[/]"
-    elif isinstance(ref, TensorRef) and ref.device != "cpu":
+    elif ref.device != "cpu":
         text += f" on {ref.device}"
     return text
 
@@ -71,7 +73,7 @@ def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: 
     from rich.tree import Tree
 
     from ..layout import is_plain
-    from ..tree import Opaque, ShardedRef, TensorRef, children
+    from ..tree import Opaque, children, is_tensor
 
     tree = Tree(label)
 
@@ -85,7 +87,7 @@ def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: 
             name = f"[bold]{escape(str(key))}[/]"
             if here == model_key:
                 branch.add(f"{name} [green]← {model_label}[/]")
-            elif isinstance(value, (TensorRef, ShardedRef)):
+            elif is_tensor(value):
                 branch.add(f"{name}: {describe_tensor(value)}")
             elif is_plain(value) or isinstance(value, Opaque) and not list(value.children()):
                 branch.add(f"{name} = {escape(short(value))}")

@@ -7,10 +7,18 @@ import ctypes
 from collections.abc import Iterator
 from typing import Any
 
-from ..tree import DType, TensorRef
+from ..errors import CkptError
+from ..tree import DType, SparseRef, TensorRef
 from .output_file import OutputFile, Progress
 
-__all__ = ["OutputFile", "Progress", "output_dtype", "write_leaf"]
+__all__ = [
+    "OutputFile",
+    "Progress",
+    "output_dtype",
+    "output_nbytes",
+    "refuse_sparse",
+    "write_leaf",
+]
 
 CHUNK_BYTES = 16 << 20
 
@@ -20,6 +28,24 @@ def output_dtype(leaf: Any, cast: DType | None) -> DType:
     if cast is not None and leaf.dtype.is_floating:
         return cast
     return leaf.dtype
+
+
+def output_nbytes(leaf: Any, cast: DType | None) -> int:
+    """Bytes written for one leaf: a sparse tensor writes its parts, not its dense size."""
+    if isinstance(leaf, SparseRef):
+        return sum(output_nbytes(part, cast) for part in leaf.parts)
+    return leaf.numel * output_dtype(leaf, cast).itemsize
+
+
+def refuse_sparse(tensors: dict[str, Any], target: str) -> None:
+    """Fail before writing anything when ``target`` (safetensors, DCP) cannot hold a
+    sparse tensor; densifying it could take far more memory and disk than it does."""
+    for name, leaf in tensors.items():
+        if isinstance(leaf, SparseRef):
+            raise CkptError(
+                f"tensor {name!r} is sparse ({leaf.layout}): {target} stores dense tensors only",
+                hint="use --to pt, or --select other tensors",
+            )
 
 
 def _raw_copy_ok(leaf: Any, cast: DType | None) -> bool:

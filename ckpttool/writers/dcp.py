@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..tree import DType
-from . import Progress, tensor_for_write
+from . import Progress, refuse_sparse, tensor_for_write
 
 DATA_FILE = "__0_0.distcp"
 METADATA_FILE = ".metadata"
@@ -36,6 +36,7 @@ def write_dcp(
     progress: Progress | None = None,
 ) -> None:
     """Write ``tensors`` (name -> lazy leaf) as a one-rank DCP checkpoint into ``folder``."""
+    refuse_sparse(tensors, "DCP")
     entries: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     with open(os.path.join(folder, DATA_FILE), "wb") as f:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..tree import DType
-from . import OutputFile, Progress, output_dtype, write_leaf
+from . import OutputFile, Progress, output_dtype, refuse_sparse, write_leaf
 
 SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -18,6 +18,7 @@ HEADER_ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte ali
 
 def check_dtypes(tensors: dict[str, Any], cast: DType | None) -> None:
     """Fail before writing anything if a tensor has no safetensors dtype."""
+    refuse_sparse(tensors, "safetensors")
     for name, leaf in tensors.items():
         if getattr(leaf, "kind", "") == "quantized":
             raise CkptError(

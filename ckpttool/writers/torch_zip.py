@@ -19,8 +19,8 @@ from typing import Any
 
 from ..errors import CkptError
 from ..plain import TorchValue, to_plain
-from ..stand_ins import TORCH_LAYOUTS, Device
-from ..tree import STORAGE_CLASSES, DType
+from ..stand_ins import TORCH_LAYOUTS, Device, TorchName
+from ..tree import STORAGE_CLASSES, DType, SparseRef
 from . import OutputFile, Progress, output_dtype, write_leaf
 
 ARCHIVE = "archive"
@@ -240,6 +240,8 @@ class TorchZipWriter:
 
     def add_tensor(self, leaf: Any) -> _Reduced:
         """Write one tensor's bytes now; return what the pickle will hold for it."""
+        if isinstance(leaf, SparseRef):
+            return self._sparse(leaf)
         key = str(self._count)
         self._count += 1
         dt = output_dtype(leaf, self.cast)
@@ -261,6 +263,17 @@ class TorchZipWriter:
         plain = _tensor(storage, shape)  # the same arguments, up to the quantizer
         args = (*plain.args[:4], (torch_global("torch", scheme), *params), *plain.args[4:])
         return _Reduced(torch_global("torch._utils", "_rebuild_qtensor"), args)
+
+    def _sparse(self, leaf: SparseRef) -> _Reduced:
+        """``_rebuild_sparse_tensor(layout, (parts..., size[, is_coalesced]))`` as torch
+        pickles a sparse tensor; each part is a tensor of its own."""
+        leaf.load("cpu")  # checks its invariants: torch.load would refuse the output otherwise
+        parts = [self.add_tensor(part) for part in leaf.parts]
+        size = _Reduced(torch_global("torch", "Size"), (tuple(leaf.shape),))
+        coalesced = (leaf.is_coalesced,) if leaf.layout == "sparse_coo" else ()
+        layout = pickle_value(TorchName(f"torch.{leaf.layout}"))
+        data = (*parts, size, *coalesced)
+        return _Reduced(torch_global("torch._utils", "_rebuild_sparse_tensor"), (layout, data))
 
     def convert(self, node: Any) -> Any:
         """The structure with every lazy tensor written and replaced by its pickle stand-in."""
