@@ -351,8 +351,9 @@ DIST_WORKER = textwrap.dedent(
 MESH_WORKER = textwrap.dedent(
     '''
     """4 ranks on a 2-D (dp=2, tp=2) CPU mesh: DTensors on the mesh and on its dp submesh,
-    saved per rank with torch.save, with dcp.save, and with dcp.save in the safetensors
-    serialization format; plus the full tensors (the reference)."""
+    saved per rank with torch.save, with dcp.save, with dcp.save in the safetensors
+    serialization format, and with HuggingFaceStorageWriter(save_distributed=True) in one
+    and in two files per rank; plus the full tensors (the reference)."""
     import os
     import sys
     import warnings
@@ -393,6 +394,12 @@ MESH_WORKER = textwrap.dedent(
         serialization_format=SerializationFormat.SAFETENSORS,
     )
     dcp.save({"model": model, "epoch": 2, "name": "run"}, storage_writer=writer)
+    for name, files in (("hf-dist", None), ("hf-dist2", {"lin.weight": 1, "lin.bias": 1})):
+        files = files and {**files, "emb.weight": 2, "step": 2}
+        writer = dcp.HuggingFaceStorageWriter(
+            os.path.join(out, name), save_distributed=True, fqn_to_index_mapping=files
+        )
+        dcp.save(model, storage_writer=writer)
     dist.barrier()
     open(os.path.join(out, f"done-rank{rank}"), "w").close()
     dist.destroy_process_group()
@@ -406,7 +413,7 @@ class DistRuns:
 
     two: Path  # ep0-ba1-rank{0,1}.pt, dcp/, dtensor-rank{0,1}.pt, full.pt, dtensor_full.pt
     three: Path  # ep0-ba1-rank{0,1,2}.pt, local-rank{0,1,2}.pt (LOCAL_STATE_DICT), full.pt
-    mesh: Path  # model-rank{0..3}.pt, dcp/, dcp-safetensors/, full.pt
+    mesh: Path  # model-rank{0..3}.pt, dcp/, dcp-safetensors/, hf-dist/, hf-dist2/, full.pt
 
 
 def _torchrun(worker: Path, out: Path, world: int) -> subprocess.Popen:

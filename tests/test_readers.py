@@ -461,6 +461,43 @@ def test_2d_mesh_dtensors_and_a_submesh(dist_runs, given):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("given", ["hf-dist", "hf-dist2", "one-file"])
+def test_hf_storage_writer_distributed_shards(dist_runs, given):
+    """HuggingFaceStorageWriter(save_distributed=True): each rank's blocks in its own
+    ``shard-R-model-K-of-N.safetensors``, placed by DCP_SHARDING_INFO, no .metadata or
+    index. Given one of its files, the folder is read (a block alone is not the tensor)."""
+    folder = dist_runs.mesh / ("hf-dist" if given == "one-file" else given)
+    one = folder / "shard-00003-model-00001-of-00001.safetensors"
+    path = one if given == "one-file" else folder
+    ckpt = ckpttool.read(path)
+    assert (ckpt.format, ckpt.world_size) == ("dcp", 4)
+    assert ckpt.files == sorted(str(p) for p in folder.glob("shard-*.safetensors"))
+    full = torch.load(dist_runs.mesh / "full.pt", weights_only=True)["model"]
+    assert {k: v.shape for k, v in ckpt.root.items()} == {k: v.shape for k, v in full.items()}
+    assert len(ckpt.root["lin.weight"].shards) == 4  # replicated blocks were written once
+    assert len(ckpt.root["lin.bias"].shards) == 2
+    assert_same(ckpttool.load(path), full)
+
+
+@pytest.mark.slow
+def test_hf_distributed_shards_with_a_rank_missing(dist_runs, tmp_path):
+    for file in (dist_runs.mesh / "hf-dist").glob("shard-*.safetensors"):
+        if not file.name.startswith("shard-00004"):
+            shutil.copy(file, tmp_path)
+    check_error(run_cli("inspect", tmp_path), 2, "'lin.weight'", "a rank file is missing?")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, given", [("two", "dcp"), ("mesh", "dcp-safetensors")])
+def test_one_distcp_file_reads_its_folder(dist_runs, run, given):
+    folder = getattr(dist_runs, run) / given
+    ckpt = ckpttool.read(folder / "__1_0.distcp")
+    assert ckpt.format == "dcp"
+    assert ckpt.files == ckpttool.read(folder).files
+    assert_same(ckpttool.load(folder / "__1_0.distcp"), ckpttool.load(folder))
+
+
+@pytest.mark.slow
 def test_dcp_safetensors_blob_that_lacks_a_chunk_is_refused(dist_runs, tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(dist_runs.mesh / "dcp-safetensors", folder)

@@ -18,6 +18,7 @@ from ..tree import Checkpoint
 from ..unpickler import split_seen
 from . import (
     dcp,
+    dcp_hf,
     per_rank,
     safetensors_file,
     sharded_index,
@@ -27,9 +28,10 @@ from . import (
 )
 from .prescan import Prescan
 
-# Order matters: TorchScript archives are zips too, so they are tried before torch-zip.
-FOLDER_FORMATS = [dcp, sharded_index]
-FILE_FORMATS = [torchscript, torch_zip, sharded_index, safetensors_file, torch_legacy]
+# Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
+# a DCP folder's data files are read as their folder, so DCP comes first.
+FOLDER_FORMATS = [dcp, sharded_index, dcp_hf]
+FILE_FORMATS = [dcp, torchscript, torch_zip, sharded_index, dcp_hf, safetensors_file, torch_legacy]
 # Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
 PICKLE_FORMATS = (torch_zip, torch_legacy)
 HEAD_BYTES = 512

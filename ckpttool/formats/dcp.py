@@ -29,7 +29,7 @@ from ..tree import (
     TensorRef,
     state_attrs,
 )
-from .safetensors_file import MAX_HEADER
+from .safetensors_file import MAX_HEADER, dcp_saved_offsets
 from .safetensors_file import tensor_ref as safetensors_tensor_ref
 from .torch_zip import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle
@@ -40,7 +40,18 @@ RANK_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def detect(path: str, head: bytes) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
+    """A folder holding ``.metadata``, or one of its ``.distcp`` files: a file holds some
+    chunks of some tensors, which mean nothing without the folder, so the folder is read."""
+    return _folder(path) is not None
+
+
+def _folder(path: str) -> str | None:
+    folder = (
+        path if os.path.isdir(path) else os.path.dirname(path) if path.endswith(".distcp") else None
+    )
+    if folder is None or not os.path.isfile(os.path.join(folder, METADATA_FILE)):
+        return None
+    return folder
 
 
 _attrs = state_attrs
@@ -99,7 +110,7 @@ class DcpChunk:
                 path=self.path,
             )
         header, data_start, data_len = blob
-        saved = _saved_offsets(header).get(self.fqn)
+        saved = (dcp_saved_offsets(header) or {}).get(self.fqn)
         if self.fqn not in header or (saved is not None and tuple(saved) != self.offsets):
             raise CkptError(
                 f"the safetensors data of this file holds no chunk of {self.fqn!r} at "
@@ -151,16 +162,8 @@ def _parse_safetensors_blob(
     return header, data_start, size - data_start
 
 
-def _saved_offsets(header: dict) -> dict[str, Any]:
-    """``{fqn: chunk offsets}`` from the blob's ``DCP_SHARDING_INFO`` metadata ({} if none)."""
-    try:
-        info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
-        return {k: v["saved_offsets"] for k, v in info.items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return {}
-
-
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
+    path = _folder(path) or path
     meta_path = os.path.join(path, METADATA_FILE)
     seen: set[str] = set()
     with open(meta_path, "rb") as f:

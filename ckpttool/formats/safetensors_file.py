@@ -19,6 +19,9 @@ from ..tree import (
 FORMAT = "safetensors"
 # The safetensors library refuses headers over 100 MB; so do we, before allocating.
 MAX_HEADER = 100_000_000
+# DCP's safetensors files (its safetensors serialization format, HuggingFaceStorageWriter)
+# record under this metadata key where each tensor, a block, lies in its global tensor.
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
 def detect(path: str, head: bytes) -> bool:
@@ -50,6 +53,15 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     if not isinstance(header, dict):
         raise CkptError("corrupt safetensors header (not a JSON object)", path=path)
     return header, 8 + n
+
+
+def dcp_saved_offsets(header: dict) -> dict[str, tuple[int, ...]] | None:
+    """``{name: offsets}`` from a header's ``DCP_SHARDING_INFO``; None when it has none."""
+    try:
+        info = json.loads(header["__metadata__"][DCP_SHARDING_KEY])
+        return {name: tuple(int(o) for o in entry["saved_offsets"]) for name, entry in info.items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:

@@ -1,0 +1,95 @@
+"""``dcp`` as ``HuggingFaceStorageWriter(save_distributed=True)`` writes it: safetensors only.
+
+Each rank writes its own blocks to ``shard-{rank+1}-model-{k}-of-{n}.safetensors``, with
+no ``.metadata`` and no index: each file's ``DCP_SHARDING_INFO`` metadata says where every
+block it holds lies in its global tensor. As torch's ``HuggingFaceStorageReader`` does, a
+global tensor ends where its farthest block ends; ckpttool also checks that the blocks
+cover it exactly once (a missing rank's file leaves a hole). Given one of the files, the
+folder is read: a block alone is not the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ..errors import CkptError
+from ..tree import Checkpoint, Shard, ShardedRef
+from .safetensors_file import dcp_saved_offsets, read_header, tensor_ref
+from .safetensors_file import detect as is_safetensors
+
+FORMAT = "dcp"
+# torch.distributed.checkpoint._hf_utils.SHARDED_FILE_NAME
+SHARD_FILE_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
+
+
+def detect(path: str, head: bytes) -> bool:
+    if os.path.isdir(path):
+        return bool(_shard_files(path))
+    return (
+        SHARD_FILE_RE.match(os.path.basename(path)) is not None
+        and is_safetensors(path, head)
+        and dcp_saved_offsets(read_header(path)[0]) is not None
+    )
+
+
+def _shard_files(folder: str) -> list[str]:
+    """The folder's DCP shard files, when every safetensors file in it is one."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if not names or not all(SHARD_FILE_RE.match(n) for n in names):
+        return []
+    paths = [os.path.join(folder, n) for n in names]
+    if any(dcp_saved_offsets(_header(p)) is None for p in paths):
+        return []
+    return paths
+
+
+def _header(path: str) -> dict:
+    try:
+        return read_header(path)[0]
+    except CkptError:
+        return {}
+
+
+def read(path: str, *, permissive: bool = False) -> Checkpoint:
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    files = _shard_files(folder)
+    if not files:
+        raise CkptError(
+            "a shard of a DCP safetensors checkpoint, but its folder does not hold "
+            "only such shards",
+            path=path,
+        )
+    blocks: dict[str, list[Shard]] = {}
+    for file in files:
+        header, data_start = read_header(file)
+        data_len = os.path.getsize(file) - data_start
+        offsets = dcp_saved_offsets(header) or {}
+        rank = int(SHARD_FILE_RE.match(os.path.basename(file)).group(1)) - 1
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            ref = tensor_ref(file, name, info, data_start, data_len)
+            where = offsets.get(name)
+            if where is None or len(where) != len(ref.shape):
+                raise CkptError(
+                    f"tensor {name!r} has no offsets of its rank in DCP_SHARDING_INFO",
+                    path=file,
+                )
+            blocks.setdefault(name, []).append(Shard(where, ref.shape, ref, rank))
+    world_size = max(int(SHARD_FILE_RE.match(os.path.basename(f)).group(1)) for f in files)
+    root = {name: _global(name, shards, world_size) for name, shards in blocks.items()}
+    return Checkpoint(format=FORMAT, files=files, root=root, world_size=world_size)
+
+
+def _global(name: str, shards: list[Shard], world_size: int) -> ShardedRef:
+    from .per_rank import check_coverage
+
+    dtypes = {s.tensor.dtype.name for s in shards}
+    if len(dtypes) > 1:
+        raise CkptError(f"tensor {name!r}: its blocks have different dtypes {sorted(dtypes)}")
+    shape = tuple(
+        max(s.offsets[d] + s.sizes[d] for s in shards) for d in range(len(shards[0].sizes))
+    )
+    check_coverage(name, shape, shards)
+    return ShardedRef(shards[0].tensor.dtype, shape, shards, kind="dcp", world_size=world_size)
