@@ -137,7 +137,11 @@ def convert(
             "the selection holds no tensors", hint="see `ckpttool inspect`, then --select"
         )
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
-    out = out or default_output(inputs, to, shard_limit is not None)
+    if ckpt.format == "dcp" and os.path.isfile(inputs[0]):  # one data file stood for its folder
+        named_after = [os.path.dirname(os.path.abspath(inputs[0]))]
+    else:
+        named_after = inputs
+    out = out or default_output(named_after, to, shard_limit is not None)
     check_output(out, [*inputs, *ckpt.files], force=force)
     total = sum(output_nbytes(leaf, cast) for leaf in tensors.values())
     metadata = {"source": os.path.basename(os.path.normpath(inputs[0]))}

@@ -7,6 +7,8 @@ import errno
 import fcntl
 import os
 import random
+import threading
+import time
 import zipfile
 import zlib
 from pathlib import Path
@@ -106,6 +108,35 @@ def test_o_direct_refused_midway_goes_on_through_the_page_cache(
         expected, _ = _write_mixed(out, source, random.Random(2))
     assert not out.direct or not output_file._O_DIRECT
     assert path.read_bytes() == expected
+
+
+def test_o_direct_refused_in_two_writer_threads_at_once(small_buffers, monkeypatch, tmp_path):
+    """Two writes refused together: the one that sees O_DIRECT already given up by the
+    other must still go on through the page cache, not fail the output."""
+    if not output_file._O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    real_pwrite = os.pwrite
+    both_refused = threading.Barrier(2, timeout=10)
+    seen = {"out": None}
+
+    def pwrite_refusing_direct(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & output_file._O_DIRECT:
+            if both_refused.wait() == 0:  # the second to be refused waits for the first
+                deadline = time.monotonic() + 10
+                while seen["out"].direct and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite_refusing_direct)
+    path = tmp_path / "out.bin"
+    data = random.Random(3).randbytes(3 * 8192)
+    with OutputFile(str(path)) as out:
+        if not out.direct:
+            pytest.skip("this file system refuses O_DIRECT")
+        seen["out"] = out
+        out.write(data)  # two full buffers go to two writer threads
+    assert path.read_bytes() == data
 
 
 def test_write_error_in_a_writer_thread_reaches_the_caller(small_buffers, tmp_path: Path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import check_error, fixture_path, run_cli, small_state_dict, write_dcp
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import ckpttool
 from ckpttool.report import inspect_report
@@ -495,6 +495,17 @@ def test_one_distcp_file_reads_its_folder(dist_runs, run, given):
     assert ckpt.format == "dcp"
     assert ckpt.files == ckpttool.read(folder).files
     assert_same(ckpttool.load(folder / "__1_0.distcp"), ckpttool.load(folder))
+
+
+@pytest.mark.slow
+def test_one_dcp_data_file_converts_to_a_file_named_after_its_folder(dist_runs, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(dist_runs.mesh / "hf-dist", folder)
+    proc = run_cli("convert", folder / "shard-00002-model-00001-of-00001.safetensors",
+                   "--to", "safetensors")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    full = torch.load(dist_runs.mesh / "full.pt", weights_only=True)["model"]
+    assert_same(load_file(tmp_path / "ckpt.safetensors"), full)
 
 
 @pytest.mark.slow

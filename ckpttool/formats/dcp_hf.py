@@ -24,42 +24,37 @@ SHARD_FILE_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 
 
 def detect(path: str, head: bytes) -> bool:
+    """A folder whose safetensors files are all DCP shard files, or one of those files."""
     if os.path.isdir(path):
-        return bool(_shard_files(path))
+        names = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+        return bool(names) and len(_shard_files(path)) == len(names)
+    return _is_shard_file(path) and is_safetensors(path, head)
+
+
+def _is_shard_file(path: str) -> bool:
     return (
         SHARD_FILE_RE.match(os.path.basename(path)) is not None
-        and is_safetensors(path, head)
-        and dcp_saved_offsets(read_header(path)[0]) is not None
+        and dcp_saved_offsets(_header(path)) is not None
     )
 
 
 def _shard_files(folder: str) -> list[str]:
-    """The folder's DCP shard files, when every safetensors file in it is one."""
-    names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-    if not names or not all(SHARD_FILE_RE.match(n) for n in names):
-        return []
-    paths = [os.path.join(folder, n) for n in names]
-    if any(dcp_saved_offsets(_header(p)) is None for p in paths):
-        return []
-    return paths
+    """The folder's DCP shard files (named as torch names them, with DCP_SHARDING_INFO)."""
+    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder))]
+    return [p for p in paths if _is_shard_file(p)]
 
 
 def _header(path: str) -> dict:
+    """The file's header, {} when it is not a readable safetensors file (read says why)."""
     try:
         return read_header(path)[0]
-    except CkptError:
+    except (CkptError, OSError):
         return {}
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     files = _shard_files(folder)
-    if not files:
-        raise CkptError(
-            "a shard of a DCP safetensors checkpoint, but its folder does not hold "
-            "only such shards",
-            path=path,
-        )
     blocks: dict[str, list[Shard]] = {}
     for file in files:
         header, data_start = read_header(file)

@@ -141,14 +141,17 @@ class OutputFile:
 
     def _write_out(self, index: int, offset: int, nbytes: int) -> None:
         """In a writer thread: ``nbytes`` of buffer ``index`` to ``offset`` of the file."""
-        view = self._views[index][: _round_up(nbytes) if self.direct else nbytes]
+        # read once: another writer thread may give O_DIRECT up while this one writes
+        direct = self.direct
+        view = self._views[index][: _round_up(nbytes) if direct else nbytes]
         while len(view):
             try:
                 n = os.pwrite(self.fd, view, offset)
             except OSError as exc:
-                if not (self.direct and exc.errno == errno.EINVAL):
+                if not (direct and exc.errno == errno.EINVAL):
                     raise
                 self._stop_direct()  # this file system accepted O_DIRECT, then refused it
+                direct = False  # a second EINVAL is a real error
                 continue
             view, offset = view[n:], offset + n
 
