@@ -105,6 +105,20 @@ def zip_not_torch(d):
     return d / "archive.zip", "not a torch checkpoint"
 
 
+def torch_export_archive(d):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    program = torch.export.export(Net(), (torch.randn(1, 3),))
+    torch.export.save(program, d / "net.pt2")
+    return d / "net.pt2", "a torch.export archive (.pt2): an exported program, not a checkpoint"
+
+
 def storage_shorter_than_pickle_says(d):
     src = _torch_file(d)
     dst = d / "short.pt"
@@ -234,6 +248,7 @@ CASES = [
     unrelated_folder,
     nonexistent,
     zip_not_torch,
+    torch_export_archive,
     zip_version_unknown,
     zip_flag_bit_5,
     zip_entry_encrypted,

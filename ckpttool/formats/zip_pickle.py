@@ -169,6 +169,13 @@ class ZipPickle:
 
     def _pickle_info(self, entry: str) -> zipfile.ZipInfo:
         if self.prefix is None:
+            if any(name.endswith("/archive_format") for name in self.infos):
+                raise CkptError(
+                    "a torch.export archive (.pt2): an exported program, not a checkpoint",
+                    path=self.path,
+                    hint="torch.export.load(path).state_dict holds its weights; torch.save "
+                    "that and ckpttool reads it",
+                )
             raise CkptError("zip archive without data.pkl: not a torch checkpoint", path=self.path)
         info = self.infos.get(f"{self.prefix}{entry}")
         if info is None:
