@@ -29,6 +29,7 @@ _EXPORTS = {
     "Checkpoint": "tree",
     "Opaque": "tree",
     "ShardedRef": "tree",
+    "SparseRef": "tree",
     "TensorRef": "tree",
 }
 

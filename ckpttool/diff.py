@@ -13,7 +13,7 @@ from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError
-from .tree import OpenFiles, SparseRef, contiguous_stride
+from .tree import OpenFiles, SparseRef
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -145,15 +145,14 @@ def _sparse_values(a: Any, b: Any) -> tuple[Any, Any]:
     ta, tb = ta.to_sparse_coo().coalesce(), tb.to_sparse_coo().coalesce()
     if ta.sparse_dim() != tb.sparse_dim():
         return ta.to_dense().reshape(-1), tb.to_dense().reshape(-1)
-    sparse_shape = tuple(ta.shape[: ta.sparse_dim()])
-    strides = torch.tensor(contiguous_stride(sparse_shape), dtype=torch.int64).unsqueeze(1)
-    where_a, where_b = (t.indices().mul(strides).sum(0) for t in (ta, tb))
-    union = torch.unique(torch.cat([where_a, where_b]))  # sorted
+    # every stored position of either, once; `where` maps each tensor's values onto it
+    positions = torch.cat([ta.indices(), tb.indices()], dim=1)
+    union, where = torch.unique(positions, dim=1, return_inverse=True)
     out = []
-    for t, where in ((ta, where_a), (tb, where_b)):
+    for t, at in ((ta, where[: ta._nnz()]), (tb, where[ta._nnz() :])):
         values = t.values()
-        full = values.new_zeros((union.numel(), *values.shape[1:]))
-        full[torch.searchsorted(union, where)] = values
+        full = values.new_zeros((union.shape[1], *values.shape[1:]))
+        full[at] = values
         out.append(full.reshape(-1))
     return out[0], out[1]
 

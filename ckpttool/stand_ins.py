@@ -266,6 +266,8 @@ def _rebuild_sparse_tensor(layout, data):
     ):
         raise CkptError(f"corrupt sparse tensor ({name})")
     parts, size = data[:count], _int_tuple(data[count], "shape")
+    if any(n < 0 for n in size):
+        raise CkptError(f"corrupt sparse tensor: negative size {list(size)}")
     if name == "sparse_coo":
         indices, values = parts
         nnz = indices.shape[1] if len(indices.shape) == 2 else -1

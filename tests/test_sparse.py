@@ -12,6 +12,7 @@ import torch
 from conftest import check_error, run_cli, sha256
 
 import ckpttool
+from ckpttool.diff import diff
 from ckpttool.errors import CkptError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse")  # torch's beta/invariant notes
@@ -228,19 +229,19 @@ def test_diff_compares_the_values_sparse_tensors_stand_for(tmp_path: Path):
     for name, sd in files.items():
         torch.save(sd, tmp_path / f"{name}.pt")
 
-    def diff(x: str, y: str, *extra: str) -> tuple[int, dict]:
+    def run_diff(x: str, y: str, *extra: str) -> tuple[int, dict]:
         proc = run_cli("diff", tmp_path / f"{x}.pt", tmp_path / f"{y}.pt", "--json", *extra)
         return proc.returncode, json.loads(proc.stdout)
 
-    assert diff("a", "a")[0] == 0
-    assert diff("a", "csr")[0] == 0  # same values, other layout
-    assert diff("a", "dense")[0] == 0
-    code, result = diff("a", "changed")
+    assert run_diff("a", "a")[0] == 0
+    assert run_diff("a", "csr")[0] == 0  # same values, other layout
+    assert run_diff("a", "dense")[0] == 0
+    code, result = run_diff("a", "changed")
     assert code == 1
     assert result["different"] == [{"name": "w", "max_abs_diff": 7.0, "num_different": 1}]
-    code, result = diff("changed", "dense")
+    code, result = run_diff("changed", "dense")
     assert code == 1 and result["different"][0]["num_different"] == 1
-    assert diff("a", "changed", "--atol", "7")[0] == 0
+    assert run_diff("a", "changed", "--atol", "7")[0] == 0
 
 
 def test_unknown_layout_stays_inert(tmp_path: Path):
@@ -251,3 +252,23 @@ def test_unknown_layout_stays_inert(tmp_path: Path):
     torch.save({"w": torch.ones(2), "odd": Odd()}, tmp_path / "odd.pt")
     report = json.loads(run_cli("inspect", tmp_path / "odd.pt", "--json").stdout)
     assert report["values"][0]["value"] == "<opaque torch._utils._rebuild_sparse_tensor>"
+
+
+def test_huge_sparse_tensors_are_inspected_and_compared_without_densifying(tmp_path: Path):
+    side = 10**9  # dense: 4 * 10**18 bytes
+    indices = torch.tensor([[0, side - 1, 5], [3, side - 1, 7]])
+    a = torch.sparse_coo_tensor(indices, torch.tensor([1.0, -2.0, 3.0]), (side, side))
+    moved = indices.clone()
+    moved[0, 2] = 6
+    b = torch.sparse_coo_tensor(moved, torch.tensor([1.0, -2.0, 3.0]), (side, side))
+    torch.save({"w": a}, tmp_path / "a.pt")
+    torch.save({"w": b}, tmp_path / "b.pt")
+    result = diff(tmp_path / "a.pt", tmp_path / "b.pt")
+    # (5, 7) holds 3 in a and nothing in b; (6, 7) the other way round
+    assert result["different"] == [{"name": "w", "max_abs_diff": 3.0, "num_different": 2}]
+    assert diff(tmp_path / "a.pt", tmp_path / "a.pt")["equal"]
+    proc = run_cli("inspect", tmp_path / "a.pt", "--json", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)["tensors"][0]["stats"]
+    assert (stats["min"], stats["max"]) == (-2.0, 3.0)
+    assert math.isclose(stats["mean"], 2.0 / side**2)
