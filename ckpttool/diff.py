@@ -13,7 +13,7 @@ from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError
-from .tree import OpenFiles, SparseRef
+from .tree import OpenFiles, SparseRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -139,22 +139,33 @@ def _sparse_values(a: Any, b: Any) -> tuple[Any, Any]:
     in memory for what they store, not for their dense size."""
     import torch
 
+    from .materialize import sparse_entries
+
     ta, tb = a.load("cpu"), b.load("cpu")
-    if ta.layout == torch.strided or tb.layout == torch.strided:  # a dense one is that big
-        return ta.to_dense().reshape(-1), tb.to_dense().reshape(-1)
-    ta, tb = ta.to_sparse_coo().coalesce(), tb.to_sparse_coo().coalesce()
-    if ta.sparse_dim() != tb.sparse_dim():
-        return ta.to_dense().reshape(-1), tb.to_dense().reshape(-1)
-    # every stored position of either, once; `where` maps each tensor's values onto it
-    positions = torch.cat([ta.indices(), tb.indices()], dim=1)
-    union, where = torch.unique(positions, dim=1, return_inverse=True)
-    out = []
-    for t, at in ((ta, where[: ta._nnz()]), (tb, where[ta._nnz() :])):
-        values = t.values()
-        full = values.new_zeros((union.shape[1], *values.shape[1:]))
-        full[at] = values
-        out.append(full.reshape(-1))
-    return out[0], out[1]
+    if ta.layout == torch.strided or tb.layout == torch.strided or not ta.dim():
+        x, y = _dense(ta), _dense(tb)  # the dense one is that big anyway; 0-d is one element
+    else:
+        (ia, va), (ib, vb) = sparse_entries(ta), sparse_entries(tb)
+        # every position either stores, once; `where` maps each one's values onto it
+        union, where = torch.unique(torch.cat([ia, ib], dim=1), dim=1, return_inverse=True)
+        x = va.new_zeros(union.shape[1]).index_put_((where[: va.numel()],), va)
+        y = vb.new_zeros(union.shape[1]).index_put_((where[va.numel() :],), vb)
+    common = torch.promote_types(x.dtype, y.dtype)  # fp8 / uint values come widened
+    return x.to(common), y.to(common)
+
+
+def _dense(t: Any) -> Any:
+    """All of a tensor's elements, flat; a sparse one's unstored elements are 0."""
+    import torch
+
+    from .materialize import sparse_entries
+
+    if t.layout == torch.strided:
+        return t.reshape(-1)
+    indices, values = sparse_entries(t)
+    strides = torch.tensor(contiguous_stride(tuple(t.shape)), dtype=torch.int64)
+    flat = values.new_zeros(t.numel())
+    return flat.index_put_(((indices * strides.unsqueeze(1)).sum(0),), values)
 
 
 def _compare_chunk(x: Any, y: Any, atol: float, rtol: float) -> tuple[float, int]:

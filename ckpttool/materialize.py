@@ -5,6 +5,7 @@ The only core module that imports torch, so that ``inspect`` and ``--help`` neve
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 from .errors import CkptError
 from .plain import TorchValue, to_plain
 from .stand_ins import Device
-from .tree import DType, ShardedRef, SparseRef, TensorRef
+from .tree import DTYPES, DType, ShardedRef, SparseRef, TensorRef
 
 
 def torch_dtype(dt: DType) -> torch.dtype:
@@ -163,6 +164,36 @@ def load_sparse(ref: SparseRef, map_location: Any = "cpu") -> torch.Tensor:
     if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
         map_location = "cpu"
     return place(tensor, target_device(ref.device, map_location))
+
+
+# torch has no sparse kernels (coalesce, to_dense, conversions) for these value types
+_NO_SPARSE_KERNELS = {"uint16", "uint32", "uint64", *(n for n in DTYPES if n.startswith("float8"))}
+
+
+def sparse_entries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse tensor's stored elements, one per position: (indices [ndim, n], values [n]).
+
+    Duplicates (uncoalesced COO) are summed, as torch does. The dense dimensions of a
+    hybrid tensor become index dimensions, so any two layouts line up element by
+    element. Value types without sparse kernels (uint16-64, fp8) come back widened.
+    """
+    if str(t.dtype).removeprefix("torch.") in _NO_SPARSE_KERNELS:
+        wide = torch.float64 if t.dtype.is_floating_point else torch.int64
+        if t.layout != torch.sparse_coo:
+            raise CkptError(f"torch cannot compute on a {t.layout} tensor of {t.dtype}")
+        values = t._values().to(wide)  # checked when read
+        t = torch.sparse_coo_tensor(t._indices(), values, t.shape, check_invariants=False)
+    coo = t.to_sparse_coo().coalesce()
+    indices, values = coo.indices(), coo.values()
+    dense_shape = tuple(values.shape[1:])
+    if dense_shape:  # hybrid: each stored block's elements get indices of their own
+        inner = torch.stack(torch.unravel_index(torch.arange(math.prod(dense_shape)), dense_shape))
+        count = inner.shape[1]
+        indices = torch.cat(
+            [indices.repeat_interleave(count, dim=1), inner.repeat(1, indices.shape[1])]
+        )
+        values = values.reshape(-1)
+    return indices, values
 
 
 def torch_value(value: TorchValue) -> Any:

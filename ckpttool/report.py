@@ -170,7 +170,9 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     t = ref.load("cpu")
     zeros = 0  # elements a sparse tensor does not store
     if isinstance(ref, SparseRef):
-        t = (t.coalesce() if ref.layout == "sparse_coo" else t).values().reshape(-1)
+        from .materialize import sparse_entries
+
+        t = sparse_entries(t)[1]
         zeros = ref.numel - t.numel()
     if t.numel() + zeros == 0:
         return none

@@ -10,6 +10,7 @@ real, as they run no code. ``SAFE_GLOBALS`` maps each allowed global to its stan
 from __future__ import annotations
 
 import collections
+import math
 import struct
 from typing import Any
 
@@ -266,8 +267,12 @@ def _rebuild_sparse_tensor(layout, data):
     ):
         raise CkptError(f"corrupt sparse tensor ({name})")
     parts, size = data[:count], _int_tuple(data[count], "shape")
-    if any(n < 0 for n in size):
-        raise CkptError(f"corrupt sparse tensor: negative size {list(size)}")
+    if any(n < 0 for n in size) or math.prod(size) >= 2**63:  # torch's numel is an int64
+        raise CkptError(f"corrupt sparse tensor: impossible shape {list(size)}")
+    if any(part.dtype.name not in ("int32", "int64") for part in parts[:-1]):
+        raise CkptError(f"corrupt sparse tensor ({name}): its indices are not integers")
+    if name != "sparse_coo" and len(size) < 2:
+        raise CkptError(f"corrupt sparse tensor ({name}): shape {list(size)} has no 2 dims")
     if name == "sparse_coo":
         indices, values = parts
         nnz = indices.shape[1] if len(indices.shape) == 2 else -1

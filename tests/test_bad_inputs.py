@@ -65,6 +65,13 @@ def safetensors_bad_offsets(d):
     return path, "'w'"
 
 
+def safetensors_metadata_not_an_object(d):
+    header = json.dumps({"__metadata__": "x", "w": {"dtype": "F32", "shape": [1],
+                         "data_offsets": [0, 4]}}).encode()  # fmt: skip
+    (d / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    return d / "m.safetensors", "__metadata__ is not an object"
+
+
 def json_file(d):
     (d / "config.json").write_text(json.dumps({"hidden_size": 4}))
     return d / "config.json", "not a checkpoint"
@@ -241,6 +248,7 @@ CASES = [
     truncated_safetensors,
     absurd_safetensors_header,
     safetensors_bad_offsets,
+    safetensors_metadata_not_an_object,
     json_file,
     corrupt_index,
     empty_folder,

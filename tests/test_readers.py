@@ -488,6 +488,31 @@ def test_hf_distributed_shards_with_a_rank_missing(dist_runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_hf_distributed_shard_with_damaged_sharding_info(dist_runs, tmp_path):
+    """No file of the folder may be read without the damaged one, nor the damaged one alone."""
+    import struct
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(dist_runs.mesh / "hf-dist", folder)
+    bad = folder / "shard-00003-model-00001-of-00001.safetensors"
+    data = bad.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"]["DCP_SHARDING_INFO"] = "{not json"
+    raw = json.dumps(header).encode().ljust(n)  # same length: the data does not move
+    assert len(raw) == n
+    bad.write_bytes(data[:8] + raw + data[8 + n :])
+    for given in (folder, folder / "shard-00001-model-00001-of-00001.safetensors", bad):
+        check_error(run_cli("inspect", given), 2, str(bad), "corrupt DCP_SHARDING_INFO")
+
+
+def test_distcp_file_without_its_metadata_is_refused(tmp_path):
+    write_dcp(tmp_path / "ckpt", {"w": torch.ones(3)})
+    (tmp_path / "ckpt" / ".metadata").unlink()
+    check_error(run_cli("inspect", tmp_path / "ckpt" / "__0_0.distcp"), 2, "has no .metadata")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("run, given", [("two", "dcp"), ("mesh", "dcp-safetensors")])
 def test_one_distcp_file_reads_its_folder(dist_runs, run, given):
     folder = getattr(dist_runs, run) / given

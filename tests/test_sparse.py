@@ -272,3 +272,52 @@ def test_huge_sparse_tensors_are_inspected_and_compared_without_densifying(tmp_p
     stats = json.loads(proc.stdout)["tensors"][0]["stats"]
     assert (stats["min"], stats["max"]) == (-2.0, 3.0)
     assert math.isclose(stats["mean"], 2.0 / side**2)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.float8_e5m2])
+def test_value_types_without_sparse_kernels_get_stats_and_diff(tmp_path: Path, dtype):
+    # uncoalesced: torch has no coalesce kernel for these types
+    indices = torch.tensor([[0, 0, 1], [1, 1, 0]])
+    t = torch.sparse_coo_tensor(indices, torch.tensor([1, 2, 3]).to(dtype), (2, 2))
+    torch.save({"w": t}, tmp_path / "a.pt")
+    proc = run_cli("inspect", tmp_path / "a.pt", "--json", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)["tensors"][0]["stats"]
+    assert (stats["min"], stats["max"], stats["mean"]) == (0, 3, 1.5)  # [[0, 1+2], [3, 0]]
+    assert diff(tmp_path / "a.pt", tmp_path / "a.pt")["equal"]
+
+
+def test_diff_of_zero_dim_sparse_tensors(tmp_path: Path):
+    torch.save({"w": torch.tensor(3.0).to_sparse()}, tmp_path / "a.pt")
+    torch.save({"w": torch.tensor(4.0).to_sparse()}, tmp_path / "b.pt")
+    assert diff(tmp_path / "a.pt", tmp_path / "a.pt")["equal"]
+    assert diff(tmp_path / "a.pt", tmp_path / "b.pt")["different"][0]["max_abs_diff"] == 1.0
+
+
+def test_hybrid_and_fully_sparse_compare_without_densifying(tmp_path: Path):
+    side = 10**9
+    hybrid = torch.sparse_coo_tensor(  # two sparse dims, one dense dim of 2
+        torch.tensor([[1], [2]]), torch.tensor([[5.0, 6.0]]), (side, side, 2)
+    )
+    full = torch.sparse_coo_tensor(
+        torch.tensor([[1, 1], [2, 2], [0, 1]]), torch.tensor([5.0, 6.0]), (side, side, 2)
+    )
+    torch.save({"w": hybrid}, tmp_path / "hybrid.pt")
+    torch.save({"w": full}, tmp_path / "full.pt")
+    assert diff(tmp_path / "hybrid.pt", tmp_path / "full.pt")["equal"]
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ((torch.tensor([[0]]), torch.tensor([1.0]), (10**12, 10**12)), "impossible shape"),
+        ((torch.tensor([[0.0]]), torch.tensor([1.0]), (2,)), "indices are not integers"),
+    ],
+)
+def test_impossible_sparse_metadata_is_refused_by_inspect(tmp_path: Path, data, needle):
+    class Raw:
+        def __reduce_ex__(self, protocol):
+            return (torch._utils._rebuild_sparse_tensor, (torch.sparse_coo, (*data, False)))
+
+    torch.save({"w": Raw()}, tmp_path / "bad.pt")
+    check_error(run_cli("inspect", tmp_path / "bad.pt"), 2, "corrupt sparse tensor", needle)

@@ -46,12 +46,11 @@ def detect(path: str, head: bytes) -> bool:
 
 
 def _folder(path: str) -> str | None:
-    folder = (
-        path if os.path.isdir(path) else os.path.dirname(path) if path.endswith(".distcp") else None
-    )
-    if folder is None or not os.path.isfile(os.path.join(folder, METADATA_FILE)):
-        return None
-    return folder
+    if path.endswith(".distcp") and not os.path.isdir(path):
+        return os.path.dirname(path) or "."  # read names a missing .metadata
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE)):
+        return path
+    return None
 
 
 _attrs = state_attrs
@@ -110,7 +109,7 @@ class DcpChunk:
                 path=self.path,
             )
         header, data_start, data_len = blob
-        saved = (dcp_saved_offsets(header) or {}).get(self.fqn)
+        saved = (dcp_saved_offsets(header, self.path) or {}).get(self.fqn)
         if self.fqn not in header or (saved is not None and tuple(saved) != self.offsets):
             raise CkptError(
                 f"the safetensors data of this file holds no chunk of {self.fqn!r} at "
@@ -165,6 +164,11 @@ def _parse_safetensors_blob(
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     path = _folder(path) or path
     meta_path = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(meta_path):
+        raise CkptError(
+            "a DCP data file, but its folder has no .metadata (incomplete checkpoint)",
+            path=path,
+        )
     seen: set[str] = set()
     with open(meta_path, "rb") as f:
         from ..unpickler import load_pickle

@@ -15,7 +15,13 @@ import re
 
 from ..errors import CkptError
 from ..tree import Checkpoint, Shard, ShardedRef
-from .safetensors_file import dcp_saved_offsets, read_header, tensor_ref
+from .safetensors_file import (
+    DCP_SHARDING_KEY,
+    dcp_saved_offsets,
+    has_dcp_sharding,
+    read_header,
+    tensor_ref,
+)
 from .safetensors_file import detect as is_safetensors
 
 FORMAT = "dcp"
@@ -27,29 +33,27 @@ def detect(path: str, head: bytes) -> bool:
     """A folder whose safetensors files are all DCP shard files, or one of those files."""
     if os.path.isdir(path):
         names = [n for n in os.listdir(path) if n.endswith(".safetensors")]
-        return bool(names) and len(_shard_files(path)) == len(names)
-    return _is_shard_file(path) and is_safetensors(path, head)
-
-
-def _is_shard_file(path: str) -> bool:
-    return (
-        SHARD_FILE_RE.match(os.path.basename(path)) is not None
-        and dcp_saved_offsets(_header(path)) is not None
-    )
+        shards = _shard_files(path)
+        return bool(names) and len(shards) == len(names) and _written_by_dcp(shards)
+    if not SHARD_FILE_RE.match(os.path.basename(path)) or not is_safetensors(path, head):
+        return False
+    # its own metadata may be the damaged part: a sibling DCP wrote says what it is
+    return _written_by_dcp([path]) or _written_by_dcp(_shard_files(os.path.dirname(path) or "."))
 
 
 def _shard_files(folder: str) -> list[str]:
-    """The folder's DCP shard files (named as torch names them, with DCP_SHARDING_INFO)."""
-    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder))]
-    return [p for p in paths if _is_shard_file(p)]
+    """The folder's files named as DCP names its shard files."""
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if SHARD_FILE_RE.match(n)]
 
 
-def _header(path: str) -> dict:
-    """The file's header, {} when it is not a readable safetensors file (read says why)."""
-    try:
-        return read_header(path)[0]
-    except (CkptError, OSError):
-        return {}
+def _written_by_dcp(paths: list[str]) -> bool:
+    for path in paths:
+        try:
+            if has_dcp_sharding(read_header(path)[0]):
+                return True
+        except (CkptError, OSError):  # read names what is wrong with it
+            continue
+    return False
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
@@ -59,7 +63,11 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     for file in files:
         header, data_start = read_header(file)
         data_len = os.path.getsize(file) - data_start
-        offsets = dcp_saved_offsets(header) or {}
+        offsets = dcp_saved_offsets(header, file)
+        if offsets is None:
+            raise CkptError(
+                f"no {DCP_SHARDING_KEY} in its metadata: its blocks cannot be placed", path=file
+            )
         rank = int(SHARD_FILE_RE.match(os.path.basename(file)).group(1)) - 1
         for name, info in header.items():
             if name == "__metadata__":
@@ -68,7 +76,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             where = offsets.get(name)
             if where is None or len(where) != len(ref.shape):
                 raise CkptError(
-                    f"tensor {name!r} has no offsets of its rank in DCP_SHARDING_INFO",
+                    f"tensor {name!r} has no offsets of its rank in {DCP_SHARDING_KEY}",
                     path=file,
                 )
             blocks.setdefault(name, []).append(Shard(where, ref.shape, ref, rank))

@@ -55,19 +55,38 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def dcp_saved_offsets(header: dict) -> dict[str, tuple[int, ...]] | None:
-    """``{name: offsets}`` from a header's ``DCP_SHARDING_INFO``; None when it has none."""
+def has_dcp_sharding(header: dict) -> bool:
+    """Whether DCP wrote this file: its metadata holds ``DCP_SHARDING_INFO``."""
+    metadata = header.get("__metadata__")
+    return isinstance(metadata, dict) and DCP_SHARDING_KEY in metadata
+
+
+def dcp_saved_offsets(header: dict, path: str) -> dict[str, tuple[int, ...]] | None:
+    """``{name: offsets}`` from a header's ``DCP_SHARDING_INFO``; None when it has none.
+
+    Raises:
+        CkptError: It is there but not ``{name: {"saved_offsets": [int, ...]}}``.
+    """
+    if not has_dcp_sharding(header):
+        return None
     try:
         info = json.loads(header["__metadata__"][DCP_SHARDING_KEY])
-        return {name: tuple(int(o) for o in entry["saved_offsets"]) for name, entry in info.items()}
+        offsets = {name: entry["saved_offsets"] for name, entry in info.items()}
     except (KeyError, TypeError, ValueError, AttributeError):
-        return None
+        offsets = None
+    if offsets is None or not all(
+        type(o) is list and all(type(n) is int for n in o) for o in offsets.values()
+    ):
+        raise CkptError(f"corrupt {DCP_SHARDING_KEY} in the safetensors metadata", path=path)
+    return {name: tuple(o) for name, o in offsets.items()}
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     header, data_start = read_header(path)
     data_len = os.path.getsize(path) - data_start
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CkptError("corrupt safetensors header (__metadata__ is not an object)", path=path)
     root = {}
     for name, info in header.items():
         root[name] = tensor_ref(path, name, info, data_start, data_len)
