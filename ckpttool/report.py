@@ -184,7 +184,7 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
         t = t.abs()
     if t.dtype in (torch.bool, torch.uint16, torch.uint32):  # no min/max kernels for these
         t = t.to(torch.int64)
-    if t.dtype == torch.uint64 and not zeros:
+    if t.dtype == torch.uint64:  # (sparse values come widened to int64)
         return {**out, **_uint64_stats(t)}
     if t.is_floating_point():
         t = t.to(torch.float64)

@@ -46,6 +46,10 @@ def _shard_files(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if SHARD_FILE_RE.match(n)]
 
 
+def _shard_index(path: str) -> int:
+    return int(SHARD_FILE_RE.match(os.path.basename(path)).group(1))
+
+
 def _written_by_dcp(paths: list[str]) -> bool:
     for path in paths:
         try:
@@ -68,7 +72,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             raise CkptError(
                 f"no {DCP_SHARDING_KEY} in its metadata: its blocks cannot be placed", path=file
             )
-        rank = int(SHARD_FILE_RE.match(os.path.basename(file)).group(1)) - 1
+        rank = _shard_index(file) - 1  # DCP numbers its shard files from 1
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -80,7 +84,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
                     path=file,
                 )
             blocks.setdefault(name, []).append(Shard(where, ref.shape, ref, rank))
-    world_size = max(int(SHARD_FILE_RE.match(os.path.basename(f)).group(1)) for f in files)
+    world_size = max(map(_shard_index, files))
     root = {name: _global(name, shards, world_size) for name, shards in blocks.items()}
     return Checkpoint(format=FORMAT, files=files, root=root, world_size=world_size)
 
