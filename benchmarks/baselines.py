@@ -2,12 +2,20 @@
 
     python benchmarks/baselines.py load-save-safetensors SRC.pt DST.safetensors
     python benchmarks/baselines.py naive-diff A B     # exit 0 equal, 1 different
+    python benchmarks/baselines.py durable-write SRC DST
 
 What a user would write without ckpttool: load everything into memory, then act.
+``durable-write`` is the disk's floor instead: it writes as many zero bytes as SRC
+holds (a file, or a folder's files) to DST with O_DIRECT and fsyncs, reading nothing,
+so no tool that makes its output durable can be faster on this disk.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
+import os
 import sys
 
 DDP_PREFIX = "module."
@@ -62,7 +70,44 @@ def naive_diff(a: str, b: str) -> int:
     return 0 if equal else 1
 
 
-COMMANDS = {"load-save-safetensors": load_save_safetensors, "naive-diff": naive_diff}
+def _size(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(
+        os.path.getsize(os.path.join(folder, name))
+        for folder, _, names in os.walk(path)
+        for name in names
+    )
+
+
+def durable_write(src: str, dst: str, chunk: int = 8 << 20) -> int:
+    remaining = _size(src)
+    buffer = mmap.mmap(-1, chunk)  # page-aligned zeros, as O_DIRECT needs
+    flags, direct = os.O_WRONLY | os.O_CREAT | os.O_EXCL, getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(dst, flags | direct, 0o644)
+    except OSError:  # a file system without O_DIRECT (tmpfs): buffered, then fsync
+        fd = os.open(dst, flags, 0o644)
+    try:
+        while remaining > 0:
+            try:
+                remaining -= os.write(fd, buffer)  # ends on a whole chunk: a few MiB more
+            except OSError as error:  # O_DIRECT accepted at open, refused on write
+                if error.errno != errno.EINVAL or not direct:
+                    raise
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~direct)
+                direct = 0
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return 0
+
+
+COMMANDS = {
+    "load-save-safetensors": load_save_safetensors,
+    "naive-diff": naive_diff,
+    "durable-write": durable_write,
+}
 
 if __name__ == "__main__":
     sys.exit(COMMANDS[sys.argv[1]](*sys.argv[2:]))

@@ -91,6 +91,8 @@ def commands(inputs: dict[str, Input], out: Path) -> dict[str, Command]:
             ("pt-dcp2", "dcp2.pt"),
             ("cp-rank4", "cp-rank4"),
             ("cp-dcp2", "cp-dcp2"),
+            ("floor-rank4", "floor-rank4.bin"),
+            ("floor-dcp2", "floor-dcp2.bin"),
             ("dcp2torch", "dcp_to_torch_save.pt"),
         ]
     }
@@ -164,6 +166,16 @@ def commands(inputs: dict[str, Input], out: Path) -> dict[str, Command]:
         "cp+fsync dcp2": Command(
             ["sh", "-c", CP_R_FSYNC, "sh", dcp2, o["cp-dcp2"]], ["dcp2"], [o["cp-dcp2"]]
         ),
+        "floor rank4": Command(
+            [py, str(HERE / "baselines.py"), "durable-write", str(rank4_dir), o["floor-rank4"]],
+            ["rank4"],
+            [o["floor-rank4"]],
+        ),
+        "floor dcp2": Command(
+            [py, str(HERE / "baselines.py"), "durable-write", dcp2, o["floor-dcp2"]],
+            ["dcp2"],
+            [o["floor-dcp2"]],
+        ),
         "dcp_to_torch_save": Command(
             [py, "-c", DCP_TO_TORCH, dcp2, o["dcp2torch"]], ["dcp2"], [o["dcp2torch"]]
         ),
@@ -232,9 +244,16 @@ def rows(inputs: dict[str, Input]) -> list[Row]:
             "convert all rank4", "cp rank4", max_ratio=2, ratio_text="2", max_rss=sharded_rss),
         Row("merge", "  same vs cp -r + fsync of the copies", "convert all rank4",
             "cp+fsync rank4"),
+        # the disk's floor: as many bytes written with O_DIRECT + fsync, nothing read
+        Row("merge", "  same vs the disk's floor (durable write of zeros)", "convert all rank4",
+            "floor rank4"),
+        Row("merge", "  the floor itself (not ckpttool) vs cp -r", "floor rank4", "cp rank4"),
         Row("merge", f"merge {d2} DCP (2) -> safetensors (--select all) vs cp -r",
             "convert all dcp2", "cp dcp2", max_ratio=2, ratio_text="2", max_rss=sharded_rss),
         Row("merge", "  same vs cp -r + fsync of the copies", "convert all dcp2", "cp+fsync dcp2"),
+        Row("merge", "  same vs the disk's floor (durable write of zeros)", "convert all dcp2",
+            "floor dcp2"),
+        Row("merge", "  the floor itself (not ckpttool) vs cp -r", "floor dcp2", "cp dcp2"),
         # the default selection: the model state dict only, a third of the bytes
         Row("merge", f"convert {r4} per-rank (4) -> safetensors (model only) vs cp -r",
             "convert rank4", "cp rank4"),
