@@ -758,3 +758,35 @@ def test_numpy_arrays_of_strings_or_objects_are_placeholders_not_tensors(tmp_pat
     )
     assert proc.returncode == 0, proc.stderr
     assert sorted(ckpttool.load(out)) == ["model.f", "model.w"]
+
+
+@pytest.mark.parametrize("length", [1, 100, 4096, 8191, 8192, 8193, 30000])
+def test_file_span_reads_any_range_exactly(tmp_path, length):
+    """A span serves small reads at its two ends from memory: every range, across
+    those edges and between them, must give the file's bytes."""
+    import random
+
+    from ckpttool.formats.zip_pickle import FileSpan
+
+    data = random.Random(length).randbytes(length + 300)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    start = 150
+    want = data[start : start + length]
+    span = FileSpan(str(path), start, length)
+    try:
+        points = sorted(
+            {0, 1, length // 2, length - 1, length, 4095, 4096, 4097}
+            | {length - 4097, length - 4096, length - 4095}
+        )
+        points = [p for p in points if 0 <= p <= length]
+        for a in points:
+            for b in points:
+                if a <= b:
+                    span.seek(a)
+                    assert span.read(b - a) == want[a:b], (a, b)
+        span.seek(length - 5)
+        assert span.read(100) == want[-5:]  # reads stop at the span's end
+        assert span.read(10) == b""
+    finally:
+        span.close()

@@ -69,13 +69,26 @@ _ZIP64_END = struct.Struct("<IQHHIIQQQQ")
 
 
 class FileSpan(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes of a file from ``start``."""
+    """A read-only, seekable view of ``length`` bytes of a file from ``start``.
+
+    zipfile reads an archive in many small pieces: its directory from the end, each
+    entry's header and the pickle from the start. A DCP folder holds a chunk archive
+    per tensor block, thousands of them, so the first and last ``EDGE_BYTES`` of the
+    span are read once and those small reads served from memory.
+    """
+
+    EDGE_BYTES = 4096
 
     def __init__(self, path: str, start: int, length: int):
-        self._file = open(path, "rb")
+        self._file = open(path, "rb", buffering=0)
         self._start = start
         self._length = length
         self._pos = 0
+        edge = min(self.EDGE_BYTES, length)
+        fd = self._file.fileno()
+        self._head = os.pread(fd, edge, start)
+        self._tail_at = length - edge
+        self._tail = os.pread(fd, edge, start + self._tail_at)
 
     def readable(self) -> bool:
         return True
@@ -93,8 +106,15 @@ class FileSpan(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         n = max(0, min(len(buffer), self._length - self._pos))
-        self._file.seek(self._start + self._pos)
-        got = self._file.readinto(memoryview(buffer)[:n])
+        pos, end = self._pos, self._pos + n
+        if end <= len(self._head):
+            got = n
+            buffer[:n] = self._head[pos:end]
+        elif pos >= self._tail_at and end - self._tail_at <= len(self._tail):
+            got = n
+            buffer[:n] = self._tail[pos - self._tail_at : end - self._tail_at]
+        else:
+            got = os.preadv(self._file.fileno(), [memoryview(buffer)[:n]], self._start + pos)
         self._pos += got
         return got
 
