@@ -10,6 +10,7 @@ from .errors import CkptError
 from .formats import read_checkpoint
 from .layout import (
     find_model_key,
+    model_candidates,
     module_state_dict,
     parse_key_path,
     resolve_prefix,
@@ -59,8 +60,17 @@ def select_node(
     if select == "auto":
         path = find_model_key(ckpt.root)
         if path is None:
+            found = model_candidates(ckpt.root)
+            what = (
+                "several state dicts could each be the model ("
+                + ", ".join(".".join(map(str, p)) or "(root)" for p in found[:6])
+                + (", …" if len(found) > 6 else "")
+                + ")"
+                if len(found) > 1
+                else "no model state dict found in the checkpoint"
+            )
             raise CkptError(
-                "no model state dict found in the checkpoint",
+                what,
                 path=ckpt.files[0] if ckpt.files else None,
                 hint="use --select all, or --select KEY.PATH from `ckpttool inspect`",
             )

@@ -13,6 +13,7 @@ from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError
+from .layout import find_model_key
 from .tree import OpenFiles, SparseRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
@@ -198,6 +199,15 @@ def _compare_chunk(x: Any, y: Any, atol: float, rtol: float) -> tuple[float, int
     return max_diff, different
 
 
+def _selected_tensors(ckpt: Any, select: str, strip_prefix: str) -> dict[str, Any]:
+    """The tensors to compare: the model state dict, or every tensor where there is
+    none or no single one (an optimizer state file, a GAN's two nets): ``diff`` may
+    not ignore any tensor that could differ."""
+    if select == "auto" and find_model_key(ckpt.root) is None:
+        select = "all"
+    return flatten_tensors(select_node(ckpt, select, strip_prefix)[1])
+
+
 def diff(
     a: Any,
     b: Any,
@@ -220,8 +230,8 @@ def diff(
     """
     if atol < 0 or rtol < 0:
         raise UsageError("--atol and --rtol must be >= 0")
-    ta = flatten_tensors(select_node(read(a, unsafe=unsafe), select, strip_prefix)[1])
-    tb = flatten_tensors(select_node(read(b, unsafe=unsafe), select, strip_prefix)[1])
+    ta = _selected_tensors(read(a, unsafe=unsafe), select, strip_prefix)
+    tb = _selected_tensors(read(b, unsafe=unsafe), select, strip_prefix)
     only_a = [k for k in ta if k not in tb]
     only_b = [k for k in tb if k not in ta]
     mismatched, different, compared = [], [], 0

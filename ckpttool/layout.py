@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import CkptError
-from .tree import KeyPath, Opaque, get_path, is_tensor, iter_tensors, walk
+from .tree import KeyPath, Opaque, children, get_path, is_tensor
 
 # Keys that hold the model state dict in common snapshot layouts, most specific first:
 # torchrun tutorial, Composer (state.model), Lightning/HF (state_dict), nanoGPT (model).
@@ -95,16 +95,50 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
     return state or None
 
 
+def is_optimizer_state(node: Any) -> bool:
+    """``torch.optim.Optimizer.state_dict()`` (also FSDP's, keyed by parameter name)."""
+    return isinstance(node, Mapping) and "param_groups" in node and "state" in node
+
+
+def is_nested_state_dict(node: Any) -> bool:
+    """Dicts of dicts whose leaves are tensors (Megatron's ``language_model.encoder...``,
+    or a snapshot's ``{"encoder": ..., "decoder": ...}``): the model, named by key paths.
+
+    Subtrees that are never the model (optimizer or scheduler state) disqualify it.
+    """
+    if not isinstance(node, Mapping) or not node:
+        return False
+    tensors = others = 0
+    stack = [node]
+    while stack:
+        mapping = stack.pop()
+        if is_optimizer_state(mapping):
+            return False
+        for key, value in mapping.items():
+            if not isinstance(key, str) or key in NON_MODEL_KEYS or key in MODULE_INTERNALS:
+                return False
+            if is_tensor(value):
+                tensors += 1
+            elif isinstance(value, Mapping) and value:
+                stack.append(value)
+            else:
+                others += 1
+    return tensors > 0 and tensors >= others
+
+
 def model_state(node: Any) -> Mapping[str, Any] | None:
-    """The state dict a node holds: itself, or the parameters and buffers of a pickled module."""
-    return node if is_state_dict(node) else module_state_dict(node)
+    """The state dict a node holds: itself (flat or nested), or the parameters and
+    buffers of a pickled module."""
+    if is_state_dict(node) or is_nested_state_dict(node):
+        return node
+    return module_state_dict(node)
 
 
 def find_model_key(root: Any) -> KeyPath | None:
     """The path to the model state dict (or pickled module): ``()`` for the root, ``None``
-    when there is none."""
-    if model_state(root) is not None:
-        return ()
+    when there is none, or when several state dicts could each be it."""
+    if is_state_dict(root) or module_state_dict(root) is not None:
+        return ()  # (a root holding a few state dicts is judged last, by what they are)
     for path in MODEL_KEYS:
         try:
             node = get_path(root, path)
@@ -112,21 +146,46 @@ def find_model_key(root: Any) -> KeyPath | None:
             continue
         if model_state(node) is not None:
             return path
-    return _largest_state_dict(root)
+    found = model_candidates(root)
+    if len(found) == 1:
+        return found[0]
+    if found:  # one model split in parts ({"encoder", "decoder"}): the dict holding them
+        common = _common_prefix(found)
+        if is_nested_state_dict(get_path(root, common)):
+            return common
+    return None  # none, or several (a GAN's two nets, an EMA copy): never guess one
 
 
-def _largest_state_dict(root: Any) -> KeyPath | None:
-    best, best_size = None, 0
-    for path, node in walk(root):
-        if any(str(k) in NON_MODEL_KEYS for k in path) or isinstance(node, Opaque):
+def model_candidates(root: Any) -> list[KeyPath]:
+    """Every flat state dict outside optimizer, scheduler and RNG state, in tree order.
+
+    Several of them with no one dict holding just them (a GAN's generator and
+    discriminator beside their optimizers) leave the choice to ``--select``: taking
+    the largest would make ``diff`` ignore the other one.
+    """
+    found: list[KeyPath] = []
+    stack: list[tuple[KeyPath, Any]] = [((), root)]
+    while stack:
+        path, node = stack.pop()
+        if is_tensor(node) or isinstance(node, Opaque) or is_optimizer_state(node):
             continue
-        if any(k in MODULE_INTERNALS for k in path):
+        if path and (str(path[-1]) in NON_MODEL_KEYS or path[-1] in MODULE_INTERNALS):
             continue
         if is_state_dict(node):
-            size = sum(t.numel for _, t in iter_tensors(node))
-            if size > best_size:
-                best, best_size = path, size
-    return best
+            found.append(path)
+            continue
+        if len(path) > 64:  # far deeper than any layout; a pathological pickle
+            continue
+        stack.extend((path + (k,), v) for k, v in reversed(list(children(node))))
+    return found
+
+
+def _common_prefix(paths: list[KeyPath]) -> KeyPath:
+    first = paths[0]
+    n = 0
+    while n < len(first) and all(len(p) > n and p[n] == first[n] for p in paths):
+        n += 1
+    return first[:n]
 
 
 def detect_prefix(keys: list[str]) -> str | None:

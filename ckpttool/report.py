@@ -22,7 +22,6 @@ from .tree import (
     SparseRef,
     TensorRef,
     get_path,
-    is_tensor,
     iter_tensors,
 )
 
@@ -80,8 +79,8 @@ def inspect_report(
     # buffers are tensors in the file but not part of its state dict
     num_params = sum(
         ref.numel
-        for name, ref in (model or {}).items()
-        if is_tensor(ref) and (not pattern or pattern.search(dotted((*model_key, name))))
+        for path, ref in iter_tensors(model or {})
+        if not pattern or pattern.search(dotted((*model_key, *path)))
     )
 
     values = [

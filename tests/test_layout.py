@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import run_cli, small_state_dict
+from safetensors.torch import load_file
 
 import ckpttool
 from ckpttool.layout import detect_prefix, strip_prefix
@@ -215,14 +216,129 @@ def test_no_model_state_dict(tmp_path, cli):
     assert ckpttool.load(path, select="all") == {"epoch": 3, "losses": [0.5, 0.25]}
 
 
-def test_largest_state_dict_found_outside_known_keys(tmp_path):
+def test_one_state_dict_found_outside_known_keys(tmp_path):
     path = tmp_path / "custom.pt"
-    big, small = small_state_dict(), {"w": torch.zeros(1)}
     torch.save(
-        {"ema": small, "weights_of_run": {"inner": big}, "optimizer": {"w": torch.zeros(99)}}, path
+        {"weights_of_run": {"inner": small_state_dict()}, "optimizer": {"w": torch.zeros(99)}},
+        path,
     )
     report = inspect_report(ckpttool.read(path))
     assert report["model_key"] == ["weights_of_run", "inner"]
+
+
+def _adam_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return opt.state_dict()
+
+
+def test_an_optimizer_state_dict_is_not_a_model(tmp_path):
+    """HF Trainer's optimizer.pt: param 0's moments are not "the model"; taking them
+    made diff compare one parameter's state and call two different files equal."""
+    a, b = tmp_path / "optimizer_a.pt", tmp_path / "optimizer_b.pt"
+    state = _adam_state(0)
+    torch.save(state, a)
+    state["state"][1]["exp_avg"] += 1
+    torch.save(state, b)
+    assert inspect_report(ckpttool.read(a))["model_key"] is None
+    with pytest.raises(ckpttool.CkptError, match="no model state dict found"):
+        ckpttool.load(a)
+    proc = run_cli("diff", a, b)  # no model: every tensor is compared
+    assert proc.returncode == 1 and "state.1.exp_avg" in proc.stdout
+
+
+def test_several_models_are_not_guessed(tmp_path):
+    """A GAN snapshot holds two nets beside their optimizers: picking the larger one
+    would make diff ignore the other, so the choice is left to --select, named."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 8), nn.Linear(8, 1)
+    path = tmp_path / "gan.pt"
+    snapshot = {
+        "generator": gen.state_dict(),
+        "discriminator": disc.state_dict(),
+        "opt_g": _adam_state(1),
+        "opt_d": _adam_state(2),
+        "epoch": 5,
+    }
+    torch.save(snapshot, path)
+    assert inspect_report(ckpttool.read(path))["model_key"] is None
+    proc = run_cli("convert", path, "--to", "safetensors", "-o", tmp_path / "out.safetensors")
+    assert proc.returncode == 2 and not (tmp_path / "out.safetensors").exists()
+    assert proc.stderr.count("\n") == 1
+    assert "several state dicts could each be the model (generator, discriminator)" in proc.stderr
+    loaded = ckpttool.load(path, select="generator")
+    assert list(loaded) == ["weight", "bias"] and torch.equal(loaded["weight"], gen.weight)
+    changed = tmp_path / "gan_changed.pt"
+    snapshot["discriminator"]["bias"] = snapshot["discriminator"]["bias"] + 1
+    torch.save(snapshot, changed)
+    proc = run_cli("diff", path, changed)  # no single model: nothing may be ignored
+    assert proc.returncode == 1 and "discriminator.bias" in proc.stdout
+
+
+def test_a_model_in_parts_is_taken_whole(tmp_path):
+    """{"encoder", "decoder", "epoch"}: both parts are the model, named by key path,
+    and a change in the smaller part is a difference."""
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(2, 3), nn.Linear(3, 40)
+    snapshot = {"encoder": enc.state_dict(), "decoder": dec.state_dict(), "epoch": 3}
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(snapshot, a)
+    snapshot["encoder"]["bias"] = snapshot["encoder"]["bias"] + 1
+    torch.save(snapshot, b)
+    report = inspect_report(ckpttool.read(a))
+    assert report["model_key"] == [] and report["num_params"] == 9 + 160
+    loaded = ckpttool.load(a)  # the structure the parts' modules load
+    assert torch.equal(loaded["encoder"]["weight"], enc.weight) and loaded["epoch"] == 3
+    out = tmp_path / "a.safetensors"
+    assert run_cli("convert", a, "--to", "safetensors", "-o", out).returncode == 0
+    assert sorted(load_file(out)) == [
+        "decoder.bias",
+        "decoder.weight",
+        "encoder.bias",
+        "encoder.weight",
+    ]
+    proc = run_cli("diff", a, b)
+    assert proc.returncode == 1 and "encoder.bias" in proc.stdout
+
+
+def test_a_nested_model_state_dict_is_taken_whole(tmp_path):
+    """Megatron-LM nests its model state dict by module (language_model.embedding...):
+    all of it is the model, not its largest leaf dict."""
+    torch.manual_seed(0)
+    model = {
+        "language_model": {
+            "embedding": {"word_embeddings": {"weight": torch.randn(16, 4)}},
+            "encoder": {
+                "layers.0.mlp.weight": torch.randn(4, 4),
+                "layers.0.mlp.bias": torch.randn(4),
+                "final_norm.weight": torch.ones(4),
+            },
+            "output_layer": {"weight": torch.randn(16, 4)},
+        }
+    }
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"model": model, "optimizer": _adam_state(0), "iteration": 10}, path)
+    report = inspect_report(ckpttool.read(path))
+    assert report["model_key"] == ["model"] and report["num_params"] == 64 + 16 + 4 + 4 + 64
+    loaded = ckpttool.load(path)  # nested, as Megatron's load_state_dict takes it
+    assert torch.equal(
+        loaded["language_model"]["output_layer"]["weight"],
+        model["language_model"]["output_layer"]["weight"],
+    )
+    out = tmp_path / "megatron.safetensors"
+    assert run_cli("convert", path, "--to", "safetensors", "-o", out).returncode == 0
+    assert sorted(load_file(out)) == [
+        "language_model.embedding.word_embeddings.weight",
+        "language_model.encoder.final_norm.weight",
+        "language_model.encoder.layers.0.mlp.bias",
+        "language_model.encoder.layers.0.mlp.weight",
+        "language_model.output_layer.weight",
+    ]
+    proc = run_cli("inspect", path)
+    assert proc.returncode == 0 and "model state dict, 5 tensors" in proc.stdout
 
 
 def test_pickled_module_is_not_mistaken_for_one_layer(tmp_path):

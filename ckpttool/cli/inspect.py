@@ -54,7 +54,7 @@ def render(ckpt, report: dict) -> None:
     from rich.table import Table  # only for human output: --json stays fast
 
     from ..layout import model_state
-    from ..tree import get_path
+    from ..tree import get_path, iter_tensors
 
     console = stdout_console()
     world = f", world size {report['world_size']}" if report["world_size"] else ""
@@ -69,9 +69,9 @@ def render(ckpt, report: dict) -> None:
         model_label = ""
     else:
         where = ".".join(map(str, model_key)) or "(root)"
-        n = len(model_state(get_path(ckpt.root, model_key)) or ())
+        n = sum(1 for _ in iter_tensors(model_state(get_path(ckpt.root, model_key)) or {}))
         prefix = report["prefix"] or "none"
-        model_label = f"model state dict, {n} entries, prefix {prefix}"
+        model_label = f"model state dict, {n} tensors, prefix {prefix}"
         console.print(f"model state dict: [green]{where}[/], wrapper prefix: [green]{prefix}[/]")
     console.print(structure_tree("[bold]structure[/]", ckpt.root, model_key, model_label))
 
