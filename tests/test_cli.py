@@ -182,3 +182,26 @@ def test_reader_leaving_early_is_not_an_error(json_flag):
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0
     assert "Traceback" not in stderr
+
+
+def test_text_from_the_file_is_shown_literally_never_as_markup(tmp_path):
+    """Keys, values and names come from the file: a tokenizer's "[/s]" made rich raise
+    (inspect failed halfway, diff exited 2), and "[red]" silently vanished from names."""
+
+    checkpoint = {
+        "layer[red]0.weight": torch.ones(1),
+        "special_tokens": ["[CLS]", "[/s]"],
+        "note": "[bold]important",
+    }
+    a, b = tmp_path / "a[1].pt", tmp_path / "b.pt"
+    torch.save({**checkpoint, "enc.[/x]": torch.ones(2)}, a)
+    torch.save(checkpoint, b)
+    proc = run_cli("inspect", a, columns=200)
+    assert proc.returncode == 0, proc.stderr
+    for text in ("layer[red]0.weight", "'[/s]'", "'[bold]important'", "enc.[/x]", "a[1].pt"):
+        assert text in proc.stdout, text
+    proc = run_cli("diff", a, b, columns=200)
+    assert proc.returncode == 1, proc.stderr
+    assert "- only in A: enc.[/x]" in proc.stdout
+    proc = run_cli("convert", a, "--to", "pt", "-o", tmp_path / "out[/x].pt")
+    assert proc.returncode == 0 and "wrote " + str(tmp_path / "out[/x].pt") in proc.stderr

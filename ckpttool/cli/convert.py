@@ -56,6 +56,9 @@ def convert(
         progress=progress_factory(quiet),
     )
     if not quiet:
+        from rich.markup import escape  # a path is never markup
+
         stderr_console().print(
-            f"wrote {result.output} ({result.num_tensors} tensors, {human_bytes(result.nbytes)})"
+            f"wrote {escape(result.output)} ({result.num_tensors} tensors, "
+            f"{human_bytes(result.nbytes)})"
         )

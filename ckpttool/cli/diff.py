@@ -34,25 +34,25 @@ def diff(
 
 
 def render(result: dict) -> None:
+    from rich.markup import escape  # names come from the files: never markup
     from rich.table import Table  # only for human output: --json stays fast
 
     console = stdout_console(highlight=False)
     for name in result["only_in_a"]:
-        console.print(f"[red]- only in A[/]: {name}")
+        console.print(f"[red]- only in A[/]: {escape(name)}")
     for name in result["only_in_b"]:
-        console.print(f"[green]+ only in B[/]: {name}")
+        console.print(f"[green]+ only in B[/]: {escape(name)}")
     for m in result["mismatched"]:
         a, b = m["a"], m["b"]
-        console.print(
-            f"[yellow]! {m['name']}[/]: {a['dtype']}{a['shape']} vs {b['dtype']}{b['shape']}"
-        )
+        name = escape(m["name"])
+        console.print(f"[yellow]! {name}[/]: {a['dtype']}{a['shape']} vs {b['dtype']}{b['shape']}")
     if result["different"]:
         table = Table(title="different tensors", title_justify="left")
         table.add_column("name", overflow="fold")
         table.add_column("max |a-b|", justify="right")
         table.add_column("elements", justify="right")
         for d in result["different"]:
-            table.add_row(d["name"], f"{d['max_abs_diff']:.6g}", str(d["num_different"]))
+            table.add_row(escape(d["name"]), f"{d['max_abs_diff']:.6g}", str(d["num_different"]))
         console.print(table)
     verdict = "[green]equal[/]" if result["equal"] else "[red]different[/]"
     tol = (

@@ -51,6 +51,7 @@ def inspect(
 
 
 def render(ckpt, report: dict) -> None:
+    from rich.markup import escape  # keys, values, names come from the file: never markup
     from rich.table import Table  # only for human output: --json stays fast
 
     from ..layout import model_state
@@ -60,7 +61,7 @@ def render(ckpt, report: dict) -> None:
     world = f", world size {report['world_size']}" if report["world_size"] else ""
     console.print(
         f"[bold]{report['format']}[/]{world}: "
-        + ", ".join(report["files"][:4])
+        + ", ".join(escape(f) for f in report["files"][:4])
         + (f" … ({len(report['files'])} files)" if len(report["files"]) > 4 else "")
     )
     model_key = tuple(report["model_key"]) if report["model_key"] is not None else None
@@ -68,9 +69,9 @@ def render(ckpt, report: dict) -> None:
         console.print("model state dict: [yellow]none found[/]")
         model_label = ""
     else:
-        where = ".".join(map(str, model_key)) or "(root)"
+        where = escape(".".join(map(str, model_key))) or "(root)"
         n = sum(1 for _ in iter_tensors(model_state(get_path(ckpt.root, model_key)) or {}))
-        prefix = report["prefix"] or "none"
+        prefix = escape(report["prefix"] or "none")
         model_label = f"model state dict, {n} tensors, prefix {prefix}"
         console.print(f"model state dict: [green]{where}[/], wrapper prefix: [green]{prefix}[/]")
     console.print(structure_tree("[bold]structure[/]", ckpt.root, model_key, model_label))
@@ -90,10 +91,10 @@ def render(ckpt, report: dict) -> None:
             table.add_column(column, justify="right")
     for t in report["tensors"]:
         row = [
-            ".".join(map(str, t["key"])),
+            escape(".".join(map(str, t["key"]))),
             f"{t['dtype']} {t['layout']}" if "layout" in t else t["dtype"],
             str(t["shape"]),
-            t["device"],
+            escape(t["device"]),
             human_bytes(t["nbytes"]),
         ]
         if len(table.columns) > 5 + (5 if stats else 0):
@@ -126,16 +127,17 @@ def render(ckpt, report: dict) -> None:
         values.add_column("type")
         values.add_column("value")
         for v in report["values"]:
-            values.add_row(".".join(map(str, v["key"])), v["type"], short(v["value"]))
+            key = ".".join(map(str, v["key"]))
+            values.add_row(escape(key), escape(v["type"]), escape(short(v["value"])))
         console.print(values)
     opaque = sorted({v["value"] for v in report["values"] if v["type"] == "opaque"})
     if report["dangerous"]:
         console.print(
             "[red]security[/]: dangerous globals kept inert (--unsafe): "
-            + ", ".join(report["dangerous"])
+            + escape(", ".join(report["dangerous"]))
         )
     elif report["globals"] or report["format"] not in ("safetensors", "safetensors-sharded"):
-        extra = f"; shown as placeholders: {', '.join(opaque)}" if opaque else ""
+        extra = f"; shown as placeholders: {escape(', '.join(opaque))}" if opaque else ""
         console.print(
             "[green]security[/]: read without running code; "
             f"{len(report['globals'])} globals, none dangerous{extra}"

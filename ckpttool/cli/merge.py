@@ -23,6 +23,8 @@ def merge(
     quiet: Quiet = False,
 ) -> None:
     """Merge every sharded tensor (model AND optimizer) into one torch.save file."""
+    from rich.markup import escape  # paths and class names: never markup
+
     from ..merge import merge as merge_checkpoint
 
     result = merge_checkpoint(
@@ -32,10 +34,11 @@ def merge(
     if result.stand_ins:
         console.print(
             "[yellow]warning[/]: kept as plain-data stand-ins ({'__class__': ...}): "
-            + ", ".join(result.stand_ins),
+            + escape(", ".join(result.stand_ins)),
             highlight=False,
         )
     if not quiet:
         console.print(
-            f"wrote {result.output} ({result.num_tensors} tensors, {human_bytes(result.nbytes)})"
+            f"wrote {escape(result.output)} ({result.num_tensors} tensors, "
+            f"{human_bytes(result.nbytes)})"
         )
