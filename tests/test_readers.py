@@ -282,8 +282,27 @@ def test_hf_folder_with_both_serializations_reads_the_safetensors(tmp_path):
     save_file(sd, single / "model.safetensors")
     (single / "config.json").write_text("{}")
     assert ckpttool.read(single).files == [str(single / "model.safetensors")]
-    (single / "model.safetensors").rename(single / "other.pt")  # two pickles: ambiguous
+    (single / "model.safetensors").rename(single / "other.pt")
+    (single / "pytorch_model.bin").rename(single / "weights.bin")  # two pickles: ambiguous
     check_error(run_cli("inspect", single), 2, "not exactly one checkpoint file")
+
+
+def test_trainer_checkpoint_folder_reads_its_weights(tmp_path):
+    """HF Trainer's checkpoint-N/ keeps pytorch_model.bin beside optimizer.pt,
+    scheduler.pt, rng_state.pth and training_args.bin: the folder is its weights."""
+    sd = small_state_dict()
+    folder = tmp_path / "checkpoint-500"
+    folder.mkdir()
+    torch.save(sd, folder / "pytorch_model.bin")
+    torch.save({"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}, folder / "optimizer.pt")
+    torch.save({"last_epoch": 500, "base_lrs": [0.1]}, folder / "scheduler.pt")
+    torch.save({"cpu": torch.random.get_rng_state()}, folder / "rng_state.pth")
+    torch.save({"output_dir": "out", "seed": 42}, folder / "training_args.bin")
+    (folder / "trainer_state.json").write_text("{}")
+    ckpt = ckpttool.read(folder)
+    assert ckpt.files == [str(folder / "pytorch_model.bin")]
+    loaded = ckpttool.load(folder)
+    assert list(loaded) == list(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd)
 
 
 # ------------------------------------------------------ detection by content

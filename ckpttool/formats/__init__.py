@@ -36,6 +36,13 @@ FILE_FORMATS = [dcp, torchscript, torch_zip, sharded_index, dcp_hf, safetensors_
 PICKLE_FORMATS = (torch_zip, torch_legacy)
 HEAD_BYTES = 512
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
+# The weights of a Hugging Face folder, in the order from_pretrained takes them.
+HF_WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
 
 
 def expand_paths(paths: Sequence[str]) -> list[str]:
@@ -170,11 +177,13 @@ def _read_one(path: str, unsafe: bool) -> Checkpoint:
 def _single_checkpoint_file(folder: str) -> str | None:
     """The file that stands for a folder's one checkpoint, if it holds exactly one.
 
-    That is its only checkpoint file; or the lowest rank's file when every file is one
-    rank of the same checkpoint (``ep0-ba4-rank0.pt``, ``ep0-ba4-rank1.pt``: the caller
-    finds the siblings); or, in a Hugging Face model folder holding the same weights
-    twice (``model.safetensors`` and ``pytorch_model.bin``), the safetensors file, as
-    ``from_pretrained`` takes.
+    That is its only checkpoint file; or, in a Hugging Face model folder holding the
+    same weights twice (``model.safetensors`` and ``pytorch_model.bin``), the
+    safetensors file, as ``from_pretrained`` takes; or the weights file of a Trainer's
+    ``checkpoint-N/`` (beside ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
+    ``training_args.bin``); or the lowest rank's file when every file is one rank of
+    the same checkpoint (``ep0-ba4-rank0.pt``, ``ep0-ba4-rank1.pt``: the caller finds
+    the siblings).
 
     Raises:
         CkptError: The rank files of several checkpoints (a trainer's snapshot folder).
@@ -184,6 +193,9 @@ def _single_checkpoint_file(folder: str) -> str | None:
     for candidates in (names, safetensors_names):
         if len(candidates) == 1:
             return os.path.join(folder, candidates[0])
+    for name in HF_WEIGHT_FILES:  # a Trainer's checkpoint-N/: weights beside optimizer.pt...
+        if name in names:
+            return os.path.join(folder, name)
     ranks = [m for n in names if (m := per_rank.RANK_RE.match(n))]
     if not names or len(ranks) != len(names):
         return None
