@@ -548,6 +548,14 @@ class NumpyArrayRef(TensorRef):
             raise CkptError("corrupt numpy array: fewer bytes than its shape needs")
 
 
+def _numpy_frombuffer(buffer: Any, np_dtype: Any, shape: Any, order: Any = "C") -> Any:
+    """``numpy._core.numeric._frombuffer``: how numpy pickles a contiguous array with
+    protocol 5 (``torch.save(..., pickle_protocol=5)``), its bytes in-band."""
+    array = NumpyArrayRef()
+    array.__setstate__((1, shape, np_dtype, order == "F", buffer))
+    return array
+
+
 def _numpy_scalar(np_dtype: Any, raw: Any = None) -> Any:
     described = _numpy_dtype(np_dtype)
     if described is None or described[1] is None or not isinstance(raw, (bytes, bytearray)):
@@ -602,6 +610,8 @@ SAFE_GLOBALS: dict[str, Any] = {
     "torch._tensor._rebuild_from_type": lambda func, type_, args, dict_: func(*args),
     "numpy.core.multiarray._reconstruct": NumpyArrayRef,
     "numpy._core.multiarray._reconstruct": NumpyArrayRef,
+    "numpy.core.numeric._frombuffer": _numpy_frombuffer,
+    "numpy._core.numeric._frombuffer": _numpy_frombuffer,
     "numpy.core.multiarray.scalar": _numpy_scalar,
     "numpy._core.multiarray.scalar": _numpy_scalar,
     "torch.Size": _torch_size,

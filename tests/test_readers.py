@@ -779,6 +779,33 @@ def test_numpy_arrays_of_strings_or_objects_are_placeholders_not_tensors(tmp_pat
     assert sorted(ckpttool.load(out)) == ["model.f", "model.w"]
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_numpy_arrays_read_as_tensors_with_any_pickle_protocol(tmp_path, protocol, legacy):
+    """numpy pickles a contiguous array with protocol 5 as ``_frombuffer(bytes, dtype,
+    shape, order)``, not ``_reconstruct``: it was kept as an opaque object."""
+    import numpy as np
+
+    arrays = {
+        "c": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "fortran": np.asfortranarray(np.arange(6, dtype=np.int64).reshape(2, 3)),
+        "scalar": np.array(3.5),
+        "empty": np.zeros((0, 2)),
+        "big_endian": np.arange(3, dtype=">f4"),
+        "bool": np.array([True, False]),
+    }
+    path = tmp_path / "np.pt"
+    torch.save({"extra_state": arrays}, path, pickle_protocol=protocol,
+               _use_new_zipfile_serialization=not legacy)  # fmt: skip
+    got = ckpttool.load(path, select="all")["extra_state"]
+    for name, array in arrays.items():
+        want = torch.from_numpy(array.astype(array.dtype.newbyteorder("=")))
+        assert torch.is_tensor(got[name]), name
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    report = inspect_report(ckpttool.read(path))
+    assert len(report["tensors"]) == len(arrays)
+
+
 @pytest.mark.parametrize("length", [1, 100, 4096, 8191, 8192, 8193, 30000])
 def test_file_span_reads_any_range_exactly(tmp_path, length):
     """A span serves small reads at its two ends from memory: every range, across
