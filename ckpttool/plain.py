@@ -55,6 +55,16 @@ def to_plain(
     """
     memo: dict[int, Any] = {}
 
+    def key(value: Any) -> Any:
+        """A dict key as plain data; one that became a stand-in dict (an Enum member,
+        a frozenset under ``weights_only``) cannot be a key: its text is."""
+        built = build(value)
+        try:
+            hash(built)
+        except TypeError:
+            return repr(value)
+        return built
+
     def build(value: Any) -> Any:
         if is_tensor(value):
             return leaf(value)
@@ -68,7 +78,7 @@ def to_plain(
             out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
             memo[id(value)] = out
             for k, v in value.items():
-                out[build(k)] = build(v)
+                out[key(k)] = build(v)
             return out
         if isinstance(value, list):
             out_list: list[Any] = []

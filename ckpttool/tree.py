@@ -412,6 +412,13 @@ class Opaque(metaclass=_ReadOnlyClass):
         return f"{cls.module}.{cls.qualname}"
 
     def __repr__(self) -> str:
+        # an Enum member or a small value object is told apart by its arguments
+        # (Strategy('steps') and Strategy('epoch') as keys of one dict)
+        args = getattr(self, "args", ())
+        shown = ", ".join(repr(a) for a in args)
+        simple = all(isinstance(a, (str, int, float)) for a in args)
+        if args and simple and len(args) <= 3 and len(shown) <= 60:
+            return f"<opaque {self.class_name()}({shown})>"
         return f"<opaque {self.class_name()}>"
 
     def attrs(self) -> dict[str, Any]:

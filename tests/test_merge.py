@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import enum
 import shutil
 import struct
 import subprocess
@@ -23,6 +24,7 @@ from helpers_dist import one_line_error, run_cli, tree_files
 import ckpttool
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
+from ckpttool.report import inspect_report
 from ckpttool.writers import torch_zip
 
 pytestmark = pytest.mark.slow
@@ -315,3 +317,30 @@ def test_merging_whole_shards_does_not_import_torch(fsdp2: Path, tmp_path: Path)
     )
     assert proc.returncode == 0, proc.stderr
     assert assert_identical(torch.load(out, weights_only=True), expected_snapshot(fsdp2)) == 27
+
+
+class Strategy(str, enum.Enum):  # pickled by reference: an unknown class when read
+    STEPS = "steps"
+    EPOCH = "epoch"
+
+
+def test_dict_keys_that_become_stand_ins_stay_keys(tmp_path: Path):
+    """An Enum member or a frozenset as a dict key: its stand-in is a dict, which
+    cannot be a key (load() raised TypeError, merge an internal error). The key's
+    text is kept instead, one per distinct key."""
+    snapshot = {
+        "w": torch.ones(2),
+        "stats": {Strategy.STEPS: 1.0, Strategy.EPOCH: 2.0},
+        "by_set": {frozenset({1, 2}): 3},
+    }
+    torch.save(snapshot, tmp_path / "in.pt")
+    steps, epoch = (f"<opaque test_merge.Strategy({v!r})>" for v in ("steps", "epoch"))
+    loaded = ckpttool.load(tmp_path / "in.pt", select="all")
+    assert loaded["stats"] == {steps: 1.0, epoch: 2.0}
+    assert loaded["by_set"] == {frozenset({1, 2}): 3}  # a plain Python key stays itself
+    merge(str(tmp_path / "in.pt"), str(tmp_path / "m.pt"))
+    merged = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert merged["stats"] == {steps: 1.0, epoch: 2.0}
+    assert merged["by_set"] == {"frozenset({1, 2})": 3}
+    report = inspect_report(ckpttool.read(tmp_path / "in.pt"))
+    assert [v["key"] for v in report["values"]][:2] == [["stats", steps], ["stats", epoch]]
