@@ -14,6 +14,7 @@ from typing import Any
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError
 from .layout import find_model_key
+from .report import NO_NUMBERS
 from .tree import OpenFiles, SparseRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
@@ -182,6 +183,10 @@ def _compare_chunk(x: Any, y: Any, atol: float, rtol: float) -> tuple[float, int
         del bits
         if not different:
             return 0.0, 0  # identical chunk: no float64 temporaries needed
+    if str(x.dtype).removeprefix("torch.") in NO_NUMBERS:  # fp4 pairs, bits8...: no
+        # conversion kernels; their differences are those of the raw integers
+        raw = {1: torch.uint8, 2: torch.int16}[x.element_size()]
+        x, y = x.view(raw), y.view(raw)
     if x.is_complex():
         x, y = torch.view_as_real(x).to(torch.float64), torch.view_as_real(y).to(torch.float64)
     else:

@@ -153,6 +153,10 @@ def json_value(value: Any) -> Any:
     return str(value)
 
 
+# dtypes whose bytes torch cannot turn into numbers (no conversion kernels)
+NO_NUMBERS = frozenset({"float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
+
+
 def tensor_stats(ref: Any) -> dict[str, Any]:
     """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes).
 
@@ -165,6 +169,8 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"nan": 0, "inf": 0}
     none = {**out, "min": None, "max": None, "mean": None, "std": None}
     if isinstance(ref, TensorRef) and ref.storage is None:
+        return none
+    if ref.dtype.name in NO_NUMBERS:
         return none
     t = ref.load("cpu")
     zeros = 0  # elements a sparse tensor does not store
@@ -222,15 +228,25 @@ def _stats_with_zeros(values: Any, zeros: int) -> dict[str, Any]:
 
 
 def _uint64_stats(t: Any) -> dict[str, Any]:
-    """Exact min/max of a uint64 tensor: flipping the top bit maps it onto int64 in order."""
+    """Stats of a uint64 tensor (torch has no kernels for it).
+
+    min/max are exact: flipping the top bit maps uint64 onto int64 in order. mean
+    and std are taken over the distances from the minimum, each converted as two
+    32-bit halves: near 2**63, float64 would round small differences away.
+    """
     import torch
 
-    shifted = t.view(torch.int64) ^ torch.iinfo(torch.int64).min
-    f = shifted.to(torch.float64) + 2.0**63
+    bits = t.view(torch.int64)
+    shifted = bits ^ torch.iinfo(torch.int64).min
+    low, high = int(shifted.min()) + 2**63, int(shifted.max()) + 2**63
+    # (bits - low) wraps around as uint64 would: the distance, as unsigned bits
+    distance = bits - (low - 2**64 if low >= 2**63 else low)
+    halves = (distance >> 32) & 0xFFFFFFFF, distance & 0xFFFFFFFF
+    f = halves[0].to(torch.float64) * 2.0**32 + halves[1].to(torch.float64)
     return {
-        "min": int(shifted.min()) + 2**63,
-        "max": int(shifted.max()) + 2**63,
-        "mean": float(f.mean()),
+        "min": low,
+        "max": high,
+        "mean": low + float(f.mean()),
         "std": float(f.std()) if f.numel() > 1 else 0.0,
     }
 

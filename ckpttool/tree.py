@@ -63,6 +63,12 @@ def _dtypes() -> dict[str, DType]:
         ("qint8", 1, None, False),
         ("quint8", 1, None, False),
         ("qint32", 4, None, False),
+        # raw bit containers (bit-packed custom formats): bytes without a number type
+        ("bits8", 1, None, False),
+        ("bits16", 2, None, False),
+        ("bits1x8", 1, None, False),
+        ("bits2x4", 1, None, False),
+        ("bits4x2", 1, None, False),
     ]
     return {name: DType(name, size, st, fl) for name, size, st, fl in table}
 

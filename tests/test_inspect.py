@@ -354,3 +354,37 @@ def test_stats_for_dtypes_without_min_max_kernels_and_meta_tensors(tmp_path):
     assert (stats["u64"]["min"], stats["u64"]["max"]) == (3, 2**64 - 1)
     assert stats["meta"]["min"] is None and stats["meta"]["mean"] is None
     assert stats["c32"]["max"] == 5.0  # of the magnitudes
+
+
+def test_stats_of_dtypes_torch_has_no_kernels_for(tmp_path):
+    """uint64 stats near 2**63 lost small differences in float64 (mean 0.0 for
+    [10, 20, 30]); fp4 and the bits dtypes have no numbers to show (--stats failed
+    the whole command on fp4, and bits8 files were called corrupt)."""
+    snapshot = {
+        "u": torch.tensor([10, 20, 30], dtype=torch.uint64),
+        "near_top": torch.tensor([2**63 + 1, 2**63 + 3], dtype=torch.uint64),
+        "fp4": torch.arange(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+        "b8": torch.arange(4, dtype=torch.uint8).view(torch.bits8),
+        "b16": torch.arange(4, dtype=torch.int16).view(torch.bits16),
+    }
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(snapshot, a)
+    proc = run_cli("inspect", "--stats", "--json", a)
+    assert proc.returncode == 0, proc.stderr
+    stats = {t["key"][0]: t["stats"] for t in json.loads(proc.stdout)["tensors"]}
+    assert (stats["u"]["min"], stats["u"]["max"], stats["u"]["mean"], stats["u"]["std"]) == (
+        10, 30, 20.0, 10.0,
+    )  # fmt: skip
+    assert stats["near_top"]["mean"] == float(2**63 + 2) and stats["near_top"]["std"] == 2**0.5
+    for name in ("fp4", "b8", "b16"):
+        assert stats[name]["min"] is None and stats[name]["mean"] is None
+    converted = tmp_path / "c.pt"
+    assert run_cli("convert", a, "--to", "pt", "-o", converted).returncode == 0
+    back = torch.load(converted, weights_only=True)
+    for name, tensor in snapshot.items():
+        assert back[name].dtype == tensor.dtype
+        assert torch.equal(back[name].view(torch.uint8), tensor.view(torch.uint8))
+    changed = dict(snapshot, b8=torch.tensor([0, 1, 2, 9], dtype=torch.uint8).view(torch.bits8))
+    torch.save(changed, b)
+    proc = run_cli("diff", a, b)
+    assert proc.returncode == 1 and "b8" in proc.stdout
