@@ -102,7 +102,7 @@ def materialize(node: Any, map_location: Any = "cpu") -> Any:
     Opaque objects become plain-data stand-ins (``{"__class__": ..., "state": ...}``),
     as in ``ckpttool merge`` output; a tensor referenced twice comes back as one tensor.
     """
-    from .materialize import to_torch
+    from .tensors import to_torch
 
     loaded: dict[int, Any] = {}
 

@@ -109,7 +109,7 @@ def compare_tensors(
     import torch
 
     if blocks is not None:
-        from .materialize import torch_dtype
+        from .tensors import torch_dtype
 
         dtype = torch_dtype(a.dtype)
         pairs: Iterator[tuple[Any, Any]] = (
@@ -141,7 +141,7 @@ def _sparse_values(a: Any, b: Any) -> tuple[Any, Any]:
     in memory for what they store, not for their dense size."""
     import torch
 
-    from .materialize import sparse_entries
+    from .tensors import sparse_entries
 
     ta, tb = a.load("cpu"), b.load("cpu")
     if ta.layout == torch.strided or tb.layout == torch.strided or not ta.dim():
@@ -160,7 +160,7 @@ def _dense(t: Any) -> Any:
     """All of a tensor's elements, flat; a sparse one's unstored elements are 0."""
     import torch
 
-    from .materialize import sparse_entries
+    from .tensors import sparse_entries
 
     if t.layout == torch.strided:
         return t.reshape(-1)

@@ -175,7 +175,7 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     t = ref.load("cpu")
     zeros = 0  # elements a sparse tensor does not store
     if isinstance(ref, SparseRef):
-        from .materialize import sparse_entries
+        from .tensors import sparse_entries
 
         t = sparse_entries(t)[1]
         zeros = ref.numel - t.numel()

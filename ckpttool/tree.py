@@ -6,7 +6,7 @@ primitives, :class:`TensorRef` (one tensor: metadata plus where its bytes live),
 :class:`SparseRef` (a sparse tensor, made of stored index and value tensors) or
 :class:`Opaque` (an inert stand-in for an object of a class we do not rebuild).
 Nothing here imports torch: bytes are read and tensors built only in
-:mod:`ckpttool.materialize`, when a tensor is actually asked for.
+:mod:`ckpttool.tensors`, when a tensor is actually asked for.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ class TensorRef(_Sized):
 
     def load(self, map_location: Any = "cpu") -> Any:
         """Read the bytes and return a ``torch.Tensor`` (its own memory, contiguous if a view)."""
-        from .materialize import load_tensor
+        from .tensors import load_tensor
 
         return load_tensor(self, map_location)
 
@@ -296,7 +296,7 @@ class ShardedRef(_Sized):
 
     def load(self, map_location: Any = "cpu") -> Any:
         """Assemble the full tensor from its shards."""
-        from .materialize import load_sharded
+        from .tensors import load_sharded
 
         return load_sharded(self, map_location)
 
@@ -351,7 +351,7 @@ class SparseRef:
 
     def load(self, map_location: Any = "cpu") -> Any:
         """Read the parts and return the sparse ``torch.Tensor`` (its invariants checked)."""
-        from .materialize import load_sparse
+        from .tensors import load_sparse
 
         return load_sparse(self, map_location)
 

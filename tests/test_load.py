@@ -171,3 +171,18 @@ def test_select_all_turns_objects_into_plain_stand_ins_with_real_tensors(tmp_pat
     assert torch.equal(linear["weight"], model[0].weight.detach())
     assert out["device"] == torch.device("cuda", 1)
     assert out["dtype"] is torch.bfloat16
+
+
+def test_public_names_stay_what_they_are_after_use(tmp_path):
+    """ckpttool.materialize is a function: a submodule of the same name, imported when
+    the first tensor was read, replaced it in the package (TypeError on the next call)."""
+    path = tmp_path / "sd.pt"
+    sd = small_state_dict()
+    torch.save(sd, path)
+    ckpttool.load(path)
+    for name in ckpttool.__all__:
+        value = getattr(ckpttool, name)
+        assert not isinstance(value, type(ckpttool)), name
+    node = ckpttool.select_node(ckpttool.read(path))[1]
+    loaded = ckpttool.materialize(node)
+    assert list(loaded) == list(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd)

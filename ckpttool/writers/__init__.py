@@ -64,7 +64,7 @@ def _raw_copy_ok(leaf: Any, cast: DType | None) -> bool:
 
 def tensor_for_write(leaf: Any, cast: DType | None) -> Any:
     """The leaf as a contiguous CPU tensor, cast if asked (imports torch)."""
-    from ..materialize import torch_dtype
+    from ..tensors import torch_dtype
 
     tensor = leaf.load("cpu")
     target = output_dtype(leaf, cast)
