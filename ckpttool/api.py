@@ -16,7 +16,7 @@ from .layout import (
     resolve_prefix,
     strip_prefix,
 )
-from .tree import Checkpoint, KeyPath, Opaque, get_path, is_tensor, iter_tensors
+from .tree import Checkpoint, KeyPath, Opaque, TensorRef, get_path, is_tensor, iter_tensors
 
 PathArg = str | PathLike | Sequence[str | PathLike]
 
@@ -80,7 +80,20 @@ def select_node(
     node = module_state_dict(node) or node  # a pickled nn.Module: its state dict
     if isinstance(node, Mapping) and all(isinstance(k, str) for k in node):
         node = strip_prefix(node, resolve_prefix(node, strip))
+    require_data(node)
     return path, node
+
+
+def require_data(node: Any) -> None:
+    """Refuse, naming it, a tensor saved without data (``device="meta"``): there is
+    nothing to load, write or compare. (``inspect`` shows such tensors.)"""
+    for path, leaf in iter_tensors(node):
+        if isinstance(leaf, TensorRef) and leaf.storage is None:
+            raise CkptError(
+                f"tensor {'.'.join(map(str, path))!r} has no stored data "
+                "(saved on the meta device)",
+                hint="--select other tensors",
+            )
 
 
 def flatten_tensors(node: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import read
+from .api import read, require_data
 from .output import atomic_output, check_output
 from .plain import stand_in_names
 from .tree import iter_tensors
@@ -49,6 +49,7 @@ def merge(
     ckpt = read(paths, unsafe=unsafe)
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     check_output(out, [*inputs, *ckpt.files], force=force)
+    require_data(ckpt.root)
     leaves = [leaf for _, leaf in iter_tensors(ckpt.root)]
     total = sum(leaf.nbytes for leaf in leaves)
     stand_ins = stand_in_names(ckpt.root)

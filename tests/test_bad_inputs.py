@@ -354,3 +354,21 @@ def test_dcp_missing_the_file_with_values_names_it(dist_runs, tmp_path):
     value_file = sorted(_value_files(folder))[0]
     (folder / value_file).unlink()
     check_error(run_cli("inspect", folder), 2, value_file)
+
+
+def test_meta_tensors_are_shown_and_refused_by_name(tmp_path):
+    """A tensor saved on the meta device has a shape and no data: inspect shows it;
+    anything that needs its data says which tensor, not just "a tensor"."""
+    path = tmp_path / "meta.pt"
+    torch.save({"model": {"w": torch.ones(2), "m": torch.empty(3, device="meta")},
+                "ema": {"x": torch.ones(1)}}, path)  # fmt: skip
+    proc = run_cli("inspect", "--json", path)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["num_tensors"] == 3
+    out = tmp_path / "out.pt"
+    for args in (("convert", path, "--to", "pt", "-o", out), ("merge", path, "-o", out),
+                 ("diff", path, path)):  # fmt: skip
+        check_error(run_cli(*args), 2, "m' has no stored data (saved on the meta device)")
+        assert not out.exists()
+    with pytest.raises(ckpttool.CkptError, match="tensor 'm' has no stored data"):
+        ckpttool.load(path)
+    assert torch.equal(ckpttool.load(path, select="ema")["x"], torch.ones(1))
