@@ -18,12 +18,22 @@ TorchValue = Device | DType | TorchName
 
 
 def _weights_only_refuses(value: Any) -> bool:
-    """Plain Python values ``torch.load(weights_only=True)`` has no global for."""
-    return isinstance(value, (frozenset, slice)) or value is Ellipsis
+    """Plain Python values ``torch.load(weights_only=True)`` has no global for: a
+    frozenset, a slice, Ellipsis, and a builtin class saved as a value
+    (``{"dtype": float}`` in hyperparameters)."""
+    return (
+        isinstance(value, (frozenset, slice))
+        or value is Ellipsis
+        or (isinstance(value, type) and not issubclass(value, Opaque))
+    )
 
 
 def _builtin_name(value: Any) -> str:
-    return "builtins.Ellipsis" if value is Ellipsis else f"builtins.{type(value).__name__}"
+    if value is Ellipsis:
+        return "builtins.Ellipsis"
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return f"builtins.{type(value).__name__}"
 
 
 def stand_in_names(root: Any) -> list[str]:

@@ -226,7 +226,8 @@ def test_plain_snapshot_objects_numpy_and_class_refs(tmp_path: Path):
 
 
 def test_values_weights_only_refuses_become_stand_ins(tmp_path: Path):
-    """frozenset, slice and Ellipsis have no global torch.load(weights_only=True) accepts;
+    """frozenset, slice, Ellipsis and builtin classes as values have no global
+    torch.load(weights_only=True) accepts;
     io.BytesIO and range are harmless classes (opaque, not refused as unsafe)."""
     import io
 
@@ -237,6 +238,7 @@ def test_values_weights_only_refuses_become_stand_ins(tmp_path: Path):
         "index": (Ellipsis, 0),
         "steps": range(3),
         "buffer": io.BytesIO(b"state"),
+        "hparams": {"dtype": float},  # a builtin class as a value
     }
     torch.save(snapshot, tmp_path / "in.pt")
     loaded = ckpttool.load(tmp_path / "in.pt", select="all")  # plain Python values stay
@@ -249,6 +251,7 @@ def test_values_weights_only_refuses_become_stand_ins(tmp_path: Path):
     assert result.stand_ins == [
         "_io.BytesIO",
         "builtins.Ellipsis",
+        "builtins.float",
         "builtins.frozenset",
         "builtins.range",
         "builtins.slice",
@@ -260,6 +263,7 @@ def test_values_weights_only_refuses_become_stand_ins(tmp_path: Path):
     assert merged["index"] == ({"__global__": "builtins.Ellipsis"}, 0)
     assert merged["steps"] == {"__class__": "builtins.range", "args": [0, 3, 1]}
     assert merged["buffer"]["__class__"] == "_io.BytesIO"
+    assert merged["hparams"] == {"dtype": {"__global__": "builtins.float"}}
     assert merged["buffer"]["state"][0] == b"state"
 
 
