@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .stand_ins import Device, TorchName
-from .tree import DType, Opaque, is_tensor, walk
+from .tree import DType, Opaque, StorageRef, TensorRef, is_tensor, walk
 
 TorchValue = Device | DType | TorchName
 
@@ -53,13 +53,16 @@ def to_plain(
     torch_value: Callable[[TorchValue], Any],
     *,
     weights_only: bool = False,
+    storage: Callable[[StorageRef], Any] | None = None,
 ) -> Any:
     """The tree with tensors as ``leaf(ref)`` and torch values as ``torch_value(value)``.
 
     An opaque object becomes ``{"__class__": "pkg.mod.Class", "state": ..., "args": ...,
     ...}`` so no key disappears; a class saved by reference becomes
     ``{"__global__": "pkg.mod.Class"}``; devices, dtypes, layouts and memory formats
-    go through ``torch_value``. Containers shared by several paths stay shared.
+    go through ``torch_value``; a storage saved on its own goes through ``storage``
+    (by default: ``leaf`` of its flat tensor). Containers shared by several paths
+    stay shared.
     With ``weights_only`` (a torch.save output) a frozenset, slice or Ellipsis, which
     ``torch.load(weights_only=True)`` refuses, becomes such a stand-in too.
     """
@@ -112,6 +115,9 @@ def to_plain(
                     result[name] = build(part)
         elif isinstance(value, (Device, DType, TorchName)):
             result = torch_value(value)
+        elif isinstance(value, StorageRef):  # a storage saved on its own
+            whole = TensorRef.whole_storage(value)
+            result = storage(value) if storage is not None else leaf(whole)
         else:
             result = value
         memo[id(value)] = result

@@ -20,6 +20,7 @@ from .tree import (
     Opaque,
     ShardedRef,
     SparseRef,
+    StorageRef,
     TensorRef,
     get_path,
     iter_tensors,
@@ -133,6 +134,8 @@ def value_type(value: Any) -> str:
         return "dtype"
     if isinstance(value, TorchName):
         return "torch"
+    if isinstance(value, StorageRef):
+        return "storage"
     return type(value).__name__
 
 
@@ -142,6 +145,8 @@ def json_value(value: Any) -> Any:
         return f"<opaque {value.class_name()}>"
     if isinstance(value, DType):
         return f"torch.{value.name}"
+    if isinstance(value, StorageRef):
+        return f"<storage {value.dtype.name} [{value.numel}]>"
     if isinstance(value, (bytes, bytearray)):
         return f"<{len(value)} bytes>"
     if isinstance(value, float) and not math.isfinite(value):

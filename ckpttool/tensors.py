@@ -15,7 +15,7 @@ import torch
 from .errors import CkptError
 from .plain import TorchValue, to_plain
 from .stand_ins import Device
-from .tree import DTYPES, DType, ShardedRef, SparseRef, TensorRef
+from .tree import DTYPES, DType, ShardedRef, SparseRef, StorageRef, TensorRef
 
 
 def torch_dtype(dt: DType) -> torch.dtype:
@@ -207,4 +207,10 @@ def torch_value(value: TorchValue) -> Any:
 
 def to_torch(node: Any, leaf: Callable[[Any], Any]) -> Any:
     """The tree as plain data with real torch objects (see :func:`ckpttool.plain.to_plain`)."""
-    return to_plain(node, leaf, torch_value)
+
+    def storage(ref: StorageRef) -> torch.TypedStorage:
+        # what torch.load returns for a storage saved on its own
+        t = leaf(TensorRef.whole_storage(ref))
+        return torch.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+
+    return to_plain(node, leaf, torch_value, storage=storage)

@@ -269,6 +269,12 @@ class TensorRef(_Sized):
 
         return load_tensor(self, map_location)
 
+    @classmethod
+    def whole_storage(cls, storage: StorageRef) -> TensorRef:
+        """A storage saved on its own (``torch.save(t.untyped_storage())``), as the flat
+        tensor of all its elements: how its bytes are read and written."""
+        return cls(storage.dtype, (storage.numel,), (1,), 0, storage, device=storage.device)
+
 
 @dataclass(eq=False)
 class Shard:

@@ -348,3 +348,36 @@ def test_dict_keys_that_become_stand_ins_stay_keys(tmp_path: Path):
     assert merged["by_set"] == {"frozenset({1, 2})": 3}
     report = inspect_report(ckpttool.read(tmp_path / "in.pt"))
     assert [v["key"] for v in report["values"]][:2] == [["stats", steps], ["stats", epoch]]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_storages_saved_on_their_own(tmp_path: Path, legacy: bool):
+    """torch.save(t.storage()) or t.untyped_storage(): load() gave ckpttool's internal
+    StorageRef, and merge pickled it (with no bytes) so the output did not load."""
+    t = torch.arange(3.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        snapshot = {
+            "typed": t.storage(),
+            "raw": torch.arange(4, dtype=torch.int16).untyped_storage(),
+        }
+    snapshot["t"] = t
+    if legacy:  # torch cannot read back an untyped storage from a legacy file
+        del snapshot["raw"]
+    path = tmp_path / "storages.pt"
+    torch.save(snapshot, path, _use_new_zipfile_serialization=not legacy)
+    want = torch.load(path, weights_only=True)
+    for got in (ckpttool.load(path, select="all"), None):
+        if got is None:
+            merge(str(path), str(tmp_path / "m.pt"))
+            got = torch.load(tmp_path / "m.pt", weights_only=True)
+        for name in set(snapshot) - {"t"}:
+            assert type(got[name]) is type(want[name]) and got[name].dtype == want[name].dtype
+            assert bytes(got[name].untyped()) == bytes(want[name].untyped())
+        assert torch.equal(got["t"], t)
+    values = {v["key"][0]: v for v in inspect_report(ckpttool.read(path))["values"]}
+    assert values["typed"] == {
+        "key": ["typed"],
+        "type": "storage",
+        "value": "<storage float32 [3]>",
+    }

@@ -73,7 +73,7 @@ def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: 
     from rich.tree import Tree
 
     from ..layout import is_plain
-    from ..tree import Opaque, children, is_tensor
+    from ..tree import Opaque, StorageRef, children, is_tensor
 
     tree = Tree(label)
 
@@ -89,6 +89,8 @@ def structure_tree(label: str, root: Any, model_key: tuple | None, model_label: 
                 branch.add(f"{name} [green]← {model_label}[/]")
             elif is_tensor(value):
                 branch.add(f"{name}: {describe_tensor(value)}")
+            elif isinstance(value, StorageRef):  # saved on its own, not as a tensor
+                branch.add(f"{name}: storage {value.dtype.name} [{value.numel}]")
             elif is_plain(value) or isinstance(value, Opaque) and not list(value.children()):
                 branch.add(f"{name} = {escape(short(value))}")
             else:

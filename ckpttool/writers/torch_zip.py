@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CkptError
 from ..plain import TorchValue, to_plain
 from ..stand_ins import TORCH_LAYOUTS, Device, TorchName
-from ..tree import STORAGE_CLASSES, DType, SparseRef
+from ..tree import STORAGE_CLASSES, DType, SparseRef, StorageRef, TensorRef
 from . import OutputFile, Progress, output_dtype, write_leaf
 
 ARCHIVE = "archive"
@@ -275,9 +275,20 @@ class TorchZipWriter:
         data = (*parts, size, *coalesced)
         return _Reduced(torch_global("torch._utils", "_rebuild_sparse_tensor"), (layout, data))
 
+    def add_storage(self, ref: StorageRef) -> _Storage:
+        """A storage saved on its own: its bytes now, the storage itself in the pickle."""
+        key = str(self._count)
+        self._count += 1
+        entry = self.zip.begin(f"{ARCHIVE}/data/{key}", ref.nbytes)
+        write_leaf(self.zip.out, TensorRef.whole_storage(ref), None, self.progress)
+        self.zip.end(entry)
+        return _Storage(key, ref.dtype, ref.numel, self.location)
+
     def convert(self, node: Any) -> Any:
         """The structure with every lazy tensor written and replaced by its pickle stand-in."""
-        return to_plain(node, self.add_tensor, pickle_value, weights_only=True)
+        return to_plain(
+            node, self.add_tensor, pickle_value, weights_only=True, storage=self.add_storage
+        )
 
     def finish(self, structure: Any) -> None:
         data = io.BytesIO()
