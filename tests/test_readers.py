@@ -121,9 +121,10 @@ class _Net(nn.Module):
         self.fc = nn.Linear(4, 3)
         self.sub = _Sub()
         self.register_buffer("buf", torch.arange(5.0))
+        self.scale = torch.tensor([2.0])  # a plain attribute: not in the state dict
 
     def forward(self, x):
-        return self.sub(self.fc(x)) + self.buf.sum()
+        return self.sub(self.fc(x)) * self.scale + self.buf.sum()
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
@@ -135,6 +136,7 @@ def test_torchscript_lists_parameters_and_buffers(tmp_path):
     ckpt = ckpttool.read(path)
     assert ckpt.format == "torchscript"
     assert sorted(ckpt.root) == ["buf", "fc.bias", "fc.weight", "sub.lin.bias", "sub.lin.weight"]
+    assert list(ckpt.root) == list(torch.jit.load(path).state_dict())  # and in its order
     _check_torchscript(path, ckpt, net)
 
 
