@@ -96,10 +96,11 @@ def require_data(node: Any) -> None:
             )
 
 
-def flatten_tensors(node: Any) -> dict[str, Any]:
-    """Every tensor leaf under ``node``, named by its key path joined with ``.``."""
+def flatten_tensors(node: Any, name: str = "") -> dict[str, Any]:
+    """Every tensor leaf under ``node``, named by its key path joined with ``.``;
+    ``node`` itself a tensor is named ``name`` (its key, where it was selected)."""
     if is_tensor(node):
-        return {"": node}
+        return {name: node}
     out: dict[str, Any] = {}
     for path, leaf in iter_tensors(node):
         name = ".".join(str(k) for k in path)

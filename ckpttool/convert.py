@@ -130,8 +130,8 @@ def convert(
     cast: DType | None = DTYPES[dtype] if dtype else None
 
     ckpt = read(paths, unsafe=unsafe)
-    _, node = select_node(ckpt, select, strip_prefix)
-    tensors = flatten_tensors(node)
+    path, node = select_node(ckpt, select, strip_prefix)
+    tensors = flatten_tensors(node, str(path[-1]) if path else "")
     if not tensors:
         raise UsageError(
             "the selection holds no tensors", hint="see `ckpttool inspect`, then --select"

@@ -210,7 +210,8 @@ def _selected_tensors(ckpt: Any, select: str, strip_prefix: str) -> dict[str, An
     not ignore any tensor that could differ."""
     if select == "auto" and find_model_key(ckpt.root) is None:
         select = "all"
-    return flatten_tensors(select_node(ckpt, select, strip_prefix)[1])
+    path, node = select_node(ckpt, select, strip_prefix)
+    return flatten_tensors(node, str(path[-1]) if path else "")
 
 
 def diff(

@@ -153,6 +153,15 @@ def test_select_unknown_key_is_exit_2(snap: Path, tmp_path: Path):
     assert tree_files(snap.parent) == ["snap.pt"]
 
 
+def test_select_one_tensor_keeps_its_name(tmp_path: Path):
+    """--select model.0.weight: the tensor is written under its key, not under ''."""
+    path = tmp_path / "m.pt"
+    torch.save({"model": {"0.weight": torch.ones(2), "b": torch.zeros(1)}}, path)
+    out = tmp_path / "one.safetensors"
+    convert([str(path)], "safetensors", str(out), select="model.0.weight")
+    assert list(load_file(out)) == ["0.weight"]
+
+
 def test_tied_weights_written_in_full_and_independent(snap: Path, tmp_path: Path):
     convert([str(snap)], "safetensors", str(tmp_path / "t.safetensors"))
     loaded = load_file(tmp_path / "t.safetensors")
