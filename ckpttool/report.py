@@ -128,6 +128,8 @@ def value_entry(path: KeyPath, value: Any) -> dict[str, Any]:
 def value_type(value: Any) -> str:
     if isinstance(value, Opaque):
         return "opaque"
+    if isinstance(value, type):  # a class or function saved by reference
+        return "global"
     if isinstance(value, Device):
         return "device"
     if isinstance(value, DType):
@@ -143,6 +145,10 @@ def json_value(value: Any) -> Any:
     """A JSON-safe rendering of a plain value."""
     if isinstance(value, Opaque):
         return f"<opaque {value.class_name()}>"
+    if isinstance(value, type):
+        name = value.class_name() if issubclass(value, Opaque) else value.__qualname__
+        module = "" if issubclass(value, Opaque) else f"{value.__module__}."
+        return f"<global {module}{name}>"
     if isinstance(value, DType):
         return f"torch.{value.name}"
     if isinstance(value, StorageRef):

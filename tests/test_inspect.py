@@ -388,3 +388,22 @@ def test_stats_of_dtypes_torch_has_no_kernels_for(tmp_path):
     torch.save(changed, b)
     proc = run_cli("diff", a, b)
     assert proc.returncode == 1 and "b8" in proc.stdout
+
+
+def test_classes_and_functions_saved_by_reference_are_named(tmp_path):
+    """Lightning hparams keep classes ({"activation": nn.GELU}): shown by their real
+    global name, not as ckpttool's internal placeholder class."""
+    import math
+
+    path = tmp_path / "hp.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(1)},
+                "hyper_parameters": {"activation": torch.nn.GELU, "fn": math.sqrt,
+                                     "dtype": float}}, path)  # fmt: skip
+    proc = run_cli("inspect", "--json", path)
+    assert proc.returncode == 0, proc.stderr
+    values = {v["key"][1]: (v["type"], v["value"]) for v in json.loads(proc.stdout)["values"]}
+    assert values == {
+        "activation": ("global", "<global torch.nn.modules.activation.GELU>"),
+        "fn": ("global", "<global math.sqrt>"),
+        "dtype": ("global", "<global builtins.float>"),
+    }
