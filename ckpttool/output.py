@@ -101,6 +101,7 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
     """
     out = os.path.abspath(out)
     parent, name = os.path.split(out)
+    created = _missing_folders(parent)  # made for the output: removed again if it fails
     try:
         os.makedirs(parent, exist_ok=True)
         _clean_stale(parent, name)
@@ -124,6 +125,7 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
             os.replace(tmp, out)
     except OSError as exc:
         _remove(tmp)
+        _remove_empty(created)
         reason = (
             "disk full or file too large"
             if exc.errno in (errno.ENOSPC, errno.EFBIG)
@@ -134,5 +136,24 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
         ) from None
     except BaseException:
         _remove(tmp)
+        _remove_empty(created)
         raise
     _fsync_entry(parent)
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """``folder`` and those of its parents that do not exist yet, outermost first."""
+    missing = []
+    while folder and not os.path.lexists(folder):
+        missing.append(folder)
+        up = os.path.dirname(folder)
+        if up == folder:
+            break
+        folder = up
+    return missing[::-1]
+
+
+def _remove_empty(folders: list[str]) -> None:
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only if still empty: never what someone else put there

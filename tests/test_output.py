@@ -153,6 +153,22 @@ def test_file_size_limit_exit_2_one_line_nothing_left(medium: Path, tmp_path: Pa
     assert sha256(medium) == before
 
 
+def test_folders_made_for_a_failed_output_are_removed(medium: Path, tmp_path: Path):
+    """-o new/dir/out.pt creates new/dir; when the write fails, nothing of it remains,
+    but a folder that existed before, or that holds something else, stays."""
+    out = tmp_path / "new" / "dir" / "out.pt"
+    proc = run_cli("convert", medium, "--to", "pt", "-o", out,
+                   preexec_fn=limit_file_size(1 << 20))  # fmt: skip
+    one_line_error(proc, 2, "file too large")
+    assert tree_files(tmp_path) == []
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "sub" / "out.pt"
+    proc = run_cli("convert", medium, "--to", "pt", "-o", out,
+                   preexec_fn=limit_file_size(1 << 20))  # fmt: skip
+    assert proc.returncode == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
 def test_stale_temp_of_dead_run_removed_live_one_kept(tmp_path: Path):
     torch.save({"w": torch.ones(3)}, tmp_path / "in.pt")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
