@@ -22,8 +22,12 @@ PROTOCOL_VERSION = 1001
 TAR_MAGIC_OFFSET = 257
 
 
+# the magic number as pickle protocols 0 and 1 write it (torch.save(pickle_protocol=1))
+TEXT_MAGIC = b"L%dL\n" % MAGIC_NUMBER
+
+
 def detect(path: str, head: bytes) -> bool:
-    if head[:1] == b"\x80":  # torch.save pickles with protocol 2
+    if head[:1] == b"\x80" or head.startswith(TEXT_MAGIC):  # protocol 2 (default), or 0/1
         return True
     if head[TAR_MAGIC_OFFSET : TAR_MAGIC_OFFSET + 5] == b"ustar":
         raise CkptError(
