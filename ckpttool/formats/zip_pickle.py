@@ -176,7 +176,10 @@ class ZipPickle:
         if info.compress_type != zipfile.ZIP_STORED:
             # torch never compresses entries; inflating one could be a zip bomb
             raise CkptError(
-                f"compressed zip entry {name!r}: not a torch checkpoint", path=self.path
+                f"compressed zip entry {name!r}: torch never compresses its entries "
+                "(re-zipped?), and inflating one could be a zip bomb",
+                path=self.path,
+                hint="unzip it and zip it again without compression (zip -0)",
             )
         return ByteSource(
             self.path, length=info.file_size, zip_header_offset=self.start + info.header_offset
