@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -177,21 +177,14 @@ class OpenFiles:
     would otherwise reach the usual limit of 1024 descriptors per process).
     """
 
-    def __init__(self, before_close: Callable[[int], None] | None = None) -> None:
+    def __init__(self) -> None:
         self._fds: dict[str, int] = {}  # least recently used first
-        # told before a descriptor is closed (the next open may reuse its number)
-        self._before_close = before_close
 
     def fd(self, path: str) -> int:
         fd = self._fds.pop(path, None)
         if fd is None:
             if len(self._fds) >= MAX_OPEN_FILES:
-                oldest = self._fds.pop(next(iter(self._fds)))
-                try:
-                    if self._before_close is not None:
-                        self._before_close(oldest)
-                finally:
-                    os.close(oldest)
+                os.close(self._fds.pop(next(iter(self._fds))))
             fd = os.open(path, os.O_RDONLY)
         self._fds[path] = fd
         return fd

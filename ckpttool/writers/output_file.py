@@ -4,9 +4,8 @@ Every output is fsynced before its rename (``atomic_output``). Written through t
 page cache, a multi-GB output sits as dirty pages until then and the fsync waits for
 all of it; the kernel also has to find free pages for the copy while the input fills
 the cache. So the bytes go through a ring of page-aligned staging buffers instead:
-the caller fills one (``write``; ``copy_from`` only notes what to read into it)
-while writer threads read the inputs into the others and send them to disk with
-``O_DIRECT``, bypassing the page cache.
+the caller fills one (``write``, or ``copy_from`` reading straight into it) while
+writer threads send the others to disk with ``O_DIRECT``, bypassing the page cache.
 Several writes in flight keep the disk's queue full; the final fsync has almost
 nothing left to do. (On this project's benchmark machine: 4 GiB durably written in
 about the time ``cp`` takes to leave it in the page cache.)
@@ -27,7 +26,7 @@ import os
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import CkptError
 from ..tree import OpenFiles
@@ -54,17 +53,15 @@ class OutputFile:
         self.path = path
         self.fd, self.direct = _open_output(path)
         self.pos = 0
-        self.inputs = OpenFiles(before_close=self._settle_reads)  # the files we copy from
+        self.inputs = OpenFiles()  # the files we copy from
         size = _round_up(BUFFER_BYTES)  # module constants, read here so tests can shrink them
         # page-aligned anonymous maps, as O_DIRECT needs; each view keeps its map alive
         self._views = [memoryview(mmap.mmap(-1, size)) for _ in range(max(2, BUFFERS))]
         self._pending: list[Future[None] | None] = [None] * len(self._views)
-        self._pending_fds: list[set[int]] = [set() for _ in self._views]  # what they read
         self._writers = ThreadPoolExecutor(len(self._views) - 1, "ckpttool-write")
         self._current = 0  # index of the buffer being filled
         self._base = 0  # file offset of its first byte (a multiple of the buffer size)
         self._fill = 0  # bytes in it
-        self._reads: list[_Read] = []  # what a writer thread reads into it first
         self._written_back = 0
         self._crc: int | None = None
         self._patches: list[tuple[int, bytes]] = []  # for bytes the writers have
@@ -94,23 +91,20 @@ class OutputFile:
             view = view[len(target) :]
 
     def copy_from(self, path: str, offset: int, nbytes: int, progress: Progress | None) -> None:
-        """Append ``nbytes`` at ``offset`` of ``path``, read straight into the buffers.
-
-        Unless a CRC-32 is being taken (it needs the bytes here, in order), the read
-        itself is left to the writer thread that writes the buffer out: the copy from
-        the page cache then runs beside this thread's work instead of inside it.
-        """
+        """Append ``nbytes`` at ``offset`` of ``path``, read straight into the buffers."""
         src, done = self.inputs.fd(path), 0
         while done < nbytes:
             target = self._room(nbytes - done)
-            if self._crc is None:
-                self._reads.append(_Read(src, path, offset + done, self._fill, len(target)))
-            else:
-                _read_exactly(src, path, offset + done, target)
-            done += len(target)
-            self._filled(target)
+            try:
+                n = os.preadv(src, [target], offset + done)
+            except OSError as exc:  # the input's fault, not the output's
+                raise CkptError(f"cannot read the input ({exc.strerror})", path=path) from None
+            if n == 0:
+                raise CkptError("input ends early (truncated)", path=path)
+            self._filled(target[:n])
+            done += n
             if progress:
-                progress(len(target))
+                progress(n)
 
     def _room(self, nbytes: int) -> memoryview:
         """Where the next bytes go: at most ``nbytes`` of the current buffer's free space."""
@@ -128,13 +122,10 @@ class OutputFile:
 
     def _flush(self) -> None:
         """Hand the current buffer to a writer thread; go on in the next free one."""
-        index, reads = self._current, self._reads
-        self._pending[index] = self._writers.submit(
-            self._write_out, index, self._base, self._fill, reads
-        )
-        self._pending_fds[index] = {read.fd for read in reads}
+        index = self._current
+        self._pending[index] = self._writers.submit(self._write_out, index, self._base, self._fill)
         self._base += self._fill
-        self._fill, self._reads = 0, []
+        self._fill = 0
         self._current = (index + 1) % len(self._views)
         self._wait(self._current)
         if not self.direct and self._base - self._written_back >= WRITEBACK_BYTES:
@@ -145,33 +136,14 @@ class OutputFile:
         """Wait until these buffers (all by default) are written and free."""
         for index in indices or range(len(self._views)):
             pending, self._pending[index] = self._pending[index], None
-            self._pending_fds[index] = set()
             if pending is not None:
                 pending.result()  # raises the writer's OSError (disk full) here
 
-    def _settle_reads(self, fd: int) -> None:
-        """Input descriptor ``fd`` is about to be closed, and the next open may reuse its
-        number: do every read from it still to come now, queued or in flight."""
-        buffer, later = self._views[self._current], []
-        for read in self._reads:
-            if read.fd == fd:
-                _read_exactly(fd, read.path, read.offset, buffer[read.at : read.at + read.nbytes])
-            else:
-                later.append(read)
-        self._reads = later
-        for index, fds in enumerate(self._pending_fds):
-            if fd in fds:
-                self._wait(index)
-
-    def _write_out(self, index: int, offset: int, nbytes: int, reads: list[_Read]) -> None:
-        """In a writer thread: fill buffer ``index`` with its ``reads``, then write its
-        first ``nbytes`` to ``offset`` of the file."""
-        buffer = self._views[index]
-        for read in reads:
-            _read_exactly(read.fd, read.path, read.offset, buffer[read.at : read.at + read.nbytes])
+    def _write_out(self, index: int, offset: int, nbytes: int) -> None:
+        """In a writer thread: ``nbytes`` of buffer ``index`` to ``offset`` of the file."""
         # read once: another writer thread may give O_DIRECT up while this one writes
         direct = self.direct
-        view = buffer[: _round_up(nbytes) if direct else nbytes]
+        view = self._views[index][: _round_up(nbytes) if direct else nbytes]
         while len(view):
             try:
                 n = os.pwrite(self.fd, view, offset)
@@ -238,28 +210,6 @@ class OutputFile:
         finally:
             if fd != self.fd:
                 os.close(fd)
-
-
-class _Read(NamedTuple):
-    """Bytes a writer thread reads into its buffer (at ``at``) before writing it out."""
-
-    fd: int
-    path: str
-    offset: int
-    at: int
-    nbytes: int
-
-
-def _read_exactly(fd: int, path: str, offset: int, target: memoryview) -> None:
-    """Fill ``target`` from ``offset`` of the input ``fd``; its errors are the input's."""
-    while len(target):
-        try:
-            n = os.preadv(fd, [target], offset)
-        except OSError as exc:
-            raise CkptError(f"cannot read the input ({exc.strerror})", path=path) from None
-        if n == 0:
-            raise CkptError("input ends early (truncated)", path=path)
-        target, offset = target[n:], offset + n
 
 
 def _open_output(path: str) -> tuple[int, bool]:
