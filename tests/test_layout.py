@@ -226,6 +226,13 @@ def test_one_state_dict_found_outside_known_keys(tmp_path):
     assert report["model_key"] == ["weights_of_run", "inner"]
 
 
+def converted_names(path, out) -> list[str]:
+    """The tensor names `convert --to safetensors` (default selection) writes."""
+    proc = run_cli("convert", path, "--to", "safetensors", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    return sorted(load_file(out))
+
+
 def _adam_state(seed: int) -> dict:
     torch.manual_seed(seed)
     model = nn.Linear(4, 2)
@@ -292,9 +299,7 @@ def test_a_model_in_parts_is_taken_whole(tmp_path):
     assert report["model_key"] == [] and report["num_params"] == 9 + 160
     loaded = ckpttool.load(a)  # the structure the parts' modules load
     assert torch.equal(loaded["encoder"]["weight"], enc.weight) and loaded["epoch"] == 3
-    out = tmp_path / "a.safetensors"
-    assert run_cli("convert", a, "--to", "safetensors", "-o", out).returncode == 0
-    assert sorted(load_file(out)) == [
+    assert converted_names(a, tmp_path / "a.safetensors") == [
         "decoder.bias",
         "decoder.weight",
         "encoder.bias",
@@ -328,9 +333,7 @@ def test_a_nested_model_state_dict_is_taken_whole(tmp_path):
         loaded["language_model"]["output_layer"]["weight"],
         model["language_model"]["output_layer"]["weight"],
     )
-    out = tmp_path / "megatron.safetensors"
-    assert run_cli("convert", path, "--to", "safetensors", "-o", out).returncode == 0
-    assert sorted(load_file(out)) == [
+    assert converted_names(path, tmp_path / "megatron.safetensors") == [
         "language_model.embedding.word_embeddings.weight",
         "language_model.encoder.final_norm.weight",
         "language_model.encoder.layers.0.mlp.bias",

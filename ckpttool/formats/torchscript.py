@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..errors import CkptError
 from ..tree import Checkpoint, Opaque, is_tensor
 from .torch_zip import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle, central_directory
@@ -57,7 +58,10 @@ def _state_names(archive: ZipPickle) -> dict[str, set[str]]:
         if budget < 0:
             break
         module = entry[len(code) : -len(".py")].replace("/", ".")
-        text = archive.read_entry(entry).decode("utf-8", "replace")
+        try:
+            text = archive.read_entry(entry).decode("utf-8", "replace")
+        except CkptError:  # damaged code: its classes keep every tensor attribute
+            continue
         for cls, params, buffers in _CLASS_STATE.findall(text):
             names[f"{module}.{cls}"] = set(re.findall(r'"([^"]*)"', params + buffers))
     return names

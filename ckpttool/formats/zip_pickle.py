@@ -12,6 +12,7 @@ import io
 import os
 import struct
 import zipfile
+import zlib
 from typing import Any
 
 from ..errors import CkptError
@@ -26,6 +27,7 @@ MAX_PICKLE_BYTES = 1 << 30
 # version it does not know, RuntimeError for an "encrypted" entry (one flipped bit)
 ZIP_ERRORS = (
     zipfile.BadZipFile,
+    zlib.error,  # an entry marked compressed whose bytes are not
     OSError,
     EOFError,
     ValueError,
