@@ -106,6 +106,7 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
         os.makedirs(parent, exist_ok=True)
         _clean_stale(parent, name)
     except OSError as exc:
+        _remove_empty(created)
         raise CkptError(f"cannot create the output folder ({exc.strerror})", path=parent) from None
     tmp = os.path.join(parent, f".{name}{TEMP_MARK}{os.getpid()}")
     _remove(tmp)

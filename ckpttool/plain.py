@@ -63,8 +63,8 @@ def to_plain(
     go through ``torch_value``; a storage saved on its own goes through ``storage``
     (by default: ``leaf`` of its flat tensor). Containers shared by several paths
     stay shared.
-    With ``weights_only`` (a torch.save output) a frozenset, slice or Ellipsis, which
-    ``torch.load(weights_only=True)`` refuses, becomes such a stand-in too.
+    With ``weights_only`` (a torch.save output) a frozenset, slice, Ellipsis or builtin
+    class, which ``torch.load(weights_only=True)`` refuses, becomes such a stand-in too.
     """
     memo: dict[int, Any] = {}
 
@@ -116,8 +116,7 @@ def to_plain(
         elif isinstance(value, (Device, DType, TorchName)):
             result = torch_value(value)
         elif isinstance(value, StorageRef):  # a storage saved on its own
-            whole = TensorRef.whole_storage(value)
-            result = storage(value) if storage is not None else leaf(whole)
+            result = storage(value) if storage else leaf(TensorRef.whole_storage(value))
         else:
             result = value
         memo[id(value)] = result
