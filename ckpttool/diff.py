@@ -14,8 +14,7 @@ from typing import Any
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError
 from .layout import find_model_key
-from .report import NO_NUMBERS
-from .tree import OpenFiles, SparseRef, contiguous_stride
+from .tree import NO_NUMBERS, OpenFiles, SparseRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20

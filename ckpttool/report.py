@@ -14,6 +14,7 @@ from .errors import CkptError
 from .layout import detect_prefix, find_model_key, model_state, plain_values
 from .stand_ins import Device, TorchName
 from .tree import (
+    NO_NUMBERS,
     Checkpoint,
     DType,
     KeyPath,
@@ -162,10 +163,6 @@ def json_value(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
-
-
-# dtypes whose bytes torch cannot turn into numbers (no conversion kernels)
-NO_NUMBERS = frozenset({"float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
 
 
 def tensor_stats(ref: Any) -> dict[str, Any]:

@@ -74,6 +74,9 @@ def _dtypes() -> dict[str, DType]:
 
 
 DTYPES: dict[str, DType] = _dtypes()
+# dtypes whose bytes torch cannot turn into numbers (no conversion kernels): no stats,
+# and diff compares their raw bits
+NO_NUMBERS = frozenset({"float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
 SAFETENSORS_DTYPES: dict[str, DType] = {d.safetensors: d for d in DTYPES.values() if d.safetensors}
 
 # torch.save names a typed storage class per dtype (``torch.FloatStorage``); newer
