@@ -145,7 +145,7 @@ def value_type(value: Any) -> str:
 def json_value(value: Any) -> Any:
     """A JSON-safe rendering of a plain value."""
     if isinstance(value, Opaque):
-        return f"<opaque {value.class_name()}>"
+        return repr(value)
     if isinstance(value, type):
         name = value.class_name() if issubclass(value, Opaque) else value.__qualname__
         module = "" if issubclass(value, Opaque) else f"{value.__module__}."

@@ -47,9 +47,7 @@ def human_bytes(n: int) -> str:
 
 
 def short(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
-    from ..tree import Opaque
-
-    text = repr(value) if not isinstance(value, Opaque) else f"<opaque {value.class_name()}>"
+    text = repr(value)  # an opaque object's is "<opaque pkg.mod.Class>"
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
