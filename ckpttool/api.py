@@ -16,7 +16,16 @@ from .layout import (
     resolve_prefix,
     strip_prefix,
 )
-from .tree import Checkpoint, KeyPath, Opaque, TensorRef, get_path, is_tensor, iter_tensors
+from .tree import (
+    Checkpoint,
+    KeyPath,
+    Opaque,
+    ShardedRef,
+    TensorRef,
+    get_path,
+    is_tensor,
+    iter_tensors,
+)
 
 PathArg = str | PathLike | Sequence[str | PathLike]
 
@@ -56,6 +65,7 @@ def select_node(
         node = ckpt.root
         if strip not in (None, "auto", "none") and isinstance(node, Mapping):
             node = strip_prefix(node, strip)
+        require_data(node)
         return None, node
     if select == "auto":
         path = find_model_key(ckpt.root)
@@ -85,15 +95,18 @@ def select_node(
 
 
 def require_data(node: Any) -> None:
-    """Refuse, naming it, a tensor saved without data (``device="meta"``): there is
+    """Refuse, naming it, a tensor whose data is not all there: saved without data
+    (``device="meta"``), or sharded with some ranks' shards never saved. There is
     nothing to load, write or compare. (``inspect`` shows such tensors.)"""
     for path, leaf in iter_tensors(node):
+        name = ".".join(map(str, path))
         if isinstance(leaf, TensorRef) and leaf.storage is None:
             raise CkptError(
-                f"tensor {'.'.join(map(str, path))!r} has no stored data "
-                "(saved on the meta device)",
+                f"tensor {name!r} has no stored data (saved on the meta device)",
                 hint="--select other tensors",
             )
+        if isinstance(leaf, ShardedRef) and leaf.incomplete:
+            raise CkptError(f"tensor {name!r} {leaf.incomplete}", hint="--select other tensors")
 
 
 def flatten_tensors(node: Any, name: str = "") -> dict[str, Any]:

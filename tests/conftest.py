@@ -96,6 +96,27 @@ def rewrite_zip(src: Path, dst: Path, edit) -> None:
             zout.writestr(info.filename, data if new is None else new)
 
 
+def assert_nested_equal(actual: Any, expected: Any, path: tuple = ()) -> None:
+    """The same nested structure, tensors bitwise equal (dict key order is not compared:
+    DCP stores keys in its own order)."""
+    import torch
+
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert torch.equal(actual, expected), path
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), (path, set(actual) ^ set(expected))
+        for k in expected:
+            assert_nested_equal(actual[k], expected[k], path + (k,))
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_nested_equal(a, e, path + (i,))
+    else:
+        assert actual == expected, path
+
+
 def small_state_dict(seed: int = 0) -> dict:
     """A deterministic model state dict with a submodule, a bias and an int buffer."""
     import torch

@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import check_error, rewrite_zip, run_cli, sha256, write_dcp
+from conftest import FIXTURES, check_error, rewrite_zip, run_cli, sha256, write_dcp
 from safetensors.torch import save_file
 
 import ckpttool
@@ -347,6 +347,34 @@ def test_dcp_missing_a_tensor_file(dist_runs, tmp_path):
     assert sha256(folder) == before
 
 
+@pytest.mark.parametrize("damage", ["drop", "overlap"])
+def test_dcp_metadata_whose_chunks_do_not_tile_the_tensor(tmp_path, damage):
+    """.metadata alone lists a tensor's chunks: one dropped (or two overlapping) would
+    leave rows of the merged tensor uninitialised memory. Refused, naming the tensor."""
+    import pickle
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "dcp", folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    chunks = meta.state_dict_metadata["model.fc1.weight"].chunks
+    assert [list(c.offsets) for c in chunks] == [[0, 0], [4, 0]]
+    if damage == "drop":
+        chunks.pop()
+        needle = "'model.fc1.weight': shards cover 80 of 160 elements"
+    else:
+        moved = torch.Size([3, 0])
+        chunks[1] = type(chunks[1])(offsets=moved, sizes=chunks[1].sizes)
+        index = next(i for i in meta.storage_data
+                     if i.fqn == "model.fc1.weight" and list(i.offset) == [4, 0])  # fmt: skip
+        meta.storage_data[type(index)(index.fqn, moved, index.index)] = meta.storage_data.pop(index)
+        needle = "'model.fc1.weight': shards overlap"
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    out = tmp_path / "out.safetensors"
+    for args in (("inspect", folder), ("convert", folder, "--to", "safetensors", "-o", out)):
+        check_error(run_cli(*args), 2, needle)
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_dcp_missing_the_file_with_values_names_it(dist_runs, tmp_path):
     folder = tmp_path / "dcp"
@@ -366,6 +394,7 @@ def test_meta_tensors_are_shown_and_refused_by_name(tmp_path):
     assert proc.returncode == 0 and json.loads(proc.stdout)["num_tensors"] == 3
     out = tmp_path / "out.pt"
     for args in (("convert", path, "--to", "pt", "-o", out), ("merge", path, "-o", out),
+                 ("convert", path, "--to", "safetensors", "--select", "all", "-o", out),
                  ("diff", path, path)):  # fmt: skip
         check_error(run_cli(*args), 2, "m' has no stored data (saved on the meta device)")
         assert not out.exists()

@@ -8,7 +8,14 @@ import shutil
 import pytest
 import torch
 import torch.nn as nn
-from conftest import check_error, fixture_path, run_cli, small_state_dict, write_dcp
+from conftest import (
+    assert_nested_equal,
+    check_error,
+    fixture_path,
+    run_cli,
+    small_state_dict,
+    write_dcp,
+)
 from safetensors.torch import load_file, save_file
 
 import ckpttool
@@ -26,24 +33,6 @@ def assert_same(actual: dict, expected: dict) -> None:
         if value.dtype in (torch.float8_e4m3fn, torch.uint16):  # no equal kernel on CPU
             got, value = got.view(torch.uint8), value.view(torch.uint8)
         assert torch.equal(got, value), key
-
-
-def assert_nested_equal(actual, expected, path=()):
-    """The same nested structure, tensors bitwise equal."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), path
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
-        assert torch.equal(actual, expected), path
-    elif isinstance(expected, dict):
-        assert set(actual) == set(expected), (path, set(actual) ^ set(expected))
-        for k in expected:
-            assert_nested_equal(actual[k], expected[k], path + (k,))
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), path
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_nested_equal(a, e, path + (i,))
-    else:
-        assert actual == expected, path
 
 
 def tricky_tensors() -> dict:

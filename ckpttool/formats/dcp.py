@@ -27,8 +27,10 @@ from ..tree import (
     Shard,
     ShardedRef,
     TensorRef,
+    check_coverage,
     state_attrs,
 )
+from .per_rank import lone_rank_shards
 from .safetensors_file import MAX_HEADER, dcp_saved_offsets
 from .safetensors_file import tensor_ref as safetensors_tensor_ref
 from .torch_zip import checkpoint
@@ -243,6 +245,9 @@ def _tensor(folder: str, fqn: str, entry: dict, spans: dict, world_size: int | N
         file, start, length, transforms = _span(folder, fqn, offsets, spans)
         chunk = DcpChunk(file, start, length, dt, sizes, transforms, fqn, offsets)
         shards.append(Shard(offsets, sizes, chunk))
+    # .metadata alone says which chunks exist: one missing or overlapping another
+    # would leave parts of the merged tensor uninitialised
+    check_coverage(fqn, size, shards)
     return ShardedRef(
         dt,
         size,
@@ -269,7 +274,8 @@ def _bytes_value(folder: str, fqn: str, spans: dict, permissive: bool, seen: set
     if not os.path.isfile(file):
         raise CkptError(f"missing .distcp file (it holds the value {fqn!r})", path=file)
     with ZipPickle(file, start, length) as archive:
-        return archive.load(permissive=permissive, seen=seen)
+        value = archive.load(permissive=permissive, seen=seen)
+    return lone_rank_shards(value, (fqn,))
 
 
 def set_element(root: Any, path: tuple, value: Any) -> Any:

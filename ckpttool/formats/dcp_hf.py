@@ -14,7 +14,7 @@ import os
 import re
 
 from ..errors import CkptError
-from ..tree import Checkpoint, Shard, ShardedRef
+from ..tree import Checkpoint, Shard, ShardedRef, check_coverage
 from .safetensors_file import (
     DCP_SHARDING_KEY,
     dcp_saved_offsets,
@@ -90,8 +90,6 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
 
 
 def _global(name: str, shards: list[Shard], world_size: int) -> ShardedRef:
-    from .per_rank import check_coverage
-
     dtypes = {s.tensor.dtype.name for s in shards}
     if len(dtypes) > 1:
         raise CkptError(f"tensor {name!r}: its blocks have different dtypes {sorted(dtypes)}")

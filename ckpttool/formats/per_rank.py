@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..stand_ins import LocalShards
-from ..tree import Checkpoint, Shard, ShardedRef, TensorRef, get_path, walk
+from ..tree import Checkpoint, Shard, ShardedRef, TensorRef, check_coverage, get_path, walk
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")
@@ -231,21 +231,75 @@ def _combine(
         )
     files = RankFiles(by_rank, read_file, loaded, base_rank)
 
-    def build(node: Any, path: tuple) -> Any:
-        if isinstance(node, LocalShards):
-            return _sharded_ref(path, node, files, base_rank, world_size)
-        if isinstance(node, dict):
-            out = type(node)() if type(node) is not dict else {}
-            for k, v in node.items():
-                out[k] = build(v, path + (k,))
-            return out
-        if isinstance(node, list):
-            return [build(v, path + (i,)) for i, v in enumerate(node)]
-        if isinstance(node, tuple):
-            return tuple(build(v, path + (i,)) for i, v in enumerate(node))
-        return node
+    def sharded_ref(path: tuple, local: LocalShards) -> ShardedRef:
+        return _sharded_ref(path, local, files, base_rank, world_size)
 
-    return world_size, build(base.root, ())
+    return world_size, _replace_local_shards(base.root, (), sharded_ref)
+
+
+def _replace_local_shards(
+    node: Any, path: tuple, make: Callable[[tuple, LocalShards], ShardedRef]
+) -> Any:
+    """``node`` with every local-shards leaf replaced by ``make(key path, leaf)``."""
+    if isinstance(node, LocalShards):
+        return make(path, node)
+    if isinstance(node, dict):
+        out = type(node)() if type(node) is not dict else {}
+        for k, v in node.items():
+            out[k] = _replace_local_shards(v, path + (k,), make)
+        return out
+    if isinstance(node, list):
+        return [_replace_local_shards(v, path + (i,), make) for i, v in enumerate(node)]
+    if isinstance(node, tuple):
+        return tuple(_replace_local_shards(v, path + (i,), make) for i, v in enumerate(node))
+    return node
+
+
+def lone_rank_shards(node: Any, path: tuple = ()) -> Any:
+    """``node`` with every local-shards leaf a :class:`ShardedRef` of only the blocks
+    it holds itself: for sharded tensors pickled where no other rank's file can
+    complete them. DCP of torch 1.13 pickled a nested dict whole, from the
+    coordinator alone, ShardedTensors and all. With one rank that is the whole
+    tensor; otherwise the ref says what is missing, and reading it is refused."""
+    return _replace_local_shards(node, path, _lone_rank_ref)
+
+
+def _lone_rank_ref(path: tuple, local: LocalShards) -> ShardedRef:
+    key = ".".join(str(k) for k in path)
+    if local.kind == "dtensor":
+        layout = local.layout
+        offsets, sizes = dtensor_block(
+            key, local.shape, layout["mesh_shape"], layout["coordinate"], layout["placements"]
+        )
+        own = local.shards[0].tensor
+        if own.shape != sizes:
+            raise CkptError(
+                f"tensor {key!r}: local tensor of shape {list(own.shape)} does not match its "
+                f"placement (expected {list(sizes)})"
+            )
+        shards = [Shard(offsets, sizes, own, local.rank)] if math.prod(sizes) else []
+    else:
+        shards = [s for s in local.shards if math.prod(s.sizes)]
+    covered, total = sum(math.prod(s.sizes) for s in shards), math.prod(local.shape)
+    incomplete = None
+    if covered < total:
+        whose = f"rank {local.rank}'s" if isinstance(local.rank, int) else "one rank's"
+        incomplete = (
+            f"holds {whose} shards only ({covered} of {total} elements): "
+            "the other ranks' were not saved with it"
+        )
+    else:
+        check_coverage(key, local.shape, shards)
+    return ShardedRef(
+        dtype=local.dtype,
+        shape=local.shape,
+        shards=shards,
+        device=local.device,
+        kind=local.kind,
+        requires_grad=local.requires_grad,
+        world_size=local.world_size,
+        incomplete=incomplete,
+    )
 
 
 def _judge(
@@ -356,52 +410,3 @@ def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple
         offsets[dim] += start
         sizes[dim] = length
     return tuple(offsets), tuple(sizes)
-
-
-def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
-    """Every element of the global tensor is in exactly one shard."""
-    if _rows_tile(shape, shards):
-        return
-    total = math.prod(shape)
-    covered = 0
-    for s in shards:
-        if (
-            len(s.offsets) != len(shape)
-            or len(s.sizes) != len(shape)
-            or any(
-                o < 0 or n < 0 or o + n > dim
-                for o, n, dim in zip(s.offsets, s.sizes, shape, strict=True)
-            )
-        ):
-            raise CkptError(
-                f"tensor {key!r}: a shard lies outside the tensor of shape {list(shape)}"
-            )
-        covered += math.prod(s.sizes)
-    for i, a in enumerate(shards):
-        for b in shards[i + 1 :]:
-            if all(
-                max(ao, bo) < min(ao + an, bo + bn)
-                for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-            ):
-                raise CkptError(f"tensor {key!r}: shards overlap")
-    if covered != total:
-        raise CkptError(
-            f"tensor {key!r}: shards cover {covered} of {total} elements (a rank file is missing?)"
-        )
-
-
-def _rows_tile(shape: tuple, shards: list[Shard]) -> bool:
-    """The common case, checked in linear time: full-width blocks of rows (FSDP, DCP and
-    DTensor ``Shard(0)`` split this way) that follow each other from row 0 to the last.
-    False means only "not this case": the general check decides."""
-    if not shape:
-        return False
-    rest = tuple(shape[1:])
-    end = 0
-    for s in sorted(shards, key=lambda s: s.offsets[:1]):
-        if len(s.offsets) != len(shape) or s.offsets[0] != end or any(s.offsets[1:]):
-            return False
-        if tuple(s.sizes[1:]) != rest or s.sizes[0] < 0:
-            return False
-        end += s.sizes[0]
-    return end == shape[0]
