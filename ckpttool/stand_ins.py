@@ -412,15 +412,18 @@ def _mesh_world_size(mesh: dict) -> int | None:
 
 
 def _mesh_shape(mesh: dict) -> tuple[int, ...] | None:
+    """The mesh's size along each of its dimensions.
+
+    torch >= 2.9 records a layout: one axis per mesh dimension, each a CuTe-style
+    shape whose product is that dimension's size (``()`` for a size-1 dimension, two
+    numbers for one flattened from non-adjacent dimensions). Older torch pickles the
+    mesh tensor of ranks itself."""
     layout = _attrs(mesh.get("_layout"))
-    if layout:
-        shapes = []
-        for axis in layout.get("axes") or ():
-            shape = _attrs(axis).get("shape")
-            if isinstance(shape, tuple):
-                shapes.extend(shape)
-        if shapes:
-            return tuple(shapes)
+    axes = layout.get("axes") if layout else None
+    if isinstance(axes, tuple) and axes:
+        shapes = [_attrs(axis).get("shape") for axis in axes]
+        if all(type(s) is tuple and _INT_ONLY.issuperset(map(type, s)) for s in shapes):
+            return tuple(math.prod(s) for s in shapes)
     mesh_tensor = mesh.get("mesh")
     if isinstance(mesh_tensor, TensorRef):
         return mesh_tensor.shape

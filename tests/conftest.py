@@ -374,7 +374,8 @@ MESH_WORKER = textwrap.dedent(
     """4 ranks on a 2-D (dp=2, tp=2) CPU mesh: DTensors on the mesh and on its dp submesh,
     saved per rank with torch.save, with dcp.save, with dcp.save in the safetensors
     serialization format, and with HuggingFaceStorageWriter(save_distributed=True) in one
-    and in two files per rank; plus the full tensors (the reference)."""
+    and in two files per rank; on a (1, 2, 2) mesh per rank; a DTensor in a tuple with
+    dcp.save; plus the full tensors (the reference)."""
     import os
     import sys
     import warnings
@@ -421,6 +422,19 @@ MESH_WORKER = textwrap.dedent(
             os.path.join(out, name), save_distributed=True, fqn_to_index_mapping=files
         )
         dcp.save(model, storage_writer=writer)
+    # HSDP with one replica: a size-1 mesh dimension, which the mesh layout records as
+    # an empty shape (torch >= 2.9)
+    hsdp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    torch.save(
+        {"lin.weight": distribute_tensor(full["lin.weight"], hsdp,
+                                         [Replicate(), Shard(0), Shard(1)]),
+         "lin.bias": distribute_tensor(full["lin.bias"], hsdp,
+                                       [Replicate(), Shard(0), Replicate()])},
+        os.path.join(out, f"hsdp-rank{rank}.pt"),
+    )  # fmt: skip
+    # a tuple is not flattened by DCP: rank 0 pickles it whole, its DTensor's block only
+    dcp.save({"pair": (model["lin.weight"], 1), "step": 1},
+             checkpoint_id=os.path.join(out, "dcp-tuple"))  # fmt: skip
     dist.barrier()
     open(os.path.join(out, f"done-rank{rank}"), "w").close()
     dist.destroy_process_group()
@@ -434,7 +448,8 @@ class DistRuns:
 
     two: Path  # ep0-ba1-rank{0,1}.pt, dcp/, dtensor-rank{0,1}.pt, full.pt, dtensor_full.pt
     three: Path  # ep0-ba1-rank{0,1,2}.pt, local-rank{0,1,2}.pt (LOCAL_STATE_DICT), full.pt
-    mesh: Path  # model-rank{0..3}.pt, dcp/, dcp-safetensors/, hf-dist/, hf-dist2/, full.pt
+    mesh: Path  # model-/hsdp-rank{0..3}.pt, dcp/, dcp-safetensors/, dcp-tuple/, hf-dist/,
+    # hf-dist2/, full.pt
 
 
 def _torchrun(worker: Path, out: Path, world: int) -> subprocess.Popen:

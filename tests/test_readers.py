@@ -475,6 +475,33 @@ def test_2d_mesh_dtensors_and_a_submesh(dist_runs, given):
 
 
 @pytest.mark.slow
+def test_dtensors_on_a_mesh_with_a_size_1_dimension(dist_runs):
+    """HSDP with one replica, a (1, 2, 2) mesh: the layout torch >= 2.9 pickles records
+    the size-1 dimension as an empty shape; it still counts as a mesh dimension."""
+    run = dist_runs.mesh
+    ckpt = ckpttool.read(run / "hsdp-rank0.pt")
+    assert (ckpt.format, ckpt.world_size) == ("per-rank", 4)
+    full = torch.load(run / "full.pt", weights_only=True)["model"]
+    assert_same(ckpttool.load(run / "hsdp-rank*.pt"),
+                {k: full[k] for k in ("lin.weight", "lin.bias")})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_dcp_tuple_holding_one_ranks_dtensor_block(dist_runs, tmp_path):
+    """DCP does not flatten a tuple: rank 0 pickles it whole, with its own block of the
+    DTensor in it. inspect shows the global tensor; reading it is refused by name."""
+    folder = dist_runs.mesh / "dcp-tuple"
+    report = inspect_report(ckpttool.read(folder))
+    pair = next(t for t in report["tensors"] if t["key"] == ["pair", 0])
+    assert (pair["shape"], pair["sharded"]) == ([5, 6], True)
+    out = tmp_path / "out.pt"
+    check_error(run_cli("merge", folder, "-o", out), 2,
+                "tensor 'pair.0' holds rank 0's shards only (9 of 30 elements)")  # fmt: skip
+    assert not out.exists()
+    assert ckpttool.load(folder, select="step") == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("given", ["hf-dist", "hf-dist2", "one-file"])
 def test_hf_storage_writer_distributed_shards(dist_runs, given):
     """HuggingFaceStorageWriter(save_distributed=True): each rank's blocks in its own
