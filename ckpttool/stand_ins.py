@@ -373,10 +373,10 @@ def _dtensor_local(stub: WrapperStub, state: Any) -> LocalShards:
     for p in spec.get("placements") or ():
         cls = type(p).__name__ if isinstance(p, Opaque) else ""
         a = _attrs(p)
-        if cls in ("Shard", "_StridedShard"):
-            if cls == "_StridedShard":
-                raise CkptError("DTensor _StridedShard placements are not supported")
+        if cls == "Shard":
             placements.append(("shard", a.get("dim")))
+        elif cls == "_StridedShard":  # FSDP2 over TP on the same dim
+            placements.append(("strided_shard", a.get("dim"), a.get("split_factor")))
         elif cls == "Replicate":
             placements.append(("replicate", None))
         else:

@@ -374,8 +374,8 @@ MESH_WORKER = textwrap.dedent(
     """4 ranks on a 2-D (dp=2, tp=2) CPU mesh: DTensors on the mesh and on its dp submesh,
     saved per rank with torch.save, with dcp.save, with dcp.save in the safetensors
     serialization format, and with HuggingFaceStorageWriter(save_distributed=True) in one
-    and in two files per rank; on a (1, 2, 2) mesh per rank; a DTensor in a tuple with
-    dcp.save; plus the full tensors (the reference)."""
+    and in two files per rank; on a (1, 2, 2) mesh per rank; FSDP2 over tensor parallel
+    per rank; a DTensor in a tuple with dcp.save; plus the full tensors (the reference)."""
     import os
     import sys
     import warnings
@@ -432,6 +432,24 @@ MESH_WORKER = textwrap.dedent(
                                        [Replicate(), Shard(0), Replicate()])},
         os.path.join(out, f"hsdp-rank{rank}.pt"),
     )  # fmt: skip
+    # FSDP2 over tensor parallel: a column-parallel weight is _StridedShard(0) on dp,
+    # Shard(0) on tp (7 rows: 4 + 3 over tp, then 2 + 2 and 2 + 1 over dp)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(1)
+    mlp = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 6),
+                              torch.nn.Linear(6, 7))  # fmt: skip
+    if rank == 0:
+        torch.save(mlp.state_dict(), os.path.join(out, "tp-fsdp-full.pt"))
+    plan = {"0": ColwiseParallel(), "1": RowwiseParallel(), "2": ColwiseParallel()}
+    parallelize_module(mlp, mesh["tp"], plan)
+    fully_shard(mlp, mesh=mesh["dp"])
+    torch.save(mlp.state_dict(), os.path.join(out, f"tp-fsdp-rank{rank}.pt"))
     # a tuple is not flattened by DCP: rank 0 pickles it whole, its DTensor's block only
     dcp.save({"pair": (model["lin.weight"], 1), "step": 1},
              checkpoint_id=os.path.join(out, "dcp-tuple"))  # fmt: skip
@@ -448,8 +466,8 @@ class DistRuns:
 
     two: Path  # ep0-ba1-rank{0,1}.pt, dcp/, dtensor-rank{0,1}.pt, full.pt, dtensor_full.pt
     three: Path  # ep0-ba1-rank{0,1,2}.pt, local-rank{0,1,2}.pt (LOCAL_STATE_DICT), full.pt
-    mesh: Path  # model-/hsdp-rank{0..3}.pt, dcp/, dcp-safetensors/, dcp-tuple/, hf-dist/,
-    # hf-dist2/, full.pt
+    mesh: Path  # model-/hsdp-/tp-fsdp-rank{0..3}.pt, dcp/, dcp-safetensors/, dcp-tuple/,
+    # hf-dist/, hf-dist2/, full.pt, tp-fsdp-full.pt
 
 
 def _torchrun(worker: Path, out: Path, world: int) -> subprocess.Popen:

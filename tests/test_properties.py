@@ -227,3 +227,52 @@ def test_merge_round_trip_keeps_structure(snapshot):
         result = merge(str(src), str(out))
         assert result.stand_ins == []
         assert_identical(torch.load(out, weights_only=True), snapshot)
+
+
+@st.composite
+def dtensor_layouts(draw):
+    """A global shape, a mesh, a coordinate in it and one placement per mesh dim:
+    Replicate, Shard(d) or _StridedShard(d, split_factor)."""
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+    coordinate = [draw(st.integers(0, n - 1)) for n in mesh]
+    dims = st.integers(0, len(shape) - 1)
+    placement = st.one_of(
+        st.just(("replicate", None)),
+        st.tuples(st.just("shard"), dims),
+        st.tuples(st.just("strided_shard"), dims, st.integers(1, 3)),
+    )
+    placements = [draw(placement) for _ in mesh]
+    return shape, mesh, coordinate, placements
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout=dtensor_layouts())
+def test_dtensor_block_places_as_torch_does(layout):
+    """The per-rank reader's placement math against torch's own, with no process group:
+    the same block, or a refusal where the rank's rows are not one block."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    from ckpttool.errors import CkptError
+    from ckpttool.formats.per_rank import dtensor_block
+
+    shape, mesh, coordinate, placements = layout
+    theirs = [
+        Replicate() if kind == "replicate"
+        else Shard(args[0]) if kind == "shard"
+        else _StridedShard(args[0], split_factor=args[1])
+        for kind, *args in placements
+    ]  # fmt: skip
+    want_sizes, want_offsets = _compute_local_shape_and_global_offset(
+        shape, mesh, coordinate, theirs
+    )
+    try:
+        offsets, sizes = dtensor_block("t", shape, mesh, coordinate, placements)
+    except CkptError as exc:
+        assert "not one block" in str(exc)
+        assert any(kind == "strided_shard" for kind, *_ in placements)
+        return
+    assert sizes == tuple(want_sizes)
+    nonempty = [d for d in range(len(shape)) if sizes[d]]
+    assert [offsets[d] for d in nonempty] == [want_offsets[d] for d in nonempty]

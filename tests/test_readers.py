@@ -487,6 +487,24 @@ def test_dtensors_on_a_mesh_with_a_size_1_dimension(dist_runs):
 
 
 @pytest.mark.slow
+def test_fsdp2_over_tensor_parallel_strided_shards_merge(dist_runs, tmp_path):
+    """FSDP2 over TP: column-parallel weights are _StridedShard(0) on dp then Shard(0)
+    on tp, so rank (dp=1, tp=0) holds rows 2-3, not 4-5; uneven at both levels."""
+    run = dist_runs.mesh
+    full = torch.load(run / "tp-fsdp-full.pt", weights_only=True)
+    ckpt = ckpttool.read(run / "tp-fsdp-rank2.pt")
+    assert (ckpt.format, ckpt.world_size) == ("per-rank", 4)
+    head = ckpt.root["2.weight"]
+    assert sorted((s.rank, s.offsets, s.sizes) for s in head.shards) == [
+        (0, (0, 0), (2, 6)), (1, (4, 0), (2, 6)), (2, (2, 0), (2, 6)), (3, (6, 0), (1, 6))
+    ]  # fmt: skip
+    out = tmp_path / "model.safetensors"
+    proc = run_cli("convert", run / "tp-fsdp-rank*.pt", "--to", "safetensors", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert_same(load_file(out), full)
+
+
+@pytest.mark.slow
 def test_dcp_tuple_holding_one_ranks_dtensor_block(dist_runs, tmp_path):
     """DCP does not flatten a tuple: rank 0 pickles it whole, with its own block of the
     DTensor in it. inspect shows the global tensor; reading it is refused by name."""

@@ -12,7 +12,7 @@ import glob
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import CkptError
@@ -393,20 +393,49 @@ def _dtensor_shards(
 
 
 def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple, tuple]:
-    """The (offsets, sizes) a DTensor rank holds; ``Shard(d)`` splits like ``torch.chunk``."""
+    """The (offsets, sizes) a DTensor rank holds, as torch's
+    ``_compute_local_shape_and_global_offset`` places it.
+
+    Mesh dimensions shard left to right, each splitting what the previous ones left,
+    like ``torch.chunk``. ``_StridedShard(d, split_factor=k)`` (FSDP2 over tensor
+    parallel) splits into k parts first and takes this rank's chunk of each: it stands
+    for a split that happens after it, so the rows it picks are strided, and the
+    later ``Shard(d)`` picks a contiguous block out of them. Each dim's picked rows
+    are tracked as the global indices they came from; a rank's block must end up
+    contiguous.
+    """
     if not mesh_shape or len(coordinate) != len(mesh_shape) or len(placements) != len(mesh_shape):
         raise CkptError(f"tensor {key!r}: DTensor without a usable device mesh")
-    offsets, sizes = [0] * len(shape), list(shape)
-    for mesh_dim, (kind, dim) in enumerate(placements):
+    picked: dict[int, Sequence[int]] = {}  # dim -> the global index of each local row
+    for mesh_dim, (kind, dim, *args) in enumerate(placements):
         if kind == "replicate":
             continue
-        if kind != "shard" or not isinstance(dim, int):
+        if kind not in ("shard", "strided_shard") or not isinstance(dim, int):
             raise CkptError(f"tensor {key!r}: DTensor placement {kind!r} cannot be merged")
         dim = dim % len(shape)
+        rows = picked.get(dim, range(shape[dim]))
         n, c = mesh_shape[mesh_dim], coordinate[mesh_dim]
-        chunk = -(-sizes[dim] // n)
-        start = min(c * chunk, sizes[dim])
-        length = max(0, min(chunk, sizes[dim] - start))
-        offsets[dim] += start
-        sizes[dim] = length
+        if kind == "shard":
+            picked[dim] = _chunk(rows, n, c)
+            continue
+        split = args[0] if args else None
+        if not isinstance(split, int) or split < 1:
+            raise CkptError(f"tensor {key!r}: corrupt _StridedShard split factor {split!r}")
+        picked[dim] = [i for part in range(split) for i in _chunk(_chunk(rows, split, part), n, c)]
+    offsets, sizes = [0] * len(shape), list(shape)
+    for dim, rows in picked.items():
+        sizes[dim] = len(rows)
+        offsets[dim] = rows[0] if rows else shape[dim]
+        if rows and list(rows) != list(range(rows[0], rows[0] + len(rows))):
+            raise CkptError(
+                f"tensor {key!r}: a rank's DTensor rows along dim {dim} are not one block of "
+                "the global tensor (a _StridedShard layout ckpttool cannot merge)"
+            )
     return tuple(offsets), tuple(sizes)
+
+
+def _chunk(rows: Sequence[int], n: int, c: int) -> Sequence[int]:
+    """Part ``c`` of ``rows`` split in ``n`` as ``torch.chunk`` splits (the last parts
+    may be short or empty)."""
+    size = -(-len(rows) // n)
+    return rows[c * size : (c + 1) * size]
