@@ -11,7 +11,8 @@ import collections
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .stand_ins import Device, TorchName
+from .errors import CkptError
+from .stand_ins import Device, TorchName, global_name
 from .tree import DType, Opaque, StorageRef, TensorRef, is_tensor, walk
 
 TorchValue = Device | DType | TorchName
@@ -42,6 +43,8 @@ def stand_in_names(root: Any) -> list[str]:
     for _, value in walk(root):
         if isinstance(value, Opaque) or (isinstance(value, type) and issubclass(value, Opaque)):
             names.add(value.class_name())
+        elif global_name(value):
+            names.add(global_name(value))
         elif _weights_only_refuses(value):
             names.add(_builtin_name(value))
     return sorted(names)
@@ -58,7 +61,7 @@ def to_plain(
     """The tree with tensors as ``leaf(ref)`` and torch values as ``torch_value(value)``.
 
     An opaque object becomes ``{"__class__": "pkg.mod.Class", "state": ..., "args": ...,
-    ...}`` so no key disappears; a class saved by reference becomes
+    ...}`` so no key disappears; a class or function saved by reference becomes
     ``{"__global__": "pkg.mod.Class"}``; devices, dtypes, layouts and memory formats
     go through ``torch_value``; a storage saved on its own goes through ``storage``
     (by default: ``leaf`` of its flat tensor). Containers shared by several paths
@@ -117,6 +120,12 @@ def to_plain(
             result = torch_value(value)
         elif isinstance(value, StorageRef):  # a storage saved on its own
             result = storage(value) if storage else leaf(TensorRef.whole_storage(value))
+        elif global_name(value):  # an allowed function or class named, not called
+            result = {"__global__": global_name(value)}
+        elif type(value).__module__.startswith("ckpttool."):
+            # one of our own stand-ins that no reader resolved: writing it would make
+            # an output nothing but ckpttool can load
+            raise CkptError(f"cannot write a {type(value).__name__} stand-in (unusual input)")
         else:
             result = value
         memo[id(value)] = result

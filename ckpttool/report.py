@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import CkptError
 from .layout import detect_prefix, find_model_key, model_state, plain_values
-from .stand_ins import Device, TorchName
+from .stand_ins import Device, TorchName, global_name
 from .tree import (
     NO_NUMBERS,
     Checkpoint,
@@ -129,7 +129,7 @@ def value_entry(path: KeyPath, value: Any) -> dict[str, Any]:
 def value_type(value: Any) -> str:
     if isinstance(value, Opaque):
         return "opaque"
-    if isinstance(value, type):  # a class or function saved by reference
+    if isinstance(value, type) or global_name(value):  # a class or function saved by reference
         return "global"
     if isinstance(value, Device):
         return "device"
@@ -150,6 +150,8 @@ def json_value(value: Any) -> Any:
         name = value.class_name() if issubclass(value, Opaque) else value.__qualname__
         module = "" if issubclass(value, Opaque) else f"{value.__module__}."
         return f"<global {module}{name}>"
+    if global_name(value):
+        return f"<global {global_name(value)}>"
     if isinstance(value, DType):
         return f"torch.{value.name}"
     if isinstance(value, StorageRef):

@@ -10,6 +10,7 @@ real, as they run no code. ``SAFE_GLOBALS`` maps each allowed global to its stan
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import struct
 from typing import Any
@@ -75,6 +76,32 @@ class StorageType:
     def __init__(self, name: str, dtype: DType):
         self.name = name
         self.dtype = dtype
+
+    def global_name(self) -> str:
+        return f"torch.{self.name}"
+
+
+class NamedGlobal(functools.partial):
+    """What the unpickler gives for an allowed global: the stand-in, callable as the
+    pickle calls it, and the name the pickle gave. Named but never called (a function
+    saved as a value, ``{"shape_type": torch.Size}``), it is shown and written back as
+    that name instead of as ckpttool's own function.
+
+    A fresh object per read keeps BUILD off our shared functions (``__kwdefaults__``
+    would change how every later file is read); a partial calls through in C, without
+    a Python frame per tensor.
+    """
+
+    def global_name(self) -> str:
+        name = self.__dict__.get("name")  # BUILD may have replaced the dict
+        return name if isinstance(name, str) else "<unknown global>"
+
+
+def global_name(value: Any) -> str | None:
+    """The pickle's name for a global kept as a value (not called), else None."""
+    if isinstance(value, (NamedGlobal, StorageType)):
+        return value.global_name()
+    return None
 
 
 class WrapperStub:
@@ -283,6 +310,9 @@ def _rebuild_sparse_tensor(layout, data):
     return SparseRef(name, size, parts, is_coalesced)
 
 
+PLAIN_TENSOR_CLASSES = ("torch.Tensor", "torch._tensor.Tensor", "torch.nn.parameter.Parameter")
+
+
 def _rebuild_from_type_v2(func, new_type, args, state):
     """Stand-in for ``torch._tensor._rebuild_from_type_v2`` (tensor subclasses)."""
     base = func(*args)
@@ -293,13 +323,21 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         return _sharded_tensor_local(base, state)
     if isinstance(base, WrapperStub) and name in DTENSOR_CLASSES:
         return _dtensor_local(base, state)
+    if isinstance(base, SparseRef) and name in PLAIN_TENSOR_CLASSES:
+        return base
     if isinstance(base, TensorRef):
         if name == "torch.nn.parameter.Parameter":
             base.kind = "parameter"
-        elif name and name not in ("torch.Tensor", "torch._tensor.Tensor"):
+        elif name and name not in PLAIN_TENSOR_CLASSES:
             base.kind = name
         return base
-    return opaque_class("torch._tensor", "_rebuild_from_type_v2")(func, new_type, args, state)
+    if name:
+        # another tensor subclass (torchao's NF4Tensor, Float8Tensor...): an object of
+        # its class holding its attributes, whose inner tensors are the data
+        obj = new_type()
+        obj.state = state
+        return obj
+    return opaque_class("torch._tensor", "_rebuild_from_type_v2")(new_type, state)
 
 
 _attrs = state_attrs

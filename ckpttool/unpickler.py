@@ -17,7 +17,6 @@ what is refused is decided in :mod:`ckpttool.policy`:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import pickle
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from .stand_ins import (
     SAFE_GLOBALS,
     TORCH_LAYOUTS,
     TORCH_MEMORY_FORMATS,
+    NamedGlobal,
     StorageType,
     TorchName,
 )
@@ -78,11 +78,9 @@ class SafeUnpickler(pickle.Unpickler):
                 return value
             if value is Ellipsis:  # a constant, immutable
                 return value
-            # A pickle may BUILD on any object it names. A fresh partial per read keeps it
-            # off our shared functions (``__kwdefaults__`` would change how every later
-            # file is read); partial's own __setstate__ takes only a (func, args, ...)
-            # tuple, and it calls through in C, without a Python frame per tensor.
-            return functools.partial(value)
+            named = NamedGlobal(value)
+            named.name = full
+            return named
         if module == "builtins" and name == "getattr":
             return self._getattr
         if is_dangerous(module, name):

@@ -267,6 +267,70 @@ def test_values_weights_only_refuses_become_stand_ins(tmp_path: Path):
     assert merged["buffer"]["state"][0] == b"state"
 
 
+class WrapperTensor(torch.Tensor):
+    """A wrapper tensor subclass (as torchao's NF4Tensor or Float8Tensor are): its
+    pickle holds no data of its own, only its attributes, here one inner tensor."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        out = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        out.inner = inner
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, WrapperTensor) else x  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, (args, kwargs or {}))[0])
+
+
+def test_allowed_globals_named_as_values_and_wrapper_subclasses(tmp_path: Path):
+    """Globals ckpttool rebuilds (torch.Size, torch._utils functions) saved as values,
+    not called, are shown and written by their names, not as ckpttool's own functions;
+    an unknown wrapper tensor subclass is an object of its class whose inner tensors
+    are listed. The output loads with weights_only=True."""
+    snapshot = {
+        "model": {"w": torch.ones(2)},
+        "shape_type": torch.Size,
+        "rebuild": torch._utils._rebuild_tensor_v2,
+        "nf4": WrapperTensor(torch.arange(4.0)),
+    }
+    torch.save(snapshot, tmp_path / "in.pt")
+    report = inspect_report(ckpttool.read(tmp_path / "in.pt"))
+    assert [t["key"] for t in report["tensors"]] == [["model", "w"], ["nf4", "inner"]]
+    assert [v for v in report["values"] if v["key"] != ["nf4"]] == [
+        {"key": ["shape_type"], "type": "global", "value": "<global torch.Size>"},
+        {"key": ["rebuild"], "type": "global",
+         "value": "<global torch._utils._rebuild_tensor_v2>"},
+    ]  # fmt: skip
+    result = merge(str(tmp_path / "in.pt"), str(tmp_path / "m.pt"))
+    assert result.stand_ins == [
+        "test_merge.WrapperTensor", "torch.Size", "torch._utils._rebuild_tensor_v2"
+    ]  # fmt: skip
+    merged = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert merged["shape_type"] == {"__global__": "torch.Size"}
+    assert merged["rebuild"] == {"__global__": "torch._utils._rebuild_tensor_v2"}
+    assert merged["nf4"]["__class__"] == "test_merge.WrapperTensor"
+    assert torch.equal(merged["nf4"]["state"]["inner"], torch.arange(4.0))
+    loaded = ckpttool.load(tmp_path / "in.pt", select="all")
+    assert loaded["shape_type"] == {"__global__": "torch.Size"}
+
+
+def test_a_stand_in_no_reader_resolves_is_refused_not_written(tmp_path: Path):
+    """A crafted pickle calls _rebuild_wrapper_subclass outside the call that names
+    the subclass: what it builds is ckpttool's own placeholder, which must not end up
+    in an output only ckpttool could load."""
+    from conftest import Reduce
+
+    stub = Reduce(torch._utils._rebuild_wrapper_subclass,
+                  (torch.Tensor, torch.float32, torch.Size([2]), (1,), 0, torch.strided,
+                   torch.device("cpu"), False))  # fmt: skip
+    torch.save({"model": {"w": torch.ones(2)}, "odd": stub}, tmp_path / "in.pt")
+    out = tmp_path / "m.pt"
+    one_line_error(run_cli("merge", tmp_path / "in.pt", "-o", out), 2,
+                   "cannot write a WrapperStub stand-in")  # fmt: skip
+    assert not out.exists()
+
+
 def test_merged_zip_is_valid_and_aligned(fsdp2: Path, tmp_path: Path):
     """Our own zip writer: every CRC-32 right (zipfile checks them), data 64-byte aligned,
     and torch's mmap loader maps it."""

@@ -17,7 +17,16 @@ from typing import Any
 
 from ..errors import CkptError
 from ..stand_ins import LocalShards
-from ..tree import Checkpoint, Shard, ShardedRef, TensorRef, check_coverage, get_path, walk
+from ..tree import (
+    Checkpoint,
+    Opaque,
+    Shard,
+    ShardedRef,
+    TensorRef,
+    check_coverage,
+    get_path,
+    walk,
+)
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")
@@ -240,19 +249,52 @@ def _combine(
 def _replace_local_shards(
     node: Any, path: tuple, make: Callable[[tuple, LocalShards], ShardedRef]
 ) -> Any:
-    """``node`` with every local-shards leaf replaced by ``make(key path, leaf)``."""
-    if isinstance(node, LocalShards):
-        return make(path, node)
-    if isinstance(node, dict):
-        out = type(node)() if type(node) is not dict else {}
-        for k, v in node.items():
-            out[k] = _replace_local_shards(v, path + (k,), make)
-        return out
-    if isinstance(node, list):
-        return [_replace_local_shards(v, path + (i,), make) for i, v in enumerate(node)]
-    if isinstance(node, tuple):
-        return tuple(_replace_local_shards(v, path + (i,), make) for i, v in enumerate(node))
-    return node
+    """``node`` with every local-shards leaf replaced by ``make(key path, leaf)``.
+
+    Containers are rebuilt; an opaque object is changed in place (it keeps its class),
+    its children keyed as :meth:`Opaque.children` keys them, so that the same path
+    finds the same leaf in another rank's tree. A cycle is followed once.
+    """
+    active: set[int] = set()
+
+    def replace(node: Any, path: tuple) -> Any:
+        if isinstance(node, LocalShards):
+            return make(path, node)
+        if id(node) in active or not isinstance(node, (dict, list, tuple, Opaque)):
+            return node
+        active.add(id(node))
+        try:
+            if isinstance(node, dict):
+                out = type(node)() if type(node) is not dict else {}
+                for k, v in node.items():
+                    out[k] = replace(v, path + (k,))
+                return out
+            if isinstance(node, list):
+                return [replace(v, path + (i,)) for i, v in enumerate(node)]
+            if isinstance(node, tuple):
+                return tuple(replace(v, path + (i,)) for i, v in enumerate(node))
+            _replace_in_opaque(node, path, replace)
+            return node
+        finally:
+            active.discard(id(node))
+
+    return replace(node, path)
+
+
+def _replace_in_opaque(node: Opaque, path: tuple, replace: Callable[[Any, tuple], Any]) -> None:
+    attrs = node.attrs()
+    if attrs:
+        new = {k: replace(v, path + (k,)) for k, v in attrs.items()}
+        if any(new[k] is not v for k, v in attrs.items()):
+            node.state = new
+    elif node.state is not None:
+        node.state = replace(node.state, path + ("__state__",))
+    if node.items:
+        node.items = {k: replace(v, path + (k,)) for k, v in node.items.items()}
+    if node.list:
+        node.list = [replace(v, path + (i,)) for i, v in enumerate(node.list)]
+    if node.args:
+        node.args = replace(node.args, path + ("__args__",))
 
 
 def lone_rank_shards(node: Any, path: tuple = ()) -> Any:
