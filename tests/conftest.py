@@ -361,6 +361,13 @@ DIST_WORKER = textwrap.dedent(
             "b": distribute_tensor(b, mesh, [Replicate()]),
         }
         torch.save(local, os.path.join(out, f"dtensor-rank{rank}.pt"))
+
+        class Holder:  # a custom object (an EMA, a wrapper) whose attributes are sharded
+            def __init__(self, weights):
+                self.weights = weights
+                self.decay = 0.99
+
+        torch.save({"ema": Holder(local), "step": 3}, os.path.join(out, f"holder-rank{rank}.pt"))
     dist.barrier()
     # Every file is written: say so before teardown, where gloo sometimes aborts under load.
     open(os.path.join(out, f"done-rank{rank}"), "w").close()
@@ -464,7 +471,8 @@ MESH_WORKER = textwrap.dedent(
 class DistRuns:
     """Outputs of the torchrun runs (2 ranks, 3 ranks, 4 ranks on a 2-D mesh)."""
 
-    two: Path  # ep0-ba1-rank{0,1}.pt, dcp/, dtensor-rank{0,1}.pt, full.pt, dtensor_full.pt
+    two: Path  # ep0-ba1-rank{0,1}.pt, dcp/, dtensor-/holder-rank{0,1}.pt, full.pt,
+    # dtensor_full.pt
     three: Path  # ep0-ba1-rank{0,1,2}.pt, local-rank{0,1,2}.pt (LOCAL_STATE_DICT), full.pt
     mesh: Path  # model-/hsdp-/tp-fsdp-rank{0..3}.pt, dcp/, dcp-safetensors/, dcp-tuple/,
     # hf-dist/, hf-dist2/, full.pt, tp-fsdp-full.pt

@@ -440,6 +440,24 @@ def test_per_rank_dtensor_pair(dist_runs, dist_reference):
 
 
 @pytest.mark.slow
+def test_per_rank_sharded_tensors_inside_a_custom_object(dist_runs, dist_reference, tmp_path):
+    """DTensors held by an object of a class ckpttool does not rebuild (an EMA helper)
+    are merged too: the object is kept as a stand-in holding full tensors."""
+    files = str(dist_runs.two / "holder-rank*.pt")
+    report = inspect_report(ckpttool.read(files))
+    assert [(t["key"], t["sharded"]) for t in report["tensors"]] == [
+        (["ema", "weights", "w"], True), (["ema", "weights", "b"], True)
+    ]  # fmt: skip
+    out = tmp_path / "merged.pt"
+    proc = run_cli("merge", files, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    merged = torch.load(out, weights_only=True)
+    assert merged["ema"]["__class__"] == "__main__.Holder"
+    assert merged["ema"]["state"]["decay"] == 0.99 and merged["step"] == 3
+    assert_same(merged["ema"]["state"]["weights"], dist_reference["dtensor"])
+
+
+@pytest.mark.slow
 def test_per_rank_three_ranks_one_holds_nothing(dist_runs, dist_reference):
     """A 2-row weight and a 2-element bias over 3 ranks: rank 2's shards are empty."""
     ckpt = ckpttool.read(dist_runs.three / "ep0-ba1-rank2.pt")
