@@ -81,6 +81,16 @@ class StorageType:
         return f"torch.{self.name}"
 
 
+def check_storage_reference(storage_type: Any, numel: Any) -> None:
+    """A persistent id's storage class and size are usable, or a one-line reason."""
+    if isinstance(storage_type, type) and issubclass(storage_type, Opaque):
+        name = storage_type.class_name()
+        if name.startswith("torch.") and name.endswith("Storage"):  # QUInt4x2Storage...
+            raise CkptError(f"tensors of storage type {name} are not supported")
+    if not isinstance(storage_type, StorageType) or type(numel) is not int or numel < 0:
+        raise CkptError("corrupt pickle: bad storage reference")
+
+
 class NamedGlobal(functools.partial):
     """What the unpickler gives for an allowed global: the stand-in, callable as the
     pickle calls it, and the name the pickle gave. Named but never called (a function

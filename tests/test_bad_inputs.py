@@ -413,3 +413,15 @@ def test_rezipped_with_compression_is_refused_with_the_reason(tmp_path):
         for info in src.infolist():
             dst.writestr(info.filename, src.read(info))
     check_error(run_cli("inspect", deflated), 2, "compressed zip entry", "re-zipped", "zip -0")
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.parametrize("legacy", [False, True])
+def test_storage_types_ckpttool_cannot_read_are_named(tmp_path, legacy):
+    """4-bit quantized tensors (QUInt4x2Storage, EmbeddingBag weights) are refused by
+    their storage class, not called a corrupt pickle."""
+    path = tmp_path / "q4.pt"
+    q4 = torch.quantize_per_tensor(torch.rand(4, 4), 0.1, 0, torch.quint4x2)
+    torch.save({"emb": q4}, path, _use_new_zipfile_serialization=not legacy)
+    check_error(run_cli("inspect", path), 2,
+                "tensors of storage type torch.QUInt4x2Storage are not supported")  # fmt: skip

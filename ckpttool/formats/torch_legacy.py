@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..errors import CkptError
-from ..stand_ins import Device, StorageType
+from ..stand_ins import Device, check_storage_reference
 from ..tree import ByteSource, Checkpoint, Opaque, StorageRef, opaque_class
 from ..unpickler import load_pickle
 from .torch_zip import checkpoint
@@ -66,8 +66,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
                 raise CkptError(f"corrupt pickle: unknown persistent id {pid!r:.80}")
             storage_type, key, location, numel = pid[1:5]
             view = pid[5] if len(pid) > 5 else None
-            if not isinstance(storage_type, StorageType) or not isinstance(numel, int):
-                raise CkptError("corrupt pickle: bad storage reference")
+            check_storage_reference(storage_type, numel)
             key = str(key)
             if key not in storages:
                 storages[key] = StorageRef(

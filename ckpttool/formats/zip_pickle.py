@@ -16,7 +16,7 @@ import zlib
 from typing import Any
 
 from ..errors import CkptError
-from ..stand_ins import Device, StorageType
+from ..stand_ins import Device, check_storage_reference
 from ..tree import ByteSource, StorageRef
 from ..unpickler import load_pickle
 
@@ -223,8 +223,7 @@ class ZipPickle:
             if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
                 raise CkptError(f"corrupt pickle: unknown persistent id {pid!r:.80}")
             _, storage_type, key, location, numel = pid[:5]
-            if not isinstance(storage_type, StorageType) or not isinstance(numel, int) or numel < 0:
-                raise CkptError("corrupt pickle: bad storage reference")
+            check_storage_reference(storage_type, numel)
             key = str(key)
             if key not in storages:
                 source = self.source(f"{self.prefix}data/{key}")
