@@ -276,3 +276,18 @@ def test_dtensor_block_places_as_torch_does(layout):
     assert sizes == tuple(want_sizes)
     nonempty = [d for d in range(len(shape)) if sizes[d]]
     assert [offsets[d] for d in nonempty] == [want_offsets[d] for d in nonempty]
+
+
+def test_dtensor_block_work_does_not_grow_with_the_shape_a_file_claims():
+    """Rows are tracked as runs, so a global shape of 10^15 rows costs nothing; a split
+    factor no tensor-parallel run has is refused as corrupt (its work would be
+    split x runs per mesh dim)."""
+    from ckpttool.errors import CkptError
+    from ckpttool.formats.per_rank import dtensor_block
+
+    fsdp_over_tp = [("strided_shard", 0, 4), ("shard", 0)]
+    assert dtensor_block("t", (10**15, 3), (2, 4), (1, 3), fsdp_over_tp) == (
+        (875 * 10**12, 0), (125 * 10**12, 3)
+    )  # fmt: skip
+    with pytest.raises(CkptError, match="corrupt _StridedShard split factor 60000"):
+        dtensor_block("t", (10**15,), (2, 2), (1, 1), [("strided_shard", 0, 60000)] * 2)

@@ -9,10 +9,11 @@ whose blocks point into every rank's file, and check that they tile the global t
 from __future__ import annotations
 
 import glob
+import itertools
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CkptError
@@ -443,32 +444,33 @@ def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple
     parallel) splits into k parts first and takes this rank's chunk of each: it stands
     for a split that happens after it, so the rows it picks are strided, and the
     later ``Shard(d)`` picks a contiguous block out of them. Each dim's picked rows
-    are tracked as the global indices they came from; a rank's block must end up
-    contiguous.
+    are tracked as runs of global indices (never one number per row: the shape is
+    the file's word); a rank's block must end up one run.
     """
     if not mesh_shape or len(coordinate) != len(mesh_shape) or len(placements) != len(mesh_shape):
         raise CkptError(f"tensor {key!r}: DTensor without a usable device mesh")
-    picked: dict[int, Sequence[int]] = {}  # dim -> the global index of each local row
+    picked: dict[int, list[range]] = {}  # dim -> the global rows held, in local order
     for mesh_dim, (kind, dim, *args) in enumerate(placements):
         if kind == "replicate":
             continue
         if kind not in ("shard", "strided_shard") or not isinstance(dim, int):
             raise CkptError(f"tensor {key!r}: DTensor placement {kind!r} cannot be merged")
         dim = dim % len(shape)
-        rows = picked.get(dim, range(shape[dim]))
+        runs = picked.get(dim, [range(shape[dim])])
         n, c = mesh_shape[mesh_dim], coordinate[mesh_dim]
         if kind == "shard":
-            picked[dim] = _chunk(rows, n, c)
+            picked[dim] = _chunk(runs, n, c)
             continue
         split = args[0] if args else None
-        if not isinstance(split, int) or split < 1:
+        # the work is split x runs; a real split factor is a tensor-parallel size
+        if not isinstance(split, int) or not 1 <= split <= MAX_RUNS // max(len(runs), 1):
             raise CkptError(f"tensor {key!r}: corrupt _StridedShard split factor {split!r}")
-        picked[dim] = [i for part in range(split) for i in _chunk(_chunk(rows, split, part), n, c)]
+        picked[dim] = [r for part in range(split) for r in _chunk(_chunk(runs, split, part), n, c)]
     offsets, sizes = [0] * len(shape), list(shape)
-    for dim, rows in picked.items():
-        sizes[dim] = len(rows)
-        offsets[dim] = rows[0] if rows else shape[dim]
-        if rows and list(rows) != list(range(rows[0], rows[0] + len(rows))):
+    for dim, runs in picked.items():
+        sizes[dim] = sum(len(r) for r in runs)
+        offsets[dim] = runs[0].start if runs else shape[dim]
+        if any(a.stop != b.start for a, b in itertools.pairwise(runs)):
             raise CkptError(
                 f"tensor {key!r}: a rank's DTensor rows along dim {dim} are not one block of "
                 "the global tensor (a _StridedShard layout ckpttool cannot merge)"
@@ -476,8 +478,18 @@ def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple
     return tuple(offsets), tuple(sizes)
 
 
-def _chunk(rows: Sequence[int], n: int, c: int) -> Sequence[int]:
-    """Part ``c`` of ``rows`` split in ``n`` as ``torch.chunk`` splits (the last parts
-    may be short or empty)."""
-    size = -(-len(rows) // n)
-    return rows[c * size : (c + 1) * size]
+MAX_RUNS = 1 << 16  # runs of rows a rank may hold along one dim (and split x runs)
+
+
+def _chunk(runs: list[range], n: int, c: int) -> list[range]:
+    """Part ``c`` of the rows in ``runs`` split in ``n`` as ``torch.chunk`` splits (the
+    last parts may be short or empty), as runs; empty runs are dropped."""
+    size = -(-sum(len(r) for r in runs) // n)
+    start, stop = c * size, (c + 1) * size
+    out, pos = [], 0
+    for run in runs:
+        lo, hi = max(start - pos, 0), min(stop - pos, len(run))
+        if lo < hi:
+            out.append(run[lo:hi])
+        pos += len(run)
+    return out
