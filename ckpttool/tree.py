@@ -310,7 +310,7 @@ class ShardedRef(_Sized):
 
 def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
     """Every element of the global tensor is in exactly one shard."""
-    if _rows_tile(shape, shards):
+    if _tiles(shape, [s for s in shards if math.prod(s.sizes)], 0):  # (empty ranks hold none)
         return
     total = math.prod(shape)
     covered = 0
@@ -327,35 +327,49 @@ def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
                 f"tensor {key!r}: a shard lies outside the tensor of shape {list(shape)}"
             )
         covered += math.prod(s.sizes)
-    for i, a in enumerate(shards):
-        for b in shards[i + 1 :]:
+    if covered > total:
+        raise CkptError(f"tensor {key!r}: shards overlap ({covered} elements for {total})")
+    if covered < total:
+        raise CkptError(
+            f"tensor {key!r}: shards cover {covered} of {total} elements "
+            "(incomplete checkpoint: a rank file is missing?)"
+        )
+    nonempty = [s for s in shards if math.prod(s.sizes)]
+    if len(nonempty) > MAX_IRREGULAR_SHARDS:  # the pairwise check below is quadratic
+        raise CkptError(
+            f"tensor {key!r}: {len(nonempty)} shards that do not form a grid (corrupt checkpoint?)"
+        )
+    for i, a in enumerate(nonempty):
+        for b in nonempty[i + 1 :]:
             if all(
                 max(ao, bo) < min(ao + an, bo + bn)
                 for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
             ):
                 raise CkptError(f"tensor {key!r}: shards overlap")
-    if covered != total:
-        raise CkptError(
-            f"tensor {key!r}: shards cover {covered} of {total} elements "
-            "(incomplete checkpoint: a rank file is missing?)"
-        )
 
 
-def _rows_tile(shape: tuple, shards: list[Shard]) -> bool:
-    """The common case, checked in linear time: full-width blocks of rows (FSDP, DCP and
-    DTensor ``Shard(0)`` split this way) that follow each other from row 0 to the last.
+MAX_IRREGULAR_SHARDS = 4096
+
+
+def _tiles(shape: tuple, shards: list[Shard], dim: int) -> bool:
+    """The layouts sharding produces, checked in n log n: along ``dim`` the shards'
+    ranges follow each other from 0 to the end, shards with the same range form a
+    group, and each group tiles the dims after it the same way. Blocks of rows (FSDP,
+    DCP, DTensor ``Shard(0)``) and grids (tensor parallel x FSDP) are such layouts.
     False means only "not this case": the general check decides."""
-    if not shape:
-        return False
-    rest = tuple(shape[1:])
+    if dim == len(shape):
+        return len(shards) == 1
+    groups: dict[tuple[int, int], list[Shard]] = {}
+    for s in shards:
+        if len(s.offsets) != len(shape) or len(s.sizes) != len(shape):
+            return False
+        groups.setdefault((s.offsets[dim], s.sizes[dim]), []).append(s)
     end = 0
-    for s in sorted(shards, key=lambda s: s.offsets[:1]):
-        if len(s.offsets) != len(shape) or s.offsets[0] != end or any(s.offsets[1:]):
+    for start, size in sorted(groups):
+        if start != end or size <= 0:
             return False
-        if tuple(s.sizes[1:]) != rest or s.sizes[0] < 0:
-            return False
-        end += s.sizes[0]
-    return end == shape[0]
+        end += size
+    return end == shape[dim] and all(_tiles(shape, g, dim + 1) for g in groups.values())
 
 
 # Sparse layouts torch.save writes, and the stored tensors each is rebuilt from.

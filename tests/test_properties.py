@@ -291,3 +291,51 @@ def test_dtensor_block_work_does_not_grow_with_the_shape_a_file_claims():
     )  # fmt: skip
     with pytest.raises(CkptError, match="corrupt _StridedShard split factor 60000"):
         dtensor_block("t", (10**15,), (2, 2), (1, 1), [("strided_shard", 0, 60000)] * 2)
+
+
+@st.composite
+def nested_tilings(draw):
+    """A shape and blocks that tile it as sharding does: cuts along dim 0, and within
+    each row group its own cuts along dim 1 (a grid when they agree)."""
+    rows, cols = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+
+    def cuts(n):
+        inner = draw(st.lists(st.integers(1, n - 1), max_size=4, unique=True)) if n > 1 else []
+        points = [0, *sorted(inner), n]
+        return list(zip(points, points[1:], strict=False))
+
+    blocks = [((r0, c0), (r1 - r0, c1 - c0)) for r0, r1 in cuts(rows) for c0, c1 in cuts(cols)]
+    return (rows, cols), draw(st.permutations(blocks))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tiling=nested_tilings(), damage=st.sampled_from(["none", "drop", "duplicate", "shift"]))
+def test_coverage_check_accepts_tilings_and_refuses_damaged_ones(tiling, damage):
+    from ckpttool.errors import CkptError
+    from ckpttool.tree import Shard, check_coverage
+
+    shape, blocks = tiling
+    shards = [Shard(offsets, sizes, None) for offsets, sizes in blocks]
+    if damage == "none":
+        check_coverage("t", shape, shards)
+        return
+    if damage == "drop":
+        shards.pop()
+    elif damage == "duplicate":
+        shards.append(shards[0])
+    else:  # one block moved a row down: it leaves the tensor or overlaps another
+        first = shards[0]
+        shards[0] = Shard((first.offsets[0] + 1, first.offsets[1]), first.sizes, None)
+    with pytest.raises(CkptError, match="shards (cover|overlap)|outside the tensor"):
+        check_coverage("t", shape, shards)
+
+
+def test_coverage_check_of_a_large_grid_takes_the_fast_path():
+    """A 128 x 128 grid of blocks (a 2-D parallel run at scale): more shards than the
+    quadratic check accepts, so passing proves the n log n path took it."""
+    from ckpttool.tree import MAX_IRREGULAR_SHARDS, Shard, check_coverage
+
+    n = 128
+    shards = [Shard((i * 2, j * 3), (2, 3), None) for i in range(n) for j in range(n)]
+    assert len(shards) > MAX_IRREGULAR_SHARDS
+    check_coverage("t", (2 * n, 3 * n), shards)
