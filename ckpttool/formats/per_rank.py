@@ -310,19 +310,10 @@ def lone_rank_shards(node: Any, path: tuple = ()) -> Any:
 def _lone_rank_ref(path: tuple, local: LocalShards) -> ShardedRef:
     key = ".".join(str(k) for k in path)
     if local.kind == "dtensor":
-        layout = local.layout
-        offsets, sizes = dtensor_block(
-            key, local.shape, layout["mesh_shape"], layout["coordinate"], layout["placements"]
-        )
-        own = local.shards[0].tensor
-        if own.shape != sizes:
-            raise CkptError(
-                f"tensor {key!r}: local tensor of shape {list(own.shape)} does not match its "
-                f"placement (expected {list(sizes)})"
-            )
-        shards = [Shard(offsets, sizes, own, local.rank)] if math.prod(sizes) else []
+        shards = [_own_dtensor_block(key, local, local.rank)]
     else:
-        shards = [s for s in local.shards if math.prod(s.sizes)]
+        shards = local.shards
+    shards = [s for s in shards if math.prod(s.sizes)]
     covered, total = sum(math.prod(s.sizes) for s in shards), math.prod(local.shape)
     incomplete = None
     if covered < total:
@@ -333,6 +324,12 @@ def _lone_rank_ref(path: tuple, local: LocalShards) -> ShardedRef:
         )
     else:
         check_coverage(key, local.shape, shards)
+    return _global_ref(local, shards, local.world_size, incomplete)
+
+
+def _global_ref(
+    local: LocalShards, shards: list[Shard], world_size: int | None, incomplete: str | None = None
+) -> ShardedRef:
     return ShardedRef(
         dtype=local.dtype,
         shape=local.shape,
@@ -340,7 +337,7 @@ def _lone_rank_ref(path: tuple, local: LocalShards) -> ShardedRef:
         device=local.device,
         kind=local.kind,
         requires_grad=local.requires_grad,
-        world_size=local.world_size,
+        world_size=world_size,
         incomplete=incomplete,
     )
 
@@ -371,15 +368,7 @@ def _sharded_ref(
     else:
         shards = _sharded_tensor_shards(key, path, local, files)
     check_coverage(key, local.shape, shards)
-    return ShardedRef(
-        dtype=local.dtype,
-        shape=local.shape,
-        shards=shards,
-        device=local.device,
-        kind=local.kind,
-        requires_grad=local.requires_grad,
-        world_size=world_size,
-    )
+    return _global_ref(local, shards, world_size)
 
 
 def _sharded_tensor_shards(
@@ -419,20 +408,28 @@ def _dtensor_shards(
             or mine.dtype != local.dtype
         ):
             raise CkptError(f"rank files disagree about tensor {key!r}", path=files.by_rank[rank])
-        layout = mine.layout
-        offsets, sizes = dtensor_block(
-            key, local.shape, layout["mesh_shape"], layout["coordinate"], layout["placements"]
-        )
-        own = mine.shards[0].tensor
-        if own.shape != sizes:
-            raise CkptError(
-                f"tensor {key!r}: local tensor of shape {list(own.shape)} does not match its "
-                f"placement (expected {list(sizes)})",
-                path=files.by_rank[rank],
-            )
-        if math.prod(sizes) > 0 and (offsets, sizes) not in blocks:  # replicas: keep one
-            blocks[(offsets, sizes)] = Shard(offsets, sizes, own, rank)
+        block = _own_dtensor_block(key, mine, rank, files.by_rank[rank])
+        if math.prod(block.sizes) > 0:  # replicas: keep one
+            blocks.setdefault((block.offsets, block.sizes), block)
     return list(blocks.values())
+
+
+def _own_dtensor_block(
+    key: str, local: LocalShards, rank: int | None, file: str | None = None
+) -> Shard:
+    """A DTensor rank's own block, placed by its mesh coordinate."""
+    layout = local.layout
+    offsets, sizes = dtensor_block(
+        key, local.shape, layout["mesh_shape"], layout["coordinate"], layout["placements"]
+    )
+    own = local.shards[0].tensor
+    if own.shape != sizes:
+        raise CkptError(
+            f"tensor {key!r}: local tensor of shape {list(own.shape)} does not match its "
+            f"placement (expected {list(sizes)})",
+            path=file,
+        )
+    return Shard(offsets, sizes, own, rank)
 
 
 def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple, tuple]:
