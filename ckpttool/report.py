@@ -170,7 +170,8 @@ def json_value(value: Any) -> Any:
 def tensor_stats(ref: Any) -> dict[str, Any]:
     """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes).
 
-    A tensor saved without data (meta device) has none to show. A sparse tensor's
+    A tensor saved without data (meta device) or sharded with blocks missing has none
+    to show. A sparse tensor's
     are those of the dense tensor it stands for, computed from its stored values
     (the elements it does not store are zeros), never densified.
     """
@@ -179,6 +180,8 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"nan": 0, "inf": 0}
     none = {**out, "min": None, "max": None, "mean": None, "std": None}
     if isinstance(ref, TensorRef) and ref.storage is None:
+        return none
+    if isinstance(ref, ShardedRef) and ref.incomplete:
         return none
     if ref.dtype.name in NO_NUMBERS:
         return none

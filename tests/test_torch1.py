@@ -98,6 +98,9 @@ def test_dcp_value_holding_one_ranks_shards_is_shown_and_refused_by_name(tmp_pat
     report = json.loads(run_cli("inspect", "--json", folder).stdout)
     w = next(t for t in report["tensors"] if t["key"] == ["model", "w"])
     assert (w["shape"], w["sharded"]) == ([5, 3], True)
+    proc = run_cli("inspect", "--json", "--stats", folder)  # the others still get numbers
+    stats = {tuple(t["key"]): t["stats"] for t in json.loads(proc.stdout)["tensors"]}
+    assert stats[("model", "w")]["mean"] is None and stats[("model", "rep")]["mean"] == 1.5
     out = tmp_path / "out.safetensors"
     for args in (("convert", folder, "--to", "safetensors", "--select", "all", "-o", out),
                  ("merge", folder, "-o", out), ("diff", folder, folder)):  # fmt: skip
