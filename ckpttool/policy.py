@@ -118,18 +118,15 @@ def check_structure(root: Any, path: object = None) -> None:
         CkptError: nesting deeper than MAX_NESTING, shared containers that expand to
             more than MAX_SHARED_ENTRIES entries, or a dict/list/tuple that holds itself.
     """
-    from .tree import children, is_tensor
-
     expanded: set[int] = set()
     ancestors: set[int] = set()
     shared_entries = 0
-    stack: list[tuple[Any, int, bool]] = [(root, 0, False)]
+    containers = (dict, list, tuple, Opaque)
+    stack: list[tuple[Any, int, bool]] = [(root, 0, False)] if isinstance(root, containers) else []
     while stack:
         node, depth, leaving = stack.pop()
         if leaving:
             ancestors.discard(id(node))
-            continue
-        if is_tensor(node) or not isinstance(node, (dict, list, tuple, Opaque)):
             continue
         if id(node) in ancestors:
             if isinstance(node, Opaque):  # objects may point back at a parent; walks cut that
@@ -137,8 +134,13 @@ def check_structure(root: Any, path: object = None) -> None:
             raise CkptError("corrupt pickle: a container holds itself", path=path)
         if depth > MAX_NESTING:
             raise CkptError(f"corrupt pickle: nests deeper than {MAX_NESTING} levels", path=path)
-        kids = [child for _, child in children(node)]
-        if id(node) in expanded:
+        if isinstance(node, dict):
+            kids: Any = node.values()
+        elif isinstance(node, Opaque):
+            kids = [child for _, child in node.children()]
+        else:
+            kids = node
+        if id(node) in expanded:  # every entry counts: a walk visits leaves too
             shared_entries += len(kids)
             if shared_entries > MAX_SHARED_ENTRIES:
                 raise CkptError(
@@ -149,4 +151,6 @@ def check_structure(root: Any, path: object = None) -> None:
         expanded.add(id(node))
         ancestors.add(id(node))
         stack.append((node, depth, True))
-        stack.extend((child, depth + 1, False) for child in kids)
+        # only containers go on the stack (hot: a large DCP .metadata has millions of
+        # numbers); tensors and other leaves end a walk
+        stack.extend((child, depth + 1, False) for child in kids if isinstance(child, containers))
