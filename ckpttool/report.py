@@ -171,9 +171,8 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes).
 
     A tensor saved without data (meta device) or sharded with blocks missing has none
-    to show. A sparse tensor's
-    are those of the dense tensor it stands for, computed from its stored values
-    (the elements it does not store are zeros), never densified.
+    to show. A sparse tensor's are those of the dense tensor it stands for, computed
+    from its stored values (the elements it does not store are zeros), never densified.
     """
     import torch
 

@@ -339,3 +339,21 @@ def test_coverage_check_of_a_large_grid_takes_the_fast_path():
     shards = [Shard((i * 2, j * 3), (2, 3), None) for i in range(n) for j in range(n)]
     assert len(shards) > MAX_IRREGULAR_SHARDS
     check_coverage("t", (2 * n, 3 * n), shards)
+
+
+@pytest.mark.parametrize(
+    "shape, mesh, coordinate, placements",
+    [((5,), (0,), (0,), [("shard", 0)]),  # an empty mesh dimension
+     ((5,), (2,), (2,), [("shard", 0)]),  # a coordinate outside the mesh
+     ((5,), (2,), (-1,), [("shard", 0)]),
+     ((), (2,), (0,), [("shard", 0)]),  # a scalar cannot be sharded
+     ((5,), (2,), (1,), [("shard", True)])],
+)  # fmt: skip
+def test_dtensor_block_refuses_corrupt_layouts(shape, mesh, coordinate, placements):
+    """What a file says about its mesh is checked before any arithmetic on it: a
+    corrupt one is a one-line error, not a ZeroDivisionError or a wrong block."""
+    from ckpttool.errors import CkptError
+    from ckpttool.formats.per_rank import dtensor_block
+
+    with pytest.raises(CkptError, match="DTensor"):
+        dtensor_block("t", shape, mesh, coordinate, placements)

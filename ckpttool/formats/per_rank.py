@@ -444,13 +444,19 @@ def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple
     are tracked as runs of global indices (never one number per row: the shape is
     the file's word); a rank's block must end up one run.
     """
-    if not mesh_shape or len(coordinate) != len(mesh_shape) or len(placements) != len(mesh_shape):
+    if (
+        not mesh_shape
+        or len(coordinate) != len(mesh_shape)
+        or len(placements) != len(mesh_shape)
+        or not all(type(n) is int and type(c) is int and 0 <= c < n
+                   for n, c in zip(mesh_shape, coordinate, strict=True))
+    ):  # fmt: skip
         raise CkptError(f"tensor {key!r}: DTensor without a usable device mesh")
     picked: dict[int, list[range]] = {}  # dim -> the global rows held, in local order
     for mesh_dim, (kind, dim, *args) in enumerate(placements):
         if kind == "replicate":
             continue
-        if kind not in ("shard", "strided_shard") or not isinstance(dim, int):
+        if kind not in ("shard", "strided_shard") or type(dim) is not int or not shape:
             raise CkptError(f"tensor {key!r}: DTensor placement {kind!r} cannot be merged")
         dim = dim % len(shape)
         runs = picked.get(dim, [range(shape[dim])])
