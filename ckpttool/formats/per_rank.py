@@ -303,7 +303,10 @@ def lone_rank_shards(node: Any, path: tuple = ()) -> Any:
     it holds itself: for sharded tensors pickled where no other rank's file can
     complete them. DCP of torch 1.13 pickled a nested dict whole, from the
     coordinator alone, ShardedTensors and all. With one rank that is the whole
-    tensor; otherwise the ref says what is missing, and reading it is refused."""
+    tensor; otherwise the ref says what is missing, and reading it is refused.
+    A value without any is returned as it is (no containers rebuilt)."""
+    if not has_local_shards(node):
+        return node
     return _replace_local_shards(node, path, _lone_rank_ref)
 
 
