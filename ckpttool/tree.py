@@ -310,7 +310,8 @@ class ShardedRef(_Sized):
 
 def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
     """Every element of the global tensor is in exactly one shard."""
-    if _tiles(shape, [s for s in shards if math.prod(s.sizes)], 0):  # (empty ranks hold none)
+    nonempty = [s for s in shards if math.prod(s.sizes)]  # empty ranks hold nothing
+    if _tiles(shape, nonempty, 0):
         return
     total = math.prod(shape)
     covered = 0
@@ -334,7 +335,6 @@ def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
             f"tensor {key!r}: shards cover {covered} of {total} elements "
             "(incomplete checkpoint: a rank file is missing?)"
         )
-    nonempty = [s for s in shards if math.prod(s.sizes)]
     if len(nonempty) > MAX_IRREGULAR_SHARDS:  # the pairwise check below is quadratic
         raise CkptError(
             f"tensor {key!r}: {len(nonempty)} shards that do not form a grid (corrupt checkpoint?)"
