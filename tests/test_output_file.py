@@ -89,6 +89,37 @@ def test_appends_copies_patches_and_crcs_land_exactly(small_buffers, mode, tmp_p
     assert [got for got, _ in crcs] == [want for _, want in crcs]
 
 
+@pytest.mark.parametrize("hint_factor", [0.5, 1, 40])
+@pytest.mark.parametrize("nbytes", [50_001, 12 * 4096])  # a padded last write, or none
+def test_size_hint_allocates_up_front_and_the_file_ends_at_its_last_byte(
+    small_buffers, mode, tmp_path: Path, hint_factor, nbytes
+):
+    """Blocks allocated for a size hint that was too large are cut off; a hint that was
+    too small only means the rest grows the file as it goes."""
+    data = random.Random(4).randbytes(nbytes)
+    hint = int(len(data) * hint_factor)
+    path = tmp_path / "out.bin"
+    with OutputFile(str(path), size_hint=hint) as out:
+        if output_file._libc_functions.get("fallocate"):  # Linux (glibc)
+            assert os.fstat(out.fd).st_size == hint  # allocated before a byte is written
+        out.write(data[:30_000])
+        out.patch(10, b"patched")
+        out.write(data[30_000:])
+        assert out.pos == nbytes
+    expected = data[:10] + b"patched" + data[17:]
+    assert path.read_bytes() == expected
+    assert path.stat().st_size == len(data)
+
+
+def test_preallocation_refused_costs_nothing(small_buffers, tmp_path: Path):
+    """A hint past RLIMIT_FSIZE (or a full disk) makes fallocate fail: the writes go on
+    and meet the real limit, if any, themselves."""
+    path = tmp_path / "out.bin"
+    with OutputFile(str(path), size_hint=1 << 62) as out:
+        out.write(b"abc" * 10_000)
+    assert path.read_bytes() == b"abc" * 10_000
+
+
 def test_o_direct_refused_midway_goes_on_through_the_page_cache(
     small_buffers, monkeypatch, tmp_path: Path
 ):

@@ -10,6 +10,12 @@ Several writes in flight keep the disk's queue full; the final fsync has almost
 nothing left to do. (On this project's benchmark machine: 4 GiB durably written in
 about the time ``cp`` takes to leave it in the page cache.)
 
+Writers that know how large the file will be say so (``size_hint``), and its blocks
+are allocated up front (``fallocate``). Direct writes past the end of a file grow it,
+and ext4 runs those one at a time, each waited for before the next starts; writes
+into allocated blocks run side by side. (Same machine: 2 GiB durably written in
+about half the time.)
+
 Where ``O_DIRECT`` is missing or refused (not Linux, FUSE, older overlayfs and
 tmpfs) the same buffers are written through the page cache, and writeback of
 what is done is started as we go (``sync_file_range``), so the fsync waits only
@@ -33,7 +39,7 @@ from ..tree import OpenFiles
 
 Progress = Callable[[int], None]
 
-BUFFER_BYTES = 8 << 20  # one staging buffer
+BUFFER_BYTES = 16 << 20  # one staging buffer
 BUFFERS = 4  # one being filled, up to three being written: a disk takes several at once
 ALIGNMENT = 4096  # O_DIRECT offsets and sizes: a multiple of any disk's logical block
 WRITEBACK_BYTES = 64 << 20  # without O_DIRECT: start writeback this often
@@ -49,9 +55,11 @@ class OutputFile:
     pass, so nothing is read back.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, size_hint: int = 0):
         self.path = path
         self.fd, self.direct = _open_output(path)
+        if size_hint > 0:
+            _preallocate(self.fd, size_hint)
         self.pos = 0
         self.inputs = OpenFiles()  # the files we copy from
         size = _round_up(BUFFER_BYTES)  # module constants, read here so tests can shrink them
@@ -161,13 +169,14 @@ class OutputFile:
         self.direct = False
 
     def _finish(self) -> None:
-        """Write the partly filled buffer, then the patches; cut off the direct write's padding."""
+        """Write the partly filled buffer, then the patches; cut off what lies past the
+        last byte: the direct write's padding, blocks allocated for a larger size hint."""
         end = self.pos
         if self._fill:
             self._flush()
         self._wait()
         self._apply_patches()
-        if end % ALIGNMENT:  # (also if O_DIRECT was given up during a padded write)
+        if os.fstat(self.fd).st_size != end:
             os.ftruncate(self.fd, end)
 
     # ------------------------------------------------------------ checksums, patches
@@ -228,17 +237,34 @@ def _round_up(n: int) -> int:
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait
-_sync_file_range: Any = None  # resolved on first use; False where unavailable
+_libc_functions: dict[str, Any] = {}  # resolved on first use; None where unavailable
+
+
+def _libc(name: str, *argtypes: Any) -> Any:
+    """A Linux libc function, or None (not Linux/glibc: the caller only loses speed)."""
+    if name not in _libc_functions:
+        try:
+            func = getattr(ctypes.CDLL(None, use_errno=True), name)
+            func.argtypes = list(argtypes)
+        except (AttributeError, OSError):
+            func = None
+        _libc_functions[name] = func
+    return _libc_functions[name]
 
 
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    global _sync_file_range
-    if _sync_file_range is None:
-        try:
-            func = ctypes.CDLL(None, use_errno=True).sync_file_range
-            func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            _sync_file_range = func
-        except (AttributeError, OSError):  # not Linux/glibc: the final fsync does it all
-            _sync_file_range = False
-    if _sync_file_range:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only costs speed
+    func = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    if func:
+        func(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only costs speed
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Allocate the file's blocks (and set its size) up front, where the file system can.
+
+    Linux's ``fallocate``, not ``posix_fallocate``: where the file system cannot,
+    glibc's fallback writes every block once, which would double the work. A failure
+    costs only speed; a real one (disk full) is met again by the writes.
+    """
+    func = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if func:
+        func(fd, 0, 0, nbytes)

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..tree import DType
-from . import OutputFile, Progress, output_dtype, refuse_sparse, write_leaf
+from . import OutputFile, Progress, output_dtype, output_nbytes, refuse_sparse, write_leaf
 
 SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -60,8 +60,10 @@ def write_file(
 ) -> None:
     """Write ``tensors`` (name -> lazy leaf) to one safetensors file, one tensor at a time."""
     check_dtypes(tensors, cast)
-    with OutputFile(path) as out:
-        out.write(header_bytes(tensors, cast, metadata or {}))
+    header = header_bytes(tensors, cast, metadata or {})
+    size = len(header) + sum(output_nbytes(leaf, cast) for leaf in tensors.values())
+    with OutputFile(path, size_hint=size) as out:
+        out.write(header)
         for leaf in tensors.values():
             write_leaf(out, leaf, cast, progress)
 

@@ -20,8 +20,8 @@ from typing import Any
 from ..errors import CkptError
 from ..plain import TorchValue, to_plain
 from ..stand_ins import TORCH_LAYOUTS, Device, TorchName
-from ..tree import STORAGE_CLASSES, DType, SparseRef, StorageRef, TensorRef
-from . import OutputFile, Progress, output_dtype, write_leaf
+from ..tree import STORAGE_CLASSES, DType, SparseRef, StorageRef, TensorRef, iter_tensors
+from . import OutputFile, Progress, output_dtype, output_nbytes, write_leaf
 
 ARCHIVE = "archive"
 ALIGNMENT = 64  # torch aligns tensor data to 64 bytes so torch.load(mmap=True) can map it
@@ -310,6 +310,8 @@ def write_torch(
     progress: Progress | None = None,
 ) -> None:
     """Write ``root`` (a nested structure with lazy tensors) as a torch.save file."""
-    with OutputFile(path) as out:
+    # the tensors' bytes: the zip's headers and the pickle add a little
+    size = sum(output_nbytes(leaf, cast) for _, leaf in iter_tensors(root))
+    with OutputFile(path, size_hint=size) as out:
         writer = TorchZipWriter(out, cast=cast, location=location, progress=progress)
         writer.finish(writer.convert(root))
