@@ -126,16 +126,18 @@ def flatten_tensors(node: Any, name: str = "") -> dict[str, Any]:
 def materialize(node: Any, map_location: Any = "cpu") -> Any:
     """The same structure with every lazy tensor read (shards merged into full tensors).
 
-    Opaque objects become plain-data stand-ins (``{"__class__": ..., "state": ...}``),
-    as in ``ckpttool merge`` output; a tensor referenced twice comes back as one tensor.
+    Tensors saved as ``nn.Parameter`` or with ``requires_grad`` come back so, as from
+    ``torch.load``. Opaque objects become plain-data stand-ins (``{"__class__": ...,
+    "state": ...}``), as in ``ckpttool merge`` output; a tensor referenced twice comes
+    back as one tensor.
     """
-    from .tensors import to_torch
+    from .tensors import as_saved, to_torch
 
     loaded: dict[int, Any] = {}
 
     def leaf(ref: Any) -> Any:
         if id(ref) not in loaded:
-            loaded[id(ref)] = ref.load(map_location)
+            loaded[id(ref)] = as_saved(ref.load(map_location), ref)
         return loaded[id(ref)]
 
     return to_torch(node, leaf)

@@ -7,11 +7,12 @@ state; DDP, DataParallel and ``torch.compile`` prefix every key (``module.``,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from .errors import CkptError
-from .tree import KeyPath, Opaque, children, get_path, is_tensor
+from .tree import KeyPath, Opaque, SparseRef, TensorRef, children, get_path, is_tensor
 
 # Keys that hold the model state dict in common snapshot layouts, most specific first:
 # torchrun tutorial, Composer (state.model), Lightning/HF (state_dict), nanoGPT (model).
@@ -68,7 +69,11 @@ def is_state_dict(node: Any) -> bool:
 
 def module_state_dict(node: Any) -> dict[str, Any] | None:
     """The state dict of a pickled ``nn.Module`` (``torch.save(model)``), read from its
-    ``_parameters``, persistent ``_buffers`` and ``_modules`` without running its class."""
+    ``_parameters``, persistent ``_buffers`` and ``_modules`` without running its class.
+
+    Its tensors are detached, as ``Module.state_dict()`` gives them: plain tensors, not
+    ``nn.Parameter``s; a tensor shared by two modules (tied weights) stays one tensor.
+    """
     if not isinstance(node, Opaque):
         return None
     attrs = node.attrs()
@@ -77,16 +82,24 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
     ):
         return None
     state: dict[str, Any] = {}
+    detached: dict[int, Any] = {}
+
+    def detach(value: Any) -> Any:
+        if not isinstance(value, (TensorRef, SparseRef)):
+            return value
+        if id(value) not in detached:
+            detached[id(value)] = dataclasses.replace(value, parameter=False, requires_grad=False)
+        return detached[id(value)]
 
     def visit(module: Opaque, prefix: str) -> None:
         a = module.attrs()
         transient = a.get("_non_persistent_buffers_set") or ()
         for name, value in (a.get("_parameters") or {}).items():
             if is_tensor(value):
-                state[prefix + name] = value
+                state[prefix + name] = detach(value)
         for name, value in (a.get("_buffers") or {}).items():
             if is_tensor(value) and name not in transient:
-                state[prefix + name] = value
+                state[prefix + name] = detach(value)
         for name, child in (a.get("_modules") or {}).items():
             if isinstance(child, Opaque):
                 visit(child, f"{prefix}{name}.")

@@ -232,7 +232,7 @@ def _rebuild_tensor_v3(
 
 def _rebuild_parameter(data, requires_grad=False, *_):
     if isinstance(data, (TensorRef, SparseRef)):
-        data.kind = "parameter"
+        data.parameter = True
         data.requires_grad = bool(requires_grad)
     return data
 
@@ -337,7 +337,7 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         return base
     if isinstance(base, TensorRef):
         if name == "torch.nn.parameter.Parameter":
-            base.kind = "parameter"
+            base.parameter = True
         elif name and name not in PLAIN_TENSOR_CLASSES:
             base.kind = name
         return base

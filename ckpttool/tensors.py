@@ -105,6 +105,16 @@ def load_tensor(ref: TensorRef, map_location: Any = "cpu") -> torch.Tensor:
     return place(tensor, target_device(ref.device, map_location))
 
 
+def as_saved(tensor: torch.Tensor, ref: Any) -> torch.Tensor:
+    """A loaded tensor as ``torch.load`` gives it: an ``nn.Parameter`` where one was
+    saved, ``requires_grad`` where it was set (sharded tensors come back plain)."""
+    grad = bool(getattr(ref, "requires_grad", False)) and not ref.sharded
+    grad = grad and (tensor.is_floating_point() or tensor.is_complex())  # else torch refuses
+    if getattr(ref, "parameter", False):
+        return torch.nn.Parameter(tensor, requires_grad=grad)
+    return tensor.requires_grad_(True) if grad else tensor
+
+
 def place(tensor: torch.Tensor, device: Any) -> torch.Tensor:
     """Move a CPU tensor to ``device``, with a clear error when that device is absent."""
     if device is None or str(device) == "cpu":

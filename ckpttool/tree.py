@@ -246,7 +246,8 @@ class TensorRef(_Sized):
     storage: StorageRef | None
     device: str = "cpu"
     requires_grad: bool = False
-    kind: str = "tensor"  # "parameter" for nn.Parameter, or a tensor subclass name
+    kind: str = "tensor"  # "quantized", or a tensor subclass's name
+    parameter: bool = False  # saved as an nn.Parameter
     # torch's lazy conjugate / negative views: the stored bytes are the values before it
     conj: bool = False
     neg: bool = False
@@ -396,7 +397,7 @@ class SparseRef:
     parts: tuple[TensorRef, ...]
     is_coalesced: bool | None = None  # COO only; None when the file does not say
     requires_grad: bool = False
-    kind: str = "tensor"
+    parameter: bool = False  # saved as an nn.Parameter
 
     sharded = False
 

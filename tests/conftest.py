@@ -681,3 +681,37 @@ def fsdp3(tmp_path_factory) -> Path:
     from helpers_dist import fsdp_checkpoints
 
     return fsdp_checkpoints(tmp_path_factory, 3)
+
+
+def autograd_view(node: Any) -> tuple[dict, dict]:
+    """Each tensor's (type name, requires_grad), and the tensor detached, by dotted key
+    path: a nested structure and its flattened conversion compare alike."""
+    import torch
+
+    flags, tensors = {}, {}
+
+    def visit(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            flags[path] = (type(value).__name__, value.requires_grad)
+            tensors[path] = value.detach()
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, f"{path}.{k}" if path else str(k))
+
+    visit(node, "")
+    return flags, tensors
+
+
+def parameter_snapshot() -> dict:
+    """Parameters (trainable, frozen, integer, sparse) and tensors with requires_grad."""
+    import torch
+
+    linear = torch.nn.Linear(3, 2)
+    return {
+        "params": dict(linear.named_parameters()),  # Parameters, requires_grad
+        "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+        "int_param": torch.nn.Parameter(torch.arange(3), requires_grad=False),
+        "grad": torch.zeros(3, requires_grad=True),  # a leaf tensor that requires grad
+        "plain": torch.arange(4.0),
+        "sparse_param": torch.nn.Parameter(torch.eye(3).to_sparse()),
+    }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rewrite_zip, sha256, small_state_dict
+from conftest import autograd_view, parameter_snapshot, rewrite_zip, sha256, small_state_dict
 
 import ckpttool
 
@@ -94,7 +94,7 @@ def test_loaded_tensors_are_writable_and_detached_from_the_file(tmp_path):
     assert torch.equal(ckpttool.load(path)["a"], torch.arange(6.0))
 
 
-def test_load_preserves_dtypes_and_requires_no_grad(tmp_path):
+def test_load_preserves_dtypes(tmp_path):
     sd = {
         "p": torch.nn.Parameter(torch.ones(2)),
         "h": torch.ones(2, dtype=torch.float16),
@@ -106,6 +106,40 @@ def test_load_preserves_dtypes_and_requires_no_grad(tmp_path):
     loaded = ckpttool.load(path)
     assert {k: v.dtype for k, v in loaded.items()} == {k: v.dtype for k, v in sd.items()}
     assert all(torch.equal(loaded[k], v.detach()) for k, v in sd.items())
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_path, legacy):
+    path = tmp_path / "params.pt"
+    torch.save(parameter_snapshot(), path, _use_new_zipfile_serialization=not legacy)
+    expected_flags, expected = autograd_view(torch.load(path, weights_only=True))
+    assert expected_flags["params.weight"] == ("Parameter", True)  # what torch gives
+    assert expected_flags["grad"] == ("Tensor", True)
+    got_flags, got = autograd_view(ckpttool.load(path, select="all"))
+    assert got_flags == expected_flags
+    for key, tensor in expected.items():
+        assert torch.equal(got[key].to_dense(), tensor.to_dense()), key
+    assert ckpttool.load(path, select="params")["weight"].requires_grad
+
+
+def test_a_pickled_module_gives_its_state_dict_detached(tmp_path):
+    """``torch.save(model)``: what ``model.state_dict()`` gives, plain tensors, with tied
+    weights one tensor; the whole structure (select all) keeps its Parameters."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight  # tied
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    sd = ckpttool.load(path)
+    expected = model.state_dict()
+    assert list(sd) == list(expected)
+    assert {k: (type(v).__name__, v.requires_grad) for k, v in sd.items()} == {
+        k: ("Tensor", False) for k in expected
+    }
+    assert all(torch.equal(sd[k], v) for k, v in expected.items())
+    assert sd["0.weight"] is sd["1.weight"]
+    whole = ckpttool.load(path, select="all")
+    param = whole["state"]["_modules"]["0"]["state"]["_parameters"]["weight"]
+    assert isinstance(param, torch.nn.Parameter) and param.requires_grad
 
 
 def test_select_key_path_with_dotted_keys(tmp_path):

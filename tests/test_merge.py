@@ -19,9 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import autograd_view, parameter_snapshot
 from helpers_dist import one_line_error, run_cli, tree_files
 
 import ckpttool
+from ckpttool.convert import convert
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
 from ckpttool.report import inspect_report
@@ -412,6 +414,25 @@ def test_dict_keys_that_become_stand_ins_stay_keys(tmp_path: Path):
     assert merged["by_set"] == {"frozenset({1, 2})": 3}
     report = inspect_report(ckpttool.read(tmp_path / "in.pt"))
     assert [v["key"] for v in report["values"]][:2] == [["stats", steps], ["stats", epoch]]
+
+
+@pytest.mark.parametrize("command", ["merge", "convert --to pt --select all"])
+def test_parameters_and_requires_grad_are_written_as_torch_saves_them(tmp_path, command):
+    """nn.Parameter (trainable, frozen, integer, sparse) stays a Parameter, and a tensor
+    that requires grad still does, in a file torch.load(weights_only=True) reads."""
+    source, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save(parameter_snapshot(), source)
+    if command == "merge":
+        merge(str(source), str(out))
+    else:
+        convert([str(source)], "pt", str(out), select="all")
+    want_flags, want = autograd_view(torch.load(source, weights_only=True))
+    got_flags, got = autograd_view(torch.load(out, weights_only=True))
+    assert got_flags == want_flags
+    assert got_flags["params.weight"] == ("Parameter", True)
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype, key
+        assert torch.equal(got[key].to_dense(), tensor.to_dense()), key
 
 
 @pytest.mark.parametrize("legacy", [False, True])

@@ -70,8 +70,9 @@ class _Storage:
         self.nbytes = numel * dtype.itemsize
 
 
-def _tensor(storage: _Storage, shape: tuple[int, ...]) -> _Reduced:
-    """``_rebuild_tensor_v2(storage, 0, size, stride, False, {})``, as torch pickles a tensor."""
+def _tensor(storage: _Storage, shape: tuple[int, ...], requires_grad: bool = False) -> _Reduced:
+    """``_rebuild_tensor_v2(storage, 0, size, stride, requires_grad, {})``, as torch
+    pickles a tensor."""
     stride, acc = [], 1
     for n in reversed(shape):
         stride.append(acc)
@@ -81,7 +82,7 @@ def _tensor(storage: _Storage, shape: tuple[int, ...]) -> _Reduced:
         0,
         _Reduced(torch_global("torch", "Size"), (tuple(shape),)),
         tuple(reversed(stride)),
-        False,
+        requires_grad,
         collections.OrderedDict(),
     )
     if storage.dtype.name in _STORAGE_FOR_DTYPE:
@@ -239,9 +240,21 @@ class TorchZipWriter:
         self._count = 0
 
     def add_tensor(self, leaf: Any) -> _Reduced:
-        """Write one tensor's bytes now; return what the pickle will hold for it."""
+        """Write one tensor's bytes now; return what the pickle will hold for it: as
+        torch pickles it, an ``nn.Parameter`` where one was read, ``requires_grad`` kept
+        (sharded tensors are written plain)."""
+        # torch refuses requires_grad on other dtypes
+        grad = leaf.requires_grad and not leaf.sharded and output_dtype(leaf, self.cast).is_floating
         if isinstance(leaf, SparseRef):
-            return self._sparse(leaf)
+            reduced = self._sparse(leaf)
+        else:
+            reduced = self._dense(leaf, grad and not leaf.parameter)
+        if getattr(leaf, "parameter", False):
+            args = (reduced, grad, collections.OrderedDict())
+            return _Reduced(torch_global("torch._utils", "_rebuild_parameter"), args)
+        return reduced
+
+    def _dense(self, leaf: Any, requires_grad: bool) -> _Reduced:
         key = str(self._count)
         self._count += 1
         dt = output_dtype(leaf, self.cast)
@@ -252,7 +265,7 @@ class TorchZipWriter:
         quantizer = getattr(leaf, "quantizer", None)
         if quantizer is not None:
             return self._quantized(storage, tuple(leaf.shape), quantizer)
-        return _tensor(storage, tuple(leaf.shape))
+        return _tensor(storage, tuple(leaf.shape), requires_grad)
 
     def _quantized(self, storage: _Storage, shape: tuple[int, ...], quantizer: tuple) -> _Reduced:
         """``_rebuild_qtensor(storage, 0, size, stride, quantizer_params, False, {})``; a
