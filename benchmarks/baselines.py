@@ -6,8 +6,10 @@
 
 What a user would write without ckpttool: load everything into memory, then act.
 ``durable-write`` is the disk's floor instead: it writes as many zero bytes as SRC
-holds (a file, or a folder's files) to DST with O_DIRECT and fsyncs, reading nothing,
-so no tool that makes its output durable can be faster on this disk.
+holds (a file, or a folder's files) to DST the fastest durable way we know here
+(blocks allocated up front, O_DIRECT, three 16 MiB writes in flight) and fsyncs,
+reading nothing, so no tool that makes its output durable can be much faster on
+this disk.
 """
 
 from __future__ import annotations
@@ -80,23 +82,40 @@ def _size(path: str) -> int:
     )
 
 
-def durable_write(src: str, dst: str, chunk: int = 8 << 20) -> int:
-    remaining = _size(src)
-    buffer = mmap.mmap(-1, chunk)  # page-aligned zeros, as O_DIRECT needs
+def durable_write(src: str, dst: str, chunk: int = 16 << 20, in_flight: int = 3) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    total = -(-_size(src) // chunk) * chunk  # whole chunks: a few MiB more
+    buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    buffer.write(b"\1" * chunk)  # touched: pages of its own, not the shared zero page
     flags, direct = os.O_WRONLY | os.O_CREAT | os.O_EXCL, getattr(os, "O_DIRECT", 0)
     try:
         fd = os.open(dst, flags | direct, 0o644)
     except OSError:  # a file system without O_DIRECT (tmpfs): buffered, then fsync
         fd = os.open(dst, flags, 0o644)
-    try:
-        while remaining > 0:
+        direct = 0
+    fcntl_lock = __import__("threading").Lock()
+
+    def write_chunk(offset: int) -> None:
+        nonlocal direct
+        done = 0
+        while done < chunk:
             try:
-                remaining -= os.write(fd, buffer)  # ends on a whole chunk: a few MiB more
+                done += os.pwrite(fd, memoryview(buffer)[done:], offset + done)
             except OSError as error:  # O_DIRECT accepted at open, refused on write
                 if error.errno != errno.EINVAL or not direct:
                     raise
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~direct)
-                direct = 0
+                with fcntl_lock:
+                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~getattr(os, "O_DIRECT", 0))
+                    direct = 0
+    try:
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError:
+            pass
+        with ThreadPoolExecutor(in_flight) as pool:
+            list(pool.map(write_chunk, range(0, total, chunk)))
         os.fsync(fd)
     finally:
         os.close(fd)
