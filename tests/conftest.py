@@ -684,16 +684,20 @@ def fsdp3(tmp_path_factory) -> Path:
 
 
 def autograd_view(node: Any) -> tuple[dict, dict]:
-    """Each tensor's (type name, requires_grad), and the tensor detached, by dotted key
-    path: a nested structure and its flattened conversion compare alike."""
+    """Each tensor's (type name, requires_grad, dtype), and its values as a dense plain
+    tensor, by dotted key path: a nested structure and its flattened conversion compare
+    alike."""
     import torch
 
     flags, tensors = {}, {}
 
     def visit(value: Any, path: str) -> None:
         if isinstance(value, torch.Tensor):
-            flags[path] = (type(value).__name__, value.requires_grad)
-            tensors[path] = value.detach()
+            flags[path] = (type(value).__name__, value.requires_grad, value.dtype)
+            # values to compare with torch.equal, whatever the layout
+            if value.is_quantized:
+                value = value.int_repr()
+            tensors[path] = value.detach().to_dense()
         elif isinstance(value, dict):
             for k, v in value.items():
                 visit(v, f"{path}.{k}" if path else str(k))
@@ -703,7 +707,7 @@ def autograd_view(node: Any) -> tuple[dict, dict]:
 
 
 def parameter_snapshot() -> dict:
-    """Parameters (trainable, frozen, integer, sparse) and tensors with requires_grad."""
+    """Parameters (trainable, frozen, integer, sparse, quantized) and tensors with requires_grad."""
     import torch
 
     linear = torch.nn.Linear(3, 2)
@@ -714,4 +718,7 @@ def parameter_snapshot() -> dict:
         "grad": torch.zeros(3, requires_grad=True),  # a leaf tensor that requires grad
         "plain": torch.arange(4.0),
         "sparse_param": torch.nn.Parameter(torch.eye(3).to_sparse()),
+        "quantized_param": torch.nn.Parameter(
+            torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), requires_grad=False
+        ),
     }

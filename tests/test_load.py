@@ -113,12 +113,12 @@ def test_parameters_and_requires_grad_come_back_as_torch_load_gives_them(tmp_pat
     path = tmp_path / "params.pt"
     torch.save(parameter_snapshot(), path, _use_new_zipfile_serialization=not legacy)
     expected_flags, expected = autograd_view(torch.load(path, weights_only=True))
-    assert expected_flags["params.weight"] == ("Parameter", True)  # what torch gives
-    assert expected_flags["grad"] == ("Tensor", True)
+    assert expected_flags["params.weight"][:2] == ("Parameter", True)  # what torch gives
+    assert expected_flags["grad"][:2] == ("Tensor", True)
     got_flags, got = autograd_view(ckpttool.load(path, select="all"))
     assert got_flags == expected_flags
     for key, tensor in expected.items():
-        assert torch.equal(got[key].to_dense(), tensor.to_dense()), key
+        assert torch.equal(got[key], tensor), key
     assert ckpttool.load(path, select="params")["weight"].requires_grad
 
 
