@@ -170,19 +170,26 @@ def find_model_key(root: Any) -> KeyPath | None:
 
 
 def model_candidates(root: Any) -> list[KeyPath]:
-    """Every flat state dict outside optimizer, scheduler and RNG state, in tree order.
+    """Every flat state dict outside optimizer, scheduler and RNG state, in tree order;
+    where there is none, every pickled module with parameters or buffers (Ultralytics'
+    ``last.pt`` keeps its model only as ``ema``, beside ``"model": None``).
 
     Several of them with no one dict holding just them (a GAN's generator and
     discriminator beside their optimizers) leave the choice to ``--select``: taking
     the largest would make ``diff`` ignore the other one.
     """
     found: list[KeyPath] = []
+    modules: list[KeyPath] = []
     stack: list[tuple[KeyPath, Any]] = [((), root)]
     while stack:
         path, node = stack.pop()
-        if is_tensor(node) or isinstance(node, Opaque) or is_optimizer_state(node):
+        if is_tensor(node) or is_optimizer_state(node):
             continue
         if path and (str(path[-1]) in NON_MODEL_KEYS or path[-1] in MODULE_INTERNALS):
+            continue
+        if isinstance(node, Opaque):  # its attributes are no state dicts of their own
+            if path and module_state_dict(node) is not None:
+                modules.append(path)
             continue
         if is_state_dict(node):
             found.append(path)
@@ -190,7 +197,7 @@ def model_candidates(root: Any) -> list[KeyPath]:
         if len(path) > 64:  # far deeper than any layout; a pathological pickle
             continue
         stack.extend((path + (k,), v) for k, v in reversed(list(children(node))))
-    return found
+    return found or modules
 
 
 def _common_prefix(paths: list[KeyPath]) -> KeyPath:

@@ -378,3 +378,27 @@ def test_pickled_whole_module_gives_its_state_dict(tmp_path, legacy, snapshot):
     report = inspect_report(ckpttool.read(path))
     assert report["model_key"] == (["model"] if snapshot else [])
     assert report["num_params"] == sum(t.numel() for t in expected.values())
+
+
+def test_a_lone_pickled_module_outside_known_keys_is_the_model(tmp_path):
+    """Ultralytics' last.pt mid-training: ``"model": None`` and the weights only as the
+    pickled half-precision EMA module; two such modules are not guessed between, and a
+    state dict beside a helper module is still the model."""
+    torch.manual_seed(0)
+    ema = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).half()
+    path = tmp_path / "last.pt"
+    torch.save({"epoch": 3, "model": None, "ema": ema, "optimizer": _adam_state(0)}, path)
+    assert inspect_report(ckpttool.read(path))["model_key"] == ["ema"]
+    loaded = ckpttool.load(path)
+    assert list(loaded) == list(ema.state_dict())
+    assert all(torch.equal(loaded[k], v) for k, v in ema.state_dict().items())
+
+    two = tmp_path / "two_modules.pt"
+    torch.save({"netG": ema, "netD": nn.Linear(2, 2), "epoch": 1}, two)
+    proc = run_cli("convert", two, "--to", "safetensors", "-o", tmp_path / "out.safetensors")
+    assert proc.returncode == 2
+    assert "several state dicts could each be the model (netG, netD)" in proc.stderr
+
+    beside = tmp_path / "beside_a_module.pt"
+    torch.save({"weights_g": nn.Linear(2, 2).state_dict(), "lpips": nn.Linear(3, 3)}, beside)
+    assert inspect_report(ckpttool.read(beside))["model_key"] == ["weights_g"]
