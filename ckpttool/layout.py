@@ -51,7 +51,9 @@ NON_MODEL_KEYS = frozenset(
         "grad_scaler",
     }
 )
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# DDP / DataParallel, torch.compile, and Lightning's wrapper around a LightningModule
+# (a DeepSpeed engine's model states hold its keys as ``_forward_module.model...``)
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
 # Inside a pickled nn.Module (``torch.save(model)``) each layer keeps its own
 # ``_parameters`` dict ("weight", "bias"): one layer's, never the model's state dict.
 MODULE_INTERNALS = frozenset({"_parameters", "_buffers"})
@@ -73,13 +75,10 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
 
     Its tensors are detached, as ``Module.state_dict()`` gives them: plain tensors, not
     ``nn.Parameter``s; a tensor shared by two modules (tied weights) stays one tensor.
+    The module's plain-data stand-in in ``merge`` output reads the same.
     """
-    if not isinstance(node, Opaque):
-        return None
-    attrs = node.attrs()
-    if not isinstance(attrs.get("_parameters"), Mapping) or not isinstance(
-        attrs.get("_modules"), Mapping
-    ):
+    attrs = _module_attrs(node)
+    if attrs is None:
         return None
     state: dict[str, Any] = {}
     detached: dict[int, Any] = {}
@@ -91,8 +90,7 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
             detached[id(value)] = dataclasses.replace(value, parameter=False, requires_grad=False)
         return detached[id(value)]
 
-    def visit(module: Opaque, prefix: str) -> None:
-        a = module.attrs()
+    def visit(a: Mapping[str, Any], prefix: str) -> None:
         transient = a.get("_non_persistent_buffers_set") or ()
         for name, value in (a.get("_parameters") or {}).items():
             if is_tensor(value):
@@ -101,11 +99,28 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
             if is_tensor(value) and name not in transient:
                 state[prefix + name] = detach(value)
         for name, child in (a.get("_modules") or {}).items():
-            if isinstance(child, Opaque):
-                visit(child, f"{prefix}{name}.")
+            child_attrs = _module_attrs(child)
+            if child_attrs is not None:
+                visit(child_attrs, f"{prefix}{name}.")
 
-    visit(node, "")
+    visit(attrs, "")
     return state or None
+
+
+def _module_attrs(node: Any) -> Mapping[str, Any] | None:
+    """The attributes of a pickled ``nn.Module``, or of its stand-in in ``merge`` output
+    (``{"__class__": ..., "state": {...}}``); None for anything else."""
+    if isinstance(node, Opaque):
+        attrs: Any = node.attrs()
+    elif isinstance(node, Mapping) and isinstance(node.get("__class__"), str):
+        attrs = node.get("state")
+    else:
+        return None
+    if not isinstance(attrs, Mapping):
+        return None
+    if isinstance(attrs.get("_parameters"), Mapping) and isinstance(attrs.get("_modules"), Mapping):
+        return attrs
+    return None
 
 
 def is_optimizer_state(node: Any) -> bool:
@@ -187,9 +202,10 @@ def model_candidates(root: Any) -> list[KeyPath]:
             continue
         if path and (str(path[-1]) in NON_MODEL_KEYS or path[-1] in MODULE_INTERNALS):
             continue
+        if path and module_state_dict(node) is not None:
+            modules.append(path)
+            continue
         if isinstance(node, Opaque):  # its attributes are no state dicts of their own
-            if path and module_state_dict(node) is not None:
-                modules.append(path)
             continue
         if is_state_dict(node):
             found.append(path)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import CkptError
-from .stand_ins import Device, TorchName, global_name
+from .stand_ins import Device, TorchName, TorchSize, global_name
 from .tree import DType, Opaque, StorageRef, TensorRef, is_tensor, walk
 
-TorchValue = Device | DType | TorchName
+TorchValue = Device | DType | TorchName | TorchSize
 
 
 def _weights_only_refuses(value: Any) -> bool:
@@ -61,15 +61,17 @@ def to_plain(
     """The tree with tensors as ``leaf(ref)`` and torch values as ``torch_value(value)``.
 
     An opaque object becomes ``{"__class__": "pkg.mod.Class", "state": ..., "args": ...,
-    ...}`` so no key disappears; a class or function saved by reference becomes
-    ``{"__global__": "pkg.mod.Class"}``; devices, dtypes, layouts and memory formats
-    go through ``torch_value``; a storage saved on its own goes through ``storage``
+    ...}`` so no key disappears (one inside its own state, a back-reference, becomes
+    ``{"__class__": ..., "back_reference": True}``); a class or function saved by reference becomes
+    ``{"__global__": "pkg.mod.Class"}``; devices, dtypes, sizes, layouts and memory
+    formats go through ``torch_value``; a storage saved on its own goes through ``storage``
     (by default: ``leaf`` of its flat tensor). Containers shared by several paths
     stay shared.
     With ``weights_only`` (a torch.save output) a frozenset, slice, Ellipsis or builtin
     class, which ``torch.load(weights_only=True)`` refuses, becomes such a stand-in too.
     """
     memo: dict[int, Any] = {}
+    building: set[int] = set()  # opaque objects whose stand-ins are being built
 
     def key(value: Any) -> Any:
         """A dict key as plain data; one that became a stand-in dict (an Enum member,
@@ -101,10 +103,16 @@ def to_plain(
             memo[id(value)] = out_list
             out_list.extend(build(v) for v in value)
             return out_list
-        if isinstance(value, (tuple, set, frozenset)):
-            result: Any = type(value)(build(v) for v in value)
+        if isinstance(value, (Device, DType, TorchName, TorchSize)):
+            result: Any = torch_value(value)
+        elif isinstance(value, (tuple, set, frozenset)):
+            result = type(value)(build(v) for v in value)
         elif isinstance(value, type) and issubclass(value, Opaque):
             result = {"__global__": value.class_name()}
+        elif isinstance(value, Opaque) and id(value) in building:
+            # an object pointing back at one that holds it (a config node's parent):
+            # cut there, as every walk over the tree does, so the output has no cycle
+            return {"__class__": value.class_name(), "back_reference": True}
         elif isinstance(value, Opaque):
             result = {"__class__": value.class_name()}
             parts = {
@@ -113,11 +121,11 @@ def to_plain(
                 "items": value.items,
                 "list": value.list,
             }
+            building.add(id(value))
             for name, part in parts.items():
                 if part is not None and (part or name == "state"):
                     result[name] = build(part)
-        elif isinstance(value, (Device, DType, TorchName)):
-            result = torch_value(value)
+            building.discard(id(value))
         elif isinstance(value, StorageRef):  # a storage saved on its own
             result = storage(value) if storage else leaf(TensorRef.whole_storage(value))
         elif global_name(value):  # an allowed function or class named, not called

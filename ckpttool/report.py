@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import CkptError
 from .layout import detect_prefix, find_model_key, model_state, plain_values
-from .stand_ins import Device, TorchName, global_name
+from .stand_ins import Device, TorchName, TorchSize, global_name
 from .tree import (
     NO_NUMBERS,
     Checkpoint,
@@ -137,6 +137,8 @@ def value_type(value: Any) -> str:
         return "dtype"
     if isinstance(value, TorchName):
         return "torch"
+    if isinstance(value, TorchSize):
+        return "torch.Size"
     if isinstance(value, StorageRef):
         return "storage"
     return type(value).__name__

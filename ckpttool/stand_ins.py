@@ -70,6 +70,15 @@ class TorchName(str):
     """A torch module-level object seen in a pickle (layout, memory format), by name."""
 
 
+class TorchSize(tuple):
+    """A ``torch.Size`` seen in a pickle: its ints, given back (``load``, ``merge``) as a
+    ``torch.Size``, whose ``numel()`` code reading the file relies on (DeepSpeed's
+    ``param_shapes``)."""
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)!r})"
+
+
 class StorageType:
     """Stand-in for a ``torch.*Storage`` class: only its element dtype matters."""
 
@@ -155,7 +164,7 @@ _INT_ONLY = frozenset({int})
 def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
     # hot: called for every size, stride and shard offset, so the check runs in C;
     # exact `int` types also reject bool
-    if type(value) in (tuple, list) and _INT_ONLY.issuperset(map(type, value)):
+    if type(value) in (tuple, list, TorchSize) and _INT_ONLY.issuperset(map(type, value)):
         return tuple(value)
     raise CkptError(f"corrupt tensor {what} {value!r}")
 
@@ -470,7 +479,7 @@ def _mesh_shape(mesh: dict) -> tuple[int, ...] | None:
     axes = layout.get("axes") if layout else None
     if isinstance(axes, tuple) and axes:
         shapes = [_attrs(axis).get("shape") for axis in axes]
-        if all(type(s) is tuple and _INT_ONLY.issuperset(map(type, s)) for s in shapes):
+        if all(isinstance(s, tuple) and _INT_ONLY.issuperset(map(type, s)) for s in shapes):
             return tuple(math.prod(s) for s in shapes)
     mesh_tensor = mesh.get("mesh")
     if isinstance(mesh_tensor, TensorRef):
@@ -479,7 +488,9 @@ def _mesh_shape(mesh: dict) -> tuple[int, ...] | None:
 
 
 def _torch_size(values=()):
-    return tuple(values)
+    if not isinstance(values, (tuple, list)) or not _INT_ONLY.issuperset(map(type, values)):
+        raise CkptError(f"corrupt torch.Size {values!r:.80}")
+    return TorchSize(values)
 
 
 def _torch_device(kind, index=None):

@@ -14,7 +14,7 @@ import torch
 
 from .errors import CkptError
 from .plain import TorchValue, to_plain
-from .stand_ins import Device
+from .stand_ins import Device, TorchSize
 from .tree import DTYPES, DType, ShardedRef, SparseRef, StorageRef, TensorRef
 
 
@@ -207,9 +207,12 @@ def sparse_entries(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def torch_value(value: TorchValue) -> Any:
-    """The torch object a stand-in names: ``torch.device``, ``torch.dtype``, a layout."""
+    """The torch object a stand-in names: ``torch.device``, ``torch.dtype``,
+    ``torch.Size``, a layout."""
     if isinstance(value, Device):
         return torch.device(str(value))
+    if isinstance(value, TorchSize):
+        return torch.Size(value)
     if isinstance(value, DType):
         return torch_dtype(value)
     return getattr(torch, value.removeprefix("torch."), str(value))

@@ -191,6 +191,7 @@ def test_human_output_shows_model_key_and_prefix(layout_files):
         (["module.a", "b"], None),  # every key must carry it
         (["_orig_mod.module.a"], "_orig_mod.module."),
         (["module._orig_mod.a", "module._orig_mod.b"], "module._orig_mod."),
+        (["_forward_module.model.a", "_forward_module.model.b"], "_forward_module."),
         (["modulea"], None),
         ([], None),
     ],

@@ -227,6 +227,72 @@ def test_plain_snapshot_objects_numpy_and_class_refs(tmp_path: Path):
     assert assert_identical(merged, want) == 6
 
 
+class ConfigNode:
+    """A config tree whose nodes point back at their parent (as omegaconf's DictConfig)."""
+
+    def __init__(self, parent=None):
+        self.parent = parent
+        self.children = []
+
+
+def test_objects_pointing_back_at_their_parent_merge_without_a_cycle(tmp_path: Path):
+    """fairseq's cfg: the output loads with weights_only and ckpttool reads it back
+    (it refused its own output: 'a container holds itself')."""
+    root = ConfigNode()
+    root.children.append(ConfigNode(root))
+    torch.save({"model": {"w": torch.ones(2)}, "cfg": root}, tmp_path / "in.pt")
+    merge(str(tmp_path / "in.pt"), str(tmp_path / "m.pt"))
+    node = "test_merge.ConfigNode"
+    back = {"__class__": node, "back_reference": True}
+    child = {"__class__": node, "state": {"parent": back, "children": []}}
+    want = {
+        "model": {"w": torch.ones(2)},
+        "cfg": {"__class__": node, "state": {"parent": None, "children": [child]}},
+    }
+    assert assert_identical(torch.load(tmp_path / "m.pt", weights_only=True), want) == 1
+    assert assert_identical(ckpttool.load(tmp_path / "in.pt", select="all"), want) == 1
+    assert assert_identical(ckpttool.load(tmp_path / "m.pt", select="all"), want) == 1
+    assert run_cli("diff", tmp_path / "in.pt", tmp_path / "m.pt").returncode == 0
+
+
+def test_torch_size_values_stay_torch_size(tmp_path: Path):
+    """DeepSpeed's param_shapes (name -> torch.Size): zero_to_fp32 calls .numel() on them,
+    so they must not come back as plain tuples."""
+    snapshot = {
+        "module": {"w": torch.ones(2, 3)},
+        "param_shapes": [collections.OrderedDict(w=torch.Size([2, 3]))],
+        "empty": torch.Size([]),
+    }
+    torch.save(snapshot, tmp_path / "ds.pt")
+    merge(str(tmp_path / "ds.pt"), str(tmp_path / "m.pt"))
+    for loaded in (
+        torch.load(tmp_path / "m.pt", weights_only=True),
+        ckpttool.load(tmp_path / "ds.pt", select="all"),
+    ):
+        assert assert_identical(loaded, snapshot) == 1  # torch.Size, not tuple
+        assert loaded["param_shapes"][0]["w"].numel() == 6
+    values = inspect_report(ckpttool.read(tmp_path / "ds.pt"))["values"]
+    assert values == [
+        {"key": ["param_shapes", 0, "w"], "type": "torch.Size", "value": [2, 3]},
+        {"key": ["empty"], "type": "torch.Size", "value": []},
+    ]
+
+
+def test_a_merged_pickled_module_is_still_the_model(tmp_path: Path):
+    """torch.save({"model": module}) merges into the module's plain-data stand-in: ckpttool
+    finds the model in it as in the original, so convert and diff agree on both."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).half()
+    source, merged = tmp_path / "best.pt", tmp_path / "m.pt"
+    torch.save({"epoch": -1, "model": module, "optimizer": None}, source)
+    merge(str(source), str(merged))
+    assert inspect_report(ckpttool.read(merged))["model_key"] == ["model"]
+    loaded = ckpttool.load(merged)
+    assert assert_identical(loaded, dict(module.state_dict())) == 7
+    proc = run_cli("diff", source, merged)
+    assert proc.returncode == 0 and "7 tensors compared" in proc.stdout
+
+
 def test_values_weights_only_refuses_become_stand_ins(tmp_path: Path):
     """frozenset, slice, Ellipsis and builtin classes as values have no global
     torch.load(weights_only=True) accepts;

@@ -272,8 +272,8 @@ def _replace_local_shards(
                 return out
             if isinstance(node, list):
                 return [replace(v, path + (i,)) for i, v in enumerate(node)]
-            if isinstance(node, tuple):
-                return tuple(replace(v, path + (i,)) for i, v in enumerate(node))
+            if isinstance(node, tuple):  # a torch.Size stays one
+                return type(node)(replace(v, path + (i,)) for i, v in enumerate(node))
             _replace_in_opaque(node, path, replace)
             return node
         finally:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..plain import TorchValue, to_plain
-from ..stand_ins import TORCH_LAYOUTS, Device, TorchName
+from ..stand_ins import TORCH_LAYOUTS, Device, TorchName, TorchSize
 from ..tree import STORAGE_CLASSES, DType, SparseRef, StorageRef, TensorRef, iter_tensors
 from . import OutputFile, Progress, output_dtype, output_nbytes, write_leaf
 
@@ -93,9 +93,11 @@ def _tensor(storage: _Storage, shape: tuple[int, ...], requires_grad: bool = Fal
 
 
 def pickle_value(value: TorchValue) -> Any:
-    """What a device, dtype or layout stand-in pickles as (torch's own globals)."""
+    """What a device, dtype, size or layout stand-in pickles as (torch's own globals)."""
     if isinstance(value, Device):
         return _Reduced(torch_global("torch", "device"), (str(value),))
+    if isinstance(value, TorchSize):
+        return _Reduced(torch_global("torch", "Size"), (tuple(value),))
     if isinstance(value, DType):
         return torch_global("torch", value.name)
     name = value.removeprefix("torch.")
