@@ -9,6 +9,7 @@ from typing import Any
 from .errors import CkptError
 from .formats import read_checkpoint
 from .layout import (
+    check_not_partitioned,
     find_model_key,
     model_candidates,
     module_state_dict,
@@ -88,6 +89,7 @@ def select_node(
         path = parse_key_path(ckpt.root, select)
     node = get_path(ckpt.root, path)
     node = module_state_dict(node) or node  # a pickled nn.Module: its state dict
+    check_not_partitioned(ckpt.root, node, ckpt.files[0] if ckpt.files else None)
     if isinstance(node, Mapping) and all(isinstance(k, str) for k in node):
         node = strip_prefix(node, resolve_prefix(node, strip))
     require_data(node)

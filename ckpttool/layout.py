@@ -123,6 +123,32 @@ def _module_attrs(node: Any) -> Mapping[str, Any] | None:
     return None
 
 
+def check_not_partitioned(root: Any, node: Any, source: str | None = None) -> None:
+    """Refuse the model of DeepSpeed ZeRO-3 model states: each parameter there is an
+    empty placeholder, its values partitioned over the ranks' optimizer states; written
+    out it would be an empty model, silently.
+
+    Raises:
+        CkptError: ``param_shapes`` records a parameter with elements that ``node`` holds
+            as an empty tensor.
+    """
+    if not isinstance(root, Mapping) or "ds_version" not in root or not isinstance(node, Mapping):
+        return
+    groups = root.get("param_shapes")
+    for group in groups if isinstance(groups, list) else [groups]:
+        for name, shape in group.items() if isinstance(group, Mapping) else ():
+            tensor = node.get(name)
+            if is_tensor(tensor) and tensor.numel == 0 and isinstance(shape, tuple) and all(shape):
+                raise CkptError(
+                    f"DeepSpeed ZeRO-3 model states: {name!r} is an empty placeholder of "
+                    f"shape {list(shape)}; the weights are partitioned over the "
+                    "zero_pp_rank_*_optim_states.pt files",
+                    path=source,
+                    hint="consolidate them with the zero_to_fp32.py DeepSpeed saved beside "
+                    "the checkpoint, then convert its output",
+                )
+
+
 def is_optimizer_state(node: Any) -> bool:
     """``torch.optim.Optimizer.state_dict()`` (also FSDP's, keyed by parameter name)."""
     return isinstance(node, Mapping) and "param_groups" in node and "state" in node

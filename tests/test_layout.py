@@ -403,3 +403,31 @@ def test_a_lone_pickled_module_outside_known_keys_is_the_model(tmp_path):
     beside = tmp_path / "beside_a_module.pt"
     torch.save({"weights_g": nn.Linear(2, 2).state_dict(), "lpips": nn.Linear(3, 3)}, beside)
     assert inspect_report(ckpttool.read(beside))["model_key"] == ["weights_g"]
+
+
+def test_deepspeed_zero3_placeholders_are_refused_with_the_next_step(tmp_path):
+    """ZeRO-3 model states hold every parameter as an empty placeholder (its values are
+    partitioned over the optimizer states): convert would write an empty model."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    states = {
+        "module": {
+            k: torch.empty(0) if k in dict(model.named_parameters()) else v
+            for k, v in model.state_dict().items()
+        },
+        "param_shapes": [{n: p.shape for n, p in model.named_parameters()}],
+        "ds_version": "0.14.4",
+    }
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save(states, path)
+    proc = run_cli("convert", path, "--to", "safetensors", "-o", tmp_path / "out.safetensors")
+    assert proc.returncode == 2 and not (tmp_path / "out.safetensors").exists()
+    assert proc.stderr == (
+        f"ckpttool: error: {path}: DeepSpeed ZeRO-3 model states: '0.weight' is an empty "
+        "placeholder of shape [3, 4]; the weights are partitioned over the "
+        "zero_pp_rank_*_optim_states.pt files (consolidate them with the zero_to_fp32.py "
+        "DeepSpeed saved beside the checkpoint, then convert its output)\n"
+    )
+    assert inspect_report(ckpttool.read(path))["model_key"] == ["module"]  # still shown
+    states["module"] = model.state_dict()  # ZeRO-1/2: the weights are there
+    torch.save(states, path)
+    assert list(ckpttool.load(path)) == list(model.state_dict())
