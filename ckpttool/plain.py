@@ -65,8 +65,8 @@ def to_plain(
     ``{"__class__": ..., "back_reference": True}``); a class or function saved by
     reference becomes ``{"__global__": "pkg.mod.Class"}``; devices, dtypes, sizes,
     layouts and memory formats go through ``torch_value``; a storage saved on its own
-    goes through ``storage`` (by default: ``leaf`` of its flat tensor). Containers shared by several paths
-    stay shared.
+    goes through ``storage`` (by default: ``leaf`` of its flat tensor). Containers
+    shared by several paths stay shared.
     With ``weights_only`` (a torch.save output) a frozenset, slice, Ellipsis or builtin
     class, which ``torch.load(weights_only=True)`` refuses, becomes such a stand-in too.
     """

@@ -108,7 +108,7 @@ def load_tensor(ref: TensorRef, map_location: Any = "cpu") -> torch.Tensor:
 def as_saved(tensor: torch.Tensor, ref: Any) -> torch.Tensor:
     """A loaded tensor as ``torch.load`` gives it: an ``nn.Parameter`` where one was
     saved, ``requires_grad`` where it was set (sharded tensors come back plain)."""
-    grad = bool(getattr(ref, "requires_grad", False)) and not ref.sharded
+    grad = ref.requires_grad and not ref.sharded
     grad = grad and (tensor.is_floating_point() or tensor.is_complex())  # else torch refuses
     if getattr(ref, "parameter", False):
         return torch.nn.Parameter(tensor, requires_grad=grad)

@@ -80,7 +80,7 @@ def _tensor(storage: _Storage, shape: tuple[int, ...], requires_grad: bool = Fal
     args = (
         storage,
         0,
-        _Reduced(torch_global("torch", "Size"), (tuple(shape),)),
+        pickle_value(TorchSize(shape)),
         tuple(reversed(stride)),
         requires_grad,
         collections.OrderedDict(),
@@ -245,13 +245,16 @@ class TorchZipWriter:
         """Write one tensor's bytes now; return what the pickle will hold for it: as
         torch pickles it, an ``nn.Parameter`` where one was read, ``requires_grad`` kept
         (sharded tensors are written plain)."""
+        dt = output_dtype(leaf, self.cast)
         # torch refuses requires_grad on other dtypes
-        grad = leaf.requires_grad and not leaf.sharded and output_dtype(leaf, self.cast).is_floating
+        grad_ok = dt.is_floating or dt.name.startswith("complex")
+        grad = leaf.requires_grad and not leaf.sharded and grad_ok
+        parameter = getattr(leaf, "parameter", False)  # (sharded tensors have no such flag)
         if isinstance(leaf, SparseRef):
             reduced = self._sparse(leaf)
         else:
-            reduced = self._dense(leaf, grad and not leaf.parameter)
-        if getattr(leaf, "parameter", False):
+            reduced = self._dense(leaf, grad and not parameter)
+        if parameter:
             args = (reduced, grad, collections.OrderedDict())
             return _Reduced(torch_global("torch._utils", "_rebuild_parameter"), args)
         return reduced
@@ -284,7 +287,7 @@ class TorchZipWriter:
         pickles a sparse tensor; each part is a tensor of its own."""
         leaf.load("cpu")  # checks its invariants: torch.load would refuse the output otherwise
         parts = [self.add_tensor(part) for part in leaf.parts]
-        size = _Reduced(torch_global("torch", "Size"), (tuple(leaf.shape),))
+        size = pickle_value(TorchSize(leaf.shape))
         coalesced = (leaf.is_coalesced,) if leaf.layout == "sparse_coo" else ()
         layout = pickle_value(TorchName(f"torch.{leaf.layout}"))
         data = (*parts, size, *coalesced)
