@@ -300,6 +300,47 @@ def test_trainer_checkpoint_folder_reads_its_weights(tmp_path):
     assert list(loaded) == list(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd)
 
 
+def _deepspeed_tag(folder, sd, mp_ranks=1, dp_ranks=2):
+    """A DeepSpeed (ZeRO-1/2) tag folder: model states beside each rank's optimizer states."""
+    folder.mkdir(parents=True)
+    for mp in range(mp_ranks):
+        states = {"module": sd, "ds_version": "0.14.4", "global_steps": 10}
+        torch.save(states, folder / f"mp_rank_{mp:02d}_model_states.pt")
+        for dp in range(dp_ranks):
+            optim = {"optimizer_state_dict": {"zero_stage": 2}, "ds_version": "0.14.4"}
+            torch.save(optim, folder / f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")
+
+
+def test_deepspeed_folders_read_their_model_states(tmp_path):
+    """A run folder follows its ``latest`` file to the tag folder, which reads as its
+    mp_rank_00_model_states.pt (as zero_to_fp32.py finds them); a pytorch_model.bin
+    written beside ``latest`` comes first."""
+    sd = small_state_dict()
+    run = tmp_path / "checkpoints"
+    _deepspeed_tag(run / "global_step10", {k: v + 1 for k, v in sd.items()})
+    _deepspeed_tag(run / "global_step20", sd)
+    (run / "latest").write_text("global_step20")
+    for folder in (run, run / "global_step20"):
+        ckpt = ckpttool.read(folder)
+        assert ckpt.files == [str(run / "global_step20" / "mp_rank_00_model_states.pt")]
+        assert_same(ckpttool.load(folder), sd)
+    torch.save({k: v * 2 for k, v in sd.items()}, run / "pytorch_model.bin")
+    assert ckpttool.read(run).files == [str(run / "pytorch_model.bin")]
+
+    (run / "latest").write_text("../elsewhere")  # only a folder beside it
+    (run / "pytorch_model.bin").unlink()
+    with pytest.raises(ckpttool.CkptError, match="folder holds no checkpoint"):
+        ckpttool.read(run)
+
+
+def test_deepspeed_model_parallel_states_are_refused_by_name(tmp_path):
+    folder = tmp_path / "global_step5"
+    _deepspeed_tag(folder, small_state_dict(), mp_ranks=2)
+    with pytest.raises(ckpttool.CkptError, match="model states of several model-parallel ranks"):
+        ckpttool.read(folder)
+    assert ckpttool.read(folder / "mp_rank_01_model_states.pt").format == "torch-zip"
+
+
 # ------------------------------------------------------ detection by content
 
 

@@ -11,6 +11,7 @@ import functools
 import gc
 import glob
 import os
+import re
 from collections.abc import Iterator, Sequence
 
 from ..errors import CkptError, UnsafeError
@@ -36,6 +37,12 @@ FILE_FORMATS = [dcp, torchscript, torch_zip, sharded_index, dcp_hf, safetensors_
 PICKLE_FORMATS = (torch_zip, torch_legacy)
 HEAD_BYTES = 512
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
+# DeepSpeed: a run's folder names its newest tag folder in this file (global_step20,
+# or "checkpoint" inside a Lightning DeepSpeed .ckpt folder), as zero_to_fp32.py reads it
+DEEPSPEED_LATEST = "latest"
+# A tag folder's model states, one per model-parallel rank (ZeRO-3: per data-parallel
+# rank too), beside zero_pp_rank_*_optim_states.pt
+DEEPSPEED_MODEL_STATES = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_(\d+)_model_states\.pt$")
 # The weights of a Hugging Face folder, in the order from_pretrained takes them.
 HF_WEIGHT_FILES = (
     "model.safetensors",
@@ -183,16 +190,31 @@ def _single_checkpoint_file(folder: str) -> str | None:
     ``checkpoint-N/`` (beside ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
     ``training_args.bin``); or the lowest rank's file when every file is one rank of
     the same checkpoint (``ep0-ba4-rank0.pt``, ``ep0-ba4-rank1.pt``: the caller finds
-    the siblings).
+    the siblings). A DeepSpeed folder stands for its model states: the tag folder
+    its ``latest`` names (where it holds no checkpoint file of its own), then
+    ``mp_rank_00_model_states.pt`` in it.
 
     Raises:
-        CkptError: The rank files of several checkpoints (a trainer's snapshot folder).
+        CkptError: The rank files of several checkpoints (a trainer's snapshot folder),
+            or DeepSpeed model states split over model-parallel ranks.
     """
     names = sorted(n for n in os.listdir(folder) if n.endswith(CHECKPOINT_SUFFIXES))
+    if not names:  # (a pytorch_model.bin that zero_to_fp32.py wrote beside it comes first)
+        return _deepspeed_latest(folder)
     safetensors_names = [n for n in names if n.endswith(".safetensors")]
     for candidates in (names, safetensors_names):
         if len(candidates) == 1:
             return os.path.join(folder, candidates[0])
+    model_states = [m for n in names if (m := DEEPSPEED_MODEL_STATES.match(n))]
+    if model_states:
+        if len({m.group(1) for m in model_states}) > 1:
+            raise CkptError(
+                "DeepSpeed model states of several model-parallel ranks: each holds its "
+                "own slices of the tensors, and nothing in them says how they fit",
+                path=folder,
+                hint="pass one mp_rank_XX_model_states.pt to read it alone",
+            )
+        return os.path.join(folder, model_states[0].string)  # the lowest data-parallel rank
     for name in HF_WEIGHT_FILES:  # a Trainer's checkpoint-N/: weights beside optimizer.pt...
         if name in names:
             return os.path.join(folder, name)
@@ -208,6 +230,19 @@ def _single_checkpoint_file(folder: str) -> str | None:
         )
     lowest = min(ranks, key=lambda m: int(m.group(2)))
     return os.path.join(folder, lowest.string)
+
+
+def _deepspeed_latest(folder: str) -> str | None:
+    """The tag folder a DeepSpeed run's ``latest`` file names, if it names one here."""
+    pointer = os.path.join(folder, DEEPSPEED_LATEST)
+    if not os.path.isfile(pointer) or os.path.getsize(pointer) > 4096:
+        return None
+    with open(pointer, "rb") as f:
+        tag = f.read().decode("utf-8", "replace").strip()
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag:
+        return None
+    target = os.path.join(folder, tag)
+    return target if os.path.isdir(target) else None
 
 
 def _read(fmt, path: str, unsafe: bool) -> Checkpoint:
