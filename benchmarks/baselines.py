@@ -14,8 +14,7 @@ this disk.
 
 from __future__ import annotations
 
-import errno
-import fcntl
+import contextlib
 import mmap
 import os
 import sys
@@ -88,32 +87,20 @@ def durable_write(src: str, dst: str, chunk: int = 16 << 20, in_flight: int = 3)
     total = -(-_size(src) // chunk) * chunk  # whole chunks: a few MiB more
     buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
     buffer.write(b"\1" * chunk)  # touched: pages of its own, not the shared zero page
-    flags, direct = os.O_WRONLY | os.O_CREAT | os.O_EXCL, getattr(os, "O_DIRECT", 0)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
-        fd = os.open(dst, flags | direct, 0o644)
+        fd = os.open(dst, flags | getattr(os, "O_DIRECT", 0), 0o644)
     except OSError:  # a file system without O_DIRECT (tmpfs): buffered, then fsync
         fd = os.open(dst, flags, 0o644)
-        direct = 0
-    fcntl_lock = __import__("threading").Lock()
 
     def write_chunk(offset: int) -> None:
-        nonlocal direct
         done = 0
         while done < chunk:
-            try:
-                done += os.pwrite(fd, memoryview(buffer)[done:], offset + done)
-            except OSError as error:  # O_DIRECT accepted at open, refused on write
-                if error.errno != errno.EINVAL or not direct:
-                    raise
-                with fcntl_lock:
-                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~getattr(os, "O_DIRECT", 0))
-                    direct = 0
+            done += os.pwrite(fd, memoryview(buffer)[done:], offset + done)
+
     try:
-        try:
+        with contextlib.suppress(OSError):  # no fallocate here: the writes grow the file
             os.posix_fallocate(fd, 0, total)
-        except OSError:
-            pass
         with ThreadPoolExecutor(in_flight) as pool:
             list(pool.map(write_chunk, range(0, total, chunk)))
         os.fsync(fd)
