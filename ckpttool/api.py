@@ -10,8 +10,8 @@ from .errors import CkptError
 from .formats import read_checkpoint
 from .layout import (
     check_not_partitioned,
-    find_model_key,
     model_candidates,
+    model_key,
     module_state_dict,
     parse_key_path,
     resolve_prefix,
@@ -69,7 +69,7 @@ def select_node(
         require_data(node)
         return None, node
     if select == "auto":
-        path = find_model_key(ckpt.root)
+        path = model_key(ckpt)
         if path is None:
             found = model_candidates(ckpt.root)
             what = (

@@ -13,7 +13,7 @@ from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError
-from .layout import find_model_key
+from .layout import model_key
 from .tree import NO_NUMBERS, OpenFiles, SparseRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
@@ -207,7 +207,7 @@ def _selected_tensors(ckpt: Any, select: str, strip_prefix: str) -> dict[str, An
     """The tensors to compare: the model state dict, or every tensor where there is
     none or no single one (an optimizer state file, a GAN's two nets): ``diff`` may
     not ignore any tensor that could differ."""
-    if select == "auto" and find_model_key(ckpt.root) is None:
+    if select == "auto" and model_key(ckpt) is None:
         select = "all"
     path, node = select_node(ckpt, select, strip_prefix)
     return flatten_tensors(node, str(path[-1]) if path else "")

@@ -12,7 +12,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import CkptError
-from .tree import KeyPath, Opaque, SparseRef, TensorRef, children, get_path, is_tensor
+from .tree import (
+    Checkpoint,
+    KeyPath,
+    Opaque,
+    SparseRef,
+    TensorRef,
+    children,
+    get_path,
+    is_tensor,
+)
 
 # Keys that hold the model state dict in common snapshot layouts, most specific first:
 # torchrun tutorial, Composer (state.model), Lightning/HF (state_dict), nanoGPT (model).
@@ -186,6 +195,16 @@ def model_state(node: Any) -> Mapping[str, Any] | None:
     if is_state_dict(node) or is_nested_state_dict(node):
         return node
     return module_state_dict(node)
+
+
+# formats whose root is the model's state dict by construction, even an empty one (a
+# TorchScript module without parameters: torch.jit.load(f).state_dict() is {})
+STATE_DICT_FORMATS = frozenset({"safetensors", "safetensors-sharded", "torchscript"})
+
+
+def model_key(ckpt: Checkpoint) -> KeyPath | None:
+    """The path to the model state dict in ``ckpt`` (see :func:`find_model_key`)."""
+    return () if ckpt.format in STATE_DICT_FORMATS else find_model_key(ckpt.root)
 
 
 def find_model_key(root: Any) -> KeyPath | None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import CkptError
-from .layout import detect_prefix, find_model_key, model_state, plain_values
+from .layout import detect_prefix, model_key, model_state, plain_values
 from .stand_ins import Device, TorchName, TorchSize, global_name
 from .tree import (
     NO_NUMBERS,
@@ -58,8 +58,8 @@ def inspect_report(
         pattern = re.compile(filter) if filter else None
     except re.error as exc:
         raise CkptError(f"bad --filter regular expression: {exc}") from None
-    model_key = find_model_key(ckpt.root)
-    model = model_state(get_path(ckpt.root, model_key)) if model_key is not None else None
+    model_path = model_key(ckpt)
+    model = model_state(get_path(ckpt.root, model_path)) if model_path is not None else None
     prefix = (
         detect_prefix([k for k in model if isinstance(k, str)])
         if isinstance(model, Mapping)
@@ -82,7 +82,7 @@ def inspect_report(
     num_params = sum(
         ref.numel
         for path, ref in iter_tensors(model or {})
-        if not pattern or pattern.search(dotted((*model_key, *path)))
+        if not pattern or pattern.search(dotted((*model_path, *path)))
     )
 
     values = [
@@ -95,7 +95,7 @@ def inspect_report(
         "files": list(ckpt.files),
         "world_size": ckpt.world_size,
         "prefix": prefix,
-        "model_key": None if model_key is None else json_key(model_key),
+        "model_key": None if model_path is None else json_key(model_path),
         "tensors": tensors,
         "num_tensors": len(tensors),
         "num_params": num_params,

@@ -162,6 +162,28 @@ def _check_torchscript(path, ckpt, net):
     assert report["num_params"] == sum(v.numel() for v in expected.values())
 
 
+
+class _NoState(nn.Module):
+    def forward(self, x):
+        return x.relu()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+def test_parameterless_torchscript_and_empty_safetensors_are_an_empty_model(tmp_path):
+    """Their root is the model's state dict whatever it holds: an empty one loads as {}
+    (as torch.jit.load(f).state_dict() and safetensors' load_file give it), not as
+    "no model state dict found"; an empty torch.save dict is still not taken for one."""
+    scripted, empty = tmp_path / "relu.pt", tmp_path / "empty.safetensors"
+    torch.jit.save(torch.jit.script(_NoState()), scripted)
+    save_file({}, empty)
+    assert dict(torch.jit.load(scripted).state_dict()) == {} == load_file(empty)
+    for path in (scripted, empty):
+        assert ckpttool.load(path) == {}
+        assert inspect_report(ckpttool.read(path))["model_key"] == []
+    torch.save({}, tmp_path / "empty.pt")
+    with pytest.raises(ckpttool.CkptError, match="no model state dict found"):
+        ckpttool.load(tmp_path / "empty.pt")
+
 # --------------------------------------------------------------- safetensors
 
 
