@@ -102,6 +102,7 @@ def inspect_report(
         "nbytes": nbytes,
         "values": values,
         "globals": list(ckpt.globals),
+        "unverified": list(ckpt.unverified),
         "dangerous": list(ckpt.dangerous),
     }
 

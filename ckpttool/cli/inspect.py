@@ -138,6 +138,8 @@ def render(ckpt, report: dict) -> None:
         )
     elif report["globals"] or report["format"] not in ("safetensors", "safetensors-sharded"):
         extra = f"; shown as placeholders: {escape(', '.join(opaque))}" if opaque else ""
+        if report["unverified"]:
+            extra += f"; unverified (on no allow-list): {escape(', '.join(report['unverified']))}"
         console.print(
             "[green]security[/]: read without running code; "
             f"{len(report['globals'])} globals, none dangerous{extra}"

@@ -128,15 +128,15 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str]]:
-    """(globals, dangerous) of a torch zip's pickle, judged without rebuilding it."""
+def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str], list[str]]:
+    """(globals, dangerous, unverified) of a torch zip's pickle, judged without rebuilding."""
     from .zip_pickle import ZIP_MAGIC, ZipPickle
 
     with open(path, "rb") as f:
         is_zip = f.read(4) == ZIP_MAGIC
     if not is_zip:  # legacy rank files: rare, read them in full
         ckpt = _read_one(path, unsafe)
-        return ckpt.globals, ckpt.dangerous
+        return ckpt.globals, ckpt.dangerous, ckpt.unverified
     seen: set[str] = set()
     with ZipPickle(path) as archive:
         archive.scan(permissive=unsafe, seen=seen)

@@ -91,7 +91,7 @@ def _rank_file_name(path: str, rank: int) -> str:
 
 
 ReadFile = Callable[[str], Checkpoint]
-ScanFile = Callable[[str], tuple[list[str], list[str]]]
+ScanFile = Callable[[str], tuple[list[str], list[str], list[str]]]
 
 
 class RankFiles:
@@ -212,7 +212,7 @@ def read(
     except CkptError:
         _judge(by_rank, loaded, scan_file)  # a dangerous rank file is reported first
         raise
-    globals_, dangerous = _judge(by_rank, loaded, scan_file)
+    globals_, dangerous, unverified = _judge(by_rank, loaded, scan_file)
     return Checkpoint(
         format=FORMAT,
         files=[by_rank[r] for r in sorted(by_rank)],
@@ -220,6 +220,7 @@ def read(
         world_size=world_size,
         globals=sorted(globals_),
         dangerous=sorted(dangerous),
+        unverified=sorted(unverified - dangerous),
     )
 
 
@@ -347,19 +348,25 @@ def _global_ref(
 
 def _judge(
     by_rank: dict[int, str], loaded: dict[int, Checkpoint], scan_file: ScanFile
-) -> tuple[set[str], set[str]]:
-    """(globals, dangerous) of every rank file: read ones know theirs, others are scanned.
+) -> tuple[set[str], set[str], set[str]]:
+    """(globals, dangerous, unverified) of every rank file: read ones know theirs, others
+    are scanned.
 
     Called last: the scans may still be running in a child process (see prescan.py).
     """
     globals_: set[str] = set()
     dangerous: set[str] = set()
+    unverified: set[str] = set()
     for rank, path in by_rank.items():
         ckpt = loaded.get(rank)
-        seen, bad = (ckpt.globals, ckpt.dangerous) if ckpt is not None else scan_file(path)
+        if ckpt is not None:
+            seen, bad, unknown = ckpt.globals, ckpt.dangerous, ckpt.unverified
+        else:
+            seen, bad, unknown = scan_file(path)
         globals_.update(seen)
         dangerous.update(bad)
-    return globals_, dangerous
+        unverified.update(unknown)
+    return globals_, dangerous, unverified
 
 
 def _sharded_ref(
