@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
-from .errors import CkptError, UsageError
+from .errors import CkptError, UsageError, translate_errors
 from .layout import model_key
 from .tree import NO_NUMBERS, OpenFiles, SparseRef, contiguous_stride
 
@@ -213,6 +213,7 @@ def _selected_tensors(ckpt: Any, select: str, strip_prefix: str) -> dict[str, An
     return flatten_tensors(node, str(path[-1]) if path else "")
 
 
+@translate_errors
 def diff(
     a: Any,
     b: Any,

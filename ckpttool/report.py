@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import CkptError
+from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
 from .stand_ins import Device, TorchName, TorchSize, global_name
 from .tree import (
@@ -39,6 +39,7 @@ def dotted(path: KeyPath) -> str:
     return ".".join(str(k) for k in path)
 
 
+@translate_errors
 def inspect_report(
     ckpt: Checkpoint,
     *,

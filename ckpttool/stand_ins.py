@@ -153,9 +153,12 @@ class WrapperStub(Sealed):
     """What ``torch._utils._rebuild_wrapper_subclass`` returns: the global tensor's metadata."""
 
     def __init__(self, cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+        if not isinstance(device, Device):
+            raise CkptError(f"corrupt tensor device {device!r:.80}")
         self.cls = cls
         self.dtype = dtype
         self.shape = _int_tuple(size, "size")
+        check_shape(self.shape)
         self.device = str(device)
         self.requires_grad = bool(requires_grad)
 
@@ -223,6 +226,7 @@ def rebuild_tensor(
     if any(s < 0 for s in shape) or any(s < 0 for s in strides):
         raise CkptError("corrupt tensor metadata (negative size or stride)")
     dt = dtype or storage.dtype
+    check_shape(shape)
     # The last element must lie inside the storage, or reading would run past it.
     if all(shape):
         last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
@@ -231,6 +235,7 @@ def rebuild_tensor(
                 f"tensor of shape {list(shape)} does not fit its storage of "
                 f"{storage.nbytes} bytes (corrupt or truncated file)"
             )
+        check_view(shape, dt, storage.nbytes)
     return TensorRef(
         dtype=dt,
         shape=shape,
@@ -242,6 +247,33 @@ def rebuild_tensor(
         conj=isinstance(metadata, dict) and metadata.get("conj") is True,
         neg=isinstance(metadata, dict) and metadata.get("neg") is True,
     )
+
+
+# torch counts elements in an int64; safetensors and torch refuse a shape past it even
+# where another dimension is 0
+MAX_NUMEL = 2**63 - 1
+# A view may repeat its storage's elements (stride 0: ``x.expand(n)``); written out, the
+# repeats cost bytes the file does not hold. Past this many extra bytes it is refused.
+MAX_VIEW_GROWTH = 64 << 20
+
+
+def check_shape(shape: tuple[int, ...]) -> None:
+    """Each dimension and the element count of every non-empty part fit torch's int64."""
+    count = 1
+    for n in shape:
+        count *= max(n, 1)
+        if n < 0 or count > MAX_NUMEL:
+            raise CkptError(f"corrupt tensor: impossible shape {list(shape)[:8]}")
+
+
+def check_view(shape: tuple[int, ...], dtype: DType, storage_nbytes: int) -> None:
+    """A view's full size stays near what its storage holds (see MAX_VIEW_GROWTH)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > storage_nbytes + MAX_VIEW_GROWTH:
+        raise CkptError(
+            f"a view of {math.prod(shape)} elements repeats its storage of "
+            f"{storage_nbytes} bytes past {MAX_VIEW_GROWTH >> 20} MiB: not supported"
+        )
 
 
 def _rebuild_tensor_v1(storage, storage_offset, size, stride):
@@ -277,6 +309,16 @@ def _rebuild_qtensor(storage, storage_offset, size, stride, quantizer_params=Non
     ref = rebuild_tensor(storage, storage_offset, size, stride, requires_grad)
     ref.kind = "quantized"
     ref.quantizer = _quantizer(quantizer_params)
+    if ref.quantizer is not None and len(ref.quantizer) == 4:
+        _, scales, zero_points, axis = ref.quantizer
+        if not (0 <= axis < len(ref.shape)) or not (
+            scales.numel == zero_points.numel == ref.shape[axis]
+            and len(scales.shape) == len(zero_points.shape) == 1
+        ):
+            raise CkptError(
+                f"corrupt quantized tensor: {scales.numel} scales and {zero_points.numel} zero "
+                f"points for axis {axis} of shape {list(ref.shape)}"
+            )
     return ref
 
 
@@ -307,6 +349,7 @@ def _quantizer(params: Any) -> tuple | None:
 
 def _rebuild_meta(dtype, size, stride, requires_grad=False):
     shape = _int_tuple(size, "shape")
+    check_shape(shape)
     return TensorRef(
         dtype=_as_dtype(dtype),
         shape=shape,
@@ -541,12 +584,17 @@ def _get_layout(name):
 
 def _codecs_encode(obj, encoding="utf-8", errors="strict"):
     # Protocol 2 pickles bytes as _codecs.encode(str, "latin1").
-    if not isinstance(obj, str) or not isinstance(encoding, str) or encoding.lower() not in (
-        "latin1",
-        "latin-1",
-        "utf-8",
-        "utf8",
-        "ascii",
+    if (
+        not isinstance(obj, str)
+        or not isinstance(encoding, str)
+        or encoding.lower()
+        not in (
+            "latin1",
+            "latin-1",
+            "utf-8",
+            "utf8",
+            "ascii",
+        )
     ):
         raise CkptError("corrupt pickle: unexpected _codecs.encode call")
     charge(len(obj))

@@ -229,7 +229,8 @@ def load_pickle(
     unpickler = unpickler_class(stream, persistent_load, permissive=permissive)
     error: BaseException | None = None
     result = None
-    with guarded_read(_remaining(stream, start)) as guard:
+    size = _remaining(stream, start)
+    with guarded_read(size) as guard:
         try:
             try:
                 result = unpickler.load()
@@ -266,7 +267,7 @@ def load_pickle(
         raise CkptError(f"{reason} pickle ({type(error).__name__}: {error})", path=path) from None
     if scan_only:
         return None
-    check_structure(result, path)
+    check_structure(result, path, size)
     return result
 
 

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
-from ..errors import CkptError, UnsafeError
+from ..errors import CkptError, UnsafeError, translate_errors
 from ..tree import Checkpoint
 from ..unpickler import split_seen
 from . import (
@@ -69,6 +69,7 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     return out
 
 
+@translate_errors
 def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Checkpoint:
     """Read one checkpoint (lazily) from one path, several rank files, or a glob.
 

@@ -66,6 +66,10 @@ def _name_rank(path: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
+# Missing rank files named in an error, at most (the rest are counted)
+MAX_NAMED_MISSING = 8
+
+
 def _world_size(root: Any, num_files: int) -> int:
     """The ranks that wrote the checkpoint, as its sharded leaves tell.
 
@@ -79,7 +83,10 @@ def _world_size(root: Any, num_files: int) -> int:
                 return value.world_size
             if value.kind == "dtensor":
                 layout = value.layout
-                dtensor_sizes.append(layout.get("world_size") or math.prod(layout["mesh_shape"]))
+                mesh_shape = layout.get("mesh_shape")
+                if not layout.get("world_size") and not isinstance(mesh_shape, tuple):
+                    raise CkptError("corrupt DTensor: its spec names no device mesh")
+                dtensor_sizes.append(layout.get("world_size") or math.prod(mesh_shape))
     return max(dtensor_sizes) if dtensor_sizes else num_files
 
 
@@ -233,9 +240,16 @@ def _combine(
 ) -> tuple[int, Any]:
     """(world size, the lowest rank's tree with every local-shards leaf a ShardedRef)."""
     world_size = _world_size(base.root, len(by_rank))
-    missing = sorted(set(range(world_size)) - set(by_rank))
-    if missing:
+    if type(world_size) is not int or world_size < 1:
+        raise CkptError(f"corrupt sharded tensor: world size {world_size!r:.40}")
+    # counted, not listed: a file may claim a billion ranks, and no set of them is built
+    have = sum(1 for r in by_rank if 0 <= r < world_size)
+    if have < world_size:
+        absent = (r for r in range(world_size) if r not in by_rank)
+        missing = list(itertools.islice(absent, MAX_NAMED_MISSING))
         names = ", ".join(_rank_file_name(by_rank[base_rank], r) for r in missing)
+        if world_size - have > len(missing):
+            names += f" and {world_size - have - len(missing)} more"
         raise CkptError(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
