@@ -125,6 +125,7 @@ SAFE_BUILTINS = frozenset(
 HARMLESS_NAMES = frozenset(
     """io.BytesIO _io.BytesIO io.StringIO _io.StringIO builtins.range builtins.NotImplemented
     torch._dynamo.decorators._DimRange copyreg._reconstructor copyreg.__newobj__
+    copyreg.__newobj_ex__
     torch.serialization._get_layout torch.storage.UntypedStorage torch.storage.TypedStorage
     types.SimpleNamespace""".split()
 )
@@ -191,6 +192,8 @@ def judge(module: str, name: str) -> str:
         return DANGEROUS
     if full in KNOWN_CLASSES or module.startswith("pathlib") or module == "builtins":
         return KNOWN  # (builtins left here are data types and exceptions)
+    if module == "torch._utils" and name.startswith("_rebuild_"):
+        return KNOWN  # torch's own tensor rebuilders, all on weights_only's list
     last = name.rsplit(".", 1)[-1]
     if module == "typing" or (_is_class_name(last) and full.startswith(KNOWN_CLASS_PACKAGES)):
         return KNOWN

@@ -150,16 +150,23 @@ CASES = [
     Case(
         "build-renames-dtype",
         lambda m: checkpoint(
-            ("dt", glob("torch", "float32") + dict_of(
-                name=text(f"float32\n0cposix\nsystem\n(S'touch {m}'\ntR0ctorch\nfloat32"),
-            ) + BUILD),
+            (
+                "dt",
+                glob("torch", "float32")
+                + dict_of(
+                    name=text(f"float32\n0cposix\nsystem\n(S'touch {m}'\ntR0ctorch\nfloat32"),
+                )
+                + BUILD,
+            ),
         ),
         2,
         ("corrupt pickle", "DType"),
     ),
     Case(
         "build-changes-dtype-itemsize",
-        lambda m: checkpoint(("dt", glob("torch", "float16") + dict_of(itemsize=integer(0)) + BUILD)),
+        lambda m: checkpoint(
+            ("dt", glob("torch", "float16") + dict_of(itemsize=integer(0)) + BUILD)
+        ),
         2,
         ("corrupt pickle",),
     ),
@@ -173,15 +180,21 @@ CASES = [
     ),
     Case(
         "build-on-tensor",
-        lambda m: checkpoint(("t", tensor() + dict_of(dtype=text("float32\nposix\nsystem")) + BUILD)),
+        lambda m: checkpoint(
+            ("t", tensor() + dict_of(dtype=text("float32\nposix\nsystem")) + BUILD)
+        ),
         2,
         ("corrupt pickle",),
     ),
     Case(
         "build-swaps-size-function",  # partial.__setstate__ would replace the function
         lambda m: checkpoint(
-            ("s", glob("torch", "Size") + tup(glob("builtins", "list"), EMPTY_TUPLE, EMPTY_DICT,
-                                               NONE) + BUILD),  # fmt: skip
+            (
+                "s",
+                glob("torch", "Size")
+                + tup(glob("builtins", "list"), EMPTY_TUPLE, EMPTY_DICT, NONE)
+                + BUILD,
+            ),  # fmt: skip
         ),
         2,
         ("corrupt pickle",),
@@ -189,8 +202,12 @@ CASES = [
     Case(
         "ordereddict-attribute-hides-values",
         lambda m: checkpoint(
-            ("sd", call(glob("collections", "OrderedDict")) + dict_of(values=glob("builtins", "list"))
-             + BUILD),  # fmt: skip
+            (
+                "sd",
+                call(glob("collections", "OrderedDict"))
+                + dict_of(values=glob("builtins", "list"))
+                + BUILD,
+            ),  # fmt: skip
         ),
         2,
         ("hide its methods",),
@@ -215,7 +232,10 @@ CASES = [
     Case(
         "builtins-dotted-method",
         lambda m: checkpoint(
-            ("x", text("builtins") + text("dict.fromkeys") + STACK_GLOBAL + tup(text("ab")) + REDUCE),
+            (
+                "x",
+                text("builtins") + text("dict.fromkeys") + STACK_GLOBAL + tup(text("ab")) + REDUCE,
+            ),
             proto=PROTO4,
         ),
         3,
@@ -224,8 +244,14 @@ CASES = [
     Case(
         "numpy-testing-runstring",
         lambda m: checkpoint(
-            ("x", call(glob("numpy.testing", "runstring"),
-                       text(f"open({m!r}, 'w').close()"), EMPTY_DICT)),  # fmt: skip
+            (
+                "x",
+                call(
+                    glob("numpy.testing", "runstring"),
+                    text(f"open({m!r}, 'w').close()"),
+                    EMPTY_DICT,
+                ),
+            ),  # fmt: skip
         ),
         3,
         ("numpy.testing.runstring",),
@@ -304,8 +330,14 @@ CASES = [
     Case(
         "dcp-format-utils-nested-load",
         lambda m: checkpoint(
-            ("x", call(glob("torch.distributed.checkpoint.format_utils", "torch_save_to_dcp"),
-                       text("in.pt"), text(m))),  # fmt: skip
+            (
+                "x",
+                call(
+                    glob("torch.distributed.checkpoint.format_utils", "torch_save_to_dcp"),
+                    text("in.pt"),
+                    text(m),
+                ),
+            ),  # fmt: skip
         ),
         3,
         ("torch.distributed.checkpoint.format_utils.torch_save_to_dcp",),
@@ -321,8 +353,12 @@ CASES = [
     Case(
         "partial-object-called",  # partial is a plain class; calling the object runs its target
         lambda m: checkpoint(
-            ("x", call(glob("functools", "partial"), glob("logging", "FileHandler"), text(m))
-             + EMPTY_TUPLE + REDUCE),  # fmt: skip
+            (
+                "x",
+                call(glob("functools", "partial"), glob("logging", "FileHandler"), text(m))
+                + EMPTY_TUPLE
+                + REDUCE,
+            ),  # fmt: skip
         ),
         3,
         ("functools.partial()",),
@@ -338,8 +374,14 @@ CASES = [
     Case(
         "unknown-class-newobj-build",
         lambda m: checkpoint(
-            ("cfg", glob("mylib.config", "TrainConfig") + EMPTY_TUPLE + NEWOBJ
-             + dict_of(lr=integer(3), name=text("run")) + BUILD),  # fmt: skip
+            (
+                "cfg",
+                glob("mylib.config", "TrainConfig")
+                + EMPTY_TUPLE
+                + NEWOBJ
+                + dict_of(lr=integer(3), name=text("run"))
+                + BUILD,
+            ),  # fmt: skip
         ),
         0,
         ("mylib.config.TrainConfig",),
@@ -348,8 +390,14 @@ CASES = [
     Case(
         "bytearray-constructor-repeated",
         lambda m: checkpoint(
-            ("x", MARK + b"".join(call(glob("builtins", "bytearray"), integer(1 << 24))
-                                  for _ in range(200)) + b"l"),  # fmt: skip
+            (
+                "x",
+                MARK
+                + b"".join(
+                    call(glob("builtins", "bytearray"), integer(1 << 24)) for _ in range(200)
+                )
+                + b"l",
+            ),  # fmt: skip
         ),
         2,
         ("corrupt pickle",),
@@ -357,9 +405,18 @@ CASES = [
     Case(
         "list-copies-of-a-shared-list",
         lambda m: checkpoint(
-            ("x", EMPTY_LIST + put(1) + MARK + integer(7) * 200_000 + APPENDS + b"0"
-             + MARK + b"".join(call(glob("builtins", "list"), get(1)) for _ in range(2000))
-             + b"l"),  # fmt: skip
+            (
+                "x",
+                EMPTY_LIST
+                + put(1)
+                + MARK
+                + integer(7) * 200_000
+                + APPENDS
+                + b"0"
+                + MARK
+                + b"".join(call(glob("builtins", "list"), get(1)) for _ in range(2000))
+                + b"l",
+            ),  # fmt: skip
         ),
         2,
         ("corrupt pickle",),
@@ -367,8 +424,16 @@ CASES = [
     Case(
         "str-of-a-shared-container",
         lambda m: checkpoint(
-            ("x", EMPTY_LIST + put(1) + MARK + text("a" * 100) * 1000 + APPENDS + b"0"
-             + call(glob("builtins", "str"), get(1))),  # fmt: skip
+            (
+                "x",
+                EMPTY_LIST
+                + put(1)
+                + MARK
+                + text("a" * 100) * 1000
+                + APPENDS
+                + b"0"
+                + call(glob("builtins", "str"), get(1)),
+            ),  # fmt: skip
         ),
         2,
         ("str() of a container",),
@@ -384,9 +449,14 @@ CASES = [
     Case(
         "billion-laughs",
         lambda m: checkpoint(
-            ("x", EMPTY_LIST + put(0) + b"0"
-             + b"".join(MARK + get(i) + get(i) + b"l" + put(i + 1) + b"0" for i in range(40))
-             + get(40)),  # fmt: skip
+            (
+                "x",
+                EMPTY_LIST
+                + put(0)
+                + b"0"
+                + b"".join(MARK + get(i) + get(i) + b"l" + put(i + 1) + b"0" for i in range(40))
+                + get(40),
+            ),  # fmt: skip
         ),
         2,
         ("corrupt pickle",),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -111,7 +112,7 @@ def test_every_command_answers_as_the_contract_says(corpus, case: Case):
             assert lines[0].startswith(f"ckpttool: {word}: "), lines[0]
             for needle in case.names:
                 assert needle in lines[0], (command, needle, lines[0])
-            assert "unexpected" not in lines[0]
+            assert "error: unexpected " not in lines[0]
     folder = run["folder"]
     assert not (folder / "marker").exists()
     assert sha256(run["path"]) == run["hash"]  # the input is never changed
@@ -257,3 +258,41 @@ def test_costly_files_are_refused_within_the_memory_bound(tmp_path, name):
         assert base_code == 0 and code == case.exit, (command, code)
         assert rss - base_rss < MEMORY_BOUND_MIB, (command, rss, base_rss)
         (tmp_path / "out.pt").unlink(missing_ok=True)
+
+
+def _edit_pickles(folder: Path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (same length) in every rank file's data.pkl."""
+    from conftest import rewrite_zip
+
+    for path in sorted(folder.glob("*.pt")):
+        edited = path.with_suffix(".tmp")
+
+        def edit(name: str, data: bytes) -> bytes | None:
+            return data.replace(old, new) if name.endswith("data.pkl") else None
+
+        rewrite_zip(path, edited, edit)
+        edited.replace(path)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "old", "new", "needle"),
+    [
+        ("dtensor", b"_spec", b"_spxc", "device mesh"),  # load raised TypeError: prod(None)
+        ("composer", b"shard_sizes", b"shard_sizez", "corrupt"),
+        ("fsdp_uneven", b"shard_offsets", b"shard_offsetz", "corrupt"),
+    ],
+)
+def test_damaged_sharded_metadata_is_one_ckpt_error(tmp_path, fixture, old, new, needle):
+    from conftest import FIXTURES
+
+    import ckpttool
+
+    folder = tmp_path / fixture
+    shutil.copytree(FIXTURES / fixture, folder)
+    _edit_pickles(folder, old, new)
+    with pytest.raises(ckpttool.CkptError, match=needle) as info:
+        ckpttool.load(str(sorted(folder.glob("*.pt"))[0]), select="all")
+    assert "\n" not in str(info.value)
+    result = run_many([["merge", str(folder), "-o", str(tmp_path / "out.pt")]])[0]
+    assert result["code"] == 2 and len(result["stderr"].splitlines()) == 1, result
+    assert not (tmp_path / "out.pt").exists()
