@@ -27,6 +27,7 @@ TOP_KEYS = {
     "values": list,
     "globals": list,
     "dangerous": list,
+    "unverified": list,
 }
 TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded"}
 FORMATS = {
@@ -129,6 +130,7 @@ def test_json_matches_the_contract_example(snapshot):
             "torch._utils._rebuild_tensor_v2",
         ],
         "dangerous": [],
+        "unverified": [],
     }
 
 
