@@ -194,6 +194,8 @@ def judge(module: str, name: str) -> str:
         return KNOWN  # (builtins left here are data types and exceptions)
     if module == "torch._utils" and name.startswith("_rebuild_"):
         return KNOWN  # torch's own tensor rebuilders, all on weights_only's list
+    if module.startswith("numpy.random") and name.startswith("__pyx_unpickle_"):
+        return KNOWN  # Cython's unpicklers of numpy's RNG classes (a Generator's seed)
     last = name.rsplit(".", 1)[-1]
     if module == "typing" or (_is_class_name(last) and full.startswith(KNOWN_CLASS_PACKAGES)):
         return KNOWN
