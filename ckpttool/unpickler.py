@@ -105,7 +105,7 @@ class SafeUnpickler(pickle.Unpickler):
             and not obj.dangerous
             and isinstance(name, str)
             and name.isidentifier()
-            and not name.startswith("_")
+            and name[:1].isupper()  # a nested class (CapWords), never a method
         ):
             qualname = f"{obj.qualname}.{name}"
             self.seen.add(f"{obj.module}.{qualname}")

@@ -351,6 +351,24 @@ CASES = [
         ("builtins.getattr",),
     ),
     Case(
+        "getattr-reaches-a-torch-method",  # a method of a known class, called with file data
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    call(
+                        glob("builtins", "getattr"),
+                        glob("torch.distributed.checkpoint.filesystem", "FileSystemWriter"),
+                        text("write_data"),
+                    ),
+                    text(m),
+                ),
+            ),  # fmt: skip
+        ),
+        3,
+        ("builtins.getattr",),
+    ),
+    Case(
         "partial-object-called",  # partial is a plain class; calling the object runs its target
         lambda m: checkpoint(
             (
