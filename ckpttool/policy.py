@@ -263,26 +263,24 @@ MAX_NESTING = 200
 MAX_SHARED_ENTRIES = 1_000_000
 
 
-def check_structure(root: Any, path: object = None, pickle_size: int = 0) -> None:
+def check_structure(root: Any, path: object = None) -> None:
     """Refuse shapes that a few bytes of pickle can build and no checkpoint has.
 
     The memo lets a pickle share one container many times: a list holding the same
     list twice, 30 levels deep, is 300 bytes but 2**30 paths for every walk over the
-    tree; a dict that holds itself never ends a walk over plain containers; one long
-    string held a million times is a million long strings to anything that prints
-    values. Children are found with the types' own methods (``dict.values(node)``):
+    tree; a dict that holds itself never ends a walk over plain containers. (One long
+    string held a million times costs nothing until printed: reports shorten long
+    text.) Children are found with the types' own methods (``dict.values(node)``):
     a BUILD may have given an OrderedDict an attribute ``values`` of its own.
 
     Raises:
         CkptError: nesting deeper than MAX_NESTING, shared containers that expand to
-            more than MAX_SHARED_ENTRIES entries, text repeated past what the pickle's
-            size explains, a dict/list/tuple that holds itself, or a dict whose
-            attributes hide its methods.
+            more than MAX_SHARED_ENTRIES entries, a dict/list/tuple that holds itself,
+            or a dict whose attributes hide its methods.
     """
     expanded: set[int] = set()
     ancestors: set[int] = set()
     shared_entries = 0
-    text_budget = MAX_TEXT_BASE + MAX_TEXT_PER_BYTE * pickle_size
     containers = (dict, list, tuple, Opaque)
     stack: list[tuple[Any, int, bool]] = [(root, 0, False)] if isinstance(root, containers) else []
     while stack:
@@ -316,25 +314,8 @@ def check_structure(root: Any, path: object = None, pickle_size: int = 0) -> Non
         ancestors.add(id(node))
         stack.append((node, depth, True))
         # only containers go on the stack (hot: a large DCP .metadata has millions of
-        # numbers); tensors and other leaves end a walk; long text is counted each time
-        for child in kids:
-            kind = type(child)
-            if kind is str or kind is bytes:
-                if len(child) > 64:
-                    text_budget -= len(child)
-            elif isinstance(child, containers):
-                stack.append((child, depth + 1, False))
-        if text_budget < 0:
-            raise CkptError(
-                "corrupt pickle: it repeats its text far more often than its size explains",
-                path=path,
-            )
-
-
-# Text a tree may hold, counting each time a string is reached: what printing its values
-# costs. Distinct strings are bounded by the pickle's size; repeats of one are not.
-MAX_TEXT_BASE = 64 << 20
-MAX_TEXT_PER_BYTE = 16
+        # numbers); tensors and other leaves end a walk
+        stack.extend((child, depth + 1, False) for child in kids if isinstance(child, containers))
 
 
 def _check_dict_attributes(node: dict, path: object) -> None:

@@ -166,9 +166,16 @@ def json_value(value: Any) -> Any:
         return str(value)
     if isinstance(value, (list, tuple)):
         return [json_value(v) for v in value]
+    if isinstance(value, str) and len(value) > MAX_SHOWN_TEXT:
+        # a file may hold one long string many times over: what is shown stays small
+        return f"{value[:MAX_SHOWN_TEXT]}... <{len(value)} characters>"
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
+
+# Characters of a string value a report shows (longer ones are cut, their length said).
+MAX_SHOWN_TEXT = 1000
 
 
 def tensor_stats(ref: Any) -> dict[str, Any]:

@@ -200,6 +200,27 @@ def _named_absorb(module: str, qualname: str, known: bool = False) -> type:
     return cls
 
 
+class _Input:
+    """The stream as the C unpickler sees it: ``read``, ``readline`` and ``peek``, no
+    ``readinto``.
+
+    With ``readinto`` the unpickler reads a BYTEARRAY8 straight into a buffer it
+    exports, and a declared size the stream cannot back ends in CPython printing
+    "deallocated bytearray object has exported buffers" on stderr. Without it, it
+    reads and copies, and fails with a plain error. Bound methods of the stream: no
+    Python frame per read.
+    """
+
+    __slots__ = ("read", "readline", "peek")
+
+    def __init__(self, stream: IO[bytes]):
+        self.read = stream.read
+        self.readline = stream.readline
+        peek = getattr(stream, "peek", None)
+        if peek is not None:
+            self.peek = peek
+
+
 def load_pickle(
     data: bytes | IO[bytes],
     persistent_load: Callable[[Any], Any] | None = None,
@@ -226,7 +247,7 @@ def load_pickle(
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     start = stream.tell()
     unpickler_class = GlobalsScanner if scan_only else SafeUnpickler
-    unpickler = unpickler_class(stream, persistent_load, permissive=permissive)
+    unpickler = unpickler_class(_Input(stream), persistent_load, permissive=permissive)
     error: BaseException | None = None
     result = None
     size = _remaining(stream, start)
@@ -239,7 +260,7 @@ def load_pickle(
                 stream.seek(start)
                 guard.called.clear()
                 unpickler = unpickler_class(
-                    stream, persistent_load, permissive=permissive, encoding="latin1"
+                    _Input(stream), persistent_load, permissive=permissive, encoding="latin1"
                 )
                 result = unpickler.load()
         except CkptError as exc:
@@ -267,7 +288,7 @@ def load_pickle(
         raise CkptError(f"{reason} pickle ({type(error).__name__}: {error})", path=path) from None
     if scan_only:
         return None
-    check_structure(result, path, size)
+    check_structure(result, path)
     return result
 
 
