@@ -16,9 +16,11 @@ what is refused is decided in :mod:`ckpttool.policy`:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from .errors import CkptError, UnsafeError
@@ -200,25 +202,26 @@ def _named_absorb(module: str, qualname: str, known: bool = False) -> type:
     return cls
 
 
-class _Input:
-    """The stream as the C unpickler sees it: ``read``, ``readline`` and ``peek``, no
-    ``readinto``.
+@contextlib.contextmanager
+def _quiet_buffer_errors() -> Iterator[None]:
+    """No stray line on stderr from CPython's unpickler on a hostile BYTEARRAY8.
 
-    With ``readinto`` the unpickler reads a BYTEARRAY8 straight into a buffer it
-    exports, and a declared size the stream cannot back ends in CPython printing
-    "deallocated bytearray object has exported buffers" on stderr. Without it, it
-    reads and copies, and fails with a plain error. Bound methods of the stream: no
-    Python frame per read.
+    A declared size it cannot allocate ends, inside CPython, in "deallocated
+    bytearray object has exported buffers" printed through ``sys.excepthook``; the
+    read itself fails as it should (a MemoryError, reported as a corrupt pickle).
     """
+    previous = sys.excepthook
 
-    __slots__ = ("read", "readline", "peek")
+    def hook(kind: Any, value: Any, traceback: Any) -> None:
+        if kind is SystemError and "exported buffers" in str(value):
+            return
+        previous(kind, value, traceback)
 
-    def __init__(self, stream: IO[bytes]):
-        self.read = stream.read
-        self.readline = stream.readline
-        peek = getattr(stream, "peek", None)
-        if peek is not None:
-            self.peek = peek
+    sys.excepthook = hook
+    try:
+        yield
+    finally:
+        sys.excepthook = previous
 
 
 def load_pickle(
@@ -247,11 +250,11 @@ def load_pickle(
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     start = stream.tell()
     unpickler_class = GlobalsScanner if scan_only else SafeUnpickler
-    unpickler = unpickler_class(_Input(stream), persistent_load, permissive=permissive)
+    unpickler = unpickler_class(stream, persistent_load, permissive=permissive)
     error: BaseException | None = None
     result = None
     size = _remaining(stream, start)
-    with guarded_read(size) as guard:
+    with guarded_read(size) as guard, _quiet_buffer_errors():
         try:
             try:
                 result = unpickler.load()
@@ -260,7 +263,7 @@ def load_pickle(
                 stream.seek(start)
                 guard.called.clear()
                 unpickler = unpickler_class(
-                    _Input(stream), persistent_load, permissive=permissive, encoding="latin1"
+                    stream, persistent_load, permissive=permissive, encoding="latin1"
                 )
                 result = unpickler.load()
         except CkptError as exc:
