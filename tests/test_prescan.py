@@ -21,7 +21,7 @@ def scan_reporting_pid(path):
     # which process scanned `path`; a path named `bad` fails as a corrupt file would
     if path == "bad":
         raise CkptError("corrupt pickle", path=path)
-    return [f"{path}@{os.getpid()}"], []
+    return [f"{path}@{os.getpid()}"], [], [f"{path}.Unverified"]
 """
 
 
@@ -34,10 +34,10 @@ def run_case(body: str) -> None:
 def test_child_scans_and_parent_gets_its_results():
     run_case("""
         with Prescan(["a", "b"], scan_reporting_pid) as prescan:
-            seen, bad = prescan.scan("a")
+            seen, bad, unverified = prescan.scan("a")
             child = int(seen[0].split("@")[1])
-            assert child != os.getpid() and bad == []
-            assert prescan.scan("b") == ([f"b@{child}"], [])
+            assert child != os.getpid() and bad == [] and unverified == ["a.Unverified"]
+            assert prescan.scan("b") == ([f"b@{child}"], [], ["b.Unverified"])
             # a path the child was not given is scanned here
             assert prescan.scan("c") == scan_reporting_pid("c")
     """)

@@ -19,8 +19,8 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-Scan = Callable[[str], tuple[list[str], list[str]]]
-Found = dict[str, tuple[list[str], list[str]]]
+Scan = Callable[[str], tuple[list[str], list[str], list[str]]]
+Found = dict[str, tuple[list[str], list[str], list[str]]]
 
 
 class Prescan:
@@ -49,7 +49,7 @@ class Prescan:
         os.close(write_end)
         self._pid, self._fd = pid, read_end
 
-    def scan(self, path: str) -> tuple[list[str], list[str]]:
+    def scan(self, path: str) -> tuple[list[str], list[str], list[str]]:
         """The child's result for ``path``, or a scan here if it has none."""
         if self._found is None:
             self._found = self._collect()
@@ -62,7 +62,8 @@ class Prescan:
         os.waitpid(self._pid, 0)
         self._pid = 0
         try:
-            return {path: (seen, bad) for path, (seen, bad) in json.loads(raw or b"{}").items()}
+            found = json.loads(raw or b"{}").items()
+            return {path: (seen, bad, unknown) for path, (seen, bad, unknown) in found}
         except ValueError:  # a child killed mid-write: scan here
             return {}
 
