@@ -68,3 +68,42 @@ def charge(amount: int) -> None:
     guard.budget -= amount
     if guard.budget < 0:
         raise CkptError("corrupt pickle: its constructors build far more data than it holds")
+
+
+# While the C unpickler runs, the process may map this much more than it had, plus
+# UNPICKLE_SPACE_PER_BYTE per byte of pickle: what the objects of any real pickle take.
+UNPICKLE_SPACE_BASE = 256 << 20
+UNPICKLE_SPACE_PER_BYTE = 32
+
+
+@contextlib.contextmanager
+def address_space_limit(pickle_size: int) -> Iterator[None]:
+    """Bound what CPython's C unpickler itself may allocate while it reads one pickle.
+
+    Some of its allocations follow numbers in the file and happen before any code of
+    ours runs: a LONG_BINPUT or PUT index of a billion makes it grow its memo table to
+    that many slots and zero them (16 GB from an 888-byte pickle). Nothing short of
+    parsing every opcode in Python (many times slower) can look at them first, so the
+    process's address space is capped for the duration: such an allocation fails as a
+    MemoryError, reported as a corrupt file. A no-op where the platform has no limits.
+    """
+    try:
+        import resource
+
+        with open("/proc/self/statm", "rb") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    cap = mapped + UNPICKLE_SPACE_BASE + UNPICKLE_SPACE_PER_BYTE * max(pickle_size, 0)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield  # already tighter than ours
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from .errors import CkptError, UnsafeError
-from .guard import guarded_read, note_call
+from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
 from .stand_ins import (
     SAFE_GLOBALS,
@@ -254,7 +254,7 @@ def load_pickle(
     error: BaseException | None = None
     result = None
     size = _remaining(stream, start)
-    with guarded_read(size) as guard, _quiet_buffer_errors():
+    with guarded_read(size) as guard, _quiet_buffer_errors(), address_space_limit(size):
         try:
             try:
                 result = unpickler.load()
@@ -270,6 +270,8 @@ def load_pickle(
             error = exc
         except RecursionError:
             error = CkptError("pickle nests too deeply", path=path)
+        except MemoryError:
+            error = CkptError("corrupt pickle: it asks for far more memory than it holds")
         except Exception as exc:  # any malformed-pickle error the C unpickler raises
             error = exc
     # a global on no allow-list that the pickle calls, or an object it calls, runs code

@@ -464,6 +464,18 @@ CASES = [
         0,  # valid: nothing copies the string, and reports shorten it
     ),
     Case(
+        "memo-index-of-a-billion",  # CPython's C unpickler grows its memo table to the index
+        lambda m: checkpoint(("x", text("a") + b"r" + struct.pack("<I", 1_000_000_000))),
+        2,
+        ("more memory than it holds",),
+    ),
+    Case(
+        "text-memo-index-of-a-billion",
+        lambda m: checkpoint(("x", text("a") + b"p1000000000\n")),
+        2,
+        ("more memory than it holds",),
+    ),
+    Case(
         "billion-laughs",
         lambda m: checkpoint(
             (

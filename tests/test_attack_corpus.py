@@ -223,6 +223,7 @@ MEASURED = textwrap.dedent(
     """
 )
 COSTLY = [
+    "memo-index-of-a-billion",
     "bytearray-constructor-repeated",
     "list-copies-of-a-shared-list",
     "one-string-repeated",  # (valid: read within the bound)
