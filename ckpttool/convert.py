@@ -65,9 +65,7 @@ def unused_name(folder: str, stem: str, suffix: str, inputs: Sequence[str]) -> s
     return os.path.join(folder, f"{stem}-{suffix}.pt")
 
 
-def default_output(
-    inputs: Sequence[str], to: str, sharded: bool, folder: str | None = None
-) -> str:
+def default_output(inputs: Sequence[str], to: str, sharded: bool, folder: str | None = None) -> str:
     """A name beside the input: ``ep0.safetensors``, ``ep0-safetensors/``, ``ep0.pt``, ``ep0-dcp/``.
 
     Per-rank inputs drop their rank (``ep0-rank0.pt`` -> ``ep0``): one output for all ranks.
