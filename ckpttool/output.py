@@ -354,7 +354,9 @@ def _into_folder(folder: str, layout: FolderLayout, force: bool) -> Iterator[str
     try:
         _clean_stale(folder, TEMP_MARK)
     except OSError as exc:
-        raise CkptError(f"cannot write into the output folder ({exc.strerror})", path=folder)
+        raise CkptError(
+            f"cannot write into the output folder ({exc.strerror})", path=folder
+        ) from None
     _owned_entries(folder, layout, force)
     tmp = os.path.join(folder, f"{TEMP_MARK}{os.getpid()}")
     _remove(tmp)
