@@ -21,8 +21,30 @@ from ..tree import ByteSource, StorageRef
 from ..unpickler import load_pickle
 
 ZIP_MAGIC = b"PK\x03\x04"
-# data.pkl holds structure, not tensor bytes; real ones are KB to a few MB.
+# A stored data.pkl: its bytes are in the file, which bounds it; real ones are KB to a few MB.
 MAX_PICKLE_BYTES = 1 << 30
+# A compressed entry (a re-zipped data.pkl, TorchScript code) is inflated at most this far:
+# a few MB of deflate can declare gigabytes.
+MAX_INFLATED_BYTES = 64 << 20
+# byteorder, version, .data/serialization_id: a word, a number, an id
+SMALL_ENTRIES = (
+    "byteorder",
+    "version",
+    ".format_version",
+    ".storage_alignment",
+    ".data/version",
+    ".data/serialization_id",
+)
+SMALL_ENTRY_BYTES = 64
+INFLATE_CHUNK = 1 << 20
+# general-purpose flag bits that change how an entry's bytes must be read; torch writes
+# bit 3 (sizes in a data descriptor, also in the central directory) and bit 11 (UTF-8)
+REFUSED_FLAGS = {
+    0x1: "encrypted",
+    0x40: "encrypted (strong encryption)",
+    0x20: "compressed patched data",
+    0x2000: "encrypted central directory",
+}
 # what zipfile raises on a damaged archive: NotImplementedError for flag bits or a
 # version it does not know, RuntimeError for an "encrypted" entry (one flipped bit)
 ZIP_ERRORS = (
@@ -34,6 +56,7 @@ ZIP_ERRORS = (
     NotImplementedError,
     RuntimeError,
 )
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
 def central_directory(path: str) -> bytes:
@@ -128,6 +151,11 @@ class FileSpan(io.RawIOBase):
 class ZipPickle:
     """An opened torch zip container: its entry names and a way to unpickle from it.
 
+    The central directory is parsed by ``zipfile``; entries are read here, each from
+    its local header checked against the directory (name, flags, method), within the
+    sizes the directory declares and the bytes the file holds, inflated (where
+    compressed) in bounded chunks, CRC-checked.
+
     Args:
         path: The file.
         start, length: The span of the file that holds the zip (DCP chunks); whole file by default.
@@ -141,40 +169,161 @@ class ZipPickle:
         stream: Any = FileSpan(path, start, self.length) if (start or length is not None) else path
         try:
             self.zip = zipfile.ZipFile(stream)
-            self.infos = {info.filename: info for info in self.zip.infolist()}
+            infos = self.zip.infolist()
         except ZIP_ERRORS as exc:
             raise CkptError(f"truncated or corrupt zip archive ({exc})", path=path) from None
-        for info in self.infos.values():
-            if info.header_offset + info.compress_size > self.length:
-                raise CkptError("zip entry runs past the end of the file (truncated?)", path=path)
-        pickles = sorted((n for n in self.infos if n.endswith("/data.pkl")), key=len)
-        self.prefix = pickles[0][: -len("data.pkl")] if pickles else None
+        self.infos = {info.filename: info for info in infos}
+        if len(self.infos) != len(infos):
+            twice = next(i.filename for i in infos if self.infos[i.filename] is not i)
+            self.close()
+            raise CkptError(
+                f"zip entry {twice!r} appears twice (readers disagree on which one counts)",
+                path=path,
+            )
+        try:
+            for info in infos:
+                self._check_entry(info)
+            self.prefix = self._find_prefix(infos)
+            for entry in SMALL_ENTRIES:  # read or not, none of them may be a bomb
+                small = self.infos.get(f"{self.prefix or ''}{entry}")
+                if small is not None and small.file_size > SMALL_ENTRY_BYTES:
+                    raise CkptError(
+                        f"zip entry {small.filename!r} declares {small.file_size} bytes; "
+                        f"it holds at most {SMALL_ENTRY_BYTES}",
+                        path=path,
+                    )
+        except CkptError:
+            self.close()
+            raise
+
+    def _check_entry(self, info: zipfile.ZipInfo) -> None:
+        """What the central directory says of an entry is possible, before any read."""
+        check_flags(info.flag_bits, info, self.path)
+        if info.header_offset + info.compress_size > self.length:
+            raise CkptError("zip entry runs past the end of the file (truncated?)", path=self.path)
+        if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} (stored, yet {info.compress_size} bytes "
+                f"stored and {info.file_size} declared)",
+                path=self.path,
+            )
+
+    def _find_prefix(self, infos: list[zipfile.ZipInfo]) -> str | None:
+        """The archive's folder: torch.load takes the first entry's (``archive/``); None
+        when that holds no data.pkl. A pickle outside it (a second archive's data.pkl,
+        one under another name) is refused: another reader could take it for this one."""
+        first = infos[0].filename if infos else ""
+        prefix = first[: first.index("/") + 1] if "/" in first else ""
+        if f"{prefix}data.pkl" not in self.infos:
+            return None
+        for name in self.infos:
+            if name.endswith(".pkl") and not name.startswith(prefix):
+                raise CkptError(
+                    f"zip entry {name!r} is a pickle outside the archive's folder "
+                    f"{prefix!r}, which torch.load never reads: a second archive or a "
+                    "disguised pickle",
+                    path=self.path,
+                )
+        return prefix
 
     def names(self) -> list[str]:
         return list(self.infos)
 
-    def read_entry(self, name: str) -> bytes:
-        info = self.infos.get(name)
-        if info is not None and info.CRC == 0 and info.file_size:
-            # torch.save with ``config.save.compute_crc32 = False`` records every CRC as 0
-            # (torch.load does not check them); read such an entry as stored
-            source = self.source(name)
-            return bytes(source.read(0, source.length))
-        try:
-            return self.zip.read(name)
-        except ZIP_ERRORS as exc:
-            raise CkptError(f"corrupt zip entry {name!r} ({exc})", path=self.path) from None
+    def read_entry(self, name: str, limit: int = MAX_INFLATED_BYTES) -> bytes | bytearray:
+        """The bytes of entry ``name``, at most ``limit`` of them (else CkptError).
 
-    def big_endian(self) -> bool:
-        name = f"{self.prefix}byteorder"
-        return name in self.infos and self.read_entry(name).strip() == b"big"
+        Raises:
+            CkptError: Missing, larger than ``limit``, corrupt (local header, CRC-32,
+                deflate stream), or compressed other than by deflate.
+        """
+        info = self._info(name)
+        if info.file_size > limit:
+            raise CkptError(
+                f"zip entry {name!r} declares {info.file_size} bytes; it holds at most {limit}",
+                path=self.path,
+            )
+        at = self._data_offset(info)
+        if info.compress_type == zipfile.ZIP_STORED:
+            data = self._read_at(at, info.file_size)
+        elif info.compress_type == zipfile.ZIP_DEFLATED:
+            data = self._inflate(info, at)
+        else:
+            raise CkptError(
+                f"zip entry {name!r} is compressed with method {info.compress_type} "
+                "(torch writes stored entries)",
+                path=self.path,
+                hint="unzip it and zip it again without compression (zip -0)",
+            )
+        # torch.save with ``config.save.compute_crc32 = False`` records every CRC as 0
+        # (torch.load does not check them)
+        if info.CRC and zlib.crc32(data) != info.CRC:
+            raise CkptError(f"corrupt zip entry {name!r} (CRC-32 mismatch)", path=self.path)
+        return data
 
-    def source(self, name: str) -> ByteSource:
+    def _info(self, name: str) -> zipfile.ZipInfo:
         info = self.infos.get(name)
         if info is None:
             raise CkptError(
                 f"missing zip entry {name!r} (truncated or corrupt file)", path=self.path
             )
+        return info
+
+    def _read_at(self, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of the span (checked to lie inside it)."""
+        fp = self.zip.fp
+        if fp is None:
+            raise CkptError("zip archive closed", path=self.path)
+        fp.seek(offset)
+        data = fp.read(size)
+        if len(data) != size:
+            raise CkptError("zip entry ends early (truncated?)", path=self.path)
+        return data
+
+    def _data_offset(self, info: zipfile.ZipInfo) -> int:
+        """Where an entry's bytes start in the span, from its checked local header."""
+        raw_name = _raw_name(info)
+        header = self._read_at(info.header_offset, _LOCAL_HEADER.size + len(raw_name))
+        return info.header_offset + check_local_header(header, info, raw_name, self.path)
+
+    def _inflate(self, info: zipfile.ZipInfo, at: int) -> bytearray:
+        """A deflated entry, inflated a chunk at a time and never past its declared size."""
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        out = bytearray()
+        left = info.compress_size
+        try:
+            while not inflater.eof:
+                if not left:
+                    raise CkptError(
+                        f"corrupt zip entry {info.filename!r} (deflate stream ends early)",
+                        path=self.path,
+                    )
+                chunk = self._read_at(at, min(INFLATE_CHUNK, left))
+                at, left = at + len(chunk), left - len(chunk)
+                out += inflater.decompress(chunk, info.file_size + 1 - len(out))
+                if len(out) > info.file_size:
+                    raise CkptError(
+                        f"corrupt zip entry {info.filename!r} (inflates past the "
+                        f"{info.file_size} bytes it declares)",
+                        path=self.path,
+                    )
+        except zlib.error as exc:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} ({exc})", path=self.path
+            ) from None
+        if len(out) != info.file_size:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} (inflates to {len(out)} bytes, "
+                f"declares {info.file_size})",
+                path=self.path,
+            )
+        return out
+
+    def big_endian(self) -> bool:
+        name = f"{self.prefix}byteorder"
+        return name in self.infos and self.read_entry(name, SMALL_ENTRY_BYTES).strip() == b"big"
+
+    def source(self, name: str) -> ByteSource:
+        info = self._info(name)
         if info.compress_type != zipfile.ZIP_STORED:
             # torch never compresses entries; inflating one could be a zip bomb
             raise CkptError(
@@ -183,13 +332,15 @@ class ZipPickle:
                 path=self.path,
                 hint="unzip it and zip it again without compression (zip -0)",
             )
-        return ByteSource(
-            self.path, length=info.file_size, zip_header_offset=self.start + info.header_offset
-        )
+        # the local header is checked now, not on first read: inspect, which reads no
+        # tensor bytes, refuses a disguised entry as convert does
+        offset = self.start + self._data_offset(info)
+        return ByteSource(self.path, offset, info.file_size)
 
     def scan(self, *, permissive: bool = False, seen: set[str] | None = None) -> None:
         """Judge the globals of ``data.pkl`` without rebuilding anything (see GlobalsScanner)."""
-        data = self.read_entry(self._pickle_info("data.pkl").filename)
+        info = self._pickle_info("data.pkl")
+        data = self.read_entry(info.filename, self._pickle_limit(info))
         load_pickle(data, path=self.path, permissive=permissive, seen=seen, scan_only=True)
 
     def _pickle_info(self, entry: str) -> zipfile.ZipInfo:
@@ -205,11 +356,16 @@ class ZipPickle:
         info = self.infos.get(f"{self.prefix}{entry}")
         if info is None:
             raise CkptError(f"missing {entry} in the archive", path=self.path)
-        if info.file_size > MAX_PICKLE_BYTES:
+        if info.file_size > self._pickle_limit(info):
             raise CkptError(
                 f"{entry} of {info.file_size} bytes is implausibly large", path=self.path
             )
         return info
+
+    @staticmethod
+    def _pickle_limit(info: zipfile.ZipInfo) -> int:
+        stored = info.compress_type == zipfile.ZIP_STORED
+        return MAX_PICKLE_BYTES if stored else MAX_INFLATED_BYTES
 
     def load(
         self, *, entry: str = "data.pkl", permissive: bool = False, seen: set[str] | None = None
@@ -238,7 +394,7 @@ class ZipPickle:
                 storages[key] = ref
             return storages[key]
 
-        data = self.read_entry(info.filename)
+        data = self.read_entry(info.filename, self._pickle_limit(info))
         return load_pickle(data, persistent_load, path=self.path, permissive=permissive, seen=seen)
 
     def close(self) -> None:
@@ -249,3 +405,42 @@ class ZipPickle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _raw_name(info: zipfile.ZipInfo) -> bytes:
+    """An entry's name as the central directory stores it (UTF-8 with flag bit 11)."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
+def check_flags(flags: int, info: zipfile.ZipInfo, path: str, where: str = "") -> None:
+    """Refuse the flag bits that change how an entry must be read (REFUSED_FLAGS)."""
+    for bit, what in REFUSED_FLAGS.items():
+        if flags & bit:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} ({what}: flag bit "
+                f"{bit.bit_length() - 1}{where})",
+                path=path,
+            )
+
+
+def check_local_header(header: bytes, info: zipfile.ZipInfo, raw_name: bytes, path: str) -> int:
+    """Check an entry's local header against the central directory; return the offset of
+    its data from the header. A reader that walks local headers must see the same entry
+    (name, method) as one that reads the directory, and neither may need a password.
+
+    Raises:
+        CkptError: A header that is missing or says otherwise.
+    """
+    if len(header) < _LOCAL_HEADER.size or header[:4] != ZIP_MAGIC:
+        raise CkptError(f"corrupt zip entry {info.filename!r} (no local header)", path=path)
+    _, _, flags, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack_from(header)
+    check_flags(flags, info, path, " in its local header")
+    name = header[_LOCAL_HEADER.size : _LOCAL_HEADER.size + name_len]
+    if name != raw_name or method != info.compress_type:
+        shown = name.decode("utf-8", "replace")
+        raise CkptError(
+            f"corrupt zip entry {info.filename!r} (its local header says {shown!r}, "
+            f"method {method}: the central directory says otherwise)",
+            path=path,
+        )
+    return _LOCAL_HEADER.size + name_len + extra_len
