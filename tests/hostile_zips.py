@@ -53,6 +53,8 @@ def tensor_pickle(tensors: dict[str, tuple[tuple, int]], storage: str = "FloatSt
             if isinstance(item, tuple):  # a legacy view: (view key, offset, size)
                 pid += b"(" + b"".join(_str(v) if isinstance(v, str) else _int(v) for v in item)
                 pid += b"t"
+            elif item is None:  # a legacy storage that is no view
+                pid += b"N"
             else:
                 pid += _str(item) if isinstance(item, str) else _int(item)
         pid += b"tQ"  # TUPLE, BINPERSID
@@ -260,10 +262,10 @@ def pickle_outside_the_archive() -> bytes:
 
 
 def pickle_inside_the_archive() -> bytes:
-    """A second pickle in the archive's folder, as TorchScript has (constants.pkl,
-    traced_inputs.pkl): valid, never read."""
+    """A second pickle in the archive's folder, as TorchScript archives have
+    (traced_inputs.pkl): valid, never read by torch.load."""
     entries = torch_entries()
-    entries.append(Entry("archive/constants.pkl", tensor_pickle({})))
+    entries.append(Entry("archive/notes.pkl", tensor_pickle({})))
     return zip_bytes(entries)
 
 
@@ -291,7 +293,7 @@ def legacy_bytes(pickle: bytes, storages: list[tuple[str, int, bytes]]) -> bytes
         + _str("type_sizes") + b"}(" + _str("short") + _int(2) + _str("int") + _int(4)
         + _str("long") + _int(4) + b"uu."
     )  # fmt: skip
-    keys = b"\x80\x02(" + b"".join(_str(k) for k, _, _ in storages) + b"l."
+    keys = b"\x80\x02](" + b"".join(_str(k) for k, _, _ in storages) + b"e."  # APPENDS
     out = b"\x80\x02" + _int(LEGACY_MAGIC) + b"." + b"\x80\x02" + _int(1001) + b"."
     out += sys_info + pickle + keys
     for _, numel, data in storages:
@@ -310,7 +312,7 @@ def legacy_view(offset: int, size: int) -> Callable[[], bytes]:
 
 
 def legacy_valid() -> bytes:
-    pickle = tensor_pickle({"w": (("0", "cpu", 4), 4)})
+    pickle = tensor_pickle({"w": (("0", "cpu", 4, None), 4)})
     return legacy_bytes(pickle, [("0", 4, struct.pack("<4f", 1, 2, 3, 4))])
 
 
@@ -362,8 +364,11 @@ CASES: dict[str, Case] = {
     "valid_zip": Case(valid_zip, 0, ""),
     "compressed_pickle": Case(compressed_pickle, 0, ""),
     "byteorder_bomb": Case(entry_bomb("/byteorder", 2 * GiB), 2, "byteorder"),
-    "version_bomb": Case(entry_bomb("/version", 2 * GiB), 0, ""),  # never read
-    "serialization_id_bomb": Case(entry_bomb("/.data/serialization_id", 2 * GiB), 0, ""),
+    # never read by ckpttool, but torch.load inflates them: no valid file has one
+    "version_bomb": Case(entry_bomb("/version", 2 * GiB), 2, "'archive/version' declares"),
+    "serialization_id_bomb": Case(
+        entry_bomb("/.data/serialization_id", 2 * GiB), 2, "serialization_id' declares"
+    ),
     "pickle_bomb": Case(pickle_bomb, 2, "data.pkl"),
     "crc0_declares_3gb": Case(crc0_declares_3gb, 2, "data.pkl"),
     "storage_declares_3gb": Case(storage_declares_3gb, 2, "data/0"),

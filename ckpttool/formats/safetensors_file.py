@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -47,12 +48,58 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
             )
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise CkptError(
+            f"corrupt safetensors header: {exc.args[0]!r} appears twice "
+            "(readers disagree on which one counts)",
+            path=path,
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CkptError(f"corrupt safetensors header ({exc})", path=path) from None
     if not isinstance(header, dict):
         raise CkptError("corrupt safetensors header (not a JSON object)", path=path)
     return header, 8 + n
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice (json keeps the last one
+    silently; another reader may take the first)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def check_layout(refs: dict[str, TensorRef], data_start: int, data_len: int, path: str) -> None:
+    """The tensors' bytes follow each other from the start of the data section to its
+    end, as the safetensors library requires. No overlap: a small file must not make a
+    huge output by naming the same bytes a million times; no gap, nothing after.
+
+    Raises:
+        CkptError: Naming the first tensor out of place.
+    """
+    spans = [(r.storage.source.offset, r.nbytes, name) for name, r in refs.items()]  # type: ignore[union-attr]
+    if any(a[:2] > b[:2] for a, b in itertools.pairwise(spans)):  # in file order: no sort
+        spans.sort()
+    end = data_start
+    for start, nbytes, name in spans:
+        if start != end:
+            what = "overlap another tensor's" if start < end else "leave a gap after the previous"
+            raise CkptError(
+                f"tensor {name!r}: its bytes {what} (corrupt safetensors file)", path=path
+            )
+        end = start + nbytes
+    if end != data_start + data_len:
+        raise CkptError(
+            f"{data_start + data_len - end} bytes after the last tensor (corrupt safetensors file)",
+            path=path,
+        )
 
 
 def has_dcp_sharding(header: dict) -> bool:
@@ -90,6 +137,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     root = {}
     for name, info in header.items():
         root[name] = tensor_ref(path, name, info, data_start, data_len)
+    check_layout(root, data_start, data_len, path)
     return Checkpoint(format=FORMAT, files=[path], root=root, metadata=dict(metadata))
 
 
