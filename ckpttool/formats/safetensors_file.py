@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from typing import Any
 
@@ -48,7 +49,14 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
             )
         raw = f.read(n)
     try:
-        header = json.loads(raw, object_pairs_hook=_unique_keys)
+        header = json.loads(raw)
+        # each tensor entry names its data_offsets once: a different count means a key
+        # given twice (json keeps the last one silently; another reader may take the
+        # first), or a header to look at closely
+        if isinstance(header, dict) and raw.count(b'"data_offsets"') != len(header) - (
+            "__metadata__" in header
+        ):
+            header = json.loads(raw, object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
         raise CkptError(
             f"corrupt safetensors header: {exc.args[0]!r} appears twice "
@@ -67,8 +75,7 @@ class _DuplicateKey(ValueError):
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object as a dict, refusing a key given twice (json keeps the last one
-    silently; another reader may take the first)."""
+    """A JSON object as a dict, refusing a key given twice."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
@@ -84,7 +91,8 @@ def check_layout(refs: dict[str, TensorRef], data_start: int, data_len: int, pat
     Raises:
         CkptError: Naming the first tensor out of place.
     """
-    spans = [(r.storage.source.offset, r.nbytes, name) for name, r in refs.items()]  # type: ignore[union-attr]
+    sources = ((name, r.storage.source) for name, r in refs.items())  # type: ignore[union-attr]
+    spans = [(s.offset, s.length, name) for name, s in sources]  # type: ignore[union-attr]
     if any(a[:2] > b[:2] for a, b in itertools.pairwise(spans)):  # in file order: no sort
         spans.sort()
     end = data_start
@@ -149,12 +157,18 @@ def tensor_ref(path: str, name: str, info: Any, data_start: int, data_len: int) 
         begin, end = (int(x) for x in info["data_offsets"])
     except (KeyError, TypeError, ValueError):
         raise CkptError(f"corrupt safetensors header entry {name!r}", path=path) from None
-    ref = TensorRef(dtype=dt, shape=shape, stride=contiguous_stride(shape), offset=0, storage=None)
-    if any(s < 0 for s in shape) or not 0 <= begin <= end <= data_len or end - begin != ref.nbytes:
+    numel = math.prod(shape)
+    if (
+        min(shape, default=0) < 0
+        or not 0 <= begin <= end <= data_len
+        or end - begin != numel * dt.itemsize
+    ):
         raise CkptError(
             f"tensor {name!r}: offsets do not match its shape or the file (truncated or corrupt)",
             path=path,
         )
-    source = ByteSource(path, data_start + begin, end - begin)
-    ref.storage = StorageRef(name, dt, ref.numel, "cpu", source)
+    storage = StorageRef(name, dt, numel, "cpu", ByteSource(path, data_start + begin, end - begin))
+    ref = TensorRef(
+        dtype=dt, shape=shape, stride=contiguous_stride(shape), offset=0, storage=storage
+    )
     return ref
