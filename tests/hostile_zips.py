@@ -179,6 +179,36 @@ def pickle_bomb() -> bytes:
     return entry_bomb("/data.pkl", GiB)()
 
 
+def pickle_inflates_past_declared() -> bytes:
+    """``data.pkl`` declaring 1 MiB whose deflate stream holds 64 MiB: the directory's
+    size is no promise."""
+    bomb = deflate_zeros(64 << 20)
+    return zip_bytes(
+        _replace(torch_entries(), "/data.pkl", data=bomb, method=8, size=1 << 20, crc=1)
+    )
+
+
+def pickle_of_zeros_under_the_cap() -> bytes:
+    """``data.pkl``: 60 MiB of zeros, deflated to 60 KB, truthful sizes and CRC: it is
+    inflated (within the cap), then found not to be a pickle."""
+    size = 60 << 20
+    crc = 0
+    for _ in range(60):
+        crc = zlib.crc32(bytes(1 << 20), crc)
+    bomb = deflate_zeros(size)
+    entries = _replace(torch_entries(), "/data.pkl", data=bomb, method=8, size=size, crc=crc)
+    return zip_bytes(entries)
+
+
+def compressed_storage() -> bytes:
+    """A storage entry deflated: torch never writes one, and inflating it is unbounded."""
+    data = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+    return zip_bytes(
+        _replace(torch_entries(), "/data/0", data=deflate(data), method=8, size=16,
+                 crc=zlib.crc32(data))
+    )  # fmt: skip
+
+
 def compressed_pickle() -> bytes:
     """A valid ``data.pkl``, deflated (re-zipped with compression): read, exit 0."""
     pickle = tensor_pickle({"w": (("0", "cpu", 4), 4)})
@@ -370,6 +400,9 @@ CASES: dict[str, Case] = {
         entry_bomb("/.data/serialization_id", 2 * GiB), 2, "serialization_id' declares"
     ),
     "pickle_bomb": Case(pickle_bomb, 2, "data.pkl"),
+    "pickle_inflates_past_declared": Case(pickle_inflates_past_declared, 2, "inflates past"),
+    "pickle_of_zeros_under_the_cap": Case(pickle_of_zeros_under_the_cap, 2, "pickle"),
+    "compressed_storage": Case(compressed_storage, 2, "compressed zip entry 'archive/data/0'"),
     "crc0_declares_3gb": Case(crc0_declares_3gb, 2, "data.pkl"),
     "storage_declares_3gb": Case(storage_declares_3gb, 2, "data/0"),
     "stored_sizes_disagree": Case(stored_sizes_disagree, 2, "byteorder"),

@@ -49,34 +49,47 @@ class Run:
 
 
 # Started from pytest, a child's ru_maxrss would count the pytest image it was forked
-# from (hundreds of MB, torch loaded): a small launcher process forks the command instead.
+# from (hundreds of MB, torch loaded): a small launcher process forks the commands
+# instead, one after the other, each under its own CPU limit.
 LAUNCHER = """
 import json, os, resource, subprocess, sys
-cpu, out, err, args = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-def limit():
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-with open(out, "wb") as o, open(err, "wb") as e:
-    proc = subprocess.Popen(args, stdout=o, stderr=e, preexec_fn=limit)
-    _, status, usage = os.wait4(proc.pid, 0)
-code = os.waitstatus_to_exitcode(status)
-print(json.dumps([code, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024]))
+results = []
+for cpu, out, err, args in json.loads(sys.argv[1]):
+    def limit(cpu=cpu):
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = subprocess.Popen(args, stdout=o, stderr=e, preexec_fn=limit)
+        _, status, usage = os.wait4(proc.pid, 0)
+    cpu_s = usage.ru_utime + usage.ru_stime
+    results.append([os.waitstatus_to_exitcode(status), cpu_s, usage.ru_maxrss * 1024])
+print(json.dumps(results))
 """
 
 
-def run_limited(args: list[str], cpu_limit: int) -> Run:
-    """``python -m ckpttool ARGS`` under ``RLIMIT_CPU``; its CPU time and peak RSS."""
+def run_limited(jobs: list[tuple[list[str], int]]) -> list[Run]:
+    """``python -m ckpttool ARGS`` under ``RLIMIT_CPU`` for each (ARGS, limit); each
+    one's exit code, output, CPU time and peak RSS."""
     with tempfile.TemporaryDirectory() as folder:
-        out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        command = [sys.executable, "-m", "ckpttool", *args]
+        specs = [
+            [
+                limit,
+                f"{folder}/{i}.out",
+                f"{folder}/{i}.err",
+                [sys.executable, "-m", "ckpttool", *a],
+            ]
+            for i, (a, limit) in enumerate(jobs)
+        ]
         launcher = subprocess.run(
-            [sys.executable, "-c", LAUNCHER, str(cpu_limit), str(out), str(err), *command],
+            [sys.executable, "-c", LAUNCHER, json.dumps(specs)],
             capture_output=True,
             text=True,
             env={**subprocess_env(), "COLUMNS": "80"},
             check=True,
         )
-        code, cpu_s, max_rss = json.loads(launcher.stdout)
-        return Run(code, out.read_text(), err.read_text(), cpu_s, max_rss)
+        return [
+            Run(code, Path(spec[1]).read_text(), Path(spec[2]).read_text(), cpu_s, max_rss)
+            for spec, (code, cpu_s, max_rss) in zip(specs, json.loads(launcher.stdout), strict=True)
+        ]
 
 
 def command_args(command: str, path: Path, out: Path) -> list[str]:
@@ -90,11 +103,10 @@ def baseline(tmp_path_factory) -> dict[str, Run]:
     folder = tmp_path_factory.mktemp("baseline")
     path = folder / "valid.pt"
     path.write_bytes(hostile_zips.valid_zip())
-    runs = {}
-    for command in COMMANDS:
-        run = run_limited(command_args(command, path, folder / f"{command}.out"), 120)
+    jobs = [(command_args(c, path, folder / f"{c}.out"), 120) for c in COMMANDS]
+    runs = dict(zip(COMMANDS, run_limited(jobs), strict=True))
+    for run in runs.values():
         assert run.returncode == 0, run.stderr
-        runs[command] = run
     return runs
 
 
@@ -105,29 +117,32 @@ def sha256(path: Path) -> str:
 BOUNDED = [name for name in CASES if name != "many_empty_tensors"]  # see the linear test
 
 
-@pytest.mark.parametrize("command", list(COMMANDS))
 @pytest.mark.parametrize("name", BOUNDED)
 def test_hostile_input_bounded_one_line_nothing_written(
-    tmp_path: Path, baseline: dict[str, Run], name: str, command: str
+    tmp_path: Path, baseline: dict[str, Run], name: str
 ):
+    """inspect --json, inspect --stats, convert and merge of one case."""
     case = CASES[name]
     path = tmp_path / "in" / f"{name}{case.suffix}"
     path.parent.mkdir()
     path.write_bytes(case.build())
     before = sha256(path)
-    out = tmp_path / "out" / "result"
-    base = baseline[command]
-    run = run_limited(command_args(command, path, out), math.ceil(base.cpu_s) + WORK_CPU_S)
-
-    assert run.max_rss <= base.max_rss + WORK_RSS, (run.max_rss // MiB, base.max_rss // MiB)
-    assert "Traceback" not in run.stderr
-    if case.code == 0:
-        assert run.returncode == 0, run.stderr
-        if command in ("convert", "merge"):
-            assert out.is_file()
-    else:
-        one_line_error(run, case.code, case.needle)  # type: ignore[arg-type]
-        assert not (tmp_path / "out").exists()
+    outs = {command: tmp_path / command / "result" for command in COMMANDS}
+    jobs = [
+        (command_args(c, path, outs[c]), math.ceil(baseline[c].cpu_s) + WORK_CPU_S)
+        for c in COMMANDS
+    ]
+    for command, run in zip(COMMANDS, run_limited(jobs), strict=True):
+        base = baseline[command]
+        assert run.max_rss <= base.max_rss + WORK_RSS, (command, run.max_rss // MiB)
+        assert "Traceback" not in run.stderr, command
+        if case.code == 0:
+            assert run.returncode == 0, (command, run.stderr)
+            if command in ("convert", "merge"):
+                assert outs[command].is_file()
+        else:
+            one_line_error(run, case.code, case.needle)  # type: ignore[arg-type]
+            assert not outs[command].parent.exists(), command
     assert sha256(path) == before
     assert tree_files(path.parent) == [path.name]
 
@@ -142,6 +157,20 @@ def test_api_raises_ckpt_error(tmp_path: Path, name: str):
     path.write_bytes(case.build())
     with pytest.raises(CkptError, match=case.needle.replace("'", ".").replace("(", ".")):
         ckpttool.load(str(path), select="all")
+
+
+def test_zip_span_past_the_end_of_its_file(tmp_path: Path):
+    """A DCP chunk's (start, length) comes from its metadata: a span longer than the file
+    is refused before anything is read or allocated from it."""
+    from ckpttool.formats.zip_pickle import ZipPickle
+
+    path = tmp_path / "chunk.distcp"
+    path.write_bytes(hostile_zips.valid_zip())
+    for start, length in ((0, 3_000_000_000), (-8, 100), (10, path.stat().st_size)):
+        with pytest.raises(CkptError, match="runs past the end of the file"):
+            ZipPickle(str(path), start, length)
+    with ZipPickle(str(path), 0, path.stat().st_size) as archive:
+        assert archive.prefix == "archive/"
 
 
 def test_valid_controls_load_bitwise(tmp_path: Path):
@@ -170,11 +199,14 @@ def test_bombs_really_inflate(tmp_path: Path):
 def test_many_entry_safetensors_header_linear_memory(tmp_path: Path, baseline: dict[str, Run]):
     """10x the tensors costs at most ~10x the memory and CPU (no quadratic step), and the
     work per tensor is small. The full 10^6-entry file is ``many_empty_tensors``."""
-    costs = {}
-    for count in (20_000, 200_000):
+    counts = (20_000, 200_000)
+    jobs = []
+    for count in counts:
         path = tmp_path / f"empty{count}.safetensors"
         path.write_bytes(hostile_zips.many_empty_tensors(count))
-        run = run_limited(["inspect", "--json", str(path)], 120)
+        jobs.append((["inspect", "--json", str(path)], 120))
+    costs = {}
+    for count, run in zip(counts, run_limited(jobs), strict=True):
         assert run.returncode == 0, run.stderr
         assert f'"num_tensors": {count}' in run.stdout
         costs[count] = run.max_rss - baseline["inspect"].max_rss

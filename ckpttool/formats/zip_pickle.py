@@ -66,6 +66,12 @@ class ZipPickle:
         self.start = start
         size = os.path.getsize(path)
         self.length = size - start if length is None else length
+        if start < 0 or self.length < 0 or start + self.length > size:  # a DCP span, say
+            raise CkptError(
+                f"zip archive of {self.length} bytes at {start} runs past the end of the file "
+                "(truncated?)",
+                path=path,
+            )
         stream: Any = FileSpan(path, start, self.length) if (start or length is not None) else path
         try:
             self.zip = zipfile.ZipFile(stream)
