@@ -317,3 +317,32 @@ def test_output_beside_files_we_cannot_open_is_written(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert torch.equal(load_file(tmp_path / "o.st")["w"], torch.arange(6.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "in.pt", "o.st", "sub"]
+
+
+def test_stale_temp_folder_inside_an_output_folder_removed(tmp_path: Path):
+    """Shards written into an existing folder go through a temp folder inside it: a killed
+    run's is removed by the next run into that folder, a running one's is kept."""
+    torch.save({"w": torch.ones(3)}, tmp_path / "in.pt")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale, running = out / f"{TEMP_MARK}{dead.pid}", out / f"{TEMP_MARK}{live.pid}"
+        for folder in (stale, running):
+            folder.mkdir()
+            (folder / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+        convert([str(tmp_path / "in.pt")], "safetensors", str(out), max_shard_size="1GB")
+        assert tree_files(out) == sorted([
+            "config.json",
+            "model-00001-of-00001.safetensors",
+            "model.safetensors.index.json",
+            running.name,
+            f"{running.name}/model-00001-of-00001.safetensors",
+        ])  # fmt: skip
+        assert torch.equal(load_file(out / "model-00001-of-00001.safetensors")["w"], torch.ones(3))
+    finally:
+        live.kill()
+        live.wait()
