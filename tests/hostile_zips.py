@@ -379,6 +379,18 @@ def duplicate_safetensors_key() -> bytes:
     return len(raw).to_bytes(8, "little") + raw + bytes(8)
 
 
+def deeply_nested_header() -> bytes:
+    """A 200 KB header nested 100000 levels deep: json recurses once per level."""
+    raw = b'{"w":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def deeply_nested_index() -> bytes:
+    """A shard index (``*.safetensors.index.json``) nested 100000 levels deep."""
+    return b'{"weight_map": {}, "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
 # ------------------------------------------------------------------ the corpus
 
 
@@ -429,6 +441,10 @@ CASES: dict[str, Case] = {
     "many_empty_tensors": Case(many_empty_tensors, 0, "", ".safetensors"),
     "overlapping_tensors": Case(overlapping_tensors, 2, "overlap", ".safetensors"),
     "duplicate_safetensors_key": Case(duplicate_safetensors_key, 2, "'w'", ".safetensors"),
+    "deeply_nested_header": Case(deeply_nested_header, 2, "nested too deep", ".safetensors"),
+    "deeply_nested_index": Case(
+        deeply_nested_index, 2, "nested too deep", ".safetensors.index.json"
+    ),
 }
 
 

@@ -65,6 +65,8 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CkptError(f"corrupt safetensors header ({exc})", path=path) from None
+    except RecursionError:  # json recurses once per nesting level
+        raise CkptError("corrupt safetensors header (nested too deep)", path=path) from None
     if not isinstance(header, dict):
         raise CkptError("corrupt safetensors header (not a JSON object)", path=path)
     return header, 8 + n

@@ -86,6 +86,8 @@ def _read_index(index_path: str) -> dict[str, Any]:
             raise TypeError
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         raise CkptError("corrupt shard index (no weight_map)", path=index_path) from None
+    except RecursionError:  # json recurses once per nesting level
+        raise CkptError("corrupt shard index (nested too deep)", path=index_path) from None
     return index
 
 
