@@ -10,7 +10,7 @@ from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import UsageError, translate_errors
-from .output import atomic_output, check_output
+from .output import DCP_FILES, HF_SHARDS, atomic_output, check_output, output_path
 from .tree import DTYPES, DType
 from .writers import output_nbytes
 
@@ -48,27 +48,36 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def default_output(inputs: Sequence[str], to: str, sharded: bool) -> str:
-    """A name beside the input: ``ep0.safetensors``, ``ep0-safetensors/``, ``ep0.pt``, ``ep0-dcp/``.
-
-    Per-rank inputs drop their rank (``ep0-rank0.pt`` -> ``ep0``): one output for all ranks.
-    """
+def output_stem(inputs: Sequence[str]) -> tuple[str, str]:
+    """(folder, stem) of the input an output is named after: ``/d/ep0-rank0.pt`` ->
+    (``/d``, ``ep0``). Per-rank inputs drop their rank: one output for all ranks."""
     first = os.path.normpath(inputs[0])
     folder, name = os.path.split(first)
     stem = name.split(".", 1)[0] if not os.path.isdir(first) else name
-    stem = (
-        re.sub(r"[-_]?rank\*?\d*$", "", stem) or stem
-    )  # per-rank inputs: one output for all ranks
+    return folder, re.sub(r"[-_]?rank\*?\d*$", "", stem) or stem
+
+
+def unused_name(folder: str, stem: str, suffix: str, inputs: Sequence[str]) -> str:
+    """``folder/stem.pt``, or ``folder/stem-suffix.pt`` where that is an input."""
+    candidate = os.path.join(folder, f"{stem}.pt")
+    if os.path.realpath(candidate) not in map(os.path.realpath, inputs):
+        return candidate
+    return os.path.join(folder, f"{stem}-{suffix}.pt")
+
+
+def default_output(inputs: Sequence[str], to: str, sharded: bool, folder: str | None = None) -> str:
+    """A name beside the input: ``ep0.safetensors``, ``ep0-safetensors/``, ``ep0.pt``, ``ep0-dcp/``.
+
+    Per-rank inputs drop their rank (``ep0-rank0.pt`` -> ``ep0``): one output for all ranks.
+    ``folder`` puts it there instead (``-o DIR/``).
+    """
+    beside, stem = output_stem(inputs)
+    folder = beside if folder is None else folder
     if to == "dcp":
         return os.path.join(folder, f"{stem}-dcp")
     if to == "safetensors":
         return os.path.join(folder, f"{stem}-safetensors" if sharded else f"{stem}.safetensors")
-    candidate = os.path.join(folder, f"{stem}.pt")
-    return (
-        candidate
-        if os.path.realpath(candidate) not in map(os.path.realpath, inputs)
-        else os.path.join(folder, f"{stem}-converted.pt")
-    )
+    return unused_name(folder, stem, "converted", inputs)
 
 
 @dataclass
@@ -142,16 +151,23 @@ def convert(
         named_after = [os.path.dirname(os.path.abspath(inputs[0]))]
     else:
         named_after = inputs
-    out = out or default_output(named_after, to, shard_limit is not None)
-    check_output(out, [*inputs, *ckpt.files], force=force)
+    folder_output = to == "dcp" or shard_limit is not None
+    if out is None:
+        out = default_output(named_after, to, shard_limit is not None)
+    elif not folder_output:  # -o DIR/: the default name inside it
+        name = os.path.basename(default_output(named_after, to, False, folder=out))
+        out = output_path(out, name, folder_output=False)
+    else:
+        out = output_path(out, "", folder_output=True)
+    layout = DCP_FILES if to == "dcp" else HF_SHARDS if folder_output else None
+    check_output(out, [*inputs, *ckpt.files], force=force, layout=layout)
     total = sum(output_nbytes(leaf, cast) for leaf in tensors.values())
     metadata = {"source": os.path.basename(os.path.normpath(inputs[0]))}
-    folder_output = to == "dcp" or shard_limit is not None
 
     from contextlib import nullcontext
 
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
-    with bar as advance, atomic_output(out, force=force, folder=folder_output) as tmp:
+    with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
         if to == "safetensors" and shard_limit is not None:
             from .writers.safetensors import write_sharded
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from .api import read, require_data
 from .errors import translate_errors
-from .output import atomic_output, check_output
+from .output import atomic_output, check_output, output_path
 from .plain import stand_in_names
 from .tree import iter_tensors
 
@@ -38,7 +38,8 @@ def merge(
 
     Args:
         paths: Per-rank files, a glob, one rank's file, or a DCP folder (any readable input works).
-        out: The output ``.pt`` file.
+        out: The output ``.pt`` file; ``DIR/`` or an existing folder puts it there under
+            the name of the input (``ep0-rank0.pt`` -> ``DIR/ep0.pt``).
         force: Replace an existing output.
         unsafe: Accept pickles that reference dangerous globals (kept inert).
         progress: As in :func:`ckpttool.convert.convert`.
@@ -50,6 +51,7 @@ def merge(
 
     ckpt = read(paths, unsafe=unsafe)
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    out = output_path(os.fspath(out), default_name(inputs, out), folder_output=False)
     check_output(out, [*inputs, *ckpt.files], force=force)
     require_data(ckpt.root)
     leaves = [leaf for _, leaf in iter_tensors(ckpt.root)]
@@ -61,3 +63,11 @@ def merge(
 
         write_torch(tmp, ckpt.root, progress=advance)
     return MergeResult(out, len(leaves), total, stand_ins)
+
+
+def default_name(inputs: Sequence[str], folder: str) -> str:
+    """The merged file's name in ``folder`` (``-o DIR/``): the input's, its rank dropped
+    (``ep0-rank0.pt``, ``ep0/`` -> ``ep0.pt``); ``ep0-merged.pt`` where that is an input."""
+    from .convert import output_stem, unused_name
+
+    return os.path.basename(unused_name(folder, output_stem(inputs)[1], "merged", inputs))

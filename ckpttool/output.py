@@ -2,6 +2,11 @@
 
 An interrupted run (SIGKILL, disk full) leaves no partial output and never
 touches the input; a temp file left by a killed run is removed by the next one.
+
+``--force`` replaces only what a ckpttool output consists of: the output file, or the
+files of a folder output (HF shards and their index, DCP's ``.metadata`` and
+``*.distcp``). A folder output goes into an existing folder beside whatever else it
+holds; other files are never touched, whatever the flags.
 """
 
 from __future__ import annotations
@@ -9,23 +14,198 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from .errors import CkptError, OutputExistsError
 
 TEMP_MARK = ".ckpttool-tmp-"
 
 
-def check_output(out: str, inputs: Sequence[str], *, force: bool) -> None:
-    """Refuse an existing output without ``force``, and any output that is an input."""
+@dataclass(frozen=True)
+class FolderLayout:
+    """The files a folder output consists of: what a run writes and what ``--force``
+    may replace in that folder (an earlier run's files), and nothing else.
+
+    Attributes:
+        kind: What it is, for messages.
+        pattern: The names of its files, this run's and those of earlier runs.
+        last: The file that makes the folder a checkpoint (index, metadata): moved in
+            after the data files it names, so a reader never finds it before them.
+    """
+
+    kind: str
+    pattern: re.Pattern[str]
+    last: str
+
+    def owns(self, name: str) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+
+# the names writers/safetensors.py and writers/dcp.py write
+HF_SHARDS = FolderLayout(
+    "Hugging Face shards",
+    re.compile(r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json"),
+    "model.safetensors.index.json",
+)
+DCP_FILES = FolderLayout("a DCP checkpoint", re.compile(r"\.metadata|[^/]*\.distcp"), ".metadata")
+FOLDER_LAYOUTS = (HF_SHARDS, DCP_FILES)
+
+
+def output_path(out: str, default_name: str, *, folder_output: bool) -> str:
+    """Where ``-o OUT`` puts the output.
+
+    ``OUT/`` (a trailing slash) or an existing folder means "into this folder": a
+    single-file output gets ``default_name`` inside it; a folder output (shards, DCP)
+    is written into OUT itself.
+    """
+    into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
+    if folder_output:
+        return out.rstrip(os.sep + (os.altsep or "")) or out
+    if into or os.path.isdir(out):
+        return os.path.join(out, default_name)
+    return out
+
+
+def check_output(
+    out: str, inputs: Sequence[str], *, force: bool, layout: FolderLayout | None = None
+) -> None:
+    """Refuse, before any work, an output that would touch an input or replace what it may not.
+
+    Args:
+        out: The output file, or the folder of a folder output (``layout``).
+        inputs: Every input path (files and folders) the checkpoint was read from.
+        force: Replace an earlier output.
+        layout: The files of a folder output; None for a single file.
+
+    Raises:
+        CkptError: The output would write into, over or beside-and-replace an input, or
+            ``--force`` would replace something that is not a checkpoint output.
+        OutputExistsError: An earlier output is there and not ``force``.
+    """
+    _check_inputs(out, inputs, layout)
+    if layout is None:
+        parent = os.path.dirname(os.path.abspath(out))
+        if _is_file(parent):  # OUT/name asked for a folder where a file is
+            _check_replace_file(parent, force)
+        elif os.path.isdir(out):
+            _check_replace_folder(out, force)
+        elif os.path.lexists(out) and not force:
+            raise OutputExistsError("output exists", path=out, hint="pass --force to overwrite it")
+    elif os.path.isdir(out):
+        _owned_entries(out, layout, force)
+    elif os.path.lexists(out):
+        _check_replace_file(out, force)
+
+
+def _check_inputs(out: str, inputs: Sequence[str], layout: FolderLayout | None) -> None:
     real_out = os.path.realpath(out)
     for path in inputs:
         real_in = os.path.realpath(path)
-        if real_out == real_in or real_in.startswith(real_out + os.sep):
+        touched = real_out == real_in or _inside(real_out, real_in)  # written into an input
+        if layout is None or not os.path.isdir(out):
+            touched = touched or _inside(real_in, real_out)  # replaced with what it holds
+        else:  # written into a folder: only its own files are replaced
+            touched = touched or (
+                os.path.dirname(real_in) == real_out and layout.owns(os.path.basename(real_in))
+            )
+        if touched:
             raise CkptError("output would overwrite the input", path=out, hint="choose another -o")
-    if os.path.lexists(out) and not force:
-        raise OutputExistsError("output exists", path=out, hint="pass --force to overwrite it")
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _is_file(path: str) -> bool:
+    return os.path.lexists(path) and not os.path.isdir(path)
+
+
+def _check_replace_file(path: str, force: bool) -> None:
+    """A file where the output needs a folder: replaced with ``force`` if it is one of ours."""
+    if not force:
+        raise OutputExistsError(
+            "a file is where the output needs a folder",
+            path=path,
+            hint="pass --force to replace it if it is a checkpoint, or choose another -o",
+        )
+    if not is_checkpoint_file(path):
+        raise CkptError(
+            "a file that is not a checkpoint is where the output needs a folder; "
+            "--force replaces only what ckpttool writes",
+            path=path,
+            hint="move it away or choose another -o",
+        )
+
+
+def _check_replace_folder(path: str, force: bool) -> None:
+    """A folder where the output needs a file: replaced with ``force`` if it is one of ours."""
+    if not force:
+        raise OutputExistsError(
+            "a folder is where the output needs a file",
+            path=path,
+            hint="pass --force to replace it if it is a checkpoint, or choose another -o",
+        )
+    if not is_checkpoint_folder(path):
+        raise CkptError(
+            "a folder that holds other files is where the output needs a file; "
+            "--force replaces only what ckpttool writes",
+            path=path,
+            hint="move it away or choose another -o",
+        )
+
+
+def _owned_entries(folder: str, layout: FolderLayout, force: bool) -> list[str]:
+    """The files of an earlier output of this layout in ``folder`` (replaced by this run)."""
+    owned = sorted(name for name in os.listdir(folder) if layout.owns(name))
+    for name in owned:
+        if os.path.isdir(os.path.join(folder, name)) or not os.path.lexists(
+            os.path.join(folder, name)
+        ):
+            raise CkptError(
+                f"{name} is a folder where the output writes a file",
+                path=folder,
+                hint="move it away or choose another -o",
+            )
+    if owned and not force:
+        shown = ", ".join(owned[:3]) + (f" and {len(owned) - 3} more" if len(owned) > 3 else "")
+        raise OutputExistsError(
+            f"output exists: the folder holds {layout.kind} ({shown})",
+            path=folder,
+            hint="pass --force to replace them; other files in it stay",
+        )
+    return owned
+
+
+def is_checkpoint_file(path: str) -> bool:
+    """A file ckpttool writes as an output: safetensors, or a ``torch.save`` zip."""
+    from .formats.safetensors_file import detect as is_safetensors
+    from .formats.zip_pickle import ZIP_MAGIC, central_directory
+
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+        if is_safetensors(path, head):
+            return True
+        return head.startswith(ZIP_MAGIC) and b"/data.pkl" in central_directory(path)
+    except OSError:
+        return False
+
+
+def is_checkpoint_folder(path: str) -> bool:
+    """A folder that holds nothing but the files of one folder output (shards, DCP)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return bool(names) and any(
+        all(layout.owns(n) and _is_file(os.path.join(path, n)) for n in names)
+        for layout in FOLDER_LAYOUTS
+    )
 
 
 def _remove(path: str) -> None:
@@ -36,9 +216,8 @@ def _remove(path: str) -> None:
             os.remove(path)
 
 
-def _clean_stale(folder: str, name: str) -> None:
+def _clean_stale(folder: str, stem: str) -> None:
     """Remove temp outputs of earlier runs that were killed (their pid is gone)."""
-    stem = f".{name}{TEMP_MARK}"
     for entry in os.listdir(folder):
         if not entry.startswith(stem):
             continue
@@ -87,24 +266,43 @@ def _fsync(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[str]:
+def atomic_output(
+    out: str, *, force: bool, folder: bool = False, layout: FolderLayout | None = None
+) -> Iterator[str]:
     """Yield a temp path beside ``out``; on success it becomes ``out`` in one rename.
 
     Args:
-        out: The final file or folder.
-        force: Replace an existing ``out``.
-        folder: The output is a folder (created empty for the caller).
+        out: The final file, or the folder of a folder output.
+        force: Replace an earlier output (see :func:`check_output` for what may be replaced).
+        folder: The output is a folder: the caller gets an empty temp folder to fill.
+        layout: The files of a folder output. Into an existing folder they are moved
+            one by one (the ``last`` file last), replacing an earlier run's files of
+            the same layout and nothing else; without a layout an existing folder is
+            refused.
 
     Raises:
-        OutputExistsError: ``out`` exists and not ``force``.
-        CkptError: Writing failed (disk full, file too large, permissions).
+        OutputExistsError: An earlier output is there and not ``force``.
+        CkptError: Writing failed (disk full, file too large, permissions), or ``out``
+            is something ``--force`` may not replace.
     """
     out = os.path.abspath(out)
     parent, name = os.path.split(out)
+    folder = folder or layout is not None
+    if folder and os.path.isdir(out):
+        if layout is None:
+            raise OutputExistsError("output exists", path=out, hint="choose another -o")
+        with _into_folder(out, layout, force) as tmp:
+            yield tmp
+        return
+    if not folder and _is_file(parent):  # OUT/name where OUT is a checkpoint file
+        _check_replace_file(parent, force)
+        with atomic_output(parent, force=force, folder=True) as tmp:
+            yield os.path.join(tmp, name)
+        return
     created = _missing_folders(parent)  # made for the output: removed again if it fails
     try:
         os.makedirs(parent, exist_ok=True)
-        _clean_stale(parent, name)
+        _clean_stale(parent, f".{name}{TEMP_MARK}")
     except OSError as exc:
         _remove_empty(created)
         raise CkptError(f"cannot create the output folder ({exc.strerror})", path=parent) from None
@@ -116,8 +314,7 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
         yield tmp
         fsync_tree(tmp)
         if os.path.lexists(out):
-            if not force:
-                raise OutputExistsError("output exists", path=out, hint="pass --force")
+            _check_replaceable(out, force, want_folder=folder)
             old = os.path.join(parent, f".{name}{TEMP_MARK}old-{os.getpid()}")
             os.replace(out, old)
             os.replace(tmp, out)
@@ -127,19 +324,68 @@ def atomic_output(out: str, *, force: bool, folder: bool = False) -> Iterator[st
     except OSError as exc:
         _remove(tmp)
         _remove_empty(created)
-        reason = (
-            "disk full or file too large"
-            if exc.errno in (errno.ENOSPC, errno.EFBIG)
-            else exc.strerror
-        )
-        raise CkptError(
-            f"cannot write the output ({reason}); nothing was written", path=out
-        ) from None
+        raise _write_error(exc, out) from None
     except BaseException:
         _remove(tmp)
         _remove_empty(created)
         raise
     _fsync_entry(parent)
+
+
+def _check_replaceable(out: str, force: bool, *, want_folder: bool) -> None:
+    """What is at ``out`` may be replaced by the new output (checked again at the end:
+    something may have appeared there while we wrote)."""
+    if want_folder:
+        _check_replace_file(out, force)
+    elif os.path.isdir(out):
+        _check_replace_folder(out, force)
+    elif not force:
+        raise OutputExistsError("output exists", path=out, hint="pass --force to overwrite it")
+
+
+@contextlib.contextmanager
+def _into_folder(folder: str, layout: FolderLayout, force: bool) -> Iterator[str]:
+    """A folder output written into an existing folder, beside what else it holds.
+
+    The files are written into a temp folder inside it, synced, then moved in one by
+    one: the data files first, ``layout.last`` (the index, the metadata) after them,
+    then an earlier run's files that this run did not write again (stale shards) go.
+    """
+    try:
+        _clean_stale(folder, TEMP_MARK)
+    except OSError as exc:
+        raise CkptError(
+            f"cannot write into the output folder ({exc.strerror})", path=folder
+        ) from None
+    _owned_entries(folder, layout, force)
+    tmp = os.path.join(folder, f"{TEMP_MARK}{os.getpid()}")
+    _remove(tmp)
+    try:
+        os.mkdir(tmp)
+        yield tmp
+        fsync_tree(tmp)
+        earlier = _owned_entries(folder, layout, force)
+        written = sorted(os.listdir(tmp), key=lambda n: (n == layout.last, n))
+        for name in written:
+            os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+        for name in earlier:
+            if name not in written:
+                _remove(os.path.join(folder, name))
+        os.rmdir(tmp)
+    except OSError as exc:
+        _remove(tmp)
+        raise _write_error(exc, folder) from None
+    except BaseException:
+        _remove(tmp)
+        raise
+    _fsync_entry(folder)
+
+
+def _write_error(exc: OSError, out: str) -> CkptError:
+    reason = (
+        "disk full or file too large" if exc.errno in (errno.ENOSPC, errno.EFBIG) else exc.strerror
+    )
+    return CkptError(f"cannot write the output ({reason}); nothing was written", path=out)
 
 
 def _missing_folders(folder: str) -> list[str]:

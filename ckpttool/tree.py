@@ -177,9 +177,13 @@ class ByteSource:
             raise CkptError("read outside of the stored bytes (truncated file?)", path=self.path)
         if self.data is not None:
             return bytearray(self.data[start : start + size])
-        buf = bytearray(size)
         with open(self.path, "rb", buffering=0) as f:  # type: ignore[arg-type]
             self.resolve(f.fileno())
+            # never allocate what a file only declares: check the bytes are there first
+            missing = self.offset + start + size - os.fstat(f.fileno()).st_size
+            if missing > 0:
+                raise CkptError(f"file ends {missing} bytes early (truncated?)", path=self.path)
+            buf = bytearray(size)
             f.seek(self.offset + start)
             view = memoryview(buf)
             done = 0

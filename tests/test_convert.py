@@ -434,17 +434,15 @@ def test_force_replaces_file_and_folder(snap: Path, tmp_path: Path):
 
     folder = tmp_path / "shards"
     folder.mkdir()
-    (folder / "stale.txt").write_text("old")
+    (folder / "model-00001-of-00003.safetensors").write_text("an earlier run's shard")
+    (folder / "other.txt").write_text("not ours: --force never touches it")
     convert([str(snap)], "safetensors", str(folder), max_shard_size="1GB", force=True)
-    assert tree_files(folder) == [
-        "model-00001-of-00001.safetensors",
-        "model.safetensors.index.json",
-    ]
     assert tree_files(tmp_path) == [
         "o.safetensors",
         "shards",
         "shards/model-00001-of-00001.safetensors",
         "shards/model.safetensors.index.json",
+        "shards/other.txt",
         "snap.pt",
     ]
 

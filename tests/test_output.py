@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from ckpttool.convert import convert
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
-from ckpttool.output import TEMP_MARK, atomic_output, check_output
+from ckpttool.output import DCP_FILES, HF_SHARDS, TEMP_MARK, atomic_output, check_output
 
 BIG_TENSORS, BIG_ELEMENTS = 6, 12_500_000  # 6 x 50 MB = 300 MB of float32
 
@@ -225,18 +225,49 @@ def test_atomic_output_disk_full_becomes_ckpt_error(tmp_path: Path):
     assert out.read_bytes() == b"old"  # the old output survives a failed --force run
 
 
-def test_atomic_output_folder_replaces_folder_with_force(tmp_path: Path):
+def test_atomic_output_into_folder_replaces_only_its_own_files(tmp_path: Path):
+    """A folder output goes into an existing folder: an earlier run's files of the same
+    layout are refused without force and replaced with it, stale ones removed, the rest kept."""
     out = tmp_path / "shards"
     out.mkdir()
-    (out / "old.txt").write_text("old")
-    with pytest.raises(OutputExistsError):
-        with atomic_output(str(out), force=False, folder=True) as temp:
-            (Path(temp) / "new.txt").write_text("new")
-    assert tree_files(tmp_path) == ["shards", "shards/old.txt"]
-    with atomic_output(str(out), force=True, folder=True) as temp:
-        assert tree_files(Path(temp)) == []
-        (Path(temp) / "new.txt").write_text("new")
-    assert tree_files(tmp_path) == ["shards", "shards/new.txt"]
+    (out / "config.json").write_text("keep")
+    with atomic_output(str(out), force=False, layout=HF_SHARDS) as temp:
+        assert Path(temp).parent == out and tree_files(Path(temp)) == []
+        (Path(temp) / "model-00001-of-00002.safetensors").write_text("1")
+        (Path(temp) / "model-00002-of-00002.safetensors").write_text("2")
+        (Path(temp) / "model.safetensors.index.json").write_text("i")
+    assert tree_files(out) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    with pytest.raises(OutputExistsError, match="--force"):
+        with atomic_output(str(out), force=False, layout=HF_SHARDS) as temp:
+            pytest.fail("never reached")
+    with atomic_output(str(out), force=True, layout=HF_SHARDS) as temp:
+        (Path(temp) / "model-00001-of-00001.safetensors").write_text("new")
+        (Path(temp) / "model.safetensors.index.json").write_text("new index")
+    assert tree_files(out) == [
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert (out / "model.safetensors.index.json").read_text() == "new index"
+    assert (out / "config.json").read_text() == "keep"
+
+
+def test_atomic_output_into_folder_error_leaves_folder_as_it_was(tmp_path: Path):
+    out = tmp_path / "dcp"
+    out.mkdir()
+    (out / ".metadata").write_bytes(b"old")
+    (out / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match="boom"):
+        with atomic_output(str(out), force=True, layout=DCP_FILES) as temp:
+            (Path(temp) / ".metadata").write_bytes(b"half")
+            raise ValueError("boom")
+    assert tree_files(out) == [".metadata", "notes.txt"]
+    assert (out / ".metadata").read_bytes() == b"old"
 
 
 def test_check_output_refuses_input_as_output(tmp_path: Path):
@@ -254,16 +285,23 @@ def test_check_output_refuses_input_as_output(tmp_path: Path):
     check_output(str(existing), [str(src)], force=True)
 
 
-def test_force_into_the_folder_holding_the_input_is_refused(tmp_path: Path):
-    """``-o`` = the input's folder with --force would delete the input: refused."""
+def test_folder_output_into_the_folder_holding_the_input(tmp_path: Path):
+    """``-o`` = the input's folder writes beside the input and never touches it; a folder
+    output whose own files would replace an input, or one inside an input folder, is refused."""
     torch.save({"w": torch.ones(2)}, tmp_path / "in.pt")
     before = sha256(tmp_path / "in.pt")
-    with pytest.raises(CkptError, match="overwrite the input"):
-        convert([str(tmp_path / "in.pt")], "dcp", str(tmp_path), force=True)
-    with pytest.raises(CkptError, match="overwrite the input"):
-        merge(str(tmp_path / "in.pt"), str(tmp_path), force=True)
-    assert tree_files(tmp_path) == ["in.pt"]
+    convert([str(tmp_path / "in.pt")], "dcp", str(tmp_path), force=True)
+    merge(str(tmp_path / "in.pt"), str(tmp_path), force=True)  # in.pt taken: in-merged.pt
+    assert tree_files(tmp_path) == [".metadata", "__0_0.distcp", "in-merged.pt", "in.pt"]
     assert sha256(tmp_path / "in.pt") == before
+    assert torch.equal(torch.load(tmp_path / "in-merged.pt", weights_only=True)["w"], torch.ones(2))
+    with pytest.raises(CkptError, match="overwrite the input"):  # its own files are the input
+        convert([str(tmp_path)], "dcp", str(tmp_path), force=True)
+    with pytest.raises(CkptError, match="overwrite the input"):  # inside the input
+        convert([str(tmp_path)], "pt", str(tmp_path / "sub/"), force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".metadata", "__0_0.distcp", "in-merged.pt", "in.pt"
+    ]  # fmt: skip
 
 
 def test_output_beside_files_we_cannot_open_is_written(tmp_path: Path):
@@ -279,3 +317,32 @@ def test_output_beside_files_we_cannot_open_is_written(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert torch.equal(load_file(tmp_path / "o.st")["w"], torch.arange(6.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "in.pt", "o.st", "sub"]
+
+
+def test_stale_temp_folder_inside_an_output_folder_removed(tmp_path: Path):
+    """Shards written into an existing folder go through a temp folder inside it: a killed
+    run's is removed by the next run into that folder, a running one's is kept."""
+    torch.save({"w": torch.ones(3)}, tmp_path / "in.pt")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale, running = out / f"{TEMP_MARK}{dead.pid}", out / f"{TEMP_MARK}{live.pid}"
+        for folder in (stale, running):
+            folder.mkdir()
+            (folder / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+        convert([str(tmp_path / "in.pt")], "safetensors", str(out), max_shard_size="1GB")
+        assert tree_files(out) == sorted([
+            "config.json",
+            "model-00001-of-00001.safetensors",
+            "model.safetensors.index.json",
+            running.name,
+            f"{running.name}/model-00001-of-00001.safetensors",
+        ])  # fmt: skip
+        assert torch.equal(load_file(out / "model-00001-of-00001.safetensors")["w"], torch.ones(3))
+    finally:
+        live.kill()
+        live.wait()

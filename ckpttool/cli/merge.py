@@ -16,7 +16,13 @@ from .render import human_bytes, progress_factory, stderr_console
 def merge(
     paths: Paths,
     out: Annotated[
-        str, typer.Option("-o", "--out", help="The output .pt file.", show_default=False)
+        str,
+        typer.Option(
+            "-o",
+            "--out",
+            help="The output .pt file, or DIR/ to write it there.",
+            show_default=False,
+        ),
     ],
     force: Force = False,
     unsafe: Unsafe = False,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 from typing import Any
 
@@ -48,11 +50,66 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
+        # each tensor entry names its data_offsets once: a different count means a key
+        # given twice (json keeps the last one silently; another reader may take the
+        # first), or a header to look at closely
+        if isinstance(header, dict) and raw.count(b'"data_offsets"') != len(header) - (
+            "__metadata__" in header
+        ):
+            header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise CkptError(
+            f"corrupt safetensors header: {exc.args[0]!r} appears twice "
+            "(readers disagree on which one counts)",
+            path=path,
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CkptError(f"corrupt safetensors header ({exc})", path=path) from None
+    except RecursionError:  # json recurses once per nesting level
+        raise CkptError("corrupt safetensors header (nested too deep)", path=path) from None
     if not isinstance(header, dict):
         raise CkptError("corrupt safetensors header (not a JSON object)", path=path)
     return header, 8 + n
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def check_layout(refs: dict[str, TensorRef], data_start: int, data_len: int, path: str) -> None:
+    """The tensors' bytes follow each other from the start of the data section to its
+    end, as the safetensors library requires. No overlap: a small file must not make a
+    huge output by naming the same bytes a million times; no gap, nothing after.
+
+    Raises:
+        CkptError: Naming the first tensor out of place.
+    """
+    sources = ((name, r.storage.source) for name, r in refs.items())  # type: ignore[union-attr]
+    spans = [(s.offset, s.length, name) for name, s in sources]  # type: ignore[union-attr]
+    if any(a[:2] > b[:2] for a, b in itertools.pairwise(spans)):  # in file order: no sort
+        spans.sort()
+    end = data_start
+    for start, nbytes, name in spans:
+        if start != end:
+            what = "overlap another tensor's" if start < end else "leave a gap after the previous"
+            raise CkptError(
+                f"tensor {name!r}: its bytes {what} (corrupt safetensors file)", path=path
+            )
+        end = start + nbytes
+    if end != data_start + data_len:
+        raise CkptError(
+            f"{data_start + data_len - end} bytes after the last tensor (corrupt safetensors file)",
+            path=path,
+        )
 
 
 def has_dcp_sharding(header: dict) -> bool:
@@ -90,6 +147,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     root = {}
     for name, info in header.items():
         root[name] = tensor_ref(path, name, info, data_start, data_len)
+    check_layout(root, data_start, data_len, path)
     return Checkpoint(format=FORMAT, files=[path], root=root, metadata=dict(metadata))
 
 
@@ -101,12 +159,18 @@ def tensor_ref(path: str, name: str, info: Any, data_start: int, data_len: int) 
         begin, end = (int(x) for x in info["data_offsets"])
     except (KeyError, TypeError, ValueError):
         raise CkptError(f"corrupt safetensors header entry {name!r}", path=path) from None
-    ref = TensorRef(dtype=dt, shape=shape, stride=contiguous_stride(shape), offset=0, storage=None)
-    if any(s < 0 for s in shape) or not 0 <= begin <= end <= data_len or end - begin != ref.nbytes:
+    numel = math.prod(shape)
+    if (
+        min(shape, default=0) < 0
+        or not 0 <= begin <= end <= data_len
+        or end - begin != numel * dt.itemsize
+    ):
         raise CkptError(
             f"tensor {name!r}: offsets do not match its shape or the file (truncated or corrupt)",
             path=path,
         )
-    source = ByteSource(path, data_start + begin, end - begin)
-    ref.storage = StorageRef(name, dt, ref.numel, "cpu", source)
+    storage = StorageRef(name, dt, numel, "cpu", ByteSource(path, data_start + begin, end - begin))
+    ref = TensorRef(
+        dtype=dt, shape=shape, stride=contiguous_stride(shape), offset=0, storage=storage
+    )
     return ref

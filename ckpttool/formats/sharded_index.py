@@ -87,6 +87,8 @@ def _read_index(index_path: str) -> dict[str, Any]:
             raise TypeError
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         raise CkptError("corrupt shard index (no weight_map)", path=index_path) from None
+    except RecursionError:  # json recurses once per nesting level
+        raise CkptError("corrupt shard index (nested too deep)", path=index_path) from None
     return index
 
 
@@ -99,8 +101,14 @@ class _Shard:
         with open(path, "rb") as f:
             head = f.read(HEAD_BYTES)
         if safetensors_file.detect(path, head):
-            self.header, self.start = safetensors_file.read_header(path)
-            self.data_len = os.path.getsize(path) - self.start
+            header, start = safetensors_file.read_header(path)
+            data_len = os.path.getsize(path) - start
+            header.pop("__metadata__", None)
+            self.refs = {
+                name: safetensors_file.tensor_ref(path, name, info, start, data_len)
+                for name, info in header.items()
+            }
+            safetensors_file.check_layout(self.refs, start, data_len, path)
             return
         for fmt in (torch_zip, torch_legacy):
             if fmt.detect(path, head):
@@ -110,11 +118,7 @@ class _Shard:
 
     def tensor(self, name: str) -> TensorRef | None:
         if self.checkpoint is None:
-            if name not in self.header or name == "__metadata__":
-                return None
-            return safetensors_file.tensor_ref(
-                self.path, name, self.header[name], self.start, self.data_len
-            )
+            return self.refs.get(name)
         root = self.checkpoint.root
         ref = root.get(name) if isinstance(root, dict) else None
         return ref if isinstance(ref, TensorRef) else None

@@ -73,7 +73,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
                     key, storage_type.dtype, numel, str(Device(location)), big_endian=not little
                 )
             if view:  # storage views, torch < 0.4: (view_key, offset, size)
-                view_key, offset, view_size = view
+                view_key, offset, view_size = _view(view, numel, path)
                 ref = StorageRef(
                     str(view_key),
                     storage_type.dtype,
@@ -115,3 +115,20 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if ref.source is None:
             raise CkptError(f"corrupt legacy checkpoint: storage {key} has no data", path=path)
     return checkpoint(FORMAT, [path], root, seen)
+
+
+def _view(view: Any, base_numel: int, path: str) -> tuple[Any, int, int]:
+    """A storage view's (key, offset, size), checked to lie inside its base storage:
+    they come from the file, and the view's bytes are read from there."""
+    if not (isinstance(view, tuple) and len(view) == 3):
+        raise CkptError(f"corrupt storage view {view!r:.80}", path=path)
+    view_key, offset, size = view
+    if not (type(offset) is int and type(size) is int and 0 <= offset <= offset + size):
+        raise CkptError(f"corrupt storage view {view!r:.80}", path=path)
+    if offset + size > base_numel:
+        raise CkptError(
+            f"storage view {view_key!r} of {size} elements at {offset} lies outside its base "
+            f"storage of {base_numel} (corrupt file)",
+            path=path,
+        )
+    return view_key, offset, size

@@ -8,9 +8,7 @@ a span of a file too.
 
 from __future__ import annotations
 
-import io
 import os
-import struct
 import zipfile
 import zlib
 from typing import Any
@@ -19,114 +17,44 @@ from ..errors import CkptError
 from ..stand_ins import Device, check_storage_reference
 from ..tree import ByteSource, StorageRef
 from ..unpickler import load_pickle
-
-ZIP_MAGIC = b"PK\x03\x04"
-# data.pkl holds structure, not tensor bytes; real ones are KB to a few MB.
-MAX_PICKLE_BYTES = 1 << 30
-# what zipfile raises on a damaged archive: NotImplementedError for flag bits or a
-# version it does not know, RuntimeError for an "encrypted" entry (one flipped bit)
-ZIP_ERRORS = (
-    zipfile.BadZipFile,
-    zlib.error,  # an entry marked compressed whose bytes are not
-    OSError,
-    EOFError,
-    ValueError,
-    NotImplementedError,
-    RuntimeError,
+from .zip_container import (
+    LOCAL_HEADER,
+    ZIP_ERRORS,
+    ZIP_MAGIC,
+    FileSpan,
+    central_directory,
+    check_flags,
+    check_local_header,
+    raw_name,
 )
 
+__all__ = ["ZIP_MAGIC", "ZipPickle", "central_directory"]
 
-def central_directory(path: str) -> bytes:
-    """The raw central directory of a zip file (every entry's name), not parsed.
-
-    For a cheap look at the names (is it TorchScript?) before the real read parses it.
-    Empty when the file has no readable end record; the real read then says why.
-    """
-    with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        tail_start = max(0, size - _END.size - 0xFFFF)  # the end record, then a comment
-        f.seek(tail_start)
-        tail = f.read()
-        at = tail.rfind(b"PK\x05\x06")
-        if at < 0 or at + _END.size > len(tail):
-            return b""
-        cd_size, cd_offset = _END.unpack_from(tail, at)[5:7]
-        locator = at - _ZIP64_LOCATOR.size
-        if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
-            record_offset = _ZIP64_LOCATOR.unpack_from(tail, locator)[2]
-            if record_offset + _ZIP64_END.size <= size:  # else damaged: the real read says so
-                f.seek(record_offset)
-                record = f.read(_ZIP64_END.size)
-                if record[:4] == b"PK\x06\x06":
-                    cd_size, cd_offset = _ZIP64_END.unpack(record)[8:10]
-        if cd_offset + cd_size > size or cd_size > MAX_PICKLE_BYTES:
-            return b""
-        f.seek(cd_offset)
-        return f.read(cd_size)
-
-
-_END = struct.Struct("<IHHHHIIH")
-_ZIP64_LOCATOR = struct.Struct("<IIQI")
-_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
-
-
-class FileSpan(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes of a file from ``start``.
-
-    zipfile reads an archive in many small pieces: its directory from the end, each
-    entry's header and the pickle from the start. A DCP folder holds a chunk archive
-    per tensor block, thousands of them, so the first and last ``EDGE_BYTES`` of the
-    span are read once and those small reads served from memory.
-    """
-
-    EDGE_BYTES = 4096
-
-    def __init__(self, path: str, start: int, length: int):
-        self._file = open(path, "rb", buffering=0)
-        self._start = start
-        self._length = length
-        self._pos = 0
-        edge = min(self.EDGE_BYTES, length)
-        fd = self._file.fileno()
-        self._head = os.pread(fd, edge, start)
-        self._tail_at = length - edge
-        self._tail = os.pread(fd, edge, start + self._tail_at)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self._length - self._pos))
-        pos, end = self._pos, self._pos + n
-        if end <= len(self._head):
-            got = n
-            buffer[:n] = self._head[pos:end]
-        elif pos >= self._tail_at and end - self._tail_at <= len(self._tail):
-            got = n
-            buffer[:n] = self._tail[pos - self._tail_at : end - self._tail_at]
-        else:
-            got = os.preadv(self._file.fileno(), [memoryview(buffer)[:n]], self._start + pos)
-        self._pos += got
-        return got
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
+# A stored data.pkl: its bytes are in the file, which bounds it; real ones are KB to a few MB.
+MAX_PICKLE_BYTES = 1 << 30
+# A compressed entry (a re-zipped data.pkl, TorchScript code) is inflated at most this far:
+# a few MB of deflate can declare gigabytes.
+MAX_INFLATED_BYTES = 64 << 20
+# byteorder, version, .data/serialization_id: a word, a number, an id
+SMALL_ENTRIES = (
+    "byteorder",
+    "version",
+    ".format_version",
+    ".storage_alignment",
+    ".data/version",
+    ".data/serialization_id",
+)
+SMALL_ENTRY_BYTES = 64
+INFLATE_CHUNK = 1 << 20
 
 
 class ZipPickle:
     """An opened torch zip container: its entry names and a way to unpickle from it.
+
+    The central directory is parsed by ``zipfile``; entries are read here, each from
+    its local header checked against the directory (name, flags, method), within the
+    sizes the directory declares and the bytes the file holds, inflated (where
+    compressed) in bounded chunks, CRC-checked.
 
     Args:
         path: The file.
@@ -138,43 +66,170 @@ class ZipPickle:
         self.start = start
         size = os.path.getsize(path)
         self.length = size - start if length is None else length
+        if start < 0 or self.length < 0 or start + self.length > size:  # a DCP span, say
+            raise CkptError(
+                f"zip archive of {self.length} bytes at {start} runs past the end of the file "
+                "(truncated?)",
+                path=path,
+            )
         stream: Any = FileSpan(path, start, self.length) if (start or length is not None) else path
         try:
             self.zip = zipfile.ZipFile(stream)
-            self.infos = {info.filename: info for info in self.zip.infolist()}
+            infos = self.zip.infolist()
         except ZIP_ERRORS as exc:
             raise CkptError(f"truncated or corrupt zip archive ({exc})", path=path) from None
-        for info in self.infos.values():
-            if info.header_offset + info.compress_size > self.length:
-                raise CkptError("zip entry runs past the end of the file (truncated?)", path=path)
-        pickles = sorted((n for n in self.infos if n.endswith("/data.pkl")), key=len)
-        self.prefix = pickles[0][: -len("data.pkl")] if pickles else None
+        self.infos = {info.filename: info for info in infos}
+        if len(self.infos) != len(infos):
+            twice = next(i.filename for i in infos if self.infos[i.filename] is not i)
+            self.close()
+            raise CkptError(
+                f"zip entry {twice!r} appears twice (readers disagree on which one counts)",
+                path=path,
+            )
+        try:
+            for info in infos:
+                self._check_entry(info)
+            self.prefix = self._find_prefix(infos)
+            for entry in SMALL_ENTRIES:  # read or not, none of them may be a bomb
+                small = self.infos.get(f"{self.prefix or ''}{entry}")
+                if small is not None and small.file_size > SMALL_ENTRY_BYTES:
+                    raise CkptError(
+                        f"zip entry {small.filename!r} declares {small.file_size} bytes; "
+                        f"it holds at most {SMALL_ENTRY_BYTES}",
+                        path=path,
+                    )
+        except CkptError:
+            self.close()
+            raise
+
+    def _check_entry(self, info: zipfile.ZipInfo) -> None:
+        """What the central directory says of an entry is possible, before any read."""
+        check_flags(info.flag_bits, info, self.path)
+        if info.header_offset + info.compress_size > self.length:
+            raise CkptError("zip entry runs past the end of the file (truncated?)", path=self.path)
+        if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} (stored, yet {info.compress_size} bytes "
+                f"stored and {info.file_size} declared)",
+                path=self.path,
+            )
+
+    def _find_prefix(self, infos: list[zipfile.ZipInfo]) -> str | None:
+        """The archive's folder: torch.load takes the first entry's (``archive/``); None
+        when that holds no data.pkl. A pickle outside it (a second archive's data.pkl,
+        one under another name) is refused: another reader could take it for this one."""
+        first = infos[0].filename if infos else ""
+        prefix = first[: first.index("/") + 1] if "/" in first else ""
+        if f"{prefix}data.pkl" not in self.infos:
+            return None
+        for name in self.infos:
+            if name.endswith(".pkl") and not name.startswith(prefix):
+                raise CkptError(
+                    f"zip entry {name!r} is a pickle outside the archive's folder "
+                    f"{prefix!r}, which torch.load never reads: a second archive or a "
+                    "disguised pickle",
+                    path=self.path,
+                )
+        return prefix
 
     def names(self) -> list[str]:
         return list(self.infos)
 
-    def read_entry(self, name: str) -> bytes:
-        info = self.infos.get(name)
-        if info is not None and info.CRC == 0 and info.file_size:
-            # torch.save with ``config.save.compute_crc32 = False`` records every CRC as 0
-            # (torch.load does not check them); read such an entry as stored
-            source = self.source(name)
-            return bytes(source.read(0, source.length))
-        try:
-            return self.zip.read(name)
-        except ZIP_ERRORS as exc:
-            raise CkptError(f"corrupt zip entry {name!r} ({exc})", path=self.path) from None
+    def read_entry(self, name: str, limit: int = MAX_INFLATED_BYTES) -> bytes | bytearray:
+        """The bytes of entry ``name``, at most ``limit`` of them (else CkptError).
 
-    def big_endian(self) -> bool:
-        name = f"{self.prefix}byteorder"
-        return name in self.infos and self.read_entry(name).strip() == b"big"
+        Raises:
+            CkptError: Missing, larger than ``limit``, corrupt (local header, CRC-32,
+                deflate stream), or compressed other than by deflate.
+        """
+        info = self._info(name)
+        if info.file_size > limit:
+            raise CkptError(
+                f"zip entry {name!r} declares {info.file_size} bytes; it holds at most {limit}",
+                path=self.path,
+            )
+        at = self._data_offset(info)
+        if info.compress_type == zipfile.ZIP_STORED:
+            data = self._read_at(at, info.file_size)
+        elif info.compress_type == zipfile.ZIP_DEFLATED:
+            data = self._inflate(info, at)
+        else:
+            raise CkptError(
+                f"zip entry {name!r} is compressed with method {info.compress_type} "
+                "(torch writes stored entries)",
+                path=self.path,
+                hint="unzip it and zip it again without compression (zip -0)",
+            )
+        # torch.save with ``config.save.compute_crc32 = False`` records every CRC as 0
+        # (torch.load does not check them)
+        if info.CRC and zlib.crc32(data) != info.CRC:
+            raise CkptError(f"corrupt zip entry {name!r} (CRC-32 mismatch)", path=self.path)
+        return data
 
-    def source(self, name: str) -> ByteSource:
+    def _info(self, name: str) -> zipfile.ZipInfo:
         info = self.infos.get(name)
         if info is None:
             raise CkptError(
                 f"missing zip entry {name!r} (truncated or corrupt file)", path=self.path
             )
+        return info
+
+    def _read_at(self, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of the span (checked to lie inside it)."""
+        fp = self.zip.fp
+        if fp is None:
+            raise CkptError("zip archive closed", path=self.path)
+        fp.seek(offset)
+        data = fp.read(size)
+        if len(data) != size:
+            raise CkptError("zip entry ends early (truncated?)", path=self.path)
+        return data
+
+    def _data_offset(self, info: zipfile.ZipInfo) -> int:
+        """Where an entry's bytes start in the span, from its checked local header."""
+        name = raw_name(info)
+        header = self._read_at(info.header_offset, LOCAL_HEADER.size + len(name))
+        return info.header_offset + check_local_header(header, info, name, self.path)
+
+    def _inflate(self, info: zipfile.ZipInfo, at: int) -> bytearray:
+        """A deflated entry, inflated a chunk at a time and never past its declared size."""
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        out = bytearray()
+        left = info.compress_size
+        try:
+            while not inflater.eof:
+                if not left:
+                    raise CkptError(
+                        f"corrupt zip entry {info.filename!r} (deflate stream ends early)",
+                        path=self.path,
+                    )
+                chunk = self._read_at(at, min(INFLATE_CHUNK, left))
+                at, left = at + len(chunk), left - len(chunk)
+                out += inflater.decompress(chunk, info.file_size + 1 - len(out))
+                if len(out) > info.file_size:
+                    raise CkptError(
+                        f"corrupt zip entry {info.filename!r} (inflates past the "
+                        f"{info.file_size} bytes it declares)",
+                        path=self.path,
+                    )
+        except zlib.error as exc:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} ({exc})", path=self.path
+            ) from None
+        if len(out) != info.file_size:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} (inflates to {len(out)} bytes, "
+                f"declares {info.file_size})",
+                path=self.path,
+            )
+        return out
+
+    def big_endian(self) -> bool:
+        name = f"{self.prefix}byteorder"
+        return name in self.infos and self.read_entry(name, SMALL_ENTRY_BYTES).strip() == b"big"
+
+    def source(self, name: str) -> ByteSource:
+        info = self._info(name)
         if info.compress_type != zipfile.ZIP_STORED:
             # torch never compresses entries; inflating one could be a zip bomb
             raise CkptError(
@@ -183,13 +238,15 @@ class ZipPickle:
                 path=self.path,
                 hint="unzip it and zip it again without compression (zip -0)",
             )
-        return ByteSource(
-            self.path, length=info.file_size, zip_header_offset=self.start + info.header_offset
-        )
+        # the local header is checked now, not on first read: inspect, which reads no
+        # tensor bytes, refuses a disguised entry as convert does
+        offset = self.start + self._data_offset(info)
+        return ByteSource(self.path, offset, info.file_size)
 
     def scan(self, *, permissive: bool = False, seen: set[str] | None = None) -> None:
         """Judge the globals of ``data.pkl`` without rebuilding anything (see GlobalsScanner)."""
-        data = self.read_entry(self._pickle_info("data.pkl").filename)
+        info = self._pickle_info("data.pkl")
+        data = self.read_entry(info.filename, self._pickle_limit(info))
         load_pickle(data, path=self.path, permissive=permissive, seen=seen, scan_only=True)
 
     def _pickle_info(self, entry: str) -> zipfile.ZipInfo:
@@ -205,11 +262,16 @@ class ZipPickle:
         info = self.infos.get(f"{self.prefix}{entry}")
         if info is None:
             raise CkptError(f"missing {entry} in the archive", path=self.path)
-        if info.file_size > MAX_PICKLE_BYTES:
+        if info.file_size > self._pickle_limit(info):
             raise CkptError(
                 f"{entry} of {info.file_size} bytes is implausibly large", path=self.path
             )
         return info
+
+    @staticmethod
+    def _pickle_limit(info: zipfile.ZipInfo) -> int:
+        stored = info.compress_type == zipfile.ZIP_STORED
+        return MAX_PICKLE_BYTES if stored else MAX_INFLATED_BYTES
 
     def load(
         self, *, entry: str = "data.pkl", permissive: bool = False, seen: set[str] | None = None
@@ -238,7 +300,7 @@ class ZipPickle:
                 storages[key] = ref
             return storages[key]
 
-        data = self.read_entry(info.filename)
+        data = self.read_entry(info.filename, self._pickle_limit(info))
         return load_pickle(data, persistent_load, path=self.path, permissive=permissive, seen=seen)
 
     def close(self) -> None:

@@ -1,0 +1,170 @@
+"""The zip container itself: its directory, spans of files, and the checks that make
+every reader see the same entries.
+
+A zip describes each entry twice: in the central directory (what ``zipfile`` and
+``torch.load`` use) and in a local header before its bytes (what a streaming reader
+uses). Anything that lets the two disagree, or that needs a password, is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+import zlib
+from typing import Any
+
+from ..errors import CkptError
+
+ZIP_MAGIC = b"PK\x03\x04"
+# a central directory larger than this is not a checkpoint's (a few KB per thousand entries)
+MAX_DIRECTORY_BYTES = 1 << 30
+# general-purpose flag bits that change how an entry's bytes must be read; torch writes
+# bit 3 (sizes in a data descriptor, also in the central directory) and bit 11 (UTF-8)
+REFUSED_FLAGS = {
+    0x1: "encrypted",
+    0x40: "encrypted (strong encryption)",
+    0x20: "compressed patched data",
+    0x2000: "encrypted central directory",
+}
+# what zipfile raises on a damaged archive: NotImplementedError for flag bits or a
+# version it does not know, RuntimeError for an "encrypted" entry (one flipped bit)
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zlib.error,  # an entry marked compressed whose bytes are not
+    OSError,
+    EOFError,
+    ValueError,
+    NotImplementedError,
+    RuntimeError,
+)
+LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+
+
+def central_directory(path: str) -> bytes:
+    """The raw central directory of a zip file (every entry's name), not parsed.
+
+    For a cheap look at the names (is it TorchScript?) before the real read parses it.
+    Empty when the file has no readable end record; the real read then says why.
+    """
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        tail_start = max(0, size - _END.size - 0xFFFF)  # the end record, then a comment
+        f.seek(tail_start)
+        tail = f.read()
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or at + _END.size > len(tail):
+            return b""
+        cd_size, cd_offset = _END.unpack_from(tail, at)[5:7]
+        locator = at - _ZIP64_LOCATOR.size
+        if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
+            record_offset = _ZIP64_LOCATOR.unpack_from(tail, locator)[2]
+            if record_offset + _ZIP64_END.size <= size:  # else damaged: the real read says so
+                f.seek(record_offset)
+                record = f.read(_ZIP64_END.size)
+                if record[:4] == b"PK\x06\x06":
+                    cd_size, cd_offset = _ZIP64_END.unpack(record)[8:10]
+        if cd_offset + cd_size > size or cd_size > MAX_DIRECTORY_BYTES:
+            return b""
+        f.seek(cd_offset)
+        return f.read(cd_size)
+
+
+_END = struct.Struct("<IHHHHIIH")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
+
+
+class FileSpan(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of a file from ``start``.
+
+    zipfile reads an archive in many small pieces: its directory from the end, each
+    entry's header and the pickle from the start. A DCP folder holds a chunk archive
+    per tensor block, thousands of them, so the first and last ``EDGE_BYTES`` of the
+    span are read once and those small reads served from memory.
+    """
+
+    EDGE_BYTES = 4096
+
+    def __init__(self, path: str, start: int, length: int):
+        self._file = open(path, "rb", buffering=0)
+        self._start = start
+        self._length = length
+        self._pos = 0
+        edge = min(self.EDGE_BYTES, length)
+        fd = self._file.fileno()
+        self._head = os.pread(fd, edge, start)
+        self._tail_at = length - edge
+        self._tail = os.pread(fd, edge, start + self._tail_at)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        pos, end = self._pos, self._pos + n
+        if end <= len(self._head):
+            got = n
+            buffer[:n] = self._head[pos:end]
+        elif pos >= self._tail_at and end - self._tail_at <= len(self._tail):
+            got = n
+            buffer[:n] = self._tail[pos - self._tail_at : end - self._tail_at]
+        else:
+            got = os.preadv(self._file.fileno(), [memoryview(buffer)[:n]], self._start + pos)
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def raw_name(info: zipfile.ZipInfo) -> bytes:
+    """An entry's name as the central directory stores it (UTF-8 with flag bit 11)."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
+def check_flags(flags: int, info: zipfile.ZipInfo, path: str, where: str = "") -> None:
+    """Refuse the flag bits that change how an entry must be read (REFUSED_FLAGS)."""
+    for bit, what in REFUSED_FLAGS.items():
+        if flags & bit:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} ({what}: flag bit "
+                f"{bit.bit_length() - 1}{where})",
+                path=path,
+            )
+
+
+def check_local_header(header: bytes, info: zipfile.ZipInfo, raw_name: bytes, path: str) -> int:
+    """Check an entry's local header against the central directory; return the offset of
+    its data from the header. A reader that walks local headers must see the same entry
+    (name, method) as one that reads the directory, and neither may need a password.
+
+    Raises:
+        CkptError: A header that is missing or says otherwise.
+    """
+    if len(header) < LOCAL_HEADER.size or header[:4] != ZIP_MAGIC:
+        raise CkptError(f"corrupt zip entry {info.filename!r} (no local header)", path=path)
+    _, _, flags, method, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack_from(header)
+    check_flags(flags, info, path, " in its local header")
+    name = header[LOCAL_HEADER.size : LOCAL_HEADER.size + name_len]
+    if name != raw_name or method != info.compress_type:
+        shown = name.decode("utf-8", "replace")
+        raise CkptError(
+            f"corrupt zip entry {info.filename!r} (its local header says {shown!r}, "
+            f"method {method}: the central directory says otherwise)",
+            path=path,
+        )
+    return LOCAL_HEADER.size + name_len + extra_len
