@@ -116,9 +116,11 @@ class Reader:
 
     def checkpoint(self, root: Any, world_size: int | None) -> Checkpoint:
         globals_, dangerous = split_seen(self.seen)
+        # the model states first: what a reader of one file would be pointed at
+        files = sorted(self.files, key=lambda p: not MODEL_STATES.match(os.path.basename(p)))
         return Checkpoint(
             format=FORMAT,
-            files=self.files,
+            files=files,
             root=root,
             world_size=world_size,
             globals=globals_,
@@ -155,7 +157,7 @@ class Reader:
             raise CkptError("model states are not a dict", path=self.files[1])
         zero = ZeroLayout(stage, world, dicts, _param_shapes(states))
         module, optimizer = zero.rebuild()
-        frozen = self._frozen(states, model_files, stage, world)
+        frozen = self.frozen(states, model_files, stage, world)
         if stage != 3:  # ZeRO-1 records no frozen_param_shapes: its module holds them whole
             frozen = {**_untracked(states, module), **frozen}
         root = {
@@ -165,7 +167,7 @@ class Reader:
         }
         return self.checkpoint(root, world)
 
-    def _frozen(self, states: Mapping, model_files: dict, stage: int, world: int) -> dict:
+    def frozen(self, states: Mapping, model_files: dict, stage: int, world: int) -> dict:
         """Frozen parameters, kept whole in the model states (ZeRO-3: one fragment per
         rank's model states, padded to the same length), in their stored dtype."""
         shapes = states.get("frozen_param_shapes") or {}
