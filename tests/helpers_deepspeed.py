@@ -42,8 +42,7 @@ def write_zero_tag(folder, sd, *, stage=2, world=2, buffers=(), mp_ranks=1, seed
     avg = flats([m["exp_avg"] for m in moments.values()])
     avg_sq = flats([m["exp_avg_sq"] for m in moments.values()])
     module = {
-        k: (v.to(torch.bfloat16) if k not in buffers and stage != 3 else v)
-        for k, v in sd.items()
+        k: (v.to(torch.bfloat16) if k not in buffers and stage != 3 else v) for k, v in sd.items()
     }
     if stage == 3:
         module = {k: (torch.empty(0) if k not in buffers else v) for k, v in module.items()}
@@ -62,8 +61,13 @@ def write_zero_tag(folder, sd, *, stage=2, world=2, buffers=(), mp_ranks=1, seed
         for rank in range(world):
             key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
             base = {
-                "state": {0: {"step": torch.tensor(5.0), "exp_avg": avg[rank].clone(),
-                              "exp_avg_sq": avg_sq[rank].clone()}},
+                "state": {
+                    0: {
+                        "step": torch.tensor(5.0),
+                        "exp_avg": avg[rank].clone(),
+                        "exp_avg_sq": avg_sq[rank].clone(),
+                    }
+                },
                 "param_groups": [{"lr": 0.01, "weight_decay": 0.1, "params": [0]}],
             }
             osd = {

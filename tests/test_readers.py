@@ -16,8 +16,8 @@ from conftest import (
     small_state_dict,
     write_dcp,
 )
-from safetensors.torch import load_file, save_file
 from helpers_deepspeed import write_zero_tag
+from safetensors.torch import load_file, save_file
 
 import ckpttool
 from ckpttool.report import inspect_report

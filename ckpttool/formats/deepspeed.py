@@ -155,8 +155,13 @@ class Reader:
         _, states = self.model_states(model_files, 0, stage)
         if not isinstance(states, Mapping):
             raise CkptError("model states are not a dict", path=self.files[1])
-        zero = ZeroLayout(stage, world, dicts, _param_shapes(states))
-        module, optimizer = zero.rebuild()
+        try:
+            zero = ZeroLayout(stage, world, dicts, _param_shapes(states))
+            module, optimizer = zero.rebuild()
+        except CkptError as exc:  # name the folder whose files do not fit together
+            if exc.path is not None:
+                raise
+            raise CkptError(exc.message, path=self.folder, hint=exc.hint) from None
         frozen = self.frozen(states, model_files, stage, world)
         if stage != 3:  # ZeRO-1 records no frozen_param_shapes: its module holds them whole
             frozen = {**_untracked(states, module), **frozen}

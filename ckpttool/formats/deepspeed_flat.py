@@ -72,9 +72,7 @@ def blocks(shape: tuple[int, ...], start: int, count: int) -> list[tuple[tuple, 
     return out
 
 
-def rebuild(
-    key: str, shape: tuple[int, ...], pieces: list[Piece], world_size: int
-) -> ShardedRef:
+def rebuild(key: str, shape: tuple[int, ...], pieces: list[Piece], world_size: int) -> ShardedRef:
     """A parameter of ``shape`` whose row-major elements are ``pieces``, one after another.
 
     Raises:
