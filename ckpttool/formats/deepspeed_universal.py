@@ -18,15 +18,8 @@ from typing import Any
 
 from ..errors import CkptError
 from ..tree import Checkpoint, TensorRef, contiguous_stride
-from .deepspeed import (
-    RANK_LAYOUT_KEYS,
-    UNIVERSAL_DIR,
-    Reader,
-    _param_shapes,
-    _untracked,
-    assemble,
-    int_value,
-)
+from .deepspeed import UNIVERSAL_DIR, Reader, _param_shapes, _untracked, assemble
+from .deepspeed_zero import RANK_LAYOUT_KEYS, int_value
 
 OPTIMIZER_FILE = "optimizer_state.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
