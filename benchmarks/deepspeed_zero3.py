@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from cases import CP_R_FSYNC, ckpttool_command
-from measure import MiB, CommandFailed, child_env, measure, rss_source
+from measure import CommandFailed, MiB, child_env, measure, rss_source
 from shapes import ADAM_HYPERPARAMS, fill, largest_tensor_bytes, transformer_params
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {m.wall:.2f} s | {m.wall / floor:.2f}x | {m.rss_mib:.0f} MiB |")
     convert = results["ckpttool convert --to safetensors"]
     ok = convert.wall <= 2 * floor and convert.rss_mib <= 512 + largest / MiB
-    print(f"\ntarget (convert <= 2x cp -r, RSS <= {512 + largest // MiB} MiB): "
-          f"{'met' if ok else 'MISSED'}")
+    print(
+        f"\ntarget (convert <= 2x cp -r, RSS <= {512 + largest // MiB} MiB): "
+        f"{'met' if ok else 'MISSED'}"
+    )
     return 0 if ok else 1
 
 
