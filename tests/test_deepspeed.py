@@ -329,3 +329,20 @@ def test_a_dangerous_global_in_a_ranks_optimizer_states_is_refused(tmp_path):
     proc = run_cli("convert", run, "--to", "safetensors", "-o", out)
     check_error(proc, 3, "posix.system", str(optim))
     assert "owned" not in proc.stdout and not out.exists()
+
+
+def test_a_stage_0_folder_reads_as_its_model_states(tmp_path):
+    """Without ZeRO the model states hold the weights and the optimizer whole."""
+    sd = {"fc.weight": torch.randn(3, 2), "fc.bias": torch.randn(3)}
+    optimizer = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"params": [0]}]}
+    states = {"module": sd, "optimizer": optimizer, "global_steps": 4, "ds_version": "0.19.8"}
+    tag = tmp_path / "run" / "global_step4"
+    tag.mkdir(parents=True)
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    (tmp_path / "run" / "latest").write_text("global_step4")
+    ckpt = ckpttool.read(tmp_path / "run")
+    assert ckpt.format == "deepspeed" and ckpt.files == [str(tag / "mp_rank_00_model_states.pt")]
+    loaded = ckpttool.load(tmp_path / "run")
+    assert list(loaded) == list(sd)
+    for name, tensor in sd.items():
+        assert_bitwise(loaded[name], tensor)

@@ -38,15 +38,11 @@ UNIVERSAL_DIR = "zero"  # ds_to_universal's zero/<param name>/fp32.pt, exp_avg.p
 
 
 def detect(path: str, head: bytes) -> bool:
-    """A tag folder with ZeRO optimizer states, or a universal checkpoint folder."""
+    """A tag folder (ZeRO optimizer states, or stage 0's model states alone), or a
+    universal checkpoint folder."""
     if not os.path.isdir(path):
         return False
-    names = os.listdir(path)
-    if any(OPTIM_STATES.match(n) for n in names):
-        return True
-    return os.path.isdir(os.path.join(path, UNIVERSAL_DIR)) and any(
-        MODEL_STATES.match(n) for n in names
-    )
+    return any(OPTIM_STATES.match(n) or MODEL_STATES.match(n) for n in os.listdir(path))
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
@@ -73,11 +69,15 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             hint="pass one mp_rank_XX_model_states.pt to read it alone",
         )
     reader = Reader(path, permissive)
-    if not optim_files:
+    if optim_files:
+        return reader.read_zero(model_files, optim_files)
+    if os.path.isdir(os.path.join(path, UNIVERSAL_DIR)):
         from .deepspeed_universal import read_universal
 
         return read_universal(reader, model_files)
-    return reader.read_zero(model_files, optim_files)
+    # ZeRO stage 0: the model states hold the weights and the optimizer whole
+    _, states = reader.model_states(model_files, 0, None)
+    return reader.checkpoint(states, None)
 
 
 class Reader:
