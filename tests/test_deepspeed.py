@@ -346,3 +346,43 @@ def test_a_stage_0_folder_reads_as_its_model_states(tmp_path):
     assert list(loaded) == list(sd)
     for name, tensor in sd.items():
         assert_bitwise(loaded[name], tensor)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("param_shapes", 5, "the model states hold no param_shapes (not a ZeRO checkpoint?)"),
+        ("param_shapes", [{"w": (2, -5)}], "corrupt shape recorded for 'w': (2, -5)"),
+        ("frozen_param_shapes", {"f": "x"}, "corrupt shape recorded for 'f': 'x'"),
+        ("buffer_names", 3, None),  # ignored: no buffer is taken
+        ("shared_params", {"alias": ["w"]}, None),  # ignored: names no tensor
+    ],
+)
+def test_garbled_model_states_are_one_line_or_ignored(tmp_path, field, value, message):
+    sd = {"w": torch.arange(10.0).reshape(2, 5)}
+    tag = tmp_path / "tag"
+    write_zero_tag(tag, sd, stage=2, world=2)
+    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
+    states[field] = value
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    proc = run_cli("convert", tag, "--to", "safetensors", "-o", tmp_path / "out.safetensors")
+    if message is None:
+        assert proc.returncode == 0, proc.stderr
+        assert_bitwise(load_file(tmp_path / "out.safetensors")["w"], sd["w"])
+    else:
+        assert check_error(proc, 2) == f"ckpttool: error: {tag}: {message}"
+        assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_universal_parameter_name_never_leads_outside_its_folder(tmp_path):
+    folder = _copy(tmp_path, 3) / "global_step3_universal"
+    for rank in (0, 1):
+        path = folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        states = torch.load(path, weights_only=True)
+        states["param_shapes"][0]["../../zero3_fp32"] = torch.Size([4])
+        torch.save(states, path)
+    line = check_error(run_cli("inspect", folder), 2)
+    assert line == (
+        f"ckpttool: error: {folder}: parameter name '../../zero3_fp32' cannot name a folder "
+        "of zero/"
+    )

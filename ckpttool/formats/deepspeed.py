@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CkptError
+from ..errors import CkptError, UnsafeError
 from ..tree import Checkpoint, TensorRef, is_tensor
 from ..unpickler import split_seen
 from .deepspeed_flat import Piece, as_float32, rebuild
@@ -52,6 +52,21 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         CkptError: Model-parallel ranks, a missing rank's file, or partitions that do not
             hold the parameters the model states record.
     """
+    try:
+        return _read(path, permissive)
+    except UnsafeError:
+        raise
+    except CkptError as exc:  # name the folder whose files do not fit together
+        if exc.path is not None:
+            raise
+        raise CkptError(exc.message, path=path, hint=exc.hint) from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+        # the checks above cover what DeepSpeed writes; a hostile file that slips past
+        # them still gets one line, never a traceback
+        raise CkptError(f"corrupt DeepSpeed checkpoint ({type(exc).__name__})", path=path) from None
+
+
+def _read(path: str, permissive: bool) -> Checkpoint:
     names = os.listdir(path)
     model_files = {}
     for name in names:
@@ -145,16 +160,11 @@ class Reader:
                 path=os.path.join(self.folder, optim_files[(extra[0], 0)]),
             )
         dicts = [_optimizer_dict(o, f"rank {r}") for r, o in enumerate(optim)]
-        _, states = self.model_states(model_files, 0, stage)
+        name, states = self.model_states(model_files, 0, stage)
         if not isinstance(states, Mapping):
-            raise CkptError("model states are not a dict", path=self.files[1])
-        try:
-            zero = ZeroLayout(stage, world, dicts, _param_shapes(states))
-            module, optimizer = zero.rebuild()
-        except CkptError as exc:  # name the folder whose files do not fit together
-            if exc.path is not None:
-                raise
-            raise CkptError(exc.message, path=self.folder, hint=exc.hint) from None
+            raise CkptError("model states are not a dict", path=os.path.join(self.folder, name))
+        zero = ZeroLayout(stage, world, dicts, _param_shapes(states))
+        module, optimizer = zero.rebuild()
         frozen = self.frozen(states, model_files, stage, world)
         if stage != 3:  # ZeRO-1 records no frozen_param_shapes: its module holds them whole
             frozen = {**_untracked(states, module), **frozen}
@@ -168,14 +178,14 @@ class Reader:
     def frozen(self, states: Mapping, model_files: dict, stage: int, world: int) -> dict:
         """Frozen parameters, kept whole in the model states (ZeRO-3: one fragment per
         rank's model states, padded to the same length), in their stored dtype."""
-        shapes = states.get("frozen_param_shapes") or {}
-        fragments = [states.get("frozen_param_fragments") or {}]
+        shapes = mapping(states.get("frozen_param_shapes"))
+        fragments = [mapping(states.get("frozen_param_fragments"))]
         if stage == 3 and shapes:
-            fragments += [self.model_states(model_files, r, 3)[1] for r in range(1, world)]
-            fragments[1:] = [s.get("frozen_param_fragments") or {} for s in fragments[1:]]
+            others = [self.model_states(model_files, r, 3)[1] for r in range(1, world)]
+            fragments += [mapping(mapping(s).get("frozen_param_fragments")) for s in others]
         out = {}
         for name, shape in shapes.items():
-            shape = tuple(shape)
+            shape = _shape(name, shape)
             frags = [f.get(name) for f in fragments]
             if not all(isinstance(f, TensorRef) for f in frags):
                 raise CkptError(f"frozen parameter {name!r}: no fragment in the model states")
@@ -227,6 +237,19 @@ def _world_size(count: Any, where: str) -> int:
     return max(counts)  # type: ignore[type-var]
 
 
+def mapping(value: Any) -> Mapping:
+    """``value`` if it is a mapping, else an empty one (a field a file left out or garbled)."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _shape(name: Any, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, int) and d >= 0 for d in shape
+    ):
+        raise CkptError(f"corrupt shape recorded for {name!r}: {shape!r}")
+    return tuple(shape)
+
+
 def _param_shapes(states: Mapping) -> list[dict[str, tuple]]:
     """The trainable parameters per group, in flat order (``param_shapes``)."""
     groups = states.get("param_shapes")
@@ -235,14 +258,7 @@ def _param_shapes(states: Mapping) -> list[dict[str, tuple]]:
         raise CkptError("the model states hold no param_shapes (not a ZeRO checkpoint?)")
     out = []
     for group in groups:
-        shapes = {}
-        for name, shape in group.items():
-            if not isinstance(shape, (tuple, list)) or not all(
-                isinstance(d, int) and d >= 0 for d in shape
-            ):
-                raise CkptError(f"corrupt param_shapes entry for {name!r}: {shape!r}")
-            shapes[str(name)] = tuple(shape)
-        out.append(shapes)
+        out.append({str(name): _shape(name, shape) for name, shape in group.items()})
     return out
 
 
@@ -252,9 +268,7 @@ def _untracked(states: Mapping, params: Mapping) -> dict[str, Any]:
     stored = states.get("module")
     if not isinstance(stored, Mapping):
         return {}
-    skip = {*(states.get("buffer_names") or ()), *params}
-    shared = states.get("shared_params")
-    skip.update(shared if isinstance(shared, Mapping) else ())
+    skip = {*_names(states.get("buffer_names")), *params, *mapping(states.get("shared_params"))}
     return {
         k: v
         for k, v in stored.items()
@@ -262,21 +276,23 @@ def _untracked(states: Mapping, params: Mapping) -> dict[str, Any]:
     }
 
 
+def _names(value: Any) -> list[str]:
+    return [n for n in value if isinstance(n, str)] if isinstance(value, (list, tuple)) else []
+
+
 def assemble(states: Mapping, params: Mapping, frozen: Mapping) -> dict[str, Any]:
     """The state dict zero_to_fp32 gives: buffers (floating ones as fp32), frozen and
     trainable parameters, and tied names pointing at the same tensor; in the order of
     the stored model's state dict."""
-    stored = states.get("module") if isinstance(states.get("module"), Mapping) else {}
-    buffer_names = states.get("buffer_names") or []
+    stored = mapping(states.get("module"))
     found: dict[str, Any] = {}
-    for name in buffer_names:
+    for name in _names(states.get("buffer_names")):
         if is_tensor(stored.get(name)):
             found[name] = as_float32(stored[name])
     found.update(frozen)
     found.update(params)
-    shared = states.get("shared_params") or {}
-    for alias, source in shared.items() if isinstance(shared, Mapping) else ():
-        if source in found:
+    for alias, source in mapping(states.get("shared_params")).items():
+        if isinstance(source, str) and source in found:
             found[alias] = found[source]
     order = [k for k in stored if k in found] + [k for k in found if k not in stored]
     return {k: found[k] for k in order}

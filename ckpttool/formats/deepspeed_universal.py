@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..tree import Checkpoint, TensorRef, contiguous_stride
-from .deepspeed import UNIVERSAL_DIR, Reader, _param_shapes, _untracked, assemble
+from .deepspeed import UNIVERSAL_DIR, Reader, _param_shapes, _shape, _untracked, assemble, mapping
 from .deepspeed_zero import RANK_LAYOUT_KEYS, int_value
 
 OPTIMIZER_FILE = "optimizer_state.pt"
@@ -52,23 +52,20 @@ def read_universal(reader: Reader, model_files: dict) -> Checkpoint:
         for name, shape in shapes.items():
             params[name] = _param_file(reader, name, "fp32", shape)
             state[name] = {key: _param_file(reader, name, key, shape) for key in MOMENTS}
-            step = os.path.join(UNIVERSAL_DIR, name, "step.pt")
+            step = param_file(name, "step")
             if os.path.isfile(os.path.join(reader.folder, step)):
                 state[name] = {"step": _value(reader.load(step, "")), **state[name]}
     frozen = {} if stage == 3 else _untracked(states, params)
     world = int_value(states.get("dp_world_size")) or len(model_files)
-    frozen_shapes = states.get("frozen_param_shapes") or {}
-    stored = {
-        str(name): os.path.join(UNIVERSAL_DIR, str(name), "fp32.pt")
-        for name in (frozen_shapes if isinstance(frozen_shapes, Mapping) else ())
-    }
+    frozen_shapes = mapping(states.get("frozen_param_shapes"))
+    stored = {str(name): param_file(str(name), "fp32") for name in frozen_shapes}
     if any(not os.path.isfile(os.path.join(reader.folder, p)) for p in stored.values()):
         # ds_to_universal writes frozen parameters only with --inject_missing_state: the
         # model states hold them (ZeRO-3: a fragment in each rank's model states)
         frozen.update(reader.frozen(states, model_files, stage or 2, world))
     for name, rel in stored.items():
         if os.path.isfile(os.path.join(reader.folder, rel)):
-            frozen[name] = _param_file(reader, name, "fp32", tuple(frozen_shapes[name]))
+            frozen[name] = _param_file(reader, name, "fp32", _shape(name, frozen_shapes[name]))
     param_groups = optimizer_state.get("param_groups")
     out_groups = []
     for k, shapes in enumerate(groups):
@@ -87,6 +84,13 @@ def read_universal(reader: Reader, model_files: dict) -> Checkpoint:
     return reader.checkpoint(root, world)
 
 
+def param_file(name: str, key: str) -> str:
+    """``zero/<name>/<key>.pt``; a name that would lead outside ``zero/`` is refused."""
+    if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
+        raise CkptError(f"parameter name {name!r} cannot name a folder of zero/")
+    return os.path.join(UNIVERSAL_DIR, name, f"{key}.pt")
+
+
 def _value(root: Any) -> Any:
     """What a universal file holds: a tensor, or ``{"param": tensor, ...}``."""
     return root.get("param") if isinstance(root, Mapping) and "param" in root else root
@@ -94,7 +98,7 @@ def _value(root: Any) -> Any:
 
 def _param_file(reader: Reader, name: str, key: str, shape: tuple) -> TensorRef:
     """``zero/<name>/<key>.pt`` as a tensor of the parameter's shape (ZeRO-3 stores it flat)."""
-    rel = os.path.join(UNIVERSAL_DIR, name, f"{key}.pt")
+    rel = param_file(name, key)
     value = _value(reader.load(rel, f"{key} of parameter {name!r}"))
     path = os.path.join(reader.folder, rel)
     if not isinstance(value, TensorRef):
