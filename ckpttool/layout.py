@@ -153,8 +153,7 @@ def check_not_partitioned(root: Any, node: Any, source: str | None = None) -> No
                     f"shape {list(shape)}; the weights are partitioned over the "
                     "zero_pp_rank_*_optim_states.pt files",
                     path=source,
-                    hint="consolidate them with the zero_to_fp32.py DeepSpeed saved beside "
-                    "the checkpoint, then convert its output",
+                    hint="pass the folder that holds them to rebuild the fp32 weights",
                 )
 
 

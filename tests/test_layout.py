@@ -424,8 +424,8 @@ def test_deepspeed_zero3_placeholders_are_refused_with_the_next_step(tmp_path):
     assert proc.stderr == (
         f"ckpttool: error: {path}: DeepSpeed ZeRO-3 model states: '0.weight' is an empty "
         "placeholder of shape [3, 4]; the weights are partitioned over the "
-        "zero_pp_rank_*_optim_states.pt files (consolidate them with the zero_to_fp32.py "
-        "DeepSpeed saved beside the checkpoint, then convert its output)\n"
+        "zero_pp_rank_*_optim_states.pt files (pass the folder that holds them to rebuild "
+        "the fp32 weights)\n"
     )
     assert inspect_report(ckpttool.read(path))["model_key"] == ["module"]  # still shown
     states["module"] = model.state_dict()  # ZeRO-1/2: the weights are there

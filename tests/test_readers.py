@@ -16,6 +16,7 @@ from conftest import (
     small_state_dict,
     write_dcp,
 )
+from helpers_deepspeed import write_zero_tag
 from safetensors.torch import load_file, save_file
 
 import ckpttool
@@ -323,19 +324,15 @@ def test_trainer_checkpoint_folder_reads_its_weights(tmp_path):
 
 
 def _deepspeed_tag(folder, sd, mp_ranks=1, dp_ranks=2):
-    """A DeepSpeed (ZeRO-1/2) tag folder: model states beside each rank's optimizer states."""
-    folder.mkdir(parents=True)
-    for mp in range(mp_ranks):
-        states = {"module": sd, "ds_version": "0.14.4", "global_steps": 10}
-        torch.save(states, folder / f"mp_rank_{mp:02d}_model_states.pt")
-        for dp in range(dp_ranks):
-            optim = {"optimizer_state_dict": {"zero_stage": 2}, "ds_version": "0.14.4"}
-            torch.save(optim, folder / f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt")
+    """A DeepSpeed ZeRO-2 tag folder: model states beside each rank's optimizer states."""
+    write_zero_tag(
+        folder, sd, world=dp_ranks, buffers=("bn.num_batches_tracked",), mp_ranks=mp_ranks
+    )
 
 
 def test_deepspeed_folders_read_their_model_states(tmp_path):
-    """A run folder follows its ``latest`` file to the tag folder, which reads as its
-    mp_rank_00_model_states.pt (as zero_to_fp32.py finds them); a pytorch_model.bin
+    """A run folder follows its ``latest`` file to the tag folder, whose fp32 weights are
+    rebuilt from the ranks' partitions (as zero_to_fp32.py finds them); a pytorch_model.bin
     written beside ``latest`` comes first."""
     sd = small_state_dict()
     run = tmp_path / "checkpoints"
@@ -344,7 +341,8 @@ def test_deepspeed_folders_read_their_model_states(tmp_path):
     (run / "latest").write_text("global_step20")
     for folder in (run, run / "global_step20"):
         ckpt = ckpttool.read(folder)
-        assert ckpt.files == [str(run / "global_step20" / "mp_rank_00_model_states.pt")]
+        assert ckpt.format == "deepspeed"
+        assert ckpt.files[0] == str(run / "global_step20" / "mp_rank_00_model_states.pt")
         assert_same(ckpttool.load(folder), sd)
     torch.save({k: v * 2 for k, v in sd.items()}, run / "pytorch_model.bin")
     assert ckpttool.read(run).files == [str(run / "pytorch_model.bin")]

@@ -20,6 +20,7 @@ from ..unpickler import split_seen
 from . import (
     dcp,
     dcp_hf,
+    deepspeed,
     per_rank,
     safetensors_file,
     sharded_index,
@@ -31,7 +32,7 @@ from .prescan import Prescan
 
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
 # a DCP folder's data files are read as their folder, so DCP comes first.
-FOLDER_FORMATS = [dcp, sharded_index, dcp_hf]
+FOLDER_FORMATS = [dcp, sharded_index, dcp_hf, deepspeed]
 FILE_FORMATS = [dcp, torchscript, torch_zip, sharded_index, dcp_hf, safetensors_file, torch_legacy]
 # Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
 PICKLE_FORMATS = (torch_zip, torch_legacy)
