@@ -67,10 +67,12 @@ def inspect_report(
     )
 
     tensors, nbytes = [], 0
+    single_file = ckpt.files[0] if len(ckpt.files) == 1 else None
     for path, ref in iter_tensors(ckpt.root):
         if pattern and not pattern.search(dotted(path)):
             continue
         entry = tensor_entry(path, ref)
+        entry["file"] = single_file or tensor_file(ref)
         if stats:
             entry["stats"] = tensor_stats(ref)
             if progress:
@@ -101,6 +103,7 @@ def inspect_report(
         "num_params": num_params,
         "nbytes": nbytes,
         "values": values,
+        "metadata": json_value(dict(ckpt.metadata)),
         "globals": list(ckpt.globals),
         "dangerous": list(ckpt.dangerous),
     }
@@ -120,6 +123,20 @@ def tensor_entry(path: KeyPath, ref: Any) -> dict[str, Any]:
     if isinstance(ref, SparseRef):
         entry["layout"] = ref.layout
     return entry
+
+
+def tensor_file(ref: Any) -> str | None:
+    """The file that holds a tensor's bytes; None when they are spread over several
+    (a sharded tensor's ranks) or were never saved."""
+    if isinstance(ref, SparseRef):
+        files = {tensor_file(part) for part in ref.parts}
+    elif isinstance(ref, ShardedRef):
+        files = {tensor_file(shard.tensor) for shard in ref.shards}
+    else:
+        storage = getattr(ref, "storage", None)
+        source = getattr(storage, "source", None)
+        return getattr(source, "path", None)
+    return files.pop() if len(files) == 1 else None
 
 
 def value_entry(path: KeyPath, value: Any) -> dict[str, Any]:
@@ -164,6 +181,8 @@ def json_value(value: Any) -> Any:
         return str(value)
     if isinstance(value, (list, tuple)):
         return [json_value(v) for v in value]
+    if isinstance(value, Mapping):  # format metadata (a sharded index's may nest)
+        return {str(k): json_value(v) for k, v in value.items()}
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)

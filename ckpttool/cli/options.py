@@ -9,7 +9,9 @@ import typer
 Paths = Annotated[
     list[str],
     typer.Argument(
-        help="A file, a folder (DCP, sharded safetensors), per-rank files or a quoted glob.",
+        metavar="PATH...",
+        help="A file, a folder (DCP, sharded safetensors, HF model), per-rank files or a "
+        "quoted glob.",
         show_default=False,
     ),
 ]
@@ -22,4 +24,6 @@ Unsafe = Annotated[
 ]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+Quiet = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No progress bar (also before the command).")
+]
