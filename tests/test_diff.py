@@ -26,6 +26,7 @@ JSON_KEYS = [
     "compared",
     "atol",
     "rtol",
+    "counts",
 ]
 
 
@@ -41,11 +42,27 @@ def report(**changes) -> dict:
         "atol": 0.0,
         "rtol": 0.0,
     }
-    return {**base, **changes}
+    out = {**base, **changes}
+    dtypes = [m for m in out["mismatched"] if m["kind"] == "dtype"]
+    out["counts"] = {
+        "only_in_a": len(out["only_in_a"]),
+        "only_in_b": len(out["only_in_b"]),
+        "dtype": sum(1 for m in dtypes if not m["within_tolerance"]),
+        "shape": len(out["mismatched"]) - len(dtypes),
+        "values": len(out["different"]),
+        "dtype_within_tolerance": sum(1 for m in dtypes if m["within_tolerance"]),
+    }
+    return out
 
 
 def mismatch(dtype: str, *shape: int) -> dict:
     return {"dtype": dtype, "shape": list(shape)}
+
+
+def dtype_mismatch(name: str, a: dict, b: dict, max_abs_diff: float, num_different: int,
+                   within_tolerance: bool = False) -> dict:  # fmt: skip
+    return {"name": name, "kind": "dtype", "a": a, "b": b, "max_abs_diff": max_abs_diff,
+            "num_different": num_different, "within_tolerance": within_tolerance}  # fmt: skip
 
 
 def model() -> dict[str, torch.Tensor]:
@@ -184,8 +201,13 @@ def test_differences_exit_1_with_exact_json(tmp_path: Path):
         only_in_a=["gone"],
         only_in_b=["new"],
         mismatched=[
-            {"name": "dt", "a": mismatch("float32", 3), "b": mismatch("float64", 3)},
-            {"name": "shape", "a": mismatch("float32", 2, 3), "b": mismatch("float32", 3, 2)},
+            dtype_mismatch("dt", mismatch("float32", 3), mismatch("float64", 3), 0.0, 0),
+            {
+                "name": "shape",
+                "kind": "shape",
+                "a": mismatch("float32", 2, 3),
+                "b": mismatch("float32", 3, 2),
+            },
         ],
         different=[{"name": "values", "max_abs_diff": 0.5, "num_different": 2}],
         compared=4,
@@ -195,14 +217,17 @@ def test_differences_exit_1_with_exact_json(tmp_path: Path):
     proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt")
     assert proc.returncode == 1
     lines = proc.stdout.splitlines()
-    assert lines[:4] == [
+    assert lines == [
         "- only in A: gone",
         "+ only in B: new",
-        "! dt: float32[3] vs float64[3]",
         "! shape: float32[2, 3] vs float32[3, 2]",
+        "! dt: float32[3] vs float64[3], max |a-b| 0",
+        "different values (largest first):",
+        "  name    max |a-b|  elements",
+        "  values        0.5         2",
+        "different: 1 only in A, 1 only in B, 1 shape, 1 dtype, 1 values; "
+        "4 tensors compared (bitwise)",
     ]
-    assert any("values" in line and "0.5" in line for line in lines)
-    assert lines[-1] == "different: 4 tensors compared (bitwise)"
 
 
 @pytest.mark.parametrize(

@@ -25,10 +25,13 @@ TOP_KEYS = {
     "num_params": int,
     "nbytes": int,
     "values": list,
+    "metadata": dict,
     "globals": list,
     "dangerous": list,
 }
-TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded"}
+TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded", "file"}
+# added by the safety work beside this file's (the contract lists it): allowed, not required
+OPTIONAL_TOP_KEYS = {"unverified"}
 FORMATS = {
     "torch-zip",
     "torch-legacy",
@@ -50,7 +53,7 @@ def inspect_json(*args) -> dict:
 
 
 def check_schema(report: dict) -> None:
-    assert set(report) == set(TOP_KEYS)
+    assert set(TOP_KEYS) <= set(report) <= set(TOP_KEYS) | OPTIONAL_TOP_KEYS
     for key, types in TOP_KEYS.items():
         assert isinstance(report[key], types), key
     assert report["format"] in FORMATS
@@ -65,6 +68,7 @@ def check_schema(report: dict) -> None:
         assert isinstance(t["dtype"], str) and not t["dtype"].startswith("torch.")
         assert all(isinstance(n, int) for n in t["shape"])
         assert isinstance(t["device"], str) and isinstance(t["sharded"], bool)
+        assert t["file"] is None or t["file"] in report["files"]
         assert t["nbytes"] == math.prod(t["shape"]) * _itemsize(t["dtype"])
     for v in report["values"]:
         assert set(v) == {"key", "type", "value"}
@@ -95,6 +99,7 @@ def snapshot(tmp_path_factory):
 
 def test_json_matches_the_contract_example(snapshot):
     report = inspect_json(snapshot)
+    report.pop("unverified", None)
     assert report == {
         "format": "torch-zip",
         "files": [str(snapshot)],
@@ -109,6 +114,7 @@ def test_json_matches_the_contract_example(snapshot):
                 "device": "cpu",
                 "nbytes": 320,
                 "sharded": False,
+                "file": str(snapshot),
             },
             {
                 "key": ["MODEL_STATE", "module.fc.bias"],
@@ -117,12 +123,14 @@ def test_json_matches_the_contract_example(snapshot):
                 "device": "cpu",
                 "nbytes": 16,
                 "sharded": False,
+                "file": str(snapshot),
             },
         ],
         "num_tensors": 2,
         "num_params": 84,
         "nbytes": 336,
         "values": [{"key": ["EPOCHS_RUN"], "type": "int", "value": 3}],
+        "metadata": {},
         "globals": [
             "collections.OrderedDict",
             "torch.FloatStorage",
@@ -248,16 +256,29 @@ def test_stats_values_are_exact(stats_file):
 
 
 def test_human_output(snapshot):
+    """Summary first (format, file, model, size, values, security), then the tables."""
     proc = run_cli("inspect", snapshot)
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert out.startswith("torch-zip")
-    assert "wrapper prefix: module." in out
-    assert "MODEL_STATE.module.fc.weight" in out and "MODEL_STATE.module.fc.bias" in out
-    assert "EPOCHS_RUN" in out
-    assert "totals: 2 tensors, 84 model parameters" in out
-    security = [line for line in out.splitlines() if line.startswith("security")]
-    assert security == ["security: read without running code; 3 globals, none dangerous"]
+    lines = proc.stdout.splitlines()
+    assert lines[:6] == [
+        "format: torch-zip",
+        f"file: {snapshot}",
+        "model: MODEL_STATE, 2 tensors, 84 parameters, wrapper prefix module.",
+        "size: 336 B in 2 tensors (fp32 336 B)",
+        "values: EPOCHS_RUN=3",
+        "security: read without running code; 3 globals, none dangerous",
+    ]
+    assert lines[6:] == [
+        "",
+        "tensors: 2",
+        "  name                          dtype  shape     size",
+        "  MODEL_STATE.module.fc.weight  fp32   [4, 20]  320 B",
+        "  MODEL_STATE.module.fc.bias    fp32   [4]       16 B",
+        "",
+        "structure:",
+        "  MODEL_STATE  model state dict",
+        "  EPOCHS_RUN   int",
+    ]
     assert proc.stderr == ""
 
 
@@ -265,8 +286,9 @@ def test_human_output_for_safetensors_says_no_code(tmp_path):
     save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
     proc = run_cli("inspect", tmp_path / "w.safetensors")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("safetensors")
-    assert "security: safetensors, no code involved" in proc.stdout
+    assert proc.stdout.startswith("format: safetensors\n")
+    assert "security: safetensors, no code involved" in proc.stdout.splitlines()
+    assert "device" not in proc.stdout  # a format without devices has no device column
 
 
 def test_inspect_does_not_change_the_input(snapshot):

@@ -198,9 +198,11 @@ def tensor_lines(report: dict, options: Options, paint: Paint) -> list[str]:
         table.append(cells)
     right = {header.index("size")} | ({header.index("shards")} if sharded else set())
     right |= {header.index(c) for c in STATS_COLUMNS} if stats else set()
-    if not any(table_row[header.index("count")] for table_row in table[1:]):
+    count = header.index("count")
+    if not any(table_row[count] for table_row in table[1:]):
         for table_row in table:  # no repeated rows: no count column
-            del table_row[header.index("count")]
+            del table_row[count]
+        right = {i - (i > count) for i in right}
     text = columns(table, right=right)
 
     collapsed = f" in {plural(len(rows), 'row')}, repeated layers collapsed" if len(
