@@ -19,10 +19,12 @@ app = typer.Typer(
     name="ckpttool",
     help="Inspect, convert, merge and diff PyTorch checkpoints (DDP, FSDP, DCP) safely: "
     "no code from a checkpoint runs.",
-    epilog="Examples: ckpttool inspect model.safetensors | "
-    "ckpttool convert ep3-rank0.pt --to safetensors | "
-    "ckpttool diff model.pt model-bf16.safetensors --atol 1e-2. "
-    "Exit codes: 0 ok, 1 diff found differences, 2 bad input, 3 refused as unsafe.",
+    epilog="Examples:\n\n\b\n"
+    "  ckpttool inspect model.safetensors\n"
+    "  ckpttool convert ep3-rank0.pt --to safetensors\n"
+    "  ckpttool diff model.pt model-bf16.safetensors --atol 1e-2\n\n"
+    "Exit codes: 0 ok, 1 diff found differences, 2 bad input, 3 refused as unsafe. "
+    "--debug, --quiet and --no-color may also follow the command.",
     # plain help: rich markup would import markdown-it on every --help (+0.1 s)
     rich_markup_mode=None,
     no_args_is_help=True,

@@ -107,7 +107,7 @@ def number_set(values: Sequence[int]) -> str:
     if len(runs) <= MAX_RUNS:
         return "{" + ",".join(_run(a, b) for a, b in runs) + "}"
     step = values[1] - values[0]
-    if all(b - a == step for a, b in zip(values, values[1:])):
+    if all(b - a == step for a, b in zip(values, values[1:], strict=False)):
         return f"{{{values[0]},{values[1]},…,{values[-1]}}}"
     return f"{{{values[0]},{values[1]},{values[2]},…,{values[-1]}}}"
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from .app import app, fail, settings
-from .options import Force, Paths, Quiet, Unsafe
+from .options import Force, Paths, Quiet, Unsafe, examples
 from .render import human_bytes, progress_factory, stderr_console
 
 # What an output's file name says it is: refused when --to says otherwise.
@@ -36,20 +36,21 @@ class CastDtype(str, Enum):
 
 
 @app.command(
-    epilog="Examples: "
-    "ckpttool convert ep3-rank0.pt --to safetensors (writes ep3.safetensors beside it) | "
-    "ckpttool convert model.pt --to safetensors --dtype bfloat16 -o model-bf16.safetensors | "
-    "ckpttool convert 'ep0-ba1-rank*.pt' --to safetensors --max-shard-size 5GB -o hf-model/ | "
-    "ckpttool convert ckpt.pt --to dcp -o ckpt-dcp/. "
-    "Default output, beside the first input: NAME.safetensors (NAME-safetensors/ with "
-    "--max-shard-size), NAME.pt (NAME-converted.pt if that is the input), NAME-dcp/; "
-    "NAME is the input's name without extension and rank."
+    short_help="Write the tensors as safetensors, pt or dcp.",
+    epilog=examples(
+        "ckpttool convert ep3-rank0.pt --to safetensors    # writes ep3.safetensors",
+        "ckpttool convert model.pt --to safetensors --dtype bfloat16 -o model-bf16.safetensors",
+        "ckpttool convert 'ep0-ba1-rank*.pt' --to safetensors --max-shard-size 5GB -o hf-model/",
+        "ckpttool convert ckpt.pt --to dcp -o ckpt-dcp/",
+    )
+    + "\n\nWithout -o the output goes beside the first input, named after it without its "
+    "extension and rank (NAME): NAME.safetensors, NAME-safetensors/ with --max-shard-size, "
+    "NAME.pt (NAME-converted.pt when that is the input itself), NAME-dcp/. "
+    "-o DIR/ writes that name inside DIR.",
 )
 def convert(
     paths: Paths,
-    to: Annotated[
-        Target, typer.Option("--to", help="The output format.", show_default=False)
-    ],
+    to: Annotated[Target, typer.Option("--to", help="The output format.", show_default=False)],
     out: Annotated[
         str | None,
         typer.Option(
@@ -141,7 +142,4 @@ def check_extension(out: str | None, to: str, max_shard_size: str | None) -> Non
         return  # shards go into a folder; its name is free
     stem = os.path.splitext(out)[0]
     fix = {"safetensors": f"{stem}.safetensors", "pt": f"{stem}.pt", "dcp": f"{stem}-dcp/"}[to]
-    fail(
-        f"error: -o {out} names a {says} file but --to is {to} "
-        f"(use -o {fix}, or --to {says})"
-    )
+    fail(f"error: -o {out} names a {says} file but --to is {to} (use -o {fix}, or --to {says})")

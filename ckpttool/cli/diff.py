@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from .app import EXIT_DIFFERENT, app, settings
-from .options import Json, Quiet, Unsafe
+from .options import Json, Quiet, Unsafe, examples
 from .render import Painter, byte_progress, dumps_json
 from .text import columns, plural, printable, short_dtype, write
 
@@ -17,18 +17,19 @@ PROGRESS_BYTES = 256 << 20
 
 
 @app.command(
-    epilog="Examples: "
-    "ckpttool diff ep3-rank0.pt ep3.safetensors (bitwise) | "
-    "ckpttool diff model.pt model-bf16.safetensors --atol 1e-2 (is the bf16 export within "
-    "tolerance? values are compared across dtypes, both cast to the wider one) | "
-    "ckpttool diff a/ b/ --json | jq .counts. "
-    "Exit 0: equal within tolerance, 1: different, 2: bad input."
+    short_help="Compare two checkpoints tensor by tensor.",
+    epilog=examples(
+        "ckpttool diff ep3-rank0.pt ep3.safetensors    # bitwise",
+        "ckpttool diff model.pt model-bf16.safetensors --atol 1e-2",
+        "ckpttool diff a/ b/ --json | jq .counts",
+    )
+    + "\n\nTensors of different dtypes are compared by value, both cast to the wider one: "
+    "with --atol/--rtol, a bf16 export within tolerance is equal. "
+    "Exit 0: equal within tolerance, 1: different, 2: bad input.",
 )
 def diff(
     a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint.", show_default=False)],
-    b: Annotated[
-        str, typer.Argument(metavar="B", help="Second checkpoint.", show_default=False)
-    ],
+    b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint.", show_default=False)],
     atol: Annotated[
         float, typer.Option("--atol", metavar="X", help="Absolute tolerance (0: bitwise).")
     ] = 0.0,

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from .app import app, settings
-from .options import Json, Paths, Unsafe
+from .options import Json, Paths, Unsafe, examples
 from .render import byte_progress, dumps_json
 from .text import printable, write
 
@@ -23,13 +23,14 @@ class SortBy(str, Enum):
 
 
 @app.command(
-    epilog="Examples: "
-    "ckpttool inspect model.safetensors | "
-    "ckpttool inspect ep3-rank0.pt --filter 'lm_head|embed' | "
-    "ckpttool inspect hf-model/ --sort size --limit 10 | "
-    "ckpttool inspect ckpt/ --names | grep mlp | "
-    "ckpttool inspect model.pt --json | jq .num_params "
-    "(the --json fields: docs/inspect-json.md)"
+    short_help="What a checkpoint holds, without reading tensor data.",
+    epilog=examples(
+        "ckpttool inspect model.safetensors",
+        "ckpttool inspect ep3-rank0.pt --filter 'lm_head|embed'",
+        "ckpttool inspect hf-model/ --sort size --limit 10",
+        "ckpttool inspect ckpt/ --names | grep mlp",
+        "ckpttool inspect model.pt --json | jq .num_params    # fields: docs/inspect-json.md",
+    ),
 )
 def inspect(
     paths: Paths,

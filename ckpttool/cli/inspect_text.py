@@ -137,8 +137,10 @@ def security_line(report: dict, paint: Paint) -> str:
     unverified = report.get("unverified") or []
     if report["dangerous"]:
         names = printable(", ".join(report["dangerous"]))
-        return paint("security:", "bold") + " " + paint(
-            f"dangerous globals kept inert (--unsafe): {names}", "red"
+        return (
+            paint("security:", "bold")
+            + " "
+            + paint(f"dangerous globals kept inert (--unsafe): {names}", "red")
         )
     if not report["globals"] and report["format"] in ("safetensors", "safetensors-sharded"):
         return paint("security:", "bold") + " " + paint("safetensors, no code involved", "green")
@@ -205,9 +207,11 @@ def tensor_lines(report: dict, options: Options, paint: Paint) -> list[str]:
         right = {i - (i > count) for i in right}
     text = columns(table, right=right)
 
-    collapsed = f" in {plural(len(rows), 'row')}, repeated layers collapsed" if len(
-        rows
-    ) < len(tensors) else ""
+    collapsed = (
+        f" in {plural(len(rows), 'row')}, repeated layers collapsed"
+        if len(rows) < len(tensors)
+        else ""
+    )
     title = f"tensors: {len(tensors):,}{collapsed}"
     if collapsed:
         title += " (--full lists each)"
@@ -283,7 +287,9 @@ def metadata_lines(report: dict, options: Options, paint: Paint) -> list[str]:
     items = list(metadata.items())
     shown = items[: options.limit] if options.limit else items
     limit = None if options.full else 200
-    table = [[printable(k), short_value(v, limit) if limit else printable(repr(v))] for k, v in shown]
+    table = [
+        [printable(k), short_value(v, limit) if limit else printable(repr(v))] for k, v in shown
+    ]
     out = ["", paint(f"metadata: {plural(len(items), 'key')}", "bold"), *columns(table)]
     if len(shown) < len(items):
         out.append(f"  … {plural(len(items) - len(shown), 'more key')} (--limit 0 or --full)")

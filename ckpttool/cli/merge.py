@@ -7,15 +7,17 @@ from typing import Annotated
 import typer
 
 from .app import app, settings
-from .options import Force, Paths, Quiet, Unsafe
+from .options import Force, Paths, Quiet, Unsafe, examples
 from .render import human_bytes, progress_factory, stderr_console
 
 
 @app.command(
-    epilog="Examples: "
-    "ckpttool merge 'ep3-ba100-rank*.pt' -o ep3-full.pt | "
-    "ckpttool merge ckpt-dcp/ -o full.pt | "
-    "ckpttool merge ep3-rank0.pt -o full.pt (its sibling ranks are found beside it)"
+    short_help="Merge per-rank shards or DCP into one torch.save file.",
+    epilog=examples(
+        "ckpttool merge 'ep3-ba100-rank*.pt' -o ep3-full.pt",
+        "ckpttool merge ckpt-dcp/ -o full.pt",
+        "ckpttool merge ep3-rank0.pt -o full.pt    # its sibling ranks are found beside it",
+    ),
 )
 def merge(
     paths: Paths,

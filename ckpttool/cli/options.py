@@ -27,3 +27,9 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for sc
 Quiet = Annotated[
     bool, typer.Option("--quiet", "-q", help="No progress bar (also before the command).")
 ]
+
+
+def examples(*lines: str) -> str:
+    """An examples section for a command's --help, one command per line as written
+    (click rewraps paragraphs unless they start with its \\b marker)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)

@@ -84,7 +84,8 @@ def structure_lines(
 
     def _inline(kids: list) -> bool:
         return 0 < len(kids) <= MAX_INLINE_LEAVES and all(
-            not sub and " " not in desc for _, desc, sub in kids  # leaves: a bare type name
+            not sub and " " not in desc
+            for _, desc, sub in kids  # leaves: a bare type name
         )
 
     lines: list[str] = []

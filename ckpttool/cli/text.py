@@ -83,7 +83,9 @@ def cell_width(text: str) -> int:
     return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 
-def columns(rows: Sequence[Sequence[str]], right: Iterable[int] = (), indent: str = "  ") -> list[str]:
+def columns(
+    rows: Sequence[Sequence[str]], right: Iterable[int] = (), indent: str = "  "
+) -> list[str]:
     """Rows as aligned text lines: each column as wide as its widest cell, two spaces
     between columns, nothing cut or wrapped. ``right``: indexes of right-aligned columns."""
     if not rows:
