@@ -28,6 +28,8 @@ from .tree import (
 )
 
 Progress = Callable[[int], None]
+# --stats works on float64 copies of this many elements at a time (8 MiB)
+STATS_CHUNK = 1 << 20
 
 
 def json_key(path: KeyPath) -> list[Any]:
@@ -224,6 +226,8 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
         t = t.to(torch.int64)
     if t.dtype == torch.uint64:  # (sparse values come widened to int64)
         return {**out, **_uint64_stats(t)}
+    if t.is_floating_point() and not zeros and t.numel() > STATS_CHUNK:
+        return {**out, **_chunked_float_stats(t.reshape(-1))}
     if t.is_floating_point():
         t = t.to(torch.float64)
         finite = torch.isfinite(t)
@@ -240,6 +244,46 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     out["mean"] = float(f.mean())
     out["std"] = float(f.std()) if f.numel() > 1 else 0.0
     return out
+
+
+def _chunked_float_stats(t: Any) -> dict[str, Any]:
+    """Stats of a big flat floating-point tensor, a chunk at a time in float64.
+
+    Each chunk's float64 copy stays in the CPU cache (a whole-tensor copy is 8 bytes
+    per element through memory, several passes over it); the chunks' means and sums
+    of squared deviations are combined exactly as Chan et al.'s parallel variance.
+    """
+    import torch
+
+    nan = inf = count = 0
+    low = high = None
+    mean = m2 = 0.0
+    for start in range(0, t.numel(), STATS_CHUNK):
+        chunk = t[start : start + STATS_CHUNK].to(torch.float64)
+        kept = chunk.numel()
+        var, chunk_mean = torch.var_mean(chunk, correction=0)
+        # a NaN or an infinity makes the mean or variance one too: only then count them
+        if not (math.isfinite(float(var)) and math.isfinite(float(chunk_mean))):
+            finite = torch.isfinite(chunk)
+            kept = int(finite.sum())
+            chunk_nan = int(torch.isnan(chunk).sum())
+            nan, inf = nan + chunk_nan, inf + chunk.numel() - kept - chunk_nan
+            chunk = chunk[finite]
+            if not kept:
+                continue
+            var, chunk_mean = torch.var_mean(chunk, correction=0)
+        chunk_low, chunk_high = torch.aminmax(chunk)
+        chunk_mean, chunk_m2 = float(chunk_mean), float(var) * kept
+        low = float(chunk_low) if low is None else min(low, float(chunk_low))
+        high = float(chunk_high) if high is None else max(high, float(chunk_high))
+        delta, total = chunk_mean - mean, count + kept
+        mean += delta * kept / total
+        m2 += chunk_m2 + delta * delta * count * kept / total
+        count = total
+    if not count:
+        return {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "std": None}
+    std = math.sqrt(m2 / (count - 1)) if count > 1 else 0.0
+    return {"nan": nan, "inf": inf, "min": low, "max": high, "mean": mean, "std": std}
 
 
 def _stats_with_zeros(values: Any, zeros: int) -> dict[str, Any]:
