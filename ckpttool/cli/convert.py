@@ -122,10 +122,10 @@ def convert(
     if not (quiet or settings.quiet):
         from rich.markup import escape  # a path is never markup
 
-        from .text import printable
+        from .text import plural, printable
 
         stderr_console().print(
-            f"wrote {escape(printable(result.output))} ({result.num_tensors} tensors, "
+            f"wrote {escape(printable(result.output))} ({plural(result.num_tensors, 'tensor')}, "
             f"{human_bytes(result.nbytes)})",
             highlight=False,
         )

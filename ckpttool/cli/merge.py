@@ -9,6 +9,7 @@ import typer
 from .app import app, settings
 from .options import Force, Paths, Quiet, Unsafe, examples
 from .render import human_bytes, progress_factory, stderr_console
+from .text import plural, printable
 
 
 @app.command(
@@ -46,11 +47,11 @@ def merge(
     if result.stand_ins:
         console.print(
             "[yellow]warning[/]: kept as plain-data stand-ins ({'__class__': ...}): "
-            + escape(", ".join(result.stand_ins)),
+            + escape(printable(", ".join(result.stand_ins))),
             highlight=False,
         )
     if not (quiet or settings.quiet):
         console.print(
-            f"wrote {escape(result.output)} ({result.num_tensors} tensors, "
+            f"wrote {escape(printable(result.output))} ({plural(result.num_tensors, 'tensor')}, "
             f"{human_bytes(result.nbytes)})"
         )

@@ -35,22 +35,6 @@ def dumps_json(value: Any) -> str:
     return json.dumps(clean(value), allow_nan=False)
 
 
-def stdout_console(**options: Any) -> Console:
-    """A rich console on stdout; a reader that leaves early (``| head``) is not an error.
-
-    rich's default exits 1 on a broken pipe, and 1 means "differences" to ``diff``'s callers.
-    """
-    from rich.console import Console
-
-    class _Stdout(Console):
-        def on_broken_pipe(self) -> None:
-            self.quiet = True
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise SystemExit(0)
-
-    return _Stdout(**options)
-
-
 def stderr_console() -> Console:
     # soft_wrap: a message is one line whatever the width (no folded paths or class names)
     from rich.console import Console

@@ -55,15 +55,21 @@ def human_bytes(n: float) -> str:
 
 def human_count(n: int) -> str:
     """A parameter count in words, three significant digits: 6.74B, 124M, 84."""
-    for scale, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if n >= scale:
-            value = n / scale
-            digits = 2 if value < 10 else 1 if value < 100 else 0
-            text = f"{value:.{digits}f}"
-            if float(text) >= 1000 and suffix != "T":  # 999.96M rounds up to 1000M: 1.00B
-                continue
-            return text + suffix
+    scales = ((10**3, "K"), (10**6, "M"), (10**9, "B"), (10**12, "T"))
+    for i in range(len(scales) - 1, -1, -1):
+        scale, suffix = scales[i]
+        if n < scale:
+            continue
+        text = _three_digits(n / scale)
+        if float(text) >= 1000 and i + 1 < len(scales):  # 999.96M rounds to 1.00B
+            scale, suffix = scales[i + 1]
+            text = _three_digits(n / scale)
+        return text + suffix
     return str(n)
+
+
+def _three_digits(value: float) -> str:
+    return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f}"
 
 
 def short_dtype(name: str) -> str:
