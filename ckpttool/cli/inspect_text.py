@@ -107,15 +107,14 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
         text += ", saved on " + ", ".join(sorted(map(printable, devices)))
     lines.append(label("size", text))
 
-    key_values = [v for v in report["values"] if _is_key_value(v)]
-    if key_values:
-        rows = _value_rows(key_values)
-        shown_rows = rows if options.full else rows[:MAX_SUMMARY_VALUES]
-        text = ", ".join(f"{name}={value}" for name, value, _ in shown_rows)
-        rest = len(report["values"]) - sum(row.count for _, _, row in shown_rows)
+    values = report["values"]
+    shown = summary_values(values, options)
+    if shown:
+        text = ", ".join(f"{name}={value}" for name, value, _ in shown)
+        rest = len(values) - sum(row.count for _, _, row in shown)
         lines.append(label("values", text + (f" (+{rest} below)" if rest else "")))
-    elif report["values"]:
-        lines.append(label("values", f"{len(report['values'])} (below)"))
+    elif values:
+        lines.append(label("values", f"{len(values)} (below)"))
     metadata = report.get("metadata") or {}
     if metadata:
         items = list(metadata.items())[:MAX_SUMMARY_METADATA]
@@ -125,6 +124,16 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
         lines.append(label("metadata", text))
     lines.append(security_line(report, paint))
     return lines
+
+
+def summary_values(values: list[dict], options: Options) -> list[tuple[str, str, Row]]:
+    """The values a run is known by (epoch, step, lr...), collapsed; rows' members are
+    indexes into ``values``."""
+    indexes = [i for i, v in enumerate(values) if _is_key_value(v)]
+    rows = _value_rows([values[i] for i in indexes])
+    shown = rows if options.full else rows[:MAX_SUMMARY_VALUES]
+    return [(name, text, Row(row.name, [indexes[m] for m in row.members]))
+            for name, text, row in shown]  # fmt: skip
 
 
 def _is_key_value(value: dict) -> bool:
@@ -225,9 +234,11 @@ def _sorted_rows(rows: list[Row], tensors: list[dict], sort: str | None) -> list
     if sort == "name":
         return sorted(rows, key=lambda row: row.name)
     if sort == "size":  # the biggest rows first: all the members together
-        return sorted(rows, key=lambda row: -tensors[row.members[0]]["nbytes"] * row.count)
+        return sorted(
+            rows, key=lambda row: (-tensors[row.members[0]]["nbytes"] * row.count, row.name)
+        )
     if sort == "dtype":
-        return sorted(rows, key=lambda row: tensors[row.members[0]]["dtype"])
+        return sorted(rows, key=lambda row: (tensors[row.members[0]]["dtype"], row.name))
     return rows
 
 
@@ -262,17 +273,24 @@ def _value_rows(values: list[dict]) -> list[tuple[str, str, Row]]:
 
 
 def value_lines(report: dict, options: Options, paint: Paint) -> list[str]:
+    """The values the summary did not show (all of them with --full)."""
     values = report["values"]
-    key_values = [v for v in values if _is_key_value(v)]
-    if not values or (len(key_values) == len(values) and len(values) <= MAX_SUMMARY_VALUES):
-        return []  # all of them are in the summary already
-    rows = _value_rows(values) if not options.full else [
+    in_summary = set()
+    if not options.full:
+        in_summary = {i for _, _, row in summary_values(values, options) for i in row.members}
+    rest = [v for i, v in enumerate(values) if i not in in_summary]
+    if not rest:
+        return []
+    rows = _value_rows(rest) if not options.full else [
         (printable(".".join(map(str, v["key"]))), short_value(v["value"]), Row("", [i]))
-        for i, v in enumerate(values)
+        for i, v in enumerate(rest)
     ]  # fmt: skip
     shown = rows[: options.limit] if options.limit else rows
-    table = [[name, values[row.members[0]]["type"], text] for name, text, row in shown]
-    out = ["", paint(f"values: {len(values):,}", "bold"), *columns(table)]
+    table = [[name, rest[row.members[0]]["type"], text] for name, text, row in shown]
+    title = f"values: {len(rest):,}" + (
+        " more (the others are in the summary)" if in_summary else ""
+    )
+    out = ["", paint(title, "bold"), *columns(table)]
     if len(shown) < len(rows):
         out.append(f"  … {plural(len(rows) - len(shown), 'more row')} (--limit 0 or --full)")
     return out
