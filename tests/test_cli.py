@@ -246,7 +246,8 @@ def test_quiet_and_no_color_are_accepted_anywhere(model_file, tmp_path):
     ):
         out = tmp_path / f"q{i}.safetensors"
         where = args.index("convert")
-        argv = [*args[: where + 1], model_file, "--to", "safetensors", "-o", out, *args[where + 1 :]]
+        argv = [*args[: where + 1], model_file, "--to", "safetensors", "-o", out]
+        argv += args[where + 1 :]
         proc = run_cli(*argv)
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr == ""  # quiet: no 'wrote' line

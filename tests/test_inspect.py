@@ -566,8 +566,8 @@ def test_filter_narrows_the_tree_and_says_when_nothing_matches(tmp_path):
     path = tmp_path / "snap.pt"
     model = {f"module.layers.{i}.w": torch.ones(2) for i in range(4)}
     model["module.lm_head.weight"] = torch.ones(3)
-    optim = {"state": {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2)}
-                       for i in range(4)}, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}  # fmt: skip
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2)} for i in range(4)}
+    optim = {"state": state, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}
     torch.save({"model": model, "optimizer": optim, "epoch": 3, "step": 120}, path)
     lines = run_cli("inspect", path).stdout.splitlines()
     assert "values: optimizer.param_groups.0.lr=0.1, epoch=3, step=120 (+1 below)" in lines
