@@ -320,3 +320,88 @@ def test_bad_inputs_exit_2(formats: dict[str, Path], tmp_path: Path):
         diff(str(formats["pt"]), str(formats["pt"]), rtol=-0.1)
     with pytest.raises(CkptError, match="no such file"):
         diff(str(formats["pt"]), str(tmp_path / "missing"))
+
+
+# -------------------------------------- issue 21: "is my bf16 export right?", counts, limit
+
+
+@pytest.fixture
+def fp32_and_bf16(tmp_path: Path) -> tuple[Path, Path, dict]:
+    g = torch.Generator().manual_seed(1)
+    sd = {f"layers.{i}.w": torch.randn(64, 32, generator=g) for i in range(3)}
+    sd["ids"] = torch.arange(10)
+    torch.save(sd, tmp_path / "model.pt")
+    out = convert([str(tmp_path / "model.pt")], "safetensors", str(tmp_path / "bf16.st"),
+                  dtype="bfloat16").output  # fmt: skip
+    return tmp_path / "model.pt", Path(out), sd
+
+
+def test_bf16_export_within_tolerance_is_equal(fp32_and_bf16):
+    a, b, sd = fp32_and_bf16
+    worst = max(float((t - t.to(torch.bfloat16).float()).abs().max())
+                for k, t in sd.items() if k != "ids")  # fmt: skip
+    bitwise = diff(str(a), str(b))
+    assert bitwise["equal"] is False
+    assert [m["name"] for m in bitwise["mismatched"]] == ["layers.0.w", "layers.1.w", "layers.2.w"]
+    for m in bitwise["mismatched"]:
+        assert m["kind"] == "dtype" and m["within_tolerance"] is False
+        assert m["a"]["dtype"] == "float32" and m["b"]["dtype"] == "bfloat16"
+        assert 0 < m["max_abs_diff"] <= worst and m["num_different"] > 0
+    assert max(m["max_abs_diff"] for m in bitwise["mismatched"]) == worst
+    assert bitwise["counts"] == {"only_in_a": 0, "only_in_b": 0, "dtype": 3, "shape": 0,
+                                 "values": 0, "dtype_within_tolerance": 0}  # fmt: skip
+    within = diff(str(a), str(b), atol=worst)
+    assert within["equal"] is True
+    assert all(m["within_tolerance"] and m["num_different"] == 0 for m in within["mismatched"])
+    assert within["counts"]["dtype_within_tolerance"] == 3 and within["counts"]["dtype"] == 0
+    tight = diff(str(a), str(b), atol=worst / 4)
+    assert tight["equal"] is False and tight["counts"]["dtype"] >= 1
+
+    proc = run_cli("diff", a, b, "--atol", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith(
+        "equal: 4 tensors compared (atol=0.05, rtol=0); 3 tensors within tolerance across "
+        "dtypes (fp32 vs bf16), max |a-b| "
+    )
+    proc = run_cli("diff", a, b)
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[-1] == "different: 3 dtype; 4 tensors compared (bitwise)"
+
+
+def test_largest_differences_first_with_limit(tmp_path: Path):
+    a = {f"t{i:02d}": torch.zeros(4) for i in range(30)}
+    b = {name: t + (i + 1) * 0.5 for i, (name, t) in enumerate(a.items())}
+    a["gone"] = torch.ones(1)
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--limit", "3")
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines() == [
+        "- only in A: gone",
+        "different values (largest first):",
+        "  name  max |a-b|  elements",
+        "  t29          15         4",
+        "  t28        14.5         4",
+        "  t27          14         4",
+        "  … 27 more different tensors (--limit 0 shows all)",
+        "different: 1 only in A, 30 values; 30 tensors compared (bitwise)",
+    ]
+    full = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--limit", "0").stdout
+    assert len(full.splitlines()) == 1 + 3 + 30
+    proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json", "--limit", "3")
+    assert len(json.loads(proc.stdout)["different"]) == 30  # --json keeps every detail
+
+
+def test_progress_is_told_every_compared_byte(formats: dict[str, Path]):
+    import contextlib
+
+    calls, done = [], []
+
+    @contextlib.contextmanager
+    def progress(total: int, description: str):
+        calls.append((total, description))
+        yield done.append
+
+    assert diff(str(formats["pt"]), str(formats["dcp"]), progress=progress)["equal"]
+    total = sum(t.numel() * t.element_size() for t in model().values())
+    assert calls == [(total, "comparing")] and sum(done) == total
