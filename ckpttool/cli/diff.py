@@ -92,19 +92,20 @@ def diff_lines(result: dict, limit: int, paint: Painter) -> list[str]:
          for m in shapes],
         "shape mismatches",
     )  # fmt: skip
+    # those within tolerance are summed up in the verdict, not listed
     dtypes = sorted(
-        (m for m in result["mismatched"] if m["kind"] == "dtype"),
+        (m for m in result["mismatched"] if m["kind"] == "dtype" and not m["within_tolerance"]),
         key=lambda m: -m.get("max_abs_diff", float("inf")),
     )
+    outside = "differ" if not (result["atol"] or result["rtol"]) else "outside tolerance"
     dtype_lines = []
     for m in dtypes:
         line = f"! {printable(m['name'])}: {_spec(m['a'])} vs {_spec(m['b'])}"
         if "max_abs_diff" in m:
             line += f", max |a-b| {m['max_abs_diff']:.6g}"
             if m["num_different"]:
-                line += f", {plural(m['num_different'], 'element')} outside tolerance"
-        style = "dim" if m["within_tolerance"] else "yellow"
-        dtype_lines.append(paint(line, style))
+                line += f", {plural(m['num_different'], 'element')} {outside}"
+        dtype_lines.append(paint(line, "yellow"))
     section(dtype_lines, "dtype mismatches")
     different = sorted(result["different"], key=lambda d: (-d["max_abs_diff"], d["name"]))
     if different:
