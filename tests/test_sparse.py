@@ -158,7 +158,7 @@ def test_inspect_table_names_the_layout(sparse_file: Path):
     proc = run_cli("inspect", sparse_file, columns=200)
     assert proc.returncode == 0, proc.stderr
     row = next(line for line in proc.stdout.splitlines() if "model.csc" in line)
-    assert "float32 sparse_csc" in row and "[6, 4]" in row
+    assert "fp32 sparse_csc" in row and "[6, 4]" in row
 
 
 def test_corrupt_sparse_indices_are_refused_when_read(tmp_path: Path):
