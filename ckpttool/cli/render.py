@@ -85,12 +85,22 @@ def byte_progress(total: int, description: str, enabled: bool):
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
+    from rich.text import Text
+
+    class _BinarySpeedColumn(TransferSpeedColumn):
+        """MiB/s: rich's own shows MB/s beside DownloadColumn's MiB."""
+
+        def render(self, task):  # noqa: ANN001, ANN202 (rich's signature)
+            speed = task.finished_speed or task.speed
+            if speed is None:
+                return Text("?", style="progress.data.speed")
+            return Text(f"{human_bytes(speed)}/s", style="progress.data.speed")
 
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         DownloadColumn(binary_units=True),  # the units of every other size ckpttool shows
-        TransferSpeedColumn(),
+        _BinarySpeedColumn(),
         TimeRemainingColumn(),
         console=stderr_console(),
         transient=True,

@@ -45,7 +45,7 @@ def structure_lines(
         if is_tensor(value):
             return "tensor"
         if isinstance(value, Opaque):
-            return None if list(value.children()) else value.class_name()
+            return None if list(value.children()) else printable(value.class_name())
         if isinstance(value, (Mapping, list, tuple)) and not _is_plain(value):
             return None
         return type(value).__name__
@@ -75,7 +75,7 @@ def structure_lines(
         return _collapse_siblings(out)
 
     def _container(value: Any, kids: list) -> str:
-        kind = value.class_name() if isinstance(value, Opaque) else type(value).__name__
+        kind = printable(value.class_name()) if isinstance(value, Opaque) else type(value).__name__
         size = len(value) if isinstance(value, (dict, list, tuple)) else len(kids)
         text = f"{kind} of {size}"
         if _inline(kids):
