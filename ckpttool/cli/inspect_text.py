@@ -132,8 +132,13 @@ def summary_values(values: list[dict], options: Options) -> list[tuple[str, str,
     indexes = [i for i, v in enumerate(values) if _is_key_value(v)]
     rows = _value_rows([values[i] for i in indexes])
     shown = rows if options.full else rows[:MAX_SUMMARY_VALUES]
-    return [(name, text, Row(row.name, [indexes[m] for m in row.members]))
-            for name, text, row in shown]  # fmt: skip
+    out = []
+    for name, text, row in shown:
+        value = values[indexes[row.members[0]]]["value"]
+        if isinstance(value, float):  # the summary is for reading: 0.00298159 (--json: exact)
+            text = f"{value:.6g}"
+        out.append((name, text, Row(row.name, [indexes[m] for m in row.members])))
+    return out
 
 
 def _is_key_value(value: dict) -> bool:

@@ -16,7 +16,7 @@ from .text import plural, printable
 
 MAX_CHILDREN = 12
 MAX_DEPTH = 6
-# a container whose children are all leaves is one line naming them, up to this many
+# a container whose children are all leaves is one line naming them (this many at most)
 MAX_INLINE_LEAVES = 8
 
 
@@ -79,11 +79,15 @@ def structure_lines(
         size = len(value) if isinstance(value, (dict, list, tuple)) else len(kids)
         text = f"{kind} of {size}"
         if _inline(kids):
-            text += ": " + ", ".join(key for key, _, _ in kids)
+            names = [key for key, _, _ in kids]
+            shown = names if full else names[:MAX_INLINE_LEAVES]
+            text += ": " + ", ".join(shown)
+            if len(shown) < len(names):
+                text += f", … {len(names) - len(shown)} more"
         return text
 
     def _inline(kids: list) -> bool:
-        return 0 < len(kids) <= MAX_INLINE_LEAVES and all(
+        return 0 < len(kids) and all(
             not sub and " " not in desc
             for _, desc, sub in kids  # leaves: a bare type name
         )
