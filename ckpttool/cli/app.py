@@ -162,6 +162,7 @@ def exit_code_for(exc: BaseException) -> int:
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console-script entry point: run one command, map whatever it raises to an exit code."""
+    settings.debug = settings.quiet = settings.no_color = False  # main() may run twice
     args = pull_global_flags(sys.argv[1:] if argv is None else argv)
     if not args:  # bare `ckpttool`: typer shows the help
         app(args=[], prog_name="ckpttool")
