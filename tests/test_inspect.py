@@ -655,3 +655,18 @@ def test_stats_of_big_tensors_are_exact_by_chunk(tmp_path):
         assert (s["min"], s["max"]) == (float(finite.min()), float(finite.max()))
         assert s["mean"] == pytest.approx(float(finite.mean()), rel=1e-12, abs=1e-12)
         assert s["std"] == pytest.approx(float(finite.std()), rel=1e-12)
+
+
+def test_readme_shows_the_real_output_for_a_7b_shaped_file(tmp_path):
+    """The README's inspect example is what ckpttool prints for docs/llama7b_shaped.py's
+    file (the real Llama-2-7B header; the 12.6 GiB of data a hole in a sparse file)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "llama7b_shaped.py"),
+                           str(tmp_path / "llama2-7b.safetensors")], check=True)  # fmt: skip
+    assert proc.returncode == 0
+    out = run_cli("inspect", "llama2-7b.safetensors", cwd=tmp_path).stdout
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("$ ckpttool inspect llama2-7b.safetensors\n") + len(
+        "$ ckpttool inspect llama2-7b.safetensors\n"
+    )
+    assert readme[start : readme.index("```", start)] == out
+    assert "model.layers.{0..31}.mlp.gate_proj.weight             bf16   [11008, 4096]" in out
