@@ -105,7 +105,8 @@ def inspect_report(
         "num_params": num_params,
         "nbytes": nbytes,
         "values": values,
-        "metadata": json_value(dict(ckpt.metadata)),
+        # sorted: the safetensors writer stores __metadata__ in no particular order
+        "metadata": json_value(dict(sorted(ckpt.metadata.items(), key=lambda kv: str(kv[0])))),
         "globals": list(ckpt.globals),
         "dangerous": list(ckpt.dangerous),
     }

@@ -117,8 +117,8 @@ def model_file(tmp_path):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--to", "onnx"], "'onnx' is not one of 'safetensors', 'pt', 'dcp'"),
-        (["--to", "safetensors", "--dtype", "int8"], "'int8' is not one of 'float32'"),
+        (["--to", "onnx"], "unknown --to 'onnx'"),
+        (["--to", "safetensors", "--dtype", "int8"], "unknown --dtype 'int8'"),
         (["--to", "safetensors", "--max-shard-size", "lots"], "bad size 'lots'"),
         (["--to", "pt", "--max-shard-size", "1GB"], "--max-shard-size"),
         (["--to", "safetensors", "--map-location", "cuda:0"], "--map-location"),
@@ -298,6 +298,13 @@ def test_shell_completion_is_available():
     proc = run_cli("--show-completion", "bash")
     assert proc.returncode == 0, proc.stderr
     assert "_CKPTTOOL_COMPLETE" in proc.stdout
+    import os
+
+    env = dict(os.environ, _CKPTTOOL_COMPLETE="complete_bash", COMP_CWORD="4",
+               COMP_WORDS="ckpttool convert x.pt --to s", PYTHONPATH=str(ROOT))  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "ckpttool"], capture_output=True, text=True,
+                          env=env)  # fmt: skip
+    assert proc.stdout.split() == ["safetensors"]
 
 
 @pytest.mark.parametrize(

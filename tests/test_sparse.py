@@ -129,6 +129,7 @@ def test_inspect_json_reports_dense_shape_and_stored_bytes(sparse_file: Path):
         "nbytes": coo._indices().nbytes + coo._values().nbytes,
         "sharded": False,
         "layout": "sparse_coo",
+        "file": str(sparse_file),
     }
     csr = src["csr"]
     parts = (csr.crow_indices(), csr.col_indices(), csr.values())

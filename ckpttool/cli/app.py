@@ -164,9 +164,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console-script entry point: run one command, map whatever it raises to an exit code."""
     settings.debug = settings.quiet = settings.no_color = False  # main() may run twice
     args = pull_global_flags(sys.argv[1:] if argv is None else argv)
-    if not args:  # bare `ckpttool`: typer shows the help
-        app(args=[], prog_name="ckpttool")
     try:
+        if not args:  # bare `ckpttool`: typer shows the help (and exits 2, as click does)
+            app(args=[], prog_name="ckpttool")
         code = app(args=args, prog_name="ckpttool", standalone_mode=False)
         if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C into Exit(130), silently
             code = exit_code_for(KeyboardInterrupt())

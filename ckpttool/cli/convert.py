@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from enum import Enum
 from typing import Annotated
 
 import typer
@@ -23,16 +22,16 @@ EXTENSIONS = {
 }
 
 
-class Target(str, Enum):
-    safetensors = "safetensors"
-    pt = "pt"
-    dcp = "dcp"
+def _complete(name: str):
+    """Shell completion of an option's choices, ``ckpttool.convert``'s constant ``name``
+    (imported when completing only: --help stays fast; the core checks the value)."""
 
+    def complete(incomplete: str) -> list[str]:
+        from .. import convert as core
 
-class CastDtype(str, Enum):
-    float32 = "float32"
-    float16 = "float16"
-    bfloat16 = "bfloat16"
+        return [c for c in getattr(core, name) if c.startswith(incomplete)]
+
+    return complete
 
 
 @app.command(
@@ -50,7 +49,16 @@ class CastDtype(str, Enum):
 )
 def convert(
     paths: Paths,
-    to: Annotated[Target, typer.Option("--to", help="The output format.", show_default=False)],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            metavar="<safetensors|pt|dcp>",
+            help="The output format.",
+            show_default=False,
+            autocompletion=_complete("TARGETS"),
+        ),
+    ],
     out: Annotated[
         str | None,
         typer.Option(
@@ -79,8 +87,13 @@ def convert(
         ),
     ] = "auto",
     dtype: Annotated[
-        CastDtype | None,
-        typer.Option("--dtype", help="Cast floating-point tensors to this dtype."),
+        str | None,
+        typer.Option(
+            "--dtype",
+            metavar="<float32|float16|bfloat16>",
+            help="Cast floating-point tensors to this dtype.",
+            autocompletion=_complete("CAST_DTYPES"),
+        ),
     ] = None,
     map_location: Annotated[
         str | None,
@@ -105,14 +118,14 @@ def convert(
     """Write the selected tensors as safetensors, pt or dcp; sharded inputs are merged."""
     from ..convert import convert as convert_checkpoint
 
-    check_extension(out, to.value, max_shard_size)
+    check_extension(out, to, max_shard_size)
     result = convert_checkpoint(
         paths,
-        to.value,
+        to,
         out,
         select=select,
         strip_prefix=strip_prefix,
-        dtype=dtype.value if dtype else None,
+        dtype=dtype,
         map_location=map_location,
         max_shard_size=max_shard_size,
         force=force,
@@ -133,10 +146,12 @@ def convert(
 
 def check_extension(out: str | None, to: str, max_shard_size: str | None) -> None:
     """Refuse ``--to pt -o x.safetensors``: a file whose name says one format and holds another."""
+    from ..convert import TARGETS
+
     if out is None or out.endswith(("/", os.sep)) or os.path.isdir(out):
         return
     says = EXTENSIONS.get(os.path.splitext(out)[1].lower())
-    if says is None or says == to:
+    if says is None or says == to or to not in TARGETS:  # an unknown --to: the core says so
         return
     if max_shard_size and to == "safetensors":
         return  # shards go into a folder; its name is free
