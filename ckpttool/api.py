@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from os import PathLike
 from typing import Any
 
-from .errors import CkptError
+from .errors import CkptError, translate_errors
 from .formats import read_checkpoint
 from .layout import (
     check_not_partitioned,
@@ -31,6 +31,7 @@ from .tree import (
 PathArg = str | PathLike | Sequence[str | PathLike]
 
 
+@translate_errors
 def read(paths: PathArg, *, unsafe: bool = False) -> Checkpoint:
     """Read a checkpoint's structure and tensor metadata; no tensor bytes are read.
 
@@ -145,6 +146,7 @@ def materialize(node: Any, map_location: Any = "cpu") -> Any:
     return to_torch(node, leaf)
 
 
+@translate_errors
 def load(
     paths: PathArg,
     map_location: Any = "cpu",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
-from .errors import UsageError
+from .errors import UsageError, translate_errors
 from .output import atomic_output, check_output
 from .tree import DTYPES, DType
 from .writers import output_nbytes
@@ -79,6 +79,7 @@ class ConvertResult:
     nbytes: int
 
 
+@translate_errors
 def convert(
     paths: Sequence[str],
     to: str,

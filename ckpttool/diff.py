@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
-from .errors import CkptError, UsageError
+from .errors import CkptError, UsageError, translate_errors
 from .layout import model_key
 from .tree import NO_NUMBERS, OpenFiles, SparseRef, TensorRef, contiguous_stride
 
@@ -222,6 +222,7 @@ def _selected_tensors(ckpt: Any, select: str, strip_prefix: str) -> dict[str, An
     return flatten_tensors(node, str(path[-1]) if path else "")
 
 
+@translate_errors
 def diff(
     a: Any,
     b: Any,

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class CkptError(Exception):
     """Base error: bad arguments or missing, corrupt, truncated or unsupported input (exit 2).
@@ -54,3 +61,46 @@ class UnsafeError(CkptError):
             path=path,
             hint="only if you trust this file, pass --unsafe",
         )
+
+
+# What reading a hostile or damaged file can raise below ckpttool's own checks: the C
+# unpickler, struct, zlib, torch's view and storage code. Each becomes one CkptError line.
+_INPUT_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    ArithmeticError,
+    RuntimeError,
+    EOFError,
+    LookupError,
+)
+
+
+def translate_errors(function: Callable[P, R]) -> Callable[P, R]:
+    """Raise only :class:`CkptError` (and its subclasses) from ``function`` on bad input.
+
+    The public entry points (read, load, convert, merge, diff, inspect) wear this, so no
+    file can make them raise anything a caller would have to know ckpttool's insides for.
+    """
+
+    @functools.wraps(function)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return function(*args, **kwargs)
+        except CkptError:
+            raise
+        except MemoryError:
+            raise CkptError("corrupt input: sizes past what memory holds") from None
+        except RecursionError:
+            raise CkptError("corrupt input: it nests too deeply") from None
+        except OSError as exc:
+            reason = exc.strerror or str(exc) or type(exc).__name__
+            raise CkptError(f"I/O error ({reason})", path=exc.filename) from None
+        except _INPUT_ERRORS as exc:
+            text = " ".join(str(exc).split())[:200]
+            reason = f"{type(exc).__name__}: {text}"
+            raise CkptError(f"corrupt or unsupported input ({reason})") from None
+
+    return wrapper

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .api import read, require_data
+from .errors import translate_errors
 from .output import atomic_output, check_output
 from .plain import stand_in_names
 from .tree import iter_tensors
@@ -21,6 +22,7 @@ class MergeResult:
     stand_ins: list[str] = field(default_factory=list)
 
 
+@translate_errors
 def merge(
     paths: Sequence[str],
     out: str,

@@ -13,44 +13,104 @@ from typing import Any
 from .errors import CkptError
 from .tree import Opaque
 
-# Modules whose every global is refused: they reach the OS, the network, the
-# interpreter or another deserializer.
+# Modules whose every global is refused: they reach the OS, the network, files, the
+# interpreter, a debugger or profiler, or another deserializer.
 DANGEROUS_MODULES = frozenset(
     """os posix nt posixpath ntpath subprocess sys runpy importlib imp socket shutil pickle
     _pickle cPickle dill cloudpickle joblib marshal ctypes _ctypes pty code codeop commands
-    webbrowser multiprocessing asyncio http urllib urllib2 ftplib smtplib telnetlib poplib
-    imaplib requests pdb bdb timeit platform signal threading _thread tempfile io _io fcntl
-    resource cProfile profile trace types inspect gc pip setuptools distutils zipimport
-    pkgutil sqlite3 ssl select selectors mmap operator _operator xmlrpc socketserver pydoc
-    _posixsubprocess _socket _winapi venv""".split()
+    webbrowser multiprocessing asyncio http urllib urllib2 urllib3 ftplib smtplib telnetlib
+    poplib imaplib requests httpx aiohttp pdb bdb timeit platform signal threading _thread
+    tempfile io _io fcntl resource cProfile profile pstats trace tracemalloc faulthandler
+    types inspect gc pip setuptools distutils pkg_resources zipimport pkgutil sqlite3 ssl
+    select selectors mmap operator _operator xmlrpc socketserver pydoc _posixsubprocess
+    _socket _winapi venv ensurepip doctest idlelib lib2to3 tkinter turtle turtledemo
+    concurrent _xxsubinterpreters _xxinterpchannels _interpreters _interpqueues
+    interpreters zipfile tarfile gzip bz2 lzma zlib shelve dbm glob fileinput linecache
+    tokenize netrc mailbox codecs _codecs site sysconfig atexit sched cmd copy
+    copyreg ctypeslib cffi antigravity unittest fsspec s3fs gcsfs boto3 botocore
+    huggingface_hub dataclasses_json yaml ruamel jsonpickle""".split()
+)
+# Module paths whose every global is refused, though their package is benign.
+DANGEROUS_PREFIXES = (
+    "logging.config",
+    "logging.handlers",
+    "numpy.testing",
+    "numpy.f2py",
+    "numpy.distutils",
+    "numpy.ctypeslib",
+    "numpy.lib.npyio",
+    "numpy.lib.format",
+    "numpy.lib._npyio_impl",
+    "numpy.lib._format_impl",
+    "numpy.compat",
+    "torch.fx",
+    "torch.package",
+    "torch._dynamo",
+    "torch._inductor",
+    "torch._export",
+    "torch.export",
+    "torch.compiler",
+    "torch.onnx",
+    "torch.distributed.rpc",
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.distributed.run",
+    "torch.distributed.checkpoint.format_utils",
+    "torch.multiprocessing",
+    "torch.utils.cpp_extension",
+    "torch.utils.collect_env",
+    "torch.utils.benchmark",
+    "torch.utils.tensorboard",
+    "torch.utils.model_zoo",
+    "torch.utils.data.datapipes",
+    "torch.profiler",
+    "torch.autograd.profiler",
+    "torch.testing",
+    "torch.hub",
+    "torch._C._jit",
+    "torch.jit",
+    "torch.ops",
+    "torch._ops",
+    "torch.serialization",
+    "torch.storage",
+    "torch._utils_internal",
+    "torch._C",
 )
 # Single globals refused outside those modules.
 DANGEROUS_NAMES = frozenset(
-    """torch.load torch.serialization.load torch.serialization._load torch.jit.load
-    torch.storage._load_from_bytes torch._C._load_for_lite_interpreter torch.hub.load
-    torch.hub.load_state_dict_from_url torch.utils.cpp_extension.load
-    torch.utils.cpp_extension.load_inline numpy.load numpy.loadtxt numpy.fromfile
-    numpy.testing._private.utils.runstring numpy.lib.npyio.load numpy.f2py""".split()
+    """torch.load torch.save torch.from_file torch.storage._load_from_bytes
+    torch._C._load_for_lite_interpreter numpy.load numpy.save numpy.savez
+    numpy.savez_compressed numpy.loadtxt numpy.savetxt numpy.genfromtxt numpy.fromfile
+    numpy.memmap numpy.fromregex numpy.core.memmap numpy._core.memmap typing.ForwardRef
+    typing._eval_type typing.get_type_hints typing._type_check typing.evaluate_forward_ref
+    uuid._get_command_stdout functools.reduce torch.distributed.FileStore
+    torch.distributed.TCPStore torch.distributed.HashStore torch.distributed.PrefixStore
+    torch.distributed.distributed_c10d.FileStore torch.distributed.distributed_c10d.TCPStore
+    """.split()
 )
-# Names refused under any module: reaching ``torch.os`` or ``numpy.sys`` is reaching os.
+# Names refused as any part of an attribute chain: reaching ``torch.os`` or
+# ``numpy.sys`` is reaching os, and these reach code, files or the interpreter.
 DANGEROUS_ATTRS = frozenset(
-    """eval exec compile __import__ __builtins__ system popen open execv execve spawnv
-    spawnl fork attrgetter methodcaller""".split()
+    """eval exec compile __import__ __builtins__ system popen open execv execve execl
+    execlp execvp spawnv spawnl spawnve spawnlp fork forkpty attrgetter methodcaller getattr
+    setattr delattr globals locals vars breakpoint input""".split()
 )
-DANGEROUS_PREFIXES = (
-    "torch.fx.",
-    "torch.package.",
-    "torch._dynamo.",
-    "torch._inductor.",
-    "torch.distributed.rpc.",
-    "torch.utils.cpp_extension.",
-    "torch.hub.",
-    "torch._C._jit",
-    "torch.jit.",
-    "torch.ops.",
-    "numpy.f2py",
-    "numpy.distutils",
+# Words in a function's name that say it loads, saves, runs or reaches files and
+# processes (``torch_save_to_dcp``, ``run_string``, ``from_file``): a function named
+# so is refused wherever it lives. Classes are judged by what the pickle does with them.
+DANGEROUS_WORDS = frozenset(
+    """load loads save saves dump dumps exec eval run runs system popen spawn fork call
+    compile import open read write remove unlink rmtree rmdir rename mkdir makedirs chmod
+    chown kill file fromfile tofile memmap command shell subprocess process thread
+    runstring interpreter subinterpreter""".split()
 )
+# Modules where only a few names are harmless (their internals build functions from
+# strings: ``dataclasses._create_fn``; ``typing`` evaluates forward references).
+PARTLY_DANGEROUS = {
+    "dataclasses": frozenset({"_MISSING_TYPE", "MISSING", "_HAS_DEFAULT_FACTORY_CLASS", "Field"}),
+    "uuid": frozenset({"UUID", "SafeUUID"}),
+    "typing": None,  # every CapWords special form (Any, Union, Dict...): see _judge_typing
+}
 # builtins that are plain data constructors; every other builtin is refused
 # (eval, exec, compile, open, __import__, getattr on non-torch objects, ...).
 SAFE_BUILTINS = frozenset(
@@ -64,25 +124,121 @@ SAFE_BUILTINS = frozenset(
 # io.BytesIO values, torchtitan's train state among them.
 HARMLESS_NAMES = frozenset(
     """io.BytesIO _io.BytesIO io.StringIO _io.StringIO builtins.range builtins.NotImplemented
-    torch._dynamo.decorators._DimRange""".split()
+    torch._dynamo.decorators._DimRange copyreg._reconstructor copyreg.__newobj__
+    copyreg.__newobj_ex__
+    torch.serialization._get_layout torch.storage.UntypedStorage torch.storage.TypedStorage
+    types.SimpleNamespace""".split()
 )
+
+# Classes known to be plain values, whose construction by a pickle runs nothing of note.
+KNOWN_CLASSES = frozenset(
+    """argparse.Namespace pathlib.Path pathlib.PosixPath pathlib.WindowsPath
+    pathlib.PurePath pathlib.PurePosixPath pathlib.PureWindowsPath pathlib._local.Path
+    pathlib._local.PosixPath pathlib._local.WindowsPath pathlib._local.PurePosixPath
+    pathlib._local.PureWindowsPath datetime.datetime datetime.date datetime.time
+    datetime.timedelta datetime.timezone decimal.Decimal fractions.Fraction uuid.UUID
+    uuid.SafeUUID collections.deque collections.Counter collections.ChainMap
+    functools.partial enum.Enum enum.IntEnum enum.Flag enum.IntFlag enum.StrEnum
+    numpy.dtype numpy.ndarray numpy.generic numpy.random._pickle.__randomstate_ctor
+    numpy.random._pickle.__bit_generator_ctor numpy.random._pickle.__generator_ctor
+    numpy.random.mtrand.RandomState numpy.random._generator.Generator
+    numpy.random._mt19937.MT19937 numpy.random._pcg64.PCG64 numpy.random._pcg64.PCG64DXP
+    numpy.random._philox.Philox numpy.random._sfc64.SFC64 numpy.random.bit_generator.SeedSequence
+    torch.torch_version.TorchVersion torch.nn.parameter.Parameter torch.Tensor
+    torch._tensor.Tensor torch.per_tensor_affine torch.per_tensor_symmetric
+    torch.per_channel_affine torch.per_channel_symmetric torch.per_channel_affine_float_qparams
+    """.split()
+)
+# Packages whose classes (CapWords names: configs, enums, dataclasses) checkpoints hold.
+# A function there is judged like any other global.
+KNOWN_CLASS_PACKAGES = (
+    "torch.distributed.",
+    "torch.optim.",
+    "torch.nn.",
+    "transformers.",
+    "accelerate.",
+    "lightning.",
+    "lightning_fabric.",
+    "pytorch_lightning.",
+    "omegaconf.",
+    "megatron.",
+    "nemo.",
+    "deepspeed.",
+    "peft.",
+    "torchtune.",
+    "composer.",
+    "mmengine.",
+    "timm.",
+    "numpy.",
+)
+
+# What a pickle's global is to ckpttool:
+SAFE = "safe"  # rebuilt by ckpttool itself (SAFE_GLOBALS, dtypes, storages): never listed
+KNOWN = "known"  # on an allow-list of plain value classes: read inert
+UNVERIFIED = "unverified"  # on no list: read inert, refused if the pickle calls it
+DANGEROUS = "dangerous"  # refused without --unsafe
+
+
+def judge(module: str, name: str) -> str:
+    """:data:`KNOWN`, :data:`UNVERIFIED` or :data:`DANGEROUS` for the global ``module.name``.
+
+    ``name`` may be dotted: protocol 4 resolves ``torch`` + ``os.system`` by walking
+    attributes, so every part of the chain is judged, not the whole string.
+    """
+    full = f"{module}.{name}"
+    if full in HARMLESS_NAMES:
+        return KNOWN
+    if is_dangerous(module, name):
+        return DANGEROUS
+    if full in KNOWN_CLASSES or module.startswith("pathlib") or module == "builtins":
+        return KNOWN  # (builtins left here are data types and exceptions)
+    if module == "torch._utils" and name.startswith("_rebuild_"):
+        return KNOWN  # torch's own tensor rebuilders, all on weights_only's list
+    if module.startswith("numpy.random") and name.startswith("__pyx_unpickle_"):
+        return KNOWN  # Cython's unpicklers of numpy's RNG classes (a Generator's seed)
+    last = name.rsplit(".", 1)[-1]
+    if module == "typing" or (_is_class_name(last) and full.startswith(KNOWN_CLASS_PACKAGES)):
+        return KNOWN
+    return UNVERIFIED
 
 
 def is_dangerous(module: str, name: str) -> bool:
     """Whether the global ``module.name`` is refused without ``--unsafe``."""
     full = f"{module}.{name}"
-    root = module.split(".", 1)[0]
     if full in HARMLESS_NAMES:
         return False
+    root = module.split(".", 1)[0]
+    chain = name.split(".")
     if module == "builtins":
-        return name not in SAFE_BUILTINS and not _is_exception_name(name)
+        is_value = chain[0] in SAFE_BUILTINS or _is_exception_name(chain[0])
+        return not is_value or len(chain) > 1
+    if any(not part.isidentifier() for part in [*module.split("."), *chain]):
+        return True  # nothing importable is spelled so: a trick, not a checkpoint
+    if root in PARTLY_DANGEROUS:
+        allowed = PARTLY_DANGEROUS[root]
+        if allowed is None:  # typing: its special forms are values; its functions evaluate
+            return not (len(chain) == 1 and _is_class_name(name) and full not in DANGEROUS_NAMES)
+        return module != root or name not in allowed
     return (
         root in DANGEROUS_MODULES
-        or name in DANGEROUS_MODULES
-        or name in DANGEROUS_ATTRS
+        or any(part in DANGEROUS_MODULES or part in DANGEROUS_ATTRS for part in chain)
+        or any(part.startswith("__") and part.endswith("__") for part in chain)
         or full in DANGEROUS_NAMES
-        or any(full.startswith(p) for p in DANGEROUS_PREFIXES)
+        or any(f"{full}.".startswith(p + ".") for p in DANGEROUS_PREFIXES)
+        or (not _is_class_name(chain[-1]) and bool(_words(chain[-1]) & DANGEROUS_WORDS))
     )
+
+
+def _is_class_name(name: str) -> bool:
+    """CapWords (``LossScaler``, ``_StridedShard``): a class, by Python's naming rule."""
+    stripped = name.lstrip("_")
+    return stripped[:1].isupper()
+
+
+def _words(name: str) -> set[str]:
+    """``torch_save_to_dcp`` -> {torch, save, to, dcp}; ``dictConfig`` -> {dict, config}."""
+    spaced = "".join(f"_{c.lower()}" if c.isupper() else c for c in name)
+    return {w for w in spaced.split("_") if w} | {name.lower().strip("_")}
 
 
 def python3_name(module: str, name: str) -> tuple[str, str]:
@@ -112,11 +268,15 @@ def check_structure(root: Any, path: object = None) -> None:
 
     The memo lets a pickle share one container many times: a list holding the same
     list twice, 30 levels deep, is 300 bytes but 2**30 paths for every walk over the
-    tree; a dict that holds itself never ends a walk over plain containers.
+    tree; a dict that holds itself never ends a walk over plain containers. (One long
+    string held a million times costs nothing until printed: reports shorten long
+    text.) Children are found with the types' own methods (``dict.values(node)``):
+    a BUILD may have given an OrderedDict an attribute ``values`` of its own.
 
     Raises:
         CkptError: nesting deeper than MAX_NESTING, shared containers that expand to
-            more than MAX_SHARED_ENTRIES entries, or a dict/list/tuple that holds itself.
+            more than MAX_SHARED_ENTRIES entries, a dict/list/tuple that holds itself,
+            or a dict whose attributes hide its methods.
     """
     expanded: set[int] = set()
     ancestors: set[int] = set()
@@ -135,9 +295,11 @@ def check_structure(root: Any, path: object = None) -> None:
         if depth > MAX_NESTING:
             raise CkptError(f"corrupt pickle: nests deeper than {MAX_NESTING} levels", path=path)
         if isinstance(node, dict):
-            kids: Any = node.values()
+            if type(node) is not dict:
+                _check_dict_attributes(node, path)
+            kids: Any = dict.values(node)
         elif isinstance(node, Opaque):
-            kids = [child for _, child in node.children()]
+            kids = [child for _, child in Opaque.children(node)]
         else:
             kids = node
         if id(node) in expanded:  # every entry counts: a walk visits leaves too
@@ -154,3 +316,20 @@ def check_structure(root: Any, path: object = None) -> None:
         # only containers go on the stack (hot: a large DCP .metadata has millions of
         # numbers); tensors and other leaves end a walk
         stack.extend((child, depth + 1, False) for child in kids if isinstance(child, containers))
+
+
+def _check_dict_attributes(node: dict, path: object) -> None:
+    """A dict subclass's instance attributes may not hide the type's own methods.
+
+    ``OrderedDict`` objects have a ``__dict__`` that BUILD fills (torch keeps a state
+    dict's ``_metadata`` there); ``{"values": list}`` in it would make ``node.values()``
+    lie to every consumer.
+    """
+    attrs = getattr(node, "__dict__", None)
+    if attrs and any(hasattr(type(node), name) for name in attrs):
+        hidden = sorted(name for name in attrs if hasattr(type(node), name))
+        raise CkptError(
+            f"corrupt pickle: the attributes of a {type(node).__name__} hide its methods "
+            f"({', '.join(map(str, hidden))[:80]})",
+            path=path,
+        )

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import CkptError
+from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
 from .stand_ins import Device, TorchName, TorchSize, global_name
 from .tree import (
@@ -41,6 +41,7 @@ def dotted(path: KeyPath) -> str:
     return ".".join(str(k) for k in path)
 
 
+@translate_errors
 def inspect_report(
     ckpt: Checkpoint,
     *,
@@ -108,6 +109,7 @@ def inspect_report(
         # sorted: the safetensors writer stores __metadata__ in no particular order
         "metadata": json_value(dict(sorted(ckpt.metadata.items(), key=lambda kv: str(kv[0])))),
         "globals": list(ckpt.globals),
+        "unverified": list(ckpt.unverified),
         "dangerous": list(ckpt.dangerous),
     }
 
@@ -186,9 +188,16 @@ def json_value(value: Any) -> Any:
         return [json_value(v) for v in value]
     if isinstance(value, Mapping):  # format metadata (a sharded index's may nest)
         return {str(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, str) and len(value) > MAX_SHOWN_TEXT:
+        # a file may hold one long string many times over: what is shown stays small
+        return f"{value[:MAX_SHOWN_TEXT]}... <{len(value)} characters>"
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
+
+# Characters of a string value a report shows (longer ones are cut, their length said).
+MAX_SHOWN_TEXT = 1000
 
 
 def tensor_stats(ref: Any) -> dict[str, Any]:

@@ -16,16 +16,19 @@ import struct
 from typing import Any
 
 from .errors import CkptError
+from .guard import charge
 from .tree import (
     DTYPES,
     SPARSE_PARTS,
     ByteSource,
     DType,
     Opaque,
+    Sealed,
     Shard,
     SparseRef,
     StorageRef,
     TensorRef,
+    check_dtype,
     contiguous_stride,
     opaque_class,
     state_attrs,
@@ -62,12 +65,26 @@ DTENSOR_CLASSES = frozenset(
 MAX_BYTES_CONSTRUCTOR = 1 << 24
 
 
+# What torch.device accepts (torch/csrc/Device.cpp's types), as a pickle may name them.
+DEVICE_TYPES = frozenset(
+    """cpu cuda mkldnn opengl opencl ideep hip ve fpga maia xla lazy vulkan metal xpu mps
+    meta hpu mtia privateuseone""".split()
+)
+
+
 class Device(str):
-    """A ``torch.device`` seen in a pickle, kept as its string (``cuda:0``)."""
+    """A ``torch.device`` seen in a pickle, kept as its string (``cuda:0``).
+
+    No ``__dict__`` (``__slots__``): a pickle's BUILD cannot attach anything to it.
+    """
+
+    __slots__ = ()
 
 
 class TorchName(str):
     """A torch module-level object seen in a pickle (layout, memory format), by name."""
+
+    __slots__ = ()
 
 
 class TorchSize(tuple):
@@ -75,11 +92,13 @@ class TorchSize(tuple):
     ``torch.Size``, whose ``numel()`` code reading the file relies on (DeepSpeed's
     ``param_shapes``)."""
 
+    __slots__ = ()
+
     def __repr__(self) -> str:
         return f"torch.Size({list(self)!r})"
 
 
-class StorageType:
+class StorageType(Sealed):
     """Stand-in for a ``torch.*Storage`` class: only its element dtype matters."""
 
     def __init__(self, name: str, dtype: DType):
@@ -111,9 +130,16 @@ class NamedGlobal(functools.partial):
     a Python frame per tensor.
     """
 
+    # partial's own __setstate__ would let a BUILD swap the function it calls
+    __setstate__ = Sealed.__setstate__
+
     def global_name(self) -> str:
-        name = self.__dict__.get("name")  # BUILD may have replaced the dict
+        name = self.__dict__.get("name")
         return name if isinstance(name, str) else "<unknown global>"
+
+    def builtin_type(self) -> type | None:
+        """The builtin class it names (``{"dtype": float}`` saved a class as a value)."""
+        return BUILTIN_TYPES.get(self.global_name())
 
 
 def global_name(value: Any) -> str | None:
@@ -123,18 +149,21 @@ def global_name(value: Any) -> str | None:
     return None
 
 
-class WrapperStub:
+class WrapperStub(Sealed):
     """What ``torch._utils._rebuild_wrapper_subclass`` returns: the global tensor's metadata."""
 
     def __init__(self, cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+        if not isinstance(device, Device):
+            raise CkptError(f"corrupt tensor device {device!r:.80}")
         self.cls = cls
         self.dtype = dtype
         self.shape = _int_tuple(size, "size")
+        check_shape(self.shape)
         self.device = str(device)
         self.requires_grad = bool(requires_grad)
 
 
-class LocalShards:
+class LocalShards(Sealed):
     """One rank's part of a ShardedTensor or DTensor, before ranks are combined.
 
     Attributes:
@@ -170,9 +199,7 @@ def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
 
 
 def _as_dtype(value: Any) -> DType:
-    if isinstance(value, DType):
-        return value
-    raise CkptError(f"corrupt tensor dtype {value!r}")
+    return check_dtype(value)
 
 
 def rebuild_tensor(
@@ -199,6 +226,7 @@ def rebuild_tensor(
     if any(s < 0 for s in shape) or any(s < 0 for s in strides):
         raise CkptError("corrupt tensor metadata (negative size or stride)")
     dt = dtype or storage.dtype
+    check_shape(shape)
     # The last element must lie inside the storage, or reading would run past it.
     if all(shape):
         last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
@@ -207,6 +235,7 @@ def rebuild_tensor(
                 f"tensor of shape {list(shape)} does not fit its storage of "
                 f"{storage.nbytes} bytes (corrupt or truncated file)"
             )
+        check_view(shape, dt, storage.nbytes)
     return TensorRef(
         dtype=dt,
         shape=shape,
@@ -218,6 +247,33 @@ def rebuild_tensor(
         conj=isinstance(metadata, dict) and metadata.get("conj") is True,
         neg=isinstance(metadata, dict) and metadata.get("neg") is True,
     )
+
+
+# torch counts elements in an int64; safetensors and torch refuse a shape past it even
+# where another dimension is 0
+MAX_NUMEL = 2**63 - 1
+# A view may repeat its storage's elements (stride 0: ``x.expand(n)``); written out, the
+# repeats cost bytes the file does not hold. Past this many extra bytes it is refused.
+MAX_VIEW_GROWTH = 64 << 20
+
+
+def check_shape(shape: tuple[int, ...]) -> None:
+    """Each dimension and the element count of every non-empty part fit torch's int64."""
+    count = 1
+    for n in shape:
+        count *= max(n, 1)
+        if n < 0 or count > MAX_NUMEL:
+            raise CkptError(f"corrupt tensor: impossible shape {list(shape)[:8]}")
+
+
+def check_view(shape: tuple[int, ...], dtype: DType, storage_nbytes: int) -> None:
+    """A view's full size stays near what its storage holds (see MAX_VIEW_GROWTH)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > storage_nbytes + MAX_VIEW_GROWTH:
+        raise CkptError(
+            f"a view of {math.prod(shape)} elements repeats its storage of "
+            f"{storage_nbytes} bytes past {MAX_VIEW_GROWTH >> 20} MiB: not supported"
+        )
 
 
 def _rebuild_tensor_v1(storage, storage_offset, size, stride):
@@ -253,6 +309,16 @@ def _rebuild_qtensor(storage, storage_offset, size, stride, quantizer_params=Non
     ref = rebuild_tensor(storage, storage_offset, size, stride, requires_grad)
     ref.kind = "quantized"
     ref.quantizer = _quantizer(quantizer_params)
+    if ref.quantizer is not None and len(ref.quantizer) == 4:
+        _, scales, zero_points, axis = ref.quantizer
+        if not (0 <= axis < len(ref.shape)) or not (
+            scales.numel == zero_points.numel == ref.shape[axis]
+            and len(scales.shape) == len(zero_points.shape) == 1
+        ):
+            raise CkptError(
+                f"corrupt quantized tensor: {scales.numel} scales and {zero_points.numel} zero "
+                f"points for axis {axis} of shape {list(ref.shape)}"
+            )
     return ref
 
 
@@ -283,6 +349,7 @@ def _quantizer(params: Any) -> tuple | None:
 
 def _rebuild_meta(dtype, size, stride, requires_grad=False):
     shape = _int_tuple(size, "shape")
+    check_shape(shape)
     return TensorRef(
         dtype=_as_dtype(dtype),
         shape=shape,
@@ -299,7 +366,7 @@ def _rebuild_sparse_tensor(layout, data):
     stored index and value tensors. torch checks their invariants when it is read."""
     name = layout.removeprefix("torch.") if isinstance(layout, TorchName) else None
     if name not in SPARSE_PARTS:  # a layout this version does not know: kept inert
-        return opaque_class("torch._utils", "_rebuild_sparse_tensor")(layout, data)
+        return opaque_class("torch._utils", "_rebuild_sparse_tensor").make(layout, data)
     count = len(SPARSE_PARTS[name])
     is_coalesced = None
     # COO data is (indices, values, size) before torch 2.1, then is_coalesced too
@@ -353,10 +420,10 @@ def _rebuild_from_type_v2(func, new_type, args, state):
     if name:
         # another tensor subclass (torchao's NF4Tensor, Float8Tensor...): an object of
         # its class holding its attributes, whose inner tensors are the data
-        obj = new_type()
+        obj = new_type.make()
         obj.state = state
         return obj
-    return opaque_class("torch._tensor", "_rebuild_from_type_v2")(new_type, state)
+    return opaque_class("torch._tensor", "_rebuild_from_type_v2").make(new_type, state)
 
 
 _attrs = state_attrs
@@ -449,7 +516,7 @@ def _dtensor_local(stub: WrapperStub, state: Any) -> LocalShards:
     return out
 
 
-class _LocalBlock:
+class _LocalBlock(Sealed):
     """A DTensor's local tensor before its offsets are known (set when ranks are combined)."""
 
     def __init__(self, tensor: TensorRef):
@@ -494,11 +561,21 @@ def _torch_size(values=()):
 
 
 def _torch_device(kind, index=None):
-    if isinstance(kind, Device):
+    """``torch.device("cuda:0")`` or ``torch.device("cuda", 0)``, checked as torch checks it:
+    the string is written back into outputs, so it must be a device torch can parse."""
+    if isinstance(kind, Device) and index is None:
         return kind
-    if not isinstance(kind, str):
-        raise CkptError(f"corrupt torch.device {kind!r}")
-    return Device(kind if index is None else f"{kind}:{index}")
+    text = kind if isinstance(kind, str) else None
+    if text is not None and index is not None:
+        text = f"{kind}:{index}" if type(index) is int and index >= 0 else None
+    device_type, _, number = (text or "").partition(":")
+    if (
+        device_type not in DEVICE_TYPES
+        or (":" in (text or "") and not (number.isdigit() and number.isascii()))
+        or len(number) > 9
+    ):
+        raise CkptError(f"corrupt torch.device {kind!r:.80}")
+    return Device(text)
 
 
 def _get_layout(name):
@@ -507,43 +584,70 @@ def _get_layout(name):
 
 def _codecs_encode(obj, encoding="utf-8", errors="strict"):
     # Protocol 2 pickles bytes as _codecs.encode(str, "latin1").
-    if not isinstance(obj, str) or encoding.lower() not in (
-        "latin1",
-        "latin-1",
-        "utf-8",
-        "utf8",
-        "ascii",
+    if (
+        not isinstance(obj, str)
+        or not isinstance(encoding, str)
+        or encoding.lower()
+        not in (
+            "latin1",
+            "latin-1",
+            "utf-8",
+            "utf8",
+            "ascii",
+        )
     ):
         raise CkptError("corrupt pickle: unexpected _codecs.encode call")
-    return obj.encode(encoding, errors)
+    charge(len(obj))
+    return obj.encode(encoding, "strict" if errors not in ("strict", "replace") else errors)
 
 
-def _bounded(ctor):
-    def build(*args):
-        if args and isinstance(args[0], int) and args[0] > MAX_BYTES_CONSTRUCTOR:
-            raise CkptError("corrupt pickle: absurd buffer size")
+def _size_of(value: Any) -> int:
+    """What building from ``value`` costs: its length, or the size an int asks for."""
+    if type(value) is int:
+        return max(value, 0)
+    try:
+        return len(value)
+    except TypeError:  # an inert stand-in: the constructor will refuse it
+        return 0
+
+
+def _constructor(ctor: Any) -> Any:
+    """``ctor`` (a container or data type) charging the read's budget for what it builds."""
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise CkptError(f"corrupt pickle: {ctor.__name__}() with keyword arguments")
+        if args:
+            if ctor in (bytes, bytearray) and type(args[0]) is int:
+                if args[0] > MAX_BYTES_CONSTRUCTOR:
+                    raise CkptError("corrupt pickle: absurd buffer size")
+            elif ctor is str and type(args[0]) not in (str, bytes, int, float, bool):
+                # str() of a container renders every item, shared ones again and again
+                raise CkptError("corrupt pickle: str() of a container")
+            charge(sum(map(_size_of, args)))
         return ctor(*args)
 
+    build.__name__ = ctor.__name__
     return build
 
 
 def _reconstructor(cls, base, state=None):
     # copyreg._reconstructor(cls, object, None) == object.__new__(cls)
     if isinstance(cls, type) and issubclass(cls, Opaque):
-        return cls()
-    return opaque_class("copyreg", "_reconstructor")(cls, base, state)
+        return cls.make()  # object.__new__(cls): creates, calls nothing
+    return opaque_class("copyreg", "_reconstructor").make(cls, base, state)
 
 
 def _newobj(cls, *args):
     if isinstance(cls, type) and issubclass(cls, Opaque):
-        return cls(*args)
-    return opaque_class("copyreg", "__newobj__")(cls, *args)
+        return cls.make(*args)  # cls.__new__(cls, *args): creates, calls nothing
+    return opaque_class("copyreg", "__newobj__").make(cls, *args)
 
 
 def _defaultdict(default_factory=None, *args):
     # Keep the mapping, drop the factory: we never call it, and a plain dict
     # stays loadable with weights_only=True.
-    return dict(*args)
+    return _constructor(dict)(*args)
 
 
 # numpy dtype codes (``numpy.dtype("f4")``) -> (torch dtype, struct format for scalars)
@@ -621,7 +725,7 @@ def _numpy_frombuffer(buffer: Any, np_dtype: Any, shape: Any, order: Any = "C") 
 def _numpy_scalar(np_dtype: Any, raw: Any = None) -> Any:
     described = _numpy_dtype(np_dtype)
     if described is None or described[1] is None or not isinstance(raw, (bytes, bytearray)):
-        return opaque_class("numpy", "generic", known=True)(np_dtype, raw)
+        return opaque_class("numpy", "generic", known=True).make(np_dtype, raw)
     dtype, fmt, big_endian = described
     try:
         return struct.unpack((">" if big_endian else "<") + fmt, raw)[0]
@@ -639,9 +743,9 @@ def _identity(value: Any) -> Any:
     return value
 
 
-SAFE_GLOBALS: dict[str, Any] = {
+# Builtin types a pickle may name and call; called, each charges the read's budget.
+BUILTIN_TYPES: dict[str, type] = {
     "collections.OrderedDict": collections.OrderedDict,
-    "collections.defaultdict": _defaultdict,
     "builtins.dict": dict,
     "builtins.list": list,
     "builtins.tuple": tuple,
@@ -653,9 +757,14 @@ SAFE_GLOBALS: dict[str, Any] = {
     "builtins.complex": complex,
     "builtins.bool": bool,
     "builtins.slice": slice,
-    "builtins.bytes": _bounded(bytes),
-    "builtins.bytearray": _bounded(bytearray),
-    "builtins.object": opaque_class("builtins", "object"),
+    "builtins.bytes": bytes,
+    "builtins.bytearray": bytearray,
+}
+
+SAFE_GLOBALS: dict[str, Any] = {
+    **{name: _constructor(ctor) for name, ctor in BUILTIN_TYPES.items()},
+    "collections.defaultdict": _defaultdict,
+    "builtins.object": opaque_class("builtins", "object", known=True),
     "_codecs.encode": _codecs_encode,
     "copyreg._reconstructor": _reconstructor,
     "copyreg.__newobj__": _newobj,

@@ -19,11 +19,29 @@ from types import MappingProxyType
 from typing import Any
 
 from .errors import CkptError
+from .guard import note_call
+
+
+class Sealed:
+    """A value the unpickler hands out, which the pickle cannot change afterwards.
+
+    Without a ``__setstate__`` of its own, a pickle's BUILD opcode writes straight into
+    an object's ``__dict__`` (frozen dataclasses included): a file could rename the
+    ``torch.float32`` it was given, and a writer would then name that in its output.
+    """
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise CkptError(f"corrupt pickle: it rewrites the state of a {type(self).__name__}")
 
 
 @dataclass(frozen=True)
-class DType:
-    """A torch dtype by name (``float32``), with what writers need to know about it."""
+class DType(Sealed):
+    """A torch dtype by name (``float32``), with what writers need to know about it.
+
+    One shared object per dtype (:data:`DTYPES`): writers check a dtype is that object.
+    """
 
     name: str
     itemsize: int
@@ -107,6 +125,13 @@ def dtype(name: str) -> DType:
     if key not in DTYPES:
         raise CkptError(f"unsupported dtype {name!r}")
     return DTYPES[key]
+
+
+def check_dtype(value: Any) -> DType:
+    """``value`` is one of the table's own dtypes (a writer names nothing else), or raise."""
+    if not isinstance(value, DType) or DTYPES.get(value.name) is not value:
+        raise CkptError(f"corrupt tensor dtype {value!r:.80}")
+    return value
 
 
 class ByteSource:
@@ -199,7 +224,7 @@ class OpenFiles:
 
 
 @dataclass(eq=False)
-class StorageRef:
+class StorageRef(Sealed):
     """One storage as torch saved it: ``numel`` elements of ``dtype`` on ``device``.
 
     Tensors that share a storage (tied weights, views) hold the same StorageRef.
@@ -217,7 +242,7 @@ class StorageRef:
         return self.numel * self.dtype.itemsize
 
 
-class _Sized:
+class _Sized(Sealed):
     """numel and nbytes from ``shape`` and ``dtype`` (global sizes for sharded tensors)."""
 
     shape: tuple[int, ...]
@@ -274,7 +299,7 @@ class TensorRef(_Sized):
 
 
 @dataclass(eq=False)
-class Shard:
+class Shard(Sealed):
     """One block of a sharded tensor: ``sizes`` elements starting at ``offsets``."""
 
     offsets: tuple[int, ...]
@@ -384,7 +409,7 @@ SPARSE_PARTS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(eq=False)
-class SparseRef:
+class SparseRef(Sealed):
     """A sparse tensor: its layout, its dense shape and the stored tensors it is made of.
 
     ``parts`` are named by ``SPARSE_PARTS[layout]``: (indices, values) for COO,
@@ -431,6 +456,13 @@ class SparseRef:
 class _ReadOnlyClass(type):
     """Stand-in classes are shared by every read: a pickle's BUILD must not change them."""
 
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        # only a pickle calls a stand-in class (ckpttool's own code uses make()):
+        # calling a global on no allow-list is what gadgets do (FileHandler(path))
+        if not (cls.known or cls.dangerous):
+            note_call(cls.class_name())
+        return cls.__new__(cls, *args, **kwargs)
+
     def __setattr__(cls, name: str, value: Any) -> None:
         raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
 
@@ -438,7 +470,7 @@ class _ReadOnlyClass(type):
         raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
 
 
-class Opaque(metaclass=_ReadOnlyClass):
+class Opaque(Sealed, metaclass=_ReadOnlyClass):
     """Inert stand-in for an instance of a class we do not rebuild.
 
     It records what the pickle gave it (constructor args, state, items) and
@@ -482,8 +514,17 @@ class Opaque(metaclass=_ReadOnlyClass):
     def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
         # A pickle may call a stand-in (``getattr(x, "system")(cmd)``): the result is
         # another inert stand-in, so ``--unsafe`` reads such files instead of failing.
-        cls = opaque_class(self.module, f"{self.qualname}()", dangerous=self.dangerous)
-        return cls(*args, **kwargs)
+        # The real object's __call__ would run (a partial calling what it holds): no
+        # checkpoint calls an object, so this is refused as dangerous.
+        cls = opaque_class(self.module, f"{self.qualname}()", dangerous=True)
+        if not self.dangerous:  # (one already refused is named once)
+            note_call(cls.class_name())
+        return cls.make(*args, **kwargs)
+
+    @classmethod
+    def make(cls, *args: Any, **kwargs: Any) -> Opaque:
+        """An object of this stand-in class built by ckpttool itself (not a pickle call)."""
+        return cls.__new__(cls, *args, **kwargs)
 
     @classmethod
     def class_name(cls) -> str:
@@ -632,6 +673,7 @@ class Checkpoint:
         world_size: Number of ranks for ``dcp`` / ``per-rank`` input, else None.
         globals: Every global the pickles referenced, sorted (``module.name``).
         dangerous: Those of them that are refused without ``--unsafe``.
+        unverified: Those on none of ckpttool's allow-lists, read as inert stand-ins.
         metadata: Format-level metadata (the safetensors ``__metadata__``).
     """
 
@@ -641,4 +683,5 @@ class Checkpoint:
     world_size: int | None = None
     globals: list[str] = field(default_factory=list)
     dangerous: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)

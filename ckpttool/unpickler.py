@@ -16,16 +16,17 @@ what is refused is decided in :mod:`ckpttool.policy`:
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import io
 import pickle
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from .errors import CkptError, UnsafeError
-from .policy import check_structure, is_dangerous, python3_name
+from .guard import guarded_read, note_call
+from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
 from .stand_ins import (
-    KNOWN_TORCH_PREFIXES,
     SAFE_GLOBALS,
     TORCH_LAYOUTS,
     TORCH_MEMORY_FORMATS,
@@ -58,6 +59,7 @@ class SafeUnpickler(pickle.Unpickler):
         self.permissive = permissive
         self.seen: set[str] = set()
         self.dangerous: set[str] = set()
+        self.unverified: set[str] = set()
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent_load is None:
@@ -70,31 +72,28 @@ class SafeUnpickler(pickle.Unpickler):
         self.seen.add(full)
         if full in SAFE_GLOBALS:
             value = SAFE_GLOBALS[full]
-            # builtin types cannot be changed and stand-in classes are read-only
-            is_type = isinstance(value, type)
-            if is_type and (
-                value.__module__ in ("builtins", "collections") or issubclass(value, Opaque)
-            ):
+            # stand-in classes are read-only, Ellipsis is a constant
+            if (isinstance(value, type) and issubclass(value, Opaque)) or value is Ellipsis:
                 return value
-            if value is Ellipsis:  # a constant, immutable
-                return value
+            # A fresh object per read: BUILD cannot reach our shared functions through it
             named = NamedGlobal(value)
             named.name = full
             return named
         if module == "builtins" and name == "getattr":
             return self._getattr
-        if is_dangerous(module, name):
-            self.dangerous.add(full)
-            return opaque_class(module, name, dangerous=True)
         if module in ("torch", "torch.storage") and name in STORAGE_CLASSES:
             return StorageType(name, DTYPES[STORAGE_CLASSES[name]])
         if module == "torch" and name in DTYPES:
-            # a copy: BUILD writes into __dict__ past ``frozen``, and DTYPES is shared
-            return dataclasses.replace(DTYPES[name])
+            return DTYPES[name]  # Sealed: a BUILD on it is refused
         if module == "torch" and name in TORCH_LAYOUTS | TORCH_MEMORY_FORMATS:
             return TorchName(f"torch.{name}")
-        known = full.startswith(KNOWN_TORCH_PREFIXES) or module.startswith("pathlib")
-        return opaque_class(module, name, known=known)
+        verdict = judge(module, name)
+        if verdict == DANGEROUS:
+            self.dangerous.add(full)
+            return opaque_class(module, name, dangerous=True)
+        if verdict == UNVERIFIED:
+            self.unverified.add(full)
+        return opaque_class(module, name, known=verdict == KNOWN)
 
     def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
         """``getattr`` is allowed only to reach a nested class of a torch class.
@@ -108,19 +107,20 @@ class SafeUnpickler(pickle.Unpickler):
             and not obj.dangerous
             and isinstance(name, str)
             and name.isidentifier()
-            and not name.startswith("_")
+            and name[:1].isupper()  # a nested class (CapWords), never a method
         ):
             qualname = f"{obj.qualname}.{name}"
             self.seen.add(f"{obj.module}.{qualname}")
             return opaque_class(obj.module, qualname, known=obj.known)
         self.dangerous.add("builtins.getattr")
-        return opaque_class("builtins", "getattr", dangerous=True)(obj, name)
+        return opaque_class("builtins", "getattr", dangerous=True).make(obj, name)
 
 
 class _Sink:
     """The one object a globals scan builds: it accepts whatever the pickle does to it."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> _Sink:
+        note_call("<an object>()")  # as a full read: no checkpoint calls an object
         return self
 
     def __setstate__(self, state: Any) -> None:
@@ -162,7 +162,8 @@ class GlobalsScanner(SafeUnpickler):
         if value == self._getattr:
             return value
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
-            return _named_absorb(value.module, value.qualname)  # getattr may look into it
+            # getattr may look into it; calling it is judged as in a full read
+            return _named_absorb(value.module, value.qualname, value.known)
         return _Absorb
 
     def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
@@ -171,23 +172,56 @@ class GlobalsScanner(SafeUnpickler):
             obj = opaque_class(obj.module, obj.qualname)
         value = super()._getattr(obj, name, *default)
         if isinstance(value, type) and not value.dangerous:
-            return _named_absorb(value.module, value.qualname)
+            return _named_absorb(value.module, value.qualname, value.known)
         return _Absorb
 
     def persistent_load(self, pid: Any) -> Any:
         return _ABSORB
 
 
-_NAMED_ABSORB: dict[tuple[str, str], type] = {}
+class _AbsorbClass(type):
+    """A class standing for a global in a scan: calling one on no allow-list is noted,
+    as :class:`~ckpttool.tree.Opaque`'s metaclass notes it in a full read."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not cls.known:
+            note_call(f"{cls.module}.{cls.qualname}")
+        return _ABSORB
 
 
-def _named_absorb(module: str, qualname: str) -> type:
+_NAMED_ABSORB: dict[tuple[str, str, bool], type] = {}
+
+
+def _named_absorb(module: str, qualname: str, known: bool = False) -> type:
     """An absorbing class that remembers which global it stands for."""
-    cls = _NAMED_ABSORB.get((module, qualname))
+    cls = _NAMED_ABSORB.get((module, qualname, known))
     if cls is None:
-        cls = type("Absorb", (_Absorb,), {"module": module, "qualname": qualname})
-        _NAMED_ABSORB[(module, qualname)] = cls
+        attrs = {"module": module, "qualname": qualname, "known": known}
+        cls = _AbsorbClass("Absorb", (_Absorb,), attrs)
+        _NAMED_ABSORB[(module, qualname, known)] = cls
     return cls
+
+
+@contextlib.contextmanager
+def _quiet_buffer_errors() -> Iterator[None]:
+    """No stray line on stderr from CPython's unpickler on a hostile BYTEARRAY8.
+
+    A declared size it cannot allocate ends, inside CPython, in "deallocated
+    bytearray object has exported buffers" printed through ``sys.excepthook``; the
+    read itself fails as it should (a MemoryError, reported as a corrupt pickle).
+    """
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, traceback: Any) -> None:
+        if kind is SystemError and "exported buffers" in str(value):
+            return
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+    try:
+        yield
+    finally:
+        sys.excepthook = previous
 
 
 def load_pickle(
@@ -219,24 +253,31 @@ def load_pickle(
     unpickler = unpickler_class(stream, persistent_load, permissive=permissive)
     error: BaseException | None = None
     result = None
-    try:
+    size = _remaining(stream, start)
+    with guarded_read(size) as guard, _quiet_buffer_errors():
         try:
-            result = unpickler.load()
-        except UnicodeDecodeError:
-            # Python 2 pickles hold byte strings: torch.load(encoding="latin1") reads them.
-            stream.seek(start)
-            unpickler = unpickler_class(
-                stream, persistent_load, permissive=permissive, encoding="latin1"
-            )
-            result = unpickler.load()
-    except CkptError as exc:
-        error = exc
-    except RecursionError:
-        error = CkptError("pickle nests too deeply", path=path)
-    except Exception as exc:  # any malformed-pickle error the C unpickler raises
-        error = exc
+            try:
+                result = unpickler.load()
+            except UnicodeDecodeError:
+                # Python 2 pickles hold byte strings: torch.load(encoding="latin1") reads them.
+                stream.seek(start)
+                guard.called.clear()
+                unpickler = unpickler_class(
+                    stream, persistent_load, permissive=permissive, encoding="latin1"
+                )
+                result = unpickler.load()
+        except CkptError as exc:
+            error = exc
+        except RecursionError:
+            error = CkptError("pickle nests too deeply", path=path)
+        except Exception as exc:  # any malformed-pickle error the C unpickler raises
+            error = exc
+    # a global on no allow-list that the pickle calls, or an object it calls, runs code
+    # under a real unpickler (FileHandler(path), partial(...)())
+    unpickler.dangerous.update(guard.called)
     if seen is not None:
         seen.update(unpickler.seen)
+        seen.update("?" + g for g in unpickler.unverified - unpickler.dangerous)
         seen.update("!" + g for g in unpickler.dangerous)
     if unpickler.dangerous and not permissive:
         raise UnsafeError(sorted(unpickler.dangerous), path=path)
@@ -254,9 +295,23 @@ def load_pickle(
     return result
 
 
-def split_seen(seen: set[str]) -> tuple[list[str], list[str]]:
-    """(globals, dangerous), sorted, from a ``seen`` set that :func:`load_pickle` filled."""
-    return (
-        sorted(g for g in seen if not g.startswith("!")),
-        sorted(g[1:] for g in seen if g.startswith("!")),
-    )
+def _remaining(stream: IO[bytes], start: int) -> int:
+    """Bytes left in ``stream`` from ``start``: the pickle's size, what its budget is from."""
+    try:
+        end = stream.seek(0, io.SEEK_END)
+        stream.seek(start)
+        return end - start
+    except (OSError, ValueError):
+        return 0
+
+
+def split_seen(seen: set[str]) -> tuple[list[str], list[str], list[str]]:
+    """(globals, dangerous, unverified), sorted, from a ``seen`` set :func:`load_pickle` filled.
+
+    A called global (``!``) is listed among the globals even where the name it was
+    called by is a stand-in's (``pkg.Class()`` for an object of it called).
+    """
+    dangerous = {g[1:] for g in seen if g.startswith("!")}
+    plain = {g for g in seen if g[:1] not in ("!", "?")}
+    unverified = {g[1:] for g in seen if g.startswith("?")} - dangerous
+    return sorted(plain | dangerous), sorted(dangerous), sorted(unverified)

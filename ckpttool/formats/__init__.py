@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
-from ..errors import CkptError, UnsafeError
+from ..errors import CkptError, UnsafeError, translate_errors
 from ..tree import Checkpoint
 from ..unpickler import split_seen
 from . import (
@@ -69,6 +69,7 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     return out
 
 
+@translate_errors
 def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Checkpoint:
     """Read one checkpoint (lazily) from one path, several rank files, or a glob.
 
@@ -131,15 +132,15 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str]]:
-    """(globals, dangerous) of a torch zip's pickle, judged without rebuilding it."""
+def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str], list[str]]:
+    """(globals, dangerous, unverified) of a torch zip's pickle, judged without rebuilding."""
     from .zip_pickle import ZIP_MAGIC, ZipPickle
 
     with open(path, "rb") as f:
         is_zip = f.read(4) == ZIP_MAGIC
     if not is_zip:  # legacy rank files: rare, read them in full
         ckpt = _read_one(path, unsafe)
-        return ckpt.globals, ckpt.dangerous
+        return ckpt.globals, ckpt.dangerous, ckpt.unverified
     seen: set[str] = set()
     with ZipPickle(path) as archive:
         archive.scan(permissive=unsafe, seen=seen)

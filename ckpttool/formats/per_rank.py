@@ -66,6 +66,10 @@ def _name_rank(path: str) -> int | None:
     return int(m.group(2)) if m else None
 
 
+# Missing rank files named in an error, at most (the rest are counted)
+MAX_NAMED_MISSING = 8
+
+
 def _world_size(root: Any, num_files: int) -> int:
     """The ranks that wrote the checkpoint, as its sharded leaves tell.
 
@@ -79,7 +83,10 @@ def _world_size(root: Any, num_files: int) -> int:
                 return value.world_size
             if value.kind == "dtensor":
                 layout = value.layout
-                dtensor_sizes.append(layout.get("world_size") or math.prod(layout["mesh_shape"]))
+                mesh_shape = layout.get("mesh_shape")
+                if not layout.get("world_size") and not isinstance(mesh_shape, tuple):
+                    raise CkptError("corrupt DTensor: its spec names no device mesh")
+                dtensor_sizes.append(layout.get("world_size") or math.prod(mesh_shape))
     return max(dtensor_sizes) if dtensor_sizes else num_files
 
 
@@ -91,7 +98,7 @@ def _rank_file_name(path: str, rank: int) -> str:
 
 
 ReadFile = Callable[[str], Checkpoint]
-ScanFile = Callable[[str], tuple[list[str], list[str]]]
+ScanFile = Callable[[str], tuple[list[str], list[str], list[str]]]
 
 
 class RankFiles:
@@ -212,7 +219,7 @@ def read(
     except CkptError:
         _judge(by_rank, loaded, scan_file)  # a dangerous rank file is reported first
         raise
-    globals_, dangerous = _judge(by_rank, loaded, scan_file)
+    globals_, dangerous, unverified = _judge(by_rank, loaded, scan_file)
     return Checkpoint(
         format=FORMAT,
         files=[by_rank[r] for r in sorted(by_rank)],
@@ -220,6 +227,7 @@ def read(
         world_size=world_size,
         globals=sorted(globals_),
         dangerous=sorted(dangerous),
+        unverified=sorted(unverified - dangerous),
     )
 
 
@@ -232,9 +240,16 @@ def _combine(
 ) -> tuple[int, Any]:
     """(world size, the lowest rank's tree with every local-shards leaf a ShardedRef)."""
     world_size = _world_size(base.root, len(by_rank))
-    missing = sorted(set(range(world_size)) - set(by_rank))
-    if missing:
+    if type(world_size) is not int or world_size < 1:
+        raise CkptError(f"corrupt sharded tensor: world size {world_size!r:.40}")
+    # counted, not listed: a file may claim a billion ranks, and no set of them is built
+    have = sum(1 for r in by_rank if 0 <= r < world_size)
+    if have < world_size:
+        absent = (r for r in range(world_size) if r not in by_rank)
+        missing = list(itertools.islice(absent, MAX_NAMED_MISSING))
         names = ", ".join(_rank_file_name(by_rank[base_rank], r) for r in missing)
+        if world_size - have > len(missing):
+            names += f" and {world_size - have - len(missing)} more"
         raise CkptError(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
@@ -347,19 +362,25 @@ def _global_ref(
 
 def _judge(
     by_rank: dict[int, str], loaded: dict[int, Checkpoint], scan_file: ScanFile
-) -> tuple[set[str], set[str]]:
-    """(globals, dangerous) of every rank file: read ones know theirs, others are scanned.
+) -> tuple[set[str], set[str], set[str]]:
+    """(globals, dangerous, unverified) of every rank file: read ones know theirs, others
+    are scanned.
 
     Called last: the scans may still be running in a child process (see prescan.py).
     """
     globals_: set[str] = set()
     dangerous: set[str] = set()
+    unverified: set[str] = set()
     for rank, path in by_rank.items():
         ckpt = loaded.get(rank)
-        seen, bad = (ckpt.globals, ckpt.dangerous) if ckpt is not None else scan_file(path)
+        if ckpt is not None:
+            seen, bad, unknown = ckpt.globals, ckpt.dangerous, ckpt.unverified
+        else:
+            seen, bad, unknown = scan_file(path)
         globals_.update(seen)
         dangerous.update(bad)
-    return globals_, dangerous
+        unverified.update(unknown)
+    return globals_, dangerous, unverified
 
 
 def _sharded_ref(

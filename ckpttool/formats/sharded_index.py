@@ -103,6 +103,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         root=root,
         globals=sorted({g for c in pickled for g in c.globals}),
         dangerous=sorted({g for c in pickled for g in c.dangerous}),
+        unverified=sorted({g for c in pickled for g in c.unverified}),
         metadata=dict(metadata),
     )
 

@@ -23,5 +23,12 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
 
 def checkpoint(fmt: str, files: list[str], root: object, seen: set[str]) -> Checkpoint:
     """A Checkpoint from a safe unpickle's result and the globals it saw."""
-    globals_, dangerous = split_seen(seen)
-    return Checkpoint(format=fmt, files=files, root=root, globals=globals_, dangerous=dangerous)
+    globals_, dangerous, unverified = split_seen(seen)
+    return Checkpoint(
+        format=fmt,
+        files=files,
+        root=root,
+        globals=globals_,
+        dangerous=dangerous,
+        unverified=unverified,
+    )

@@ -11,6 +11,7 @@ cast or gathered.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import io
 import pickle
@@ -20,7 +21,16 @@ from typing import Any
 from ..errors import CkptError
 from ..plain import TorchValue, to_plain
 from ..stand_ins import TORCH_LAYOUTS, Device, TorchName, TorchSize
-from ..tree import STORAGE_CLASSES, DType, SparseRef, StorageRef, TensorRef, iter_tensors
+from ..tree import (
+    DTYPES,
+    STORAGE_CLASSES,
+    DType,
+    SparseRef,
+    StorageRef,
+    TensorRef,
+    check_dtype,
+    iter_tensors,
+)
 from . import OutputFile, Progress, output_dtype, output_nbytes, write_leaf
 
 ARCHIVE = "archive"
@@ -33,6 +43,46 @@ _STORAGE_FOR_DTYPE = {
 # ---------------------------------------------------------------- the pickle
 
 
+# torch.save's quantization schemes (a quantized tensor's pickle names its own)
+QSCHEMES = (
+    "per_tensor_affine",
+    "per_tensor_symmetric",
+    "per_channel_affine",
+    "per_channel_symmetric",
+    "per_channel_affine_float_qparams",
+)
+# Every global this writer may name, all of them on torch.load(weights_only=True)'s own
+# list. A name is checked against this set where it is written, whatever produced it:
+# nothing a file controls can make the writer name anything else.
+WRITABLE_GLOBALS = frozenset(
+    {
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_tensor_v3"),
+        ("torch._utils", "_rebuild_parameter"),
+        ("torch._utils", "_rebuild_qtensor"),
+        ("torch._utils", "_rebuild_sparse_tensor"),
+        ("torch", "device"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.storage", "UntypedStorage"),
+        ("collections", "OrderedDict"),
+        ("_codecs", "encode"),
+        ("builtins", "set"),
+        ("builtins", "bytearray"),
+        ("builtins", "complex"),
+        *(("torch", name) for name in DTYPES),
+        *(("torch", name) for name in STORAGE_CLASSES if name != "UntypedStorage"),
+        *(("torch", scheme) for scheme in QSCHEMES),
+    }
+)
+
+
+def check_writable(module: str, name: str) -> None:
+    """Refuse to write a GLOBAL that is not on :data:`WRITABLE_GLOBALS`."""
+    if (module, name) not in WRITABLE_GLOBALS:
+        raise CkptError(f"refusing to write the global {module!r:.60}.{name!r:.60} (unusual input)")
+
+
 class _TorchGlobal:
     """A torch name written as a pickle GLOBAL without importing torch.
 
@@ -40,6 +90,7 @@ class _TorchGlobal:
     """
 
     def __init__(self, module: str, name: str):
+        check_writable(module, name)
         self.module, self.name = module, name
 
     def __call__(self, *args: Any) -> Any:
@@ -55,7 +106,7 @@ def torch_global(module: str, name: str) -> _TorchGlobal:
 
 
 class _Reduced:
-    """Pickles as ``func(*args)``."""
+    """Pickles as ``func(*args)``: the only object besides plain data the pickle holds."""
 
     def __init__(self, func: _TorchGlobal, args: tuple[Any, ...]):
         self.func, self.args = func, args
@@ -99,7 +150,7 @@ def pickle_value(value: TorchValue) -> Any:
     if isinstance(value, TorchSize):
         return _Reduced(torch_global("torch", "Size"), (tuple(value),))
     if isinstance(value, DType):
-        return torch_global("torch", value.name)
+        return torch_global("torch", check_dtype(value).name)
     name = value.removeprefix("torch.")
     if name in TORCH_LAYOUTS:  # torch pickles layouts this way
         return _Reduced(torch_global("torch.serialization", "_get_layout"), (f"torch.{name}",))
@@ -110,10 +161,27 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its dispatch table can b
     dispatch = pickle._Pickler.dispatch.copy()
 
     def save_torch_global(self, obj: _TorchGlobal) -> None:
+        check_writable(obj.module, obj.name)
         self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
         self.memoize(obj)
 
     dispatch[_TorchGlobal] = save_torch_global
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        # every other GLOBAL the Python pickler would write (OrderedDict, _codecs.encode
+        # for bytes, the class of anything unexpected) passes the same check
+        module = getattr(obj, "__module__", None)
+        qualname = name or getattr(obj, "__qualname__", None)
+        if not isinstance(module, str) or not isinstance(qualname, str):
+            raise CkptError(f"cannot write a {type(obj).__name__} (unusual input)")
+        check_writable(module, qualname)
+        super().save_global(obj, name)
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        allowed = type(obj) in _PICKLABLE or any(obj is g for g in _PICKLED_GLOBALS)
+        if not allowed and self.persistent_id(obj) is None:
+            raise CkptError(f"cannot write a {type(obj).__name__} (unusual input)")
+        super().save(obj, save_persistent_id)
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
@@ -124,6 +192,31 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its dispatch table can b
             return ("storage", torch_global("torch", name), obj.key, obj.location, obj.numel)
         return None
 
+
+# What the structure may hold once tensors are replaced: plain data and our own records.
+_PICKLABLE = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        bytearray,
+        tuple,
+        list,
+        dict,
+        set,
+        collections.OrderedDict,
+        _Reduced,
+        _TorchGlobal,
+        _Storage,
+    }
+)
+
+# The Python objects the pickler itself names for plain data (protocol 2)
+_PICKLED_GLOBALS = (collections.OrderedDict, codecs.encode, set, bytearray, complex)
 
 # ---------------------------------------------------------------- the zip container
 

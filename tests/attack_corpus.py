@@ -1,0 +1,510 @@
+"""Hostile torch.save files built opcode by opcode, the way attackers build them.
+
+Each case is a ``data.pkl`` (protocol 2 or 4, written byte by byte, so every opcode,
+name, size and count is the attacker's) inside a real torch zip container holding one
+float32 storage ``0`` of 4 elements, so a reader sees a well-formed checkpoint around
+the payload. Payloads that act create a file named ``marker`` beside the checkpoint
+(``{marker}`` in the source below), so a test can prove that nothing ran.
+
+The families follow picklescan / modelscan / fickling bypasses and torch
+``weights_only`` CVEs: dotted names resolved by protocol 4, gadgets in benign-looking
+modules, BUILD on the objects an unpickler hands out, calls of objects, and tiny
+pickles that make containers, byte strings or repeated text without bound.
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# ------------------------------------------------------------------ opcodes
+
+PROTO2 = b"\x80\x02"
+PROTO4 = b"\x80\x04"
+MARK, STOP, TUPLE, REDUCE, BUILD = b"(", b".", b"t", b"R", b"b"
+EMPTY_DICT, EMPTY_LIST, EMPTY_TUPLE = b"}", b"]", b")"
+SETITEM, SETITEMS, APPEND, APPENDS = b"s", b"u", b"a", b"e"
+NEWOBJ, NONE, NEWTRUE, NEWFALSE = b"\x81", b"N", b"\x88", b"\x89"
+STACK_GLOBAL, MEMOIZE, BINPERSID = b"\x93", b"\x94", b"Q"
+
+
+def glob(module: str, name: str) -> bytes:
+    """GLOBAL: ``module`` and ``name`` as given (protocol 0-3 style)."""
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def text(value: str) -> bytes:
+    """BINUNICODE."""
+    data = value.encode()
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+def raw(value: bytes) -> bytes:
+    """BINBYTES (protocol 3+)."""
+    return b"B" + struct.pack("<I", len(value)) + value
+
+
+def integer(value: int) -> bytes:
+    """BININT / LONG1."""
+    if -(2**31) <= value < 2**31:
+        return b"J" + struct.pack("<i", value)
+    data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(data)]) + data
+
+
+def put(index: int) -> bytes:
+    return b"q" + bytes([index])
+
+
+def get(index: int) -> bytes:
+    return b"h" + bytes([index])
+
+
+def tup(*items: bytes) -> bytes:
+    return MARK + b"".join(items) + TUPLE
+
+
+def call(func: bytes, *args: bytes) -> bytes:
+    """``func(*args)`` by REDUCE."""
+    return func + tup(*args) + REDUCE
+
+
+def dict_of(**items: bytes) -> bytes:
+    return EMPTY_DICT + MARK + b"".join(text(k) + v for k, v in items.items()) + SETITEMS
+
+
+def storage(key: str = "0", numel: int = 4) -> bytes:
+    """torch's persistent id for a float32 storage: ('storage', FloatStorage, key, cpu, n)."""
+    return tup(text("storage"), glob("torch", "FloatStorage"), text(key), text("cpu"),
+               integer(numel)) + BINPERSID  # fmt: skip
+
+
+def tensor(shape: tuple[int, ...] = (4,), stride: tuple[int, ...] = (1,), offset: int = 0,
+           key: str = "0", numel: int = 4) -> bytes:  # fmt: skip
+    """``_rebuild_tensor_v2(storage, offset, shape, stride, False, OrderedDict())``."""
+    return call(
+        glob("torch._utils", "_rebuild_tensor_v2"),
+        storage(key, numel),
+        integer(offset),
+        tup(*map(integer, shape)),
+        tup(*map(integer, stride)),
+        NEWFALSE,
+        call(glob("collections", "OrderedDict")),
+    )
+
+
+def checkpoint(*entries: tuple[str, bytes], proto: bytes = PROTO2) -> bytes:
+    """A state dict ``{"w": tensor, **entries}``: what a real snapshot looks like."""
+    body = b"".join(text(k) + v for k, v in [("w", tensor()), *entries])
+    return proto + EMPTY_DICT + MARK + body + SETITEMS + STOP
+
+
+# ------------------------------------------------------------------ the container
+
+STORAGE_BYTES = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+
+
+def write_torch_zip(path: Path, data_pkl: bytes, extra: dict[str, bytes] | None = None) -> None:
+    """A torch.save zip (``archive/``) holding ``data_pkl`` and one storage ``0``."""
+    entries = {
+        "archive/data.pkl": data_pkl,
+        "archive/byteorder": b"little",
+        "archive/data/0": STORAGE_BYTES,
+        "archive/version": b"3\n",
+        **(extra or {}),
+    }
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+
+
+# ------------------------------------------------------------------ the cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One hostile file: how to build its pickle, and what ckpttool must answer.
+
+    ``exit``: 3 refused as unsafe (``names`` must be in the message), 2 corrupt (``names``:
+    words of the message), 0 valid and inert (its outputs are checked instead).
+    ``live``: the payload provably acts under ``torch.load(weights_only=False)`` here
+    (it creates the marker), so "no marker" is a real assertion.
+    """
+
+    name: str
+    build: Callable[[str], bytes]
+    exit: int
+    names: tuple[str, ...] = ()
+    live: bool = False
+
+
+def _touch(marker: str) -> bytes:
+    return text(f"touch {marker}")
+
+
+CASES = [
+    # --- nothing a file controls reaches an output: BUILD on handed-out values
+    Case(
+        "build-renames-dtype",
+        lambda m: checkpoint(
+            (
+                "dt",
+                glob("torch", "float32")
+                + dict_of(
+                    name=text(f"float32\n0cposix\nsystem\n(S'touch {m}'\ntR0ctorch\nfloat32"),
+                )
+                + BUILD,
+            ),
+        ),
+        2,
+        ("corrupt pickle", "DType"),
+    ),
+    Case(
+        "build-changes-dtype-itemsize",
+        lambda m: checkpoint(
+            ("dt", glob("torch", "float16") + dict_of(itemsize=integer(0)) + BUILD)
+        ),
+        2,
+        ("corrupt pickle",),
+    ),
+    Case(
+        "build-renames-storage-dtype",
+        lambda m: checkpoint(
+            ("s", glob("torch", "FloatStorage") + dict_of(name=text("x\nos\nsystem")) + BUILD)
+        ),
+        2,
+        ("corrupt pickle",),
+    ),
+    Case(
+        "build-on-tensor",
+        lambda m: checkpoint(
+            ("t", tensor() + dict_of(dtype=text("float32\nposix\nsystem")) + BUILD)
+        ),
+        2,
+        ("corrupt pickle",),
+    ),
+    Case(
+        "build-swaps-size-function",  # partial.__setstate__ would replace the function
+        lambda m: checkpoint(
+            (
+                "s",
+                glob("torch", "Size")
+                + tup(glob("builtins", "list"), EMPTY_TUPLE, EMPTY_DICT, NONE)
+                + BUILD,
+            ),  # fmt: skip
+        ),
+        2,
+        ("corrupt pickle",),
+    ),
+    Case(
+        "ordereddict-attribute-hides-values",
+        lambda m: checkpoint(
+            (
+                "sd",
+                call(glob("collections", "OrderedDict"))
+                + dict_of(values=glob("builtins", "list"))
+                + BUILD,
+            ),  # fmt: skip
+        ),
+        2,
+        ("hide its methods",),
+    ),
+    Case(
+        "device-string-injection",
+        lambda m: checkpoint(("d", call(glob("torch", "device"), text("cpu\nposix\nsystem")))),
+        2,
+        ("torch.device",),
+    ),
+    # --- a verdict people can rely on: gadgets by dotted names and in benign modules
+    Case(
+        "dotted-name-protocol-4",
+        lambda m: checkpoint(
+            ("x", text("torch") + text("os.system") + STACK_GLOBAL + tup(_touch(m)) + REDUCE),
+            proto=PROTO4,
+        ),
+        3,
+        ("torch.os.system",),
+        live=True,
+    ),
+    Case(
+        "builtins-dotted-method",
+        lambda m: checkpoint(
+            (
+                "x",
+                text("builtins") + text("dict.fromkeys") + STACK_GLOBAL + tup(text("ab")) + REDUCE,
+            ),
+            proto=PROTO4,
+        ),
+        3,
+        ("builtins.dict.fromkeys",),
+    ),
+    Case(
+        "numpy-testing-runstring",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("numpy.testing", "runstring"),
+                    text(f"open({m!r}, 'w').close()"),
+                    EMPTY_DICT,
+                ),
+            ),  # fmt: skip
+        ),
+        3,
+        ("numpy.testing.runstring",),
+    ),
+    Case(
+        "logging-config-dictconfig",
+        lambda m: checkpoint(
+            ("x", call(glob("logging.config", "dictConfig"), dict_of(version=integer(1)))),
+        ),
+        3,
+        ("logging.config.dictConfig",),
+    ),
+    Case(
+        "typing-get-type-hints",
+        lambda m: checkpoint(
+            ("x", call(glob("typing", "get_type_hints"), glob("functools", "partial"))),
+        ),
+        3,
+        ("typing.get_type_hints",),
+    ),
+    Case(
+        "dataclasses-create-fn",
+        lambda m: checkpoint(
+            ("x", call(glob("dataclasses", "_create_fn"), text("f"), EMPTY_TUPLE, EMPTY_LIST)),
+        ),
+        3,
+        ("dataclasses._create_fn",),
+    ),
+    Case(
+        "uuid-get-command-stdout",
+        lambda m: checkpoint(
+            ("x", call(glob("uuid", "_get_command_stdout"), text("touch"), text(m))),
+        ),
+        3,
+        ("uuid._get_command_stdout",),
+        live=True,
+    ),
+    Case(
+        "torch-collect-env-run",
+        lambda m: checkpoint(("x", call(glob("torch.utils.collect_env", "run"), _touch(m)))),
+        3,
+        ("torch.utils.collect_env.run",),
+        live=True,
+    ),
+    Case(
+        "xxsubinterpreters-run-string",
+        lambda m: checkpoint(
+            ("x", call(glob("_xxsubinterpreters", "run_string"), integer(0), text("1"))),
+        ),
+        3,
+        ("_xxsubinterpreters.run_string",),
+    ),
+    Case(
+        "logging-filehandler-creates-file",
+        lambda m: checkpoint(("x", call(glob("logging", "FileHandler"), text(m)))),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "torch-save-creates-file",
+        lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),
+        3,
+        ("torch.save",),
+        live=True,
+    ),
+    Case(
+        "torch-from-file-creates-file",
+        lambda m: checkpoint(
+            ("x", call(glob("torch", "from_file"), text(m), NEWTRUE, integer(4))),
+        ),
+        3,
+        ("torch.from_file",),
+        live=True,
+    ),
+    Case(
+        "dcp-format-utils-nested-load",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch.distributed.checkpoint.format_utils", "torch_save_to_dcp"),
+                    text("in.pt"),
+                    text(m),
+                ),
+            ),  # fmt: skip
+        ),
+        3,
+        ("torch.distributed.checkpoint.format_utils.torch_save_to_dcp",),
+    ),
+    Case(
+        "getattr-on-torch-reaches-os",
+        lambda m: checkpoint(
+            ("x", call(glob("builtins", "getattr"), glob("torch", "serialization"), text("os"))),
+        ),
+        3,
+        ("builtins.getattr",),
+    ),
+    Case(
+        "getattr-reaches-a-torch-method",  # a method of a known class, called with file data
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    call(
+                        glob("builtins", "getattr"),
+                        glob("torch.distributed.checkpoint.filesystem", "FileSystemWriter"),
+                        text("write_data"),
+                    ),
+                    text(m),
+                ),
+            ),  # fmt: skip
+        ),
+        3,
+        ("builtins.getattr",),
+    ),
+    Case(
+        "partial-object-called",  # partial is a plain class; calling the object runs its target
+        lambda m: checkpoint(
+            (
+                "x",
+                call(glob("functools", "partial"), glob("logging", "FileHandler"), text(m))
+                + EMPTY_TUPLE
+                + REDUCE,
+            ),  # fmt: skip
+        ),
+        3,
+        ("functools.partial()",),
+        live=True,
+    ),
+    Case(
+        "unknown-function-called",
+        lambda m: checkpoint(("x", call(glob("mylib.helpers", "make_config"), text("a")))),
+        3,
+        ("mylib.helpers.make_config",),
+    ),
+    # --- benign: a class on no allow-list, created as pickle creates objects: read inert
+    Case(
+        "unknown-class-newobj-build",
+        lambda m: checkpoint(
+            (
+                "cfg",
+                glob("mylib.config", "TrainConfig")
+                + EMPTY_TUPLE
+                + NEWOBJ
+                + dict_of(lr=integer(3), name=text("run"))
+                + BUILD,
+            ),  # fmt: skip
+        ),
+        0,
+        ("mylib.config.TrainConfig",),
+    ),
+    # --- bounded work: a small pickle cannot build much, however it is spelled
+    Case(
+        "bytearray-constructor-repeated",
+        lambda m: checkpoint(
+            (
+                "x",
+                MARK
+                + b"".join(
+                    call(glob("builtins", "bytearray"), integer(1 << 24)) for _ in range(200)
+                )
+                + b"l",
+            ),  # fmt: skip
+        ),
+        2,
+        ("corrupt pickle",),
+    ),
+    Case(
+        "list-copies-of-a-shared-list",
+        lambda m: checkpoint(
+            (
+                "x",
+                EMPTY_LIST
+                + put(1)
+                + MARK
+                + integer(7) * 200_000
+                + APPENDS
+                + b"0"
+                + MARK
+                + b"".join(call(glob("builtins", "list"), get(1)) for _ in range(2000))
+                + b"l",
+            ),  # fmt: skip
+        ),
+        2,
+        ("corrupt pickle",),
+    ),
+    Case(
+        "str-of-a-shared-container",
+        lambda m: checkpoint(
+            (
+                "x",
+                EMPTY_LIST
+                + put(1)
+                + MARK
+                + text("a" * 100) * 1000
+                + APPENDS
+                + b"0"
+                + call(glob("builtins", "str"), get(1)),
+            ),  # fmt: skip
+        ),
+        2,
+        ("str() of a container",),
+    ),
+    Case(
+        "one-string-repeated",
+        lambda m: checkpoint(
+            ("x", text("x" * 200_000) + put(1) + b"0" + MARK + get(1) * 60_000 + b"l"),
+        ),
+        0,  # valid: nothing copies the string, and reports shorten it
+    ),
+    Case(
+        "billion-laughs",
+        lambda m: checkpoint(
+            (
+                "x",
+                EMPTY_LIST
+                + put(0)
+                + b"0"
+                + b"".join(MARK + get(i) + get(i) + b"l" + put(i + 1) + b"0" for i in range(40))
+                + get(40),
+            ),  # fmt: skip
+        ),
+        2,
+        ("corrupt pickle",),
+    ),
+    Case(
+        "deep-nesting",
+        lambda m: checkpoint(("x", EMPTY_LIST * 5000 + APPEND * 4999)),
+        2,
+        ("corrupt pickle",),
+    ),
+    # --- outputs their consumers accept
+    Case(
+        "shape-overflows-with-a-zero",
+        lambda m: checkpoint(("z", tensor((2**40, 2**40, 0), (0, 0, 1)))),
+        2,
+        ("shape",),
+    ),
+    Case(
+        "stride-zero-view-of-2-62",
+        lambda m: checkpoint(("v", tensor((2**62,), (0,)))),
+        2,
+        ("elements",),
+    ),
+]
+
+CASES_BY_NAME = {case.name: case for case in CASES}
+
+
+def write_case(case: Case, folder: Path) -> Path:
+    """Write ``case`` as ``folder/<name>.pt``; its marker path is ``folder/marker``."""
+    marker = str(folder / "marker")
+    path = folder / f"{case.name}.pt"
+    write_torch_zip(path, case.build(marker))
+    return path

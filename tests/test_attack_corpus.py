@@ -1,0 +1,298 @@
+"""The hostile corpus of ``attack_corpus.py`` against every command.
+
+Each file gets the contract's answer from ``inspect``, ``merge`` and ``convert``: exit 3
+naming the globals (refused), exit 2 in one line (corrupt), or exit 0 with outputs that
+``torch.load(weights_only=True)`` reads and ``weights_only=False`` runs nothing from.
+Nothing is written after an error, the input is never changed, no marker appears, and
+the files built to cost time or memory are read under a memory bound.
+
+The commands run in one child process (``CORPUS_DRIVER``) so the corpus costs one torch
+import, not a hundred.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from attack_corpus import CASES, CASES_BY_NAME, Case, write_case
+from conftest import ROOT, sha256
+
+# Runs each argv through ckpttool's real entry point in-process; prints one JSON list.
+CORPUS_DRIVER = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from ckpttool.cli import main
+    results = []
+    for argv in json.load(sys.stdin):
+        out, err = io.StringIO(), io.StringIO()
+        sys.argv = ["ckpttool", *argv]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+    print(json.dumps(results))
+    """
+)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, COLUMNS="200")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_many(argvs: list[list[str]]) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-c", CORPUS_DRIVER],
+        input=json.dumps(argvs),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def commands(path: Path, folder: Path) -> dict[str, list[str]]:
+    return {
+        "inspect": ["inspect", "--json", str(path)],
+        "merge": ["merge", str(path), "-o", str(folder / "merged.pt")],
+        "convert-pt": ["convert", str(path), "--to", "pt", "-o", str(folder / "conv.pt")],
+        "convert-st": [
+            "convert",
+            str(path),
+            "--to",
+            "safetensors",
+            "-o",
+            str(folder / "conv.safetensors"),
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict[str, dict]:
+    """Every case written and run through every command once: {case: {...}}."""
+    base = tmp_path_factory.mktemp("corpus")
+    runs: dict[str, dict] = {}
+    argvs = []
+    for case in CASES:
+        folder = base / case.name
+        folder.mkdir()
+        path = write_case(case, folder)
+        cmds = commands(path, folder)
+        runs[case.name] = {"path": path, "folder": folder, "hash": sha256(path), "cmds": cmds}
+        argvs.extend(cmds.values())
+    results = iter(run_many(argvs))
+    for run in runs.values():
+        run["results"] = {name: next(results) for name in run["cmds"]}
+    return runs
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_command_answers_as_the_contract_says(corpus, case: Case):
+    run = corpus[case.name]
+    for command, result in run["results"].items():
+        assert result["code"] == case.exit, (command, result)
+        assert "Traceback" not in result["stderr"] + result["stdout"]
+        if case.exit:
+            lines = result["stderr"].splitlines()
+            assert len(lines) == 1, (command, result["stderr"])
+            word = "refused" if case.exit == 3 else "error"
+            assert lines[0].startswith(f"ckpttool: {word}: "), lines[0]
+            for needle in case.names:
+                assert needle in lines[0], (command, needle, lines[0])
+            assert "error: unexpected " not in lines[0]
+    folder = run["folder"]
+    assert not (folder / "marker").exists()
+    assert sha256(run["path"]) == run["hash"]  # the input is never changed
+    if case.exit:  # nothing written after an error, not even a temporary file
+        assert sorted(p.name for p in folder.iterdir()) == [run["path"].name]
+
+
+def test_refused_files_name_their_globals_in_json_fields(corpus):
+    """inspect --unsafe reads them inert and lists the offenders in ``dangerous``."""
+    refused = [c for c in CASES if c.exit == 3]
+    argvs = [["inspect", "--json", "--unsafe", str(corpus[c.name]["path"])] for c in refused]
+    for case, result in zip(refused, run_many(argvs), strict=True):
+        assert result["code"] == 0, (case.name, result["stderr"])
+        report = json.loads(result["stdout"])
+        for name in case.names:
+            assert name in report["dangerous"], (case.name, report["dangerous"])
+            assert name not in report["unverified"]
+        assert not (corpus[case.name]["folder"] / "marker").exists()
+
+
+def test_a_benign_unknown_class_is_unverified_not_dangerous(corpus):
+    result = corpus["unknown-class-newobj-build"]["results"]["inspect"]
+    report = json.loads(result["stdout"])
+    assert report["dangerous"] == []
+    assert report["unverified"] == ["mylib.config.TrainConfig"]
+    assert "mylib.config.TrainConfig" in report["globals"]
+    assert "collections.OrderedDict" not in report["unverified"]  # allowed names are not
+
+
+# Loads every output both ways in one child: weights_only=True must read it, and
+# weights_only=False must run nothing (no marker appears).
+LOAD_BOTH_WAYS = textwrap.dedent(
+    """
+    import json, sys, torch
+    for path in json.load(sys.stdin):
+        torch.load(path, weights_only=True)
+        torch.load(path, weights_only=False)
+    print("ok")
+    """
+)
+
+
+def test_outputs_of_valid_hostile_inputs_load_safely(corpus):
+    outputs = []
+    for case in CASES:
+        if case.exit == 0:
+            folder = corpus[case.name]["folder"]
+            outputs += [str(folder / "merged.pt"), str(folder / "conv.pt")]
+    assert outputs
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_BOTH_WAYS],
+        input=json.dumps(outputs),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    for case in CASES:
+        assert not (corpus[case.name]["folder"] / "marker").exists()
+
+
+# Proves the "no marker" assertions can fail: a plain torch.load runs these payloads.
+RUN_PAYLOADS = textwrap.dedent(
+    """
+    import json, sys, torch
+    for path in json.load(sys.stdin):
+        try:
+            torch.load(path, weights_only=False)
+        except Exception:
+            pass  # a payload's call may fail after it acted
+    """
+)
+
+
+def test_live_payloads_act_under_a_plain_torch_load(tmp_path):
+    live = [c for c in CASES if c.live]
+    assert len(live) >= 5
+    paths = []
+    for case in live:
+        folder = tmp_path / case.name
+        folder.mkdir()
+        paths.append(str(write_case(case, folder)))
+    subprocess.run(
+        [sys.executable, "-c", RUN_PAYLOADS],
+        input=json.dumps(paths),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        cwd=tmp_path,
+    )
+    for case in live:
+        assert (tmp_path / case.name / "marker").exists(), case.name
+
+
+# Runs one command; writes the child's peak resident memory (KiB) to CKPTTOOL_RSS_FILE.
+MEASURED = textwrap.dedent(
+    """
+    import atexit, os, resource, sys
+    from ckpttool.cli import main
+    def report():
+        with open(os.environ["CKPTTOOL_RSS_FILE"], "w") as f:
+            f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    atexit.register(report)
+    sys.argv = ["ckpttool", *sys.argv[1:]]
+    main()
+    """
+)
+COSTLY = [
+    "bytearray-constructor-repeated",
+    "list-copies-of-a-shared-list",
+    "one-string-repeated",  # (valid: read within the bound)
+    "billion-laughs",
+    "stride-zero-view-of-2-62",
+]
+MEMORY_BOUND_MIB = 256
+
+
+def peak_rss_mib(argv: list[str], tmp_path: Path) -> tuple[int, float]:
+    rss_file = tmp_path / "rss"
+    env = dict(_env(), CKPTTOOL_RSS_FILE=str(rss_file))
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURED, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,  # a hang guard, not a timing assertion
+    )
+    return proc.returncode, int(rss_file.read_text()) / 1024
+
+
+@pytest.mark.parametrize("name", COSTLY)
+def test_costly_files_are_refused_within_the_memory_bound(tmp_path, name):
+    case = CASES_BY_NAME[name]
+    path = write_case(case, tmp_path)
+    # the same command on a plain checkpoint: what starting up and importing costs
+    (tmp_path / "plain").mkdir()
+    plain = write_case(CASES_BY_NAME["unknown-class-newobj-build"], tmp_path / "plain")
+    for command in (["inspect", "--json"], ["merge", "-o", str(tmp_path / "out.pt")]):
+        base_code, base_rss = peak_rss_mib([*command[:1], str(plain), *command[1:]], tmp_path)
+        (tmp_path / "out.pt").unlink(missing_ok=True)
+        code, rss = peak_rss_mib([*command[:1], str(path), *command[1:]], tmp_path)
+        assert base_code == 0 and code == case.exit, (command, code)
+        assert rss - base_rss < MEMORY_BOUND_MIB, (command, rss, base_rss)
+
+
+def _edit_pickles(folder: Path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (same length) in every rank file's data.pkl."""
+    from conftest import rewrite_zip
+
+    for path in sorted(folder.glob("*.pt")):
+        edited = path.with_suffix(".tmp")
+
+        def edit(name: str, data: bytes) -> bytes | None:
+            return data.replace(old, new) if name.endswith("data.pkl") else None
+
+        rewrite_zip(path, edited, edit)
+        edited.replace(path)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "old", "new", "needle"),
+    [
+        ("dtensor", b"_spec", b"_spxc", "device mesh"),  # load raised TypeError: prod(None)
+        ("composer", b"shard_sizes", b"shard_sizez", "corrupt"),
+        ("fsdp_uneven", b"shard_offsets", b"shard_offsetz", "corrupt"),
+    ],
+)
+def test_damaged_sharded_metadata_is_one_ckpt_error(tmp_path, fixture, old, new, needle):
+    from conftest import FIXTURES
+
+    import ckpttool
+
+    folder = tmp_path / fixture
+    shutil.copytree(FIXTURES / fixture, folder)
+    _edit_pickles(folder, old, new)
+    with pytest.raises(ckpttool.CkptError, match=needle) as info:
+        ckpttool.load(str(sorted(folder.glob("*.pt"))[0]), select="all")
+    assert "\n" not in str(info.value)
+    result = run_many([["merge", str(folder), "-o", str(tmp_path / "out.pt")]])[0]
+    assert result["code"] == 2 and len(result["stderr"].splitlines()) == 1, result
+    assert not (tmp_path / "out.pt").exists()

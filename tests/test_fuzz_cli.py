@@ -1,0 +1,70 @@
+"""A seeded mutation fuzzer over the fixtures, through the real CLI.
+
+Every mutant is converted with ``convert --to pt``: the answer is exit 0, 2 or 3, no
+traceback, no "unexpected" error, nothing left in the output folder after an error, and
+the input unchanged. Mutants of a torch zip's ``data.pkl`` are made inside the entry
+(opcodes, not the zip's CRCs, are what the unpickler sees). Seeded: every run checks
+the same mutants; ``CKPTTOOL_FUZZ_MUTANTS=5000`` runs a longer budget by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import zipfile
+from pathlib import Path
+
+from conftest import FIXTURES, sha256
+from test_attack_corpus import run_many
+from test_mutations import mutate
+
+MUTANTS = int(os.environ.get("CKPTTOOL_FUZZ_MUTANTS", "300"))
+SOURCES = [
+    "ddp/ep0-rank0.pt",
+    "snapshots/custom_objects.pt",
+    "snapshots/model_optimizer_epoch.pt",
+    "gpu_saved.pt",
+    "legacy/model.pt",
+    "safetensors/model.safetensors",
+    "torchscript/model.pt",
+    "dtensor/dt-rank0.pt",
+]
+
+
+def _mutate_pickle_entry(original: Path, target: Path, rng: random.Random) -> None:
+    """Copy a torch zip with its data.pkl mutated (stored, CRCs recomputed)."""
+    with zipfile.ZipFile(original) as zin, zipfile.ZipFile(target, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                data = bytes(mutate(bytearray(data), rng))
+            zout.writestr(info.filename, data)
+
+
+def test_mutants_get_a_result_or_one_clear_line(tmp_path: Path):
+    rng = random.Random(1234)
+    sources = [FIXTURES / name for name in SOURCES if (FIXTURES / name).exists()]
+    assert len(sources) >= 6
+    mutants = []
+    for i in range(MUTANTS):
+        source = rng.choice(sources)
+        folder = tmp_path / f"m{i}"
+        shutil.copytree(source.parent, folder / "in")  # siblings too: rank files
+        target = folder / "in" / source.name
+        if zipfile.is_zipfile(source) and rng.random() < 0.5:
+            _mutate_pickle_entry(source, target, rng)
+        else:
+            target.write_bytes(bytes(mutate(bytearray(source.read_bytes()), rng)))
+        (folder / "out").mkdir()
+        mutants.append((target, folder / "out", sha256(folder / "in")))
+    argvs = [["convert", str(t), "--to", "pt", "-o", str(out / "x.pt")] for t, out, _ in mutants]
+    for (target, out, digest), result in zip(mutants, run_many(argvs), strict=True):
+        where = (str(target), result["stderr"][-500:])
+        assert result["code"] in (0, 2, 3), where
+        assert "Traceback" not in result["stderr"], where
+        assert "error: unexpected " not in result["stderr"], where
+        if result["code"]:
+            assert len(result["stderr"].splitlines()) == 1, where
+            assert list(out.iterdir()) == [], where
+        assert sha256(target.parent) == digest, where
