@@ -669,3 +669,17 @@ def test_readme_shows_the_real_output_for_a_7b_shaped_file(tmp_path):
     )
     assert readme[start : readme.index("```", start)] == out
     assert "model.layers.{0..31}.mlp.gate_proj.weight             bf16   [11008, 4096]" in out
+
+
+def test_device_column_only_where_a_tensor_was_saved_off_the_cpu(tmp_path):
+    gpu = ROOT / "fixtures" / "gpu_saved.pt"
+    if not gpu.exists():
+        pytest.skip("fixture not generated")
+    lines = run_cli("inspect", gpu).stdout.splitlines()
+    assert "size: 32 B in 2 tensors (fp32 32 B), saved on cuda:0" in lines
+    assert lines[lines.index("tensors: 2") + 1].split() == ["name", "dtype", "shape", "device",
+                                                            "size"]  # fmt: skip
+    torch.save({"w": torch.ones(2)}, tmp_path / "one.pt")
+    lines = run_cli("inspect", tmp_path / "one.pt").stdout.splitlines()
+    assert "size: 8 B in 1 tensor (fp32 8 B)" in lines  # singular, and no device column
+    assert lines[lines.index("tensors: 1") + 1].split() == ["name", "dtype", "shape", "size"]
