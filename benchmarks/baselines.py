@@ -71,6 +71,26 @@ def naive_diff(a: str, b: str) -> int:
     return 0 if equal else 1
 
 
+def safe_open_stats(path: str) -> int:
+    """What ``inspect --stats`` reports, computed the way a user would with safetensors:
+    each tensor in float64, NaN/Inf counted and left out, min/max/mean/std."""
+    import torch
+    from safetensors import safe_open
+
+    stats = {}
+    with safe_open(path, "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            t = f.get_tensor(name).to(torch.float64)
+            finite = torch.isfinite(t)
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            if nan or inf:
+                t = t[finite]
+            stats[name] = (float(t.min()), float(t.max()), float(t.mean()), float(t.std()))
+            stats[name] += (nan, inf)
+    print(len(stats))
+    return 0
+
+
 def _size(path: str) -> int:
     if not os.path.isdir(path):
         return os.path.getsize(path)
@@ -112,6 +132,7 @@ def durable_write(src: str, dst: str, chunk: int = 16 << 20, in_flight: int = 3)
 COMMANDS = {
     "load-save-safetensors": load_save_safetensors,
     "naive-diff": naive_diff,
+    "safe-open-stats": safe_open_stats,
     "durable-write": durable_write,
 }
 

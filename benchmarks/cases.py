@@ -17,7 +17,7 @@ from data import Input
 from measure import MiB
 
 HERE = Path(__file__).resolve().parent
-GROUPS = ("inspect", "help", "convert", "merge", "diff")
+GROUPS = ("inspect", "help", "convert", "merge", "diff", "stats")
 LOAD_MMAP = "import sys, torch; torch.load(sys.argv[1], mmap=True, weights_only=True)"
 LOAD_FULL = "import sys, torch; torch.load(sys.argv[1], weights_only=True)"
 IMPORT_TORCH = "import torch"
@@ -187,6 +187,15 @@ def commands(inputs: dict[str, Input], out: Path) -> dict[str, Command]:
             ["model-1g"],
             expect_rc=(1,),
         ),
+        "stats 1g": Command(
+            [*tool, "inspect", "--stats", "--json", str(model["safetensors"])],
+            ["model-1g"],
+            expect_format="safetensors",
+        ),
+        "safe_open stats 1g": Command(
+            [py, str(HERE / "baselines.py"), "safe-open-stats", str(model["safetensors"])],
+            ["model-1g"],
+        ),
         "naive diff equal": Command(
             [
                 py,
@@ -271,4 +280,7 @@ def rows(inputs: dict[str, Input]) -> list[Row]:
             "diff equal", "naive diff equal", max_rss=512),
         Row("diff", f"diff {m1} .pt vs perturbed copy (3 tensors) vs torch.load+equal",
             "diff changed", "naive diff changed", max_rss=512),
+        # issue 21: --stats at least as fast as a safe_open loop computing the same numbers
+        Row("stats", f"inspect --stats {m1} safetensors vs a safe_open loop (float64)",
+            "stats 1g", "safe_open stats 1g", max_ratio=1, ratio_text="1"),
     ]  # fmt: skip

@@ -6,15 +6,18 @@ whatever the checkpoint size. Tolerances of 0 mean bitwise equality.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError, translate_errors
 from .layout import model_key
-from .tree import NO_NUMBERS, OpenFiles, SparseRef, contiguous_stride
+from .tree import NO_NUMBERS, OpenFiles, SparseRef, TensorRef, contiguous_stride
+
+ProgressFactory = Callable[[int, str], Any]
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -169,11 +172,16 @@ def _dense(t: Any) -> Any:
     return flat.index_put_(((indices * strides.unsqueeze(1)).sum(0),), values)
 
 
-def _compare_chunk(x: Any, y: Any, atol: float, rtol: float) -> tuple[float, int]:
-    """(max |x - y|, elements outside tolerance) of two flat chunks of the same dtype."""
+def _compare_chunk(
+    x: Any, y: Any, atol: float, rtol: float, by_value: bool = False
+) -> tuple[float, int]:
+    """(max |x - y|, elements outside tolerance) of two flat chunks of the same dtype.
+
+    Tolerances of 0 compare bytes (-0.0 != 0.0), unless ``by_value``: then values.
+    """
     import torch
 
-    bitwise = atol == 0 and rtol == 0
+    bitwise = atol == 0 and rtol == 0 and not by_value
     different = 0
     if bitwise:  # element differs when any of its bytes does (-0.0 != 0.0)
         size = x.element_size()
@@ -199,6 +207,7 @@ def _compare_chunk(x: Any, y: Any, atol: float, rtol: float) -> tuple[float, int
     max_diff = float(delta.max()) if delta.numel() else 0.0
     if not bitwise:
         # no tolerance covers an infinite difference (rtol * |inf| would)
+        # (by value with 0 and 0: any nonzero difference counts)
         different = int(((delta > atol + rtol * y.abs()) | delta.isinf()).sum())
     return max_diff, different
 
@@ -223,16 +232,26 @@ def diff(
     select: str = "auto",
     strip_prefix: str = "auto",
     unsafe: bool = False,
+    progress: ProgressFactory | None = None,
 ) -> dict[str, Any]:
     """Compare the selected tensors of two checkpoints.
+
+    Tensors of the same shape and different dtypes (an fp32 model and its bf16 export)
+    have their values compared too, both cast to the wider dtype: with a tolerance,
+    they are equal when every element is within it; bitwise (0 and 0) they never are.
 
     Args:
         a, b: Inputs of any readable format (paths, folders, lists of rank files).
         atol, rtol: Allowed ``|a - b| <= atol + rtol * |b|``; 0 and 0 mean bitwise.
         select, strip_prefix: As in :func:`ckpttool.convert.convert`, applied to both.
+        progress: ``(total bytes, description) -> context manager`` giving a callable
+            that is told how many bytes of A were compared (a progress bar).
 
     Returns:
-        ``{"equal", "only_in_a", "only_in_b", "mismatched", "different", "compared"}``.
+        ``{"equal", "only_in_a", "only_in_b", "mismatched", "different", "compared",
+        "atol", "rtol", "counts"}``; ``counts`` has the number of each kind of difference.
+        A dtype mismatch compared across dtypes has ``max_abs_diff``, ``num_different``
+        and ``within_tolerance`` (never True when bitwise).
     """
     if atol < 0 or rtol < 0:
         raise UsageError("--atol and --rtol must be >= 0")
@@ -242,29 +261,46 @@ def diff(
     only_b = [k for k in tb if k not in ta]
     mismatched, different, compared = [], [], 0
     readers = (RawReader(BLOCK_BYTES), RawReader(BLOCK_BYTES))
-    try:
-        for name, x in ta.items():
-            y = tb.get(name)
-            if y is None:
-                continue
-            compared += 1
-            if x.dtype != y.dtype or tuple(x.shape) != tuple(y.shape):
-                mismatched.append(
-                    {
-                        "name": name,
-                        "a": {"dtype": x.dtype.name, "shape": list(x.shape)},
-                        "b": {"dtype": y.dtype.name, "shape": list(y.shape)},
-                    }
-                )
-                continue
-            result = compare_tensors(x, y, atol, rtol, readers)
-            if result["num_different"]:
-                different.append({"name": name, **result})
-    finally:
-        for reader in readers:
-            reader.files.close()
+    bitwise = atol == 0 and rtol == 0
+    total = sum(x.nbytes for name, x in ta.items() if name in tb)
+    with progress(total, "comparing") if progress else contextlib.nullcontext() as advance:
+        try:
+            for name, x in ta.items():
+                y = tb.get(name)
+                if y is None:
+                    continue
+                compared += 1
+                if tuple(x.shape) != tuple(y.shape):
+                    mismatched.append(_mismatch("shape", name, x, y))
+                elif x.dtype != y.dtype:
+                    entry = _mismatch("dtype", name, x, y)
+                    if _comparable(x) and _comparable(y):
+                        entry.update(compare_across_dtypes(x, y, atol, rtol))
+                    # bitwise, two dtypes are never equal; with a tolerance, they are
+                    # when every value is within it (is the bf16 export right?)
+                    entry["within_tolerance"] = not bitwise and entry.get("num_different") == 0
+                    mismatched.append(entry)
+                else:
+                    result = compare_tensors(x, y, atol, rtol, readers)
+                    if result["num_different"]:
+                        different.append({"name": name, **result})
+                if advance:
+                    advance(x.nbytes)
+        finally:
+            for reader in readers:
+                reader.files.close()
+    dtypes = [m for m in mismatched if m["kind"] == "dtype"]
+    counts = {
+        "only_in_a": len(only_a),
+        "only_in_b": len(only_b),
+        "dtype": sum(1 for m in dtypes if not m["within_tolerance"]),
+        "shape": len(mismatched) - len(dtypes),
+        "values": len(different),
+        "dtype_within_tolerance": sum(1 for m in dtypes if m["within_tolerance"]),
+    }
     return {
-        "equal": not (only_a or only_b or mismatched or different),
+        "equal": not (only_a or only_b or different)
+        and all(m.get("within_tolerance") for m in mismatched),
         "only_in_a": only_a,
         "only_in_b": only_b,
         "mismatched": mismatched,
@@ -272,4 +308,49 @@ def diff(
         "compared": compared,
         "atol": atol,
         "rtol": rtol,
+        "counts": counts,
     }
+
+
+def _mismatch(kind: str, name: str, x: Any, y: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "kind": kind,
+        "a": {"dtype": x.dtype.name, "shape": list(x.shape)},
+        "b": {"dtype": y.dtype.name, "shape": list(y.shape)},
+    }
+
+
+def _comparable(ref: Any) -> bool:
+    """Whether a tensor has numbers to compare across dtypes (not fp4 pairs, bits, or a
+    sharded tensor with shards missing, or a tensor saved without data)."""
+    if ref.dtype.name in NO_NUMBERS or getattr(ref, "incomplete", None):
+        return False
+    return not (isinstance(ref, TensorRef) and ref.storage is None)
+
+
+def compare_across_dtypes(a: Any, b: Any, atol: float, rtol: float) -> dict[str, Any]:
+    """Max absolute difference and elements outside tolerance of two tensors of the same
+    shape and different dtypes, both cast to the wider one (as ``torch.promote_types``);
+    complex against real compares the real tensor as complex with imaginary part 0."""
+    import torch
+
+    if isinstance(a, SparseRef) or isinstance(b, SparseRef):
+        x, y = _sparse_values(a, b)
+    else:
+        x, y = _values(a), _values(b)
+    try:
+        common = torch.promote_types(x.dtype, y.dtype)
+    except RuntimeError:  # float8 types do not promote: float64 holds them all exactly
+        common = torch.float64
+    if common in (torch.uint16, torch.uint32, torch.uint64):  # no kernels: widen
+        common = torch.int64 if common != torch.uint64 else torch.float64
+    max_diff, different = 0.0, 0
+    for start in range(0, x.numel(), CHUNK_ELEMENTS):
+        cx = x[start : start + CHUNK_ELEMENTS].to(common)
+        cy = y[start : start + CHUNK_ELEMENTS].to(common)
+        # values, not bytes: bitwise here means "the same number" (-0.0 == 0.0 is not
+        # asked; the dtypes differ, so the bytes do anyway)
+        chunk_max, chunk_different = _compare_chunk(cx, cy, atol, rtol, by_value=True)
+        max_diff, different = max(max_diff, chunk_max), different + chunk_different
+    return {"max_abs_diff": max_diff, "num_different": different}

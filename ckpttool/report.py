@@ -28,6 +28,8 @@ from .tree import (
 )
 
 Progress = Callable[[int], None]
+# --stats works on float64 copies of this many elements at a time (8 MiB)
+STATS_CHUNK = 1 << 20
 
 
 def json_key(path: KeyPath) -> list[Any]:
@@ -68,10 +70,12 @@ def inspect_report(
     )
 
     tensors, nbytes = [], 0
+    single_file = ckpt.files[0] if len(ckpt.files) == 1 else None
     for path, ref in iter_tensors(ckpt.root):
         if pattern and not pattern.search(dotted(path)):
             continue
         entry = tensor_entry(path, ref)
+        entry["file"] = single_file or tensor_file(ref)
         if stats:
             entry["stats"] = tensor_stats(ref)
             if progress:
@@ -102,6 +106,8 @@ def inspect_report(
         "num_params": num_params,
         "nbytes": nbytes,
         "values": values,
+        # sorted: the safetensors writer stores __metadata__ in no particular order
+        "metadata": json_value(dict(sorted(ckpt.metadata.items(), key=lambda kv: str(kv[0])))),
         "globals": list(ckpt.globals),
         "unverified": list(ckpt.unverified),
         "dangerous": list(ckpt.dangerous),
@@ -122,6 +128,20 @@ def tensor_entry(path: KeyPath, ref: Any) -> dict[str, Any]:
     if isinstance(ref, SparseRef):
         entry["layout"] = ref.layout
     return entry
+
+
+def tensor_file(ref: Any) -> str | None:
+    """The file that holds a tensor's bytes; None when they are spread over several
+    (a sharded tensor's ranks) or were never saved."""
+    if isinstance(ref, SparseRef):
+        files = {tensor_file(part) for part in ref.parts}
+    elif isinstance(ref, ShardedRef):
+        files = {tensor_file(shard.tensor) for shard in ref.shards}
+    else:
+        storage = getattr(ref, "storage", None)
+        source = getattr(storage, "source", None)
+        return getattr(source, "path", None)
+    return files.pop() if len(files) == 1 else None
 
 
 def value_entry(path: KeyPath, value: Any) -> dict[str, Any]:
@@ -166,6 +186,8 @@ def json_value(value: Any) -> Any:
         return str(value)
     if isinstance(value, (list, tuple)):
         return [json_value(v) for v in value]
+    if isinstance(value, Mapping):  # format metadata (a sharded index's may nest)
+        return {str(k): json_value(v) for k, v in value.items()}
     if isinstance(value, str) and len(value) > MAX_SHOWN_TEXT:
         # a file may hold one long string many times over: what is shown stays small
         return f"{value[:MAX_SHOWN_TEXT]}... <{len(value)} characters>"
@@ -214,6 +236,8 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
         t = t.to(torch.int64)
     if t.dtype == torch.uint64:  # (sparse values come widened to int64)
         return {**out, **_uint64_stats(t)}
+    if t.is_floating_point() and not zeros and t.numel() > STATS_CHUNK:
+        return {**out, **_chunked_float_stats(t.reshape(-1))}
     if t.is_floating_point():
         t = t.to(torch.float64)
         finite = torch.isfinite(t)
@@ -230,6 +254,46 @@ def tensor_stats(ref: Any) -> dict[str, Any]:
     out["mean"] = float(f.mean())
     out["std"] = float(f.std()) if f.numel() > 1 else 0.0
     return out
+
+
+def _chunked_float_stats(t: Any) -> dict[str, Any]:
+    """Stats of a big flat floating-point tensor, a chunk at a time in float64.
+
+    Each chunk's float64 copy stays in the CPU cache (a whole-tensor copy is 8 bytes
+    per element through memory, several passes over it); the chunks' means and sums
+    of squared deviations are combined exactly as Chan et al.'s parallel variance.
+    """
+    import torch
+
+    nan = inf = count = 0
+    low = high = None
+    mean = m2 = 0.0
+    for start in range(0, t.numel(), STATS_CHUNK):
+        chunk = t[start : start + STATS_CHUNK].to(torch.float64)
+        kept = chunk.numel()
+        var, chunk_mean = torch.var_mean(chunk, correction=0)
+        # a NaN or an infinity makes the mean or variance one too: only then count them
+        if not (math.isfinite(float(var)) and math.isfinite(float(chunk_mean))):
+            finite = torch.isfinite(chunk)
+            kept = int(finite.sum())
+            chunk_nan = int(torch.isnan(chunk).sum())
+            nan, inf = nan + chunk_nan, inf + chunk.numel() - kept - chunk_nan
+            chunk = chunk[finite]
+            if not kept:
+                continue
+            var, chunk_mean = torch.var_mean(chunk, correction=0)
+        chunk_low, chunk_high = torch.aminmax(chunk)
+        chunk_mean, chunk_m2 = float(chunk_mean), float(var) * kept
+        low = float(chunk_low) if low is None else min(low, float(chunk_low))
+        high = float(chunk_high) if high is None else max(high, float(chunk_high))
+        delta, total = chunk_mean - mean, count + kept
+        mean += delta * kept / total
+        m2 += chunk_m2 + delta * delta * count * kept / total
+        count = total
+    if not count:
+        return {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "std": None}
+    std = math.sqrt(m2 / (count - 1)) if count > 1 else 0.0
+    return {"nan": nan, "inf": inf, "min": low, "max": high, "mean": mean, "std": std}
 
 
 def _stats_with_zeros(values: Any, zeros: int) -> dict[str, Any]:

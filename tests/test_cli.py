@@ -88,10 +88,10 @@ def test_help_does_not_import_torch():
     "args,needle",
     [
         (["bogus"], "bogus"),
-        (["inspect"], "paths"),
+        (["inspect"], "PATH..."),
         (["inspect", "--bogus", "x.pt"], "--bogus"),
         (["convert", "x.pt"], "--to"),
-        (["diff", "x.pt"], "b"),
+        (["diff", "x.pt"], "'B'"),
         (["merge", "x.pt"], "-o"),
     ],
     ids=[
@@ -205,3 +205,132 @@ def test_text_from_the_file_is_shown_literally_never_as_markup(tmp_path):
     assert "- only in A: enc.[/x]" in proc.stdout
     proc = run_cli("convert", a, "--to", "pt", "-o", tmp_path / "out[/x].pt")
     assert proc.returncode == 0 and "wrote " + str(tmp_path / "out[/x].pt") in proc.stderr
+
+
+# ------------------------------------------- one error boundary, flags anywhere, help
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--debug", "diff", "missing", "missing2"],
+        ["diff", "missing", "missing2", "--debug"],
+        ["diff", "--debug", "missing", "missing2"],
+    ],
+)
+def test_debug_keeps_the_exit_code_and_adds_the_traceback(tmp_path, args):
+    """--debug anywhere: the traceback, then the same one line, and still exit 2 (it
+    was 1, "different", when the error escaped the command before the boundary)."""
+    proc = run_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" in proc.stderr
+    assert proc.stderr.splitlines()[-1] == "ckpttool: error: missing: no such file or directory"
+    check_error(run_cli("diff", "missing", "missing2", cwd=tmp_path), 2, "missing: no such file")
+
+
+def test_debug_on_unsafe_input_keeps_exit_3(tmp_path):
+    import os
+
+    from conftest import Reduce
+
+    path = tmp_path / "evil.pt"
+    torch.save({"x": Reduce(os.system, ("true",))}, path)
+    proc = run_cli("inspect", path, "--debug")
+    assert proc.returncode == 3 and "Traceback" in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("ckpttool: refused: ")
+
+
+def test_quiet_and_no_color_are_accepted_anywhere(model_file, tmp_path):
+    for i, args in enumerate(
+        [["--quiet", "convert"], ["convert", "-q"], ["convert", "--no-color", "--quiet"]]
+    ):
+        out = tmp_path / f"q{i}.safetensors"
+        where = args.index("convert")
+        argv = [*args[: where + 1], model_file, "--to", "safetensors", "-o", out]
+        argv += args[where + 1 :]
+        proc = run_cli(*argv)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""  # quiet: no 'wrote' line
+        assert out.exists()
+    # a flag's name given as an option's value stays that value
+    proc = run_cli("inspect", model_file, "--filter", "--quiet")
+    assert proc.returncode == 0 and "nothing matches --filter '--quiet'" in proc.stdout
+
+
+def test_value_options_list_every_option_that_takes_a_value():
+    """main() must know which options take a value, not to take that value for a flag."""
+    import typer.main
+
+    from ckpttool.cli.app import VALUE_OPTIONS, app
+
+    group = typer.main.get_command(app)
+    found = set()
+    for command in group.commands.values():
+        for param in command.params:
+            if param.param_type_name == "option" and not param.is_flag:
+                found |= set(param.opts)
+    assert found == VALUE_OPTIONS
+
+
+def test_help_shows_choices_examples_and_whole_summaries():
+    top = run_cli("--help").stdout
+    for command, summary in [
+        ("convert", "Write the tensors as safetensors, pt or dcp."),
+        ("diff", "Compare two checkpoints tensor by tensor."),
+        ("inspect", "What a checkpoint holds, without reading tensor data."),
+        ("merge", "Merge per-rank shards or DCP into one torch.save file."),
+    ]:
+        assert [command, summary] in [line.split(None, 1) for line in top.splitlines()]
+    assert "--install-completion" in top and "Examples:" in top
+    for command in COMMANDS:
+        out = run_cli(command, "--help").stdout
+        assert "Examples:" in out and f"    ckpttool {command} " in out
+        assert "{paths}" not in out and "<str>" not in out.lower()
+    convert_help = run_cli("convert", "--help").stdout
+    assert "--to <safetensors|pt|dcp>" in convert_help
+    assert "--dtype <float32|float16|bfloat16>" in convert_help
+    assert "NAME.safetensors" in convert_help and "NAME-dcp/" in convert_help
+    assert "--sort <name|size|dtype>" in run_cli("inspect", "--help").stdout
+    assert "docs/inspect-json.md" in run_cli("inspect", "--help").stdout
+
+
+def test_shell_completion_is_available():
+    proc = run_cli("--show-completion", "bash")
+    assert proc.returncode == 0, proc.stderr
+    assert "_CKPTTOOL_COMPLETE" in proc.stdout
+    import os
+
+    env = dict(os.environ, _CKPTTOOL_COMPLETE="complete_bash", COMP_CWORD="4",
+               COMP_WORDS="ckpttool convert x.pt --to s", PYTHONPATH=str(ROOT))  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "ckpttool"], capture_output=True, text=True,
+                          env=env)  # fmt: skip
+    assert proc.stdout.split() == ["safetensors"]
+
+
+@pytest.mark.parametrize(
+    ("to", "out", "fix"),
+    [
+        ("pt", "x.safetensors", "use -o {d}/x.pt, or --to safetensors"),
+        ("safetensors", "x.pt", "use -o {d}/x.safetensors, or --to pt"),
+        ("dcp", "x.pt", "use -o {d}/x-dcp/, or --to pt"),
+    ],
+)
+def test_output_extension_contradicting_to_is_refused(model_file, tmp_path, to, out, fix):
+    target = tmp_path / out
+    line = check_error(run_cli("convert", model_file, "--to", to, "-o", target), 2)
+    assert line.endswith(f"({fix.format(d=tmp_path)})")
+    assert not target.exists()
+    check_error(run_cli("merge", model_file, "-o", tmp_path / "m.safetensors"), 2, "-o ")
+
+
+def test_trainer_help_shows_defaults():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "trainers" / "ddp_trainer.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for default in ("(default: 10)", "(default: runs/demo)", "(default: auto)", "(default: ddp)"):
+        assert default in text

@@ -26,6 +26,7 @@ JSON_KEYS = [
     "compared",
     "atol",
     "rtol",
+    "counts",
 ]
 
 
@@ -41,11 +42,27 @@ def report(**changes) -> dict:
         "atol": 0.0,
         "rtol": 0.0,
     }
-    return {**base, **changes}
+    out = {**base, **changes}
+    dtypes = [m for m in out["mismatched"] if m["kind"] == "dtype"]
+    out["counts"] = {
+        "only_in_a": len(out["only_in_a"]),
+        "only_in_b": len(out["only_in_b"]),
+        "dtype": sum(1 for m in dtypes if not m["within_tolerance"]),
+        "shape": len(out["mismatched"]) - len(dtypes),
+        "values": len(out["different"]),
+        "dtype_within_tolerance": sum(1 for m in dtypes if m["within_tolerance"]),
+    }
+    return out
 
 
 def mismatch(dtype: str, *shape: int) -> dict:
     return {"dtype": dtype, "shape": list(shape)}
+
+
+def dtype_mismatch(name: str, a: dict, b: dict, max_abs_diff: float, num_different: int,
+                   within_tolerance: bool = False) -> dict:  # fmt: skip
+    return {"name": name, "kind": "dtype", "a": a, "b": b, "max_abs_diff": max_abs_diff,
+            "num_different": num_different, "within_tolerance": within_tolerance}  # fmt: skip
 
 
 def model() -> dict[str, torch.Tensor]:
@@ -184,8 +201,13 @@ def test_differences_exit_1_with_exact_json(tmp_path: Path):
         only_in_a=["gone"],
         only_in_b=["new"],
         mismatched=[
-            {"name": "dt", "a": mismatch("float32", 3), "b": mismatch("float64", 3)},
-            {"name": "shape", "a": mismatch("float32", 2, 3), "b": mismatch("float32", 3, 2)},
+            dtype_mismatch("dt", mismatch("float32", 3), mismatch("float64", 3), 0.0, 0),
+            {
+                "name": "shape",
+                "kind": "shape",
+                "a": mismatch("float32", 2, 3),
+                "b": mismatch("float32", 3, 2),
+            },
         ],
         different=[{"name": "values", "max_abs_diff": 0.5, "num_different": 2}],
         compared=4,
@@ -195,14 +217,17 @@ def test_differences_exit_1_with_exact_json(tmp_path: Path):
     proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt")
     assert proc.returncode == 1
     lines = proc.stdout.splitlines()
-    assert lines[:4] == [
+    assert lines == [
         "- only in A: gone",
         "+ only in B: new",
-        "! dt: float32[3] vs float64[3]",
         "! shape: float32[2, 3] vs float32[3, 2]",
+        "! dt: float32[3] vs float64[3], max |a-b| 0",
+        "different values (largest first):",
+        "  name    max |a-b|  elements",
+        "  values        0.5         2",
+        "different: 1 only in A, 1 only in B, 1 shape, 1 dtype, 1 values; "
+        "4 tensors compared (bitwise)",
     ]
-    assert any("values" in line and "0.5" in line for line in lines)
-    assert lines[-1] == "different: 4 tensors compared (bitwise)"
 
 
 @pytest.mark.parametrize(
@@ -295,3 +320,88 @@ def test_bad_inputs_exit_2(formats: dict[str, Path], tmp_path: Path):
         diff(str(formats["pt"]), str(formats["pt"]), rtol=-0.1)
     with pytest.raises(CkptError, match="no such file"):
         diff(str(formats["pt"]), str(tmp_path / "missing"))
+
+
+# -------------------------------------- issue 21: "is my bf16 export right?", counts, limit
+
+
+@pytest.fixture
+def fp32_and_bf16(tmp_path: Path) -> tuple[Path, Path, dict]:
+    g = torch.Generator().manual_seed(1)
+    sd = {f"layers.{i}.w": torch.randn(64, 32, generator=g) for i in range(3)}
+    sd["ids"] = torch.arange(10)
+    torch.save(sd, tmp_path / "model.pt")
+    out = convert([str(tmp_path / "model.pt")], "safetensors", str(tmp_path / "bf16.st"),
+                  dtype="bfloat16").output  # fmt: skip
+    return tmp_path / "model.pt", Path(out), sd
+
+
+def test_bf16_export_within_tolerance_is_equal(fp32_and_bf16):
+    a, b, sd = fp32_and_bf16
+    worst = max(float((t - t.to(torch.bfloat16).float()).abs().max())
+                for k, t in sd.items() if k != "ids")  # fmt: skip
+    bitwise = diff(str(a), str(b))
+    assert bitwise["equal"] is False
+    assert [m["name"] for m in bitwise["mismatched"]] == ["layers.0.w", "layers.1.w", "layers.2.w"]
+    for m in bitwise["mismatched"]:
+        assert m["kind"] == "dtype" and m["within_tolerance"] is False
+        assert m["a"]["dtype"] == "float32" and m["b"]["dtype"] == "bfloat16"
+        assert 0 < m["max_abs_diff"] <= worst and m["num_different"] > 0
+    assert max(m["max_abs_diff"] for m in bitwise["mismatched"]) == worst
+    assert bitwise["counts"] == {"only_in_a": 0, "only_in_b": 0, "dtype": 3, "shape": 0,
+                                 "values": 0, "dtype_within_tolerance": 0}  # fmt: skip
+    within = diff(str(a), str(b), atol=worst)
+    assert within["equal"] is True
+    assert all(m["within_tolerance"] and m["num_different"] == 0 for m in within["mismatched"])
+    assert within["counts"]["dtype_within_tolerance"] == 3 and within["counts"]["dtype"] == 0
+    tight = diff(str(a), str(b), atol=worst / 4)
+    assert tight["equal"] is False and tight["counts"]["dtype"] >= 1
+
+    proc = run_cli("diff", a, b, "--atol", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith(
+        "equal: 4 tensors compared (atol=0.05, rtol=0); 3 tensors within tolerance across "
+        "dtypes (fp32 vs bf16), max |a-b| "
+    )
+    proc = run_cli("diff", a, b)
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[-1] == "different: 3 dtype; 4 tensors compared (bitwise)"
+
+
+def test_largest_differences_first_with_limit(tmp_path: Path):
+    a = {f"t{i:02d}": torch.zeros(4) for i in range(30)}
+    b = {name: t + (i + 1) * 0.5 for i, (name, t) in enumerate(a.items())}
+    a["gone"] = torch.ones(1)
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--limit", "3")
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines() == [
+        "- only in A: gone",
+        "different values (largest first):",
+        "  name  max |a-b|  elements",
+        "  t29          15         4",
+        "  t28        14.5         4",
+        "  t27          14         4",
+        "  … 27 more different tensors (--limit 0 shows all)",
+        "different: 1 only in A, 30 values; 30 tensors compared (bitwise)",
+    ]
+    full = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--limit", "0").stdout
+    assert len(full.splitlines()) == 1 + 3 + 30
+    proc = run_cli("diff", tmp_path / "a.pt", tmp_path / "b.pt", "--json", "--limit", "3")
+    assert len(json.loads(proc.stdout)["different"]) == 30  # --json keeps every detail
+
+
+def test_progress_is_told_every_compared_byte(formats: dict[str, Path]):
+    import contextlib
+
+    calls, done = [], []
+
+    @contextlib.contextmanager
+    def progress(total: int, description: str):
+        calls.append((total, description))
+        yield done.append
+
+    assert diff(str(formats["pt"]), str(formats["dcp"]), progress=progress)["equal"]
+    total = sum(t.numel() * t.element_size() for t in model().values())
+    assert calls == [(total, "comparing")] and sum(done) == total

@@ -25,11 +25,12 @@ TOP_KEYS = {
     "num_params": int,
     "nbytes": int,
     "values": list,
+    "metadata": dict,
     "globals": list,
     "dangerous": list,
     "unverified": list,
 }
-TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded"}
+TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded", "file"}
 FORMATS = {
     "torch-zip",
     "torch-legacy",
@@ -66,6 +67,7 @@ def check_schema(report: dict) -> None:
         assert isinstance(t["dtype"], str) and not t["dtype"].startswith("torch.")
         assert all(isinstance(n, int) for n in t["shape"])
         assert isinstance(t["device"], str) and isinstance(t["sharded"], bool)
+        assert t["file"] is None or t["file"] in report["files"]
         assert t["nbytes"] == math.prod(t["shape"]) * _itemsize(t["dtype"])
     for v in report["values"]:
         assert set(v) == {"key", "type", "value"}
@@ -110,6 +112,7 @@ def test_json_matches_the_contract_example(snapshot):
                 "device": "cpu",
                 "nbytes": 320,
                 "sharded": False,
+                "file": str(snapshot),
             },
             {
                 "key": ["MODEL_STATE", "module.fc.bias"],
@@ -118,12 +121,14 @@ def test_json_matches_the_contract_example(snapshot):
                 "device": "cpu",
                 "nbytes": 16,
                 "sharded": False,
+                "file": str(snapshot),
             },
         ],
         "num_tensors": 2,
         "num_params": 84,
         "nbytes": 336,
         "values": [{"key": ["EPOCHS_RUN"], "type": "int", "value": 3}],
+        "metadata": {},
         "globals": [
             "collections.OrderedDict",
             "torch.FloatStorage",
@@ -250,16 +255,29 @@ def test_stats_values_are_exact(stats_file):
 
 
 def test_human_output(snapshot):
+    """Summary first (format, file, model, size, values, security), then the tables."""
     proc = run_cli("inspect", snapshot)
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert out.startswith("torch-zip")
-    assert "wrapper prefix: module." in out
-    assert "MODEL_STATE.module.fc.weight" in out and "MODEL_STATE.module.fc.bias" in out
-    assert "EPOCHS_RUN" in out
-    assert "totals: 2 tensors, 84 model parameters" in out
-    security = [line for line in out.splitlines() if line.startswith("security")]
-    assert security == ["security: read without running code; 3 globals, none dangerous"]
+    lines = proc.stdout.splitlines()
+    assert lines[:6] == [
+        "format: torch-zip",
+        f"file: {snapshot}",
+        "model: MODEL_STATE, 2 tensors, 84 parameters, wrapper prefix module.",
+        "size: 336 B in 2 tensors (fp32 336 B)",
+        "values: EPOCHS_RUN=3",
+        "security: read without running code; 3 globals, none dangerous",
+    ]
+    assert lines[6:] == [
+        "",
+        "tensors: 2",
+        "  name                          dtype  shape     size",
+        "  MODEL_STATE.module.fc.weight  fp32   [4, 20]  320 B",
+        "  MODEL_STATE.module.fc.bias    fp32   [4]       16 B",
+        "",
+        "structure:",
+        "  MODEL_STATE  model state dict",
+        "  EPOCHS_RUN   int",
+    ]
     assert proc.stderr == ""
 
 
@@ -267,8 +285,9 @@ def test_human_output_for_safetensors_says_no_code(tmp_path):
     save_file({"w": torch.ones(2)}, tmp_path / "w.safetensors")
     proc = run_cli("inspect", tmp_path / "w.safetensors")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("safetensors")
-    assert "security: safetensors, no code involved" in proc.stdout
+    assert proc.stdout.startswith("format: safetensors\n")
+    assert "security: safetensors, no code involved" in proc.stdout.splitlines()
+    assert "device" not in proc.stdout  # a format without devices has no device column
 
 
 def test_inspect_does_not_change_the_input(snapshot):
@@ -409,3 +428,258 @@ def test_classes_and_functions_saved_by_reference_are_named(tmp_path):
         "fn": ("global", "<global math.sqrt>"),
         "dtype": ("global", "<global builtins.float>"),
     }
+
+
+# ------------------------------------------------------- issue 21: readable at 70B
+
+
+def llama_like(layers: int = 32, hidden: int = 8) -> dict[str, torch.Tensor]:
+    """A Llama-named state dict with tiny shapes: the names are what the layout is about."""
+    sd = {"model.embed_tokens.weight": torch.zeros(16, hidden, dtype=torch.bfloat16)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[p + f"self_attn.{name}.weight"] = torch.zeros(hidden, hidden, dtype=torch.bfloat16)
+        sd[p + "mlp.gate_proj.weight"] = torch.zeros(3 * hidden, hidden, dtype=torch.bfloat16)
+        sd[p + "input_layernorm.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)
+        sd[p + "post_attention_layernorm.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)
+    sd["model.norm.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)
+    sd["lm_head.weight"] = torch.zeros(16, hidden, dtype=torch.bfloat16)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "llama.safetensors"
+    save_file(llama_like(), path, metadata={"format": "pt", "ss_network_dim": "128"})
+    return path
+
+
+def test_summary_first_then_collapsed_layers(llama_file):
+    proc = run_cli("inspect", llama_file)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:6] == [
+        "format: safetensors",
+        f"file: {llama_file}",
+        "model: (root), 227 tensors, 15.1K parameters (15,112), no wrapper prefix",
+        "size: 29.5 KiB in 227 tensors (bf16 29.5 KiB)",
+        "metadata: format='pt', ss_network_dim='128'",
+        "security: safetensors, no code involved",
+    ]
+    rows = sorted(line.split() for line in lines[9:])  # safetensors stores names sorted
+    assert rows == sorted([
+        ["model.embed_tokens.weight", "bf16", "[16,", "8]", "256", "B"],
+        *[
+            [f"model.layers.{{0..31}}.self_attn.{n}.weight", "bf16", "[8,", "8]", "128", "B",
+             "×32"]
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ],
+        ["model.layers.{0..31}.mlp.gate_proj.weight", "bf16", "[24,", "8]", "384", "B", "×32"],
+        ["model.layers.{0..31}.input_layernorm.weight", "bf16", "[8]", "16", "B", "×32"],
+        ["model.layers.{0..31}.post_attention_layernorm.weight", "bf16", "[8]", "16", "B",
+         "×32"],
+        ["model.norm.weight", "bf16", "[8]", "16", "B"],
+        ["lm_head.weight", "bf16", "[16,", "8]", "256", "B"],
+    ])  # fmt: skip
+    assert lines[7] == "tensors: 227 in 10 rows, repeated layers collapsed (--full lists each)"
+    assert "device" not in proc.stdout  # safetensors has no devices: no device column
+
+
+def test_piped_output_keeps_names_whole_for_grep(tmp_path, llama_file):
+    """Through a real pipe, at 80 columns: every name on one line, never wrapped."""
+    long = {f"model.layers.{i}.post_attention_layernorm.weight" + ".x" * 40: torch.ones(1)
+            for i in range(3)}  # fmt: skip
+    wide = tmp_path / "wide.pt"
+    torch.save(long, wide)
+    env = dict(os.environ, COLUMNS="80", PYTHONPATH=str(ROOT))
+    cli = f"{sys.executable} -m ckpttool"
+
+    def count(args: str) -> int:
+        proc = subprocess.run(f"{cli} {args} | grep -c post_attention_layernorm", shell=True,
+                              capture_output=True, text=True, env=env)  # fmt: skip
+        return int(proc.stdout.strip() or 0)
+
+    assert count(f"inspect --full {llama_file}") == 32
+    assert count(f"inspect --names {llama_file}") == 32
+    assert count(f"inspect {llama_file}") == 1  # the collapsed row
+    assert count(f"inspect --full {wide}") == 3
+    out = subprocess.run(f"{cli} inspect --full {wide} | grep -F '.x.x.x.x.x.x.x.x.x.x'",
+                         shell=True, capture_output=True, text=True, env=env).stdout  # fmt: skip
+    assert [line.split()[0] for line in out.splitlines()] == list(long)
+
+
+def test_full_limit_sort_and_names(llama_file):
+    names = run_cli("inspect", "--names", llama_file).stdout.splitlines()
+    assert names == [t["key"][0] for t in inspect_json(llama_file)["tensors"]]
+    assert sorted(names) == sorted(llama_like())
+    full = run_cli("inspect", "--full", llama_file).stdout.splitlines()
+    assert full[7] == "tensors: 227" and len(full) == 9 + 227
+    limited = run_cli("inspect", "--limit", "3", llama_file).stdout.splitlines()
+    assert limited[-1] == "  … 7 more rows (--limit 0 or --full)"
+    assert len(limited) == 9 + 3 + 1
+    by_size = run_cli("inspect", "--sort", "size", "--limit", "2", llama_file).stdout
+    rows = [line.split()[0] for line in by_size.splitlines()[9:11]]
+    assert rows == ["model.layers.{0..31}.mlp.gate_proj.weight",
+                    "model.layers.{0..31}.self_attn.k_proj.weight"]  # fmt: skip
+    by_name = run_cli("inspect", "--sort", "name", llama_file).stdout.splitlines()[9:]
+    assert [line.split()[0] for line in by_name] == sorted(line.split()[0] for line in by_name)
+    from conftest import check_error
+
+    check_error(run_cli("inspect", "--sort", "bytes", llama_file), 2, "'bytes'", "name")
+    check_error(run_cli("inspect", "--limit", "-1", llama_file), 2, "--limit")
+
+
+def test_metadata_in_json_and_file_per_tensor(tmp_path, llama_file):
+    report = inspect_json(llama_file)
+    assert report["metadata"] == {"format": "pt", "ss_network_dim": "128"}
+    assert {t["file"] for t in report["tensors"]} == {str(llama_file)}
+    folder = tmp_path / "hf"
+    assert run_cli("convert", llama_file, "--to", "safetensors", "--max-shard-size", "10KB",
+                   "-o", f"{folder}/").returncode == 0  # fmt: skip
+    shards = sorted(str(p) for p in folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    report = inspect_json(folder)
+    assert report["files"] == [str(folder / "model.safetensors.index.json"), *shards]
+    by_name = {t["key"][0]: t["file"] for t in report["tensors"]}
+    assert by_name["lm_head.weight"] == shards[0]  # the first name, sorted
+    assert by_name["model.norm.weight"] == shards[-1]
+    assert report["metadata"] == {"total_size": 30224}
+    # --full: a file column, each row naming its shard
+    lines = run_cli("inspect", "--full", folder).stdout.splitlines()
+    header = next(line for line in lines if line.startswith("  name"))
+    assert header.split() == ["name", "dtype", "shape", "size", "file"]
+    row = next(line for line in lines if line.startswith("  model.norm.weight"))
+    assert row.endswith(shards[-1])
+    # the shell's expansion of folder/*.safetensors is that folder
+    expanded = inspect_json(*shards)
+    assert expanded["format"] == "safetensors-sharded" and expanded["files"] == report["files"]
+    from conftest import check_error
+
+    check_error(
+        run_cli("inspect", *shards[:2]), 2, f"2 of the {len(shards)} shards", "pass the folder"
+    )
+
+
+def test_filter_narrows_the_tree_and_says_when_nothing_matches(tmp_path):
+    path = tmp_path / "snap.pt"
+    model = {f"module.layers.{i}.w": torch.ones(2) for i in range(4)}
+    model["module.lm_head.weight"] = torch.ones(3)
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2)} for i in range(4)}
+    optim = {"state": state, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}
+    torch.save({"model": model, "optimizer": optim, "epoch": 3, "step": 120}, path)
+    lines = run_cli("inspect", path).stdout.splitlines()
+    assert "values: optimizer.param_groups.0.lr=0.1, epoch=3, step=120 (+1 below)" in lines
+    assert lines[-3:] == [
+        "",
+        "values: 1 more (the others are in the summary)",
+        "  optimizer.param_groups.0.params  list  [0, 1, 2, 3]",
+    ]
+    structure = lines[lines.index("structure:") + 1 :]
+    assert structure[:6] == [
+        "  model      model state dict",
+        "  optimizer  dict of 2",
+        "    state         dict of 4",
+        "      {0..3}  dict of 2: step, exp_avg  ×4",
+        "    param_groups  list of 1",
+        "      0  dict of 2: lr, params",
+    ]
+    out = run_cli("inspect", "--filter", "lm_head", path).stdout
+    assert "lm_head" in out and "optimizer" not in out and "layers" not in out
+    proc = run_cli("inspect", "--filter", "nothing_like_this", path)
+    assert proc.returncode == 0
+    assert proc.stdout.splitlines()[-1] == "nothing matches --filter 'nothing_like_this'"
+    assert "tensors:" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "coloured"),
+    [
+        ({"FORCE_COLOR": "1"}, [], True),
+        ({"FORCE_COLOR": "1", "NO_COLOR": "1"}, [], False),
+        ({"FORCE_COLOR": "1"}, ["--no-color"], False),
+        ({}, [], False),  # a pipe: no colours
+    ],
+)
+def test_colours_follow_no_color_and_the_flag(snapshot, env, args, coloured):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
+    proc = subprocess.run([sys.executable, "-m", "ckpttool", "inspect", snapshot, *args],
+                          capture_output=True, text=True, env={**full_env, **env,
+                          "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert ("\x1b[" in proc.stdout) is coloured
+
+
+def test_text_from_the_file_cannot_draw_lines_or_escapes(tmp_path):
+    """A key, value or class name with control characters is shown escaped: it cannot
+    start a fake "security: ... none dangerous" line or send terminal escapes."""
+    fake = "security: read without running code; 0 globals, none dangerous"
+    path = tmp_path / "evil-names.pt"
+    torch.save({f"w\n{fake}": torch.ones(1), f"\r{fake}": torch.ones(2),
+                "note": f"\x1b[2J\n{fake}", "epoch": 1}, path)  # fmt: skip
+    for args in ([], ["--full"], ["--names"], ["--filter", "w"]):
+        proc = run_cli("inspect", *args, path)
+        assert proc.returncode == 0, proc.stderr
+        assert "\x1b" not in proc.stdout and "\r" not in proc.stdout
+        security = [line for line in proc.stdout.splitlines() if line.startswith("security")]
+        assert len(security) <= 1 and (args == ["--names"] or len(security) == 1)
+        assert all("3 globals" in line for line in security)
+    out = run_cli("inspect", path).stdout
+    assert f"w\\n{fake}" in out and f"\\r{fake}" in out and "'\\x1b[2J\\nsecurity: read" in out
+    # the error line of a bad --select names the key escaped too
+    proc = run_cli("diff", path, tmp_path / "missing\x1b[31m.pt")
+    assert proc.returncode == 2 and "\x1b" not in proc.stderr and "\\x1b[31m" in proc.stderr
+
+
+def test_stats_of_big_tensors_are_exact_by_chunk(tmp_path):
+    """Tensors over one chunk are reduced chunk by chunk: same numbers as in one go."""
+    from ckpttool.report import STATS_CHUNK
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(STATS_CHUNK * 2 + 123, generator=g) * 3 + 1
+    y = x.clone()
+    y[[5, STATS_CHUNK + 7]] = float("nan")
+    y[-1] = float("inf")
+    y[STATS_CHUNK * 2 :] = float("nan")  # the short last chunk has no finite value but one
+    y[-5] = 2.5
+    torch.save({"x": x.to(torch.bfloat16), "y": y}, tmp_path / "big.pt")
+    proc = run_cli("inspect", "--stats", "--json", tmp_path / "big.pt")
+    assert proc.returncode == 0, proc.stderr
+    stats = {t["key"][0]: t["stats"] for t in json.loads(proc.stdout)["tensors"]}
+    for name, t in (("x", x.to(torch.bfloat16)), ("y", y)):
+        f = t.to(torch.float64)
+        finite = f[torch.isfinite(f)]
+        s = stats[name]
+        assert (s["nan"], s["inf"]) == (int(f.isnan().sum()), int(f.isinf().sum()))
+        assert (s["min"], s["max"]) == (float(finite.min()), float(finite.max()))
+        assert s["mean"] == pytest.approx(float(finite.mean()), rel=1e-12, abs=1e-12)
+        assert s["std"] == pytest.approx(float(finite.std()), rel=1e-12)
+
+
+def test_readme_shows_the_real_output_for_a_7b_shaped_file(tmp_path):
+    """The README's inspect example is what ckpttool prints for docs/llama7b_shaped.py's
+    file (the real Llama-2-7B header; the 12.6 GiB of data a hole in a sparse file)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "llama7b_shaped.py"),
+                           str(tmp_path / "llama2-7b.safetensors")], check=True)  # fmt: skip
+    assert proc.returncode == 0
+    out = run_cli("inspect", "llama2-7b.safetensors", cwd=tmp_path).stdout
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("$ ckpttool inspect llama2-7b.safetensors\n") + len(
+        "$ ckpttool inspect llama2-7b.safetensors\n"
+    )
+    assert readme[start : readme.index("```", start)] == out
+    assert "model.layers.{0..31}.mlp.gate_proj.weight             bf16   [11008, 4096]" in out
+
+
+def test_device_column_only_where_a_tensor_was_saved_off_the_cpu(tmp_path):
+    gpu = ROOT / "fixtures" / "gpu_saved.pt"
+    if not gpu.exists():
+        pytest.skip("fixture not generated")
+    lines = run_cli("inspect", gpu).stdout.splitlines()
+    assert "size: 32 B in 2 tensors (fp32 32 B), saved on cuda:0" in lines
+    assert lines[lines.index("tensors: 2") + 1].split() == ["name", "dtype", "shape", "device",
+                                                            "size"]  # fmt: skip
+    torch.save({"w": torch.ones(2)}, tmp_path / "one.pt")
+    lines = run_cli("inspect", tmp_path / "one.pt").stdout.splitlines()
+    assert "size: 8 B in 1 tensor (fp32 8 B)" in lines  # singular, and no device column
+    assert lines[lines.index("tensors: 1") + 1].split() == ["name", "dtype", "shape", "size"]

@@ -180,7 +180,9 @@ def test_optimizer_state_keys_are_ints_in_json(layout_files, cli):
 def test_human_output_shows_model_key_and_prefix(layout_files):
     proc = run_cli("inspect", layout_files["torchrun_tutorial"])
     assert proc.returncode == 0, proc.stderr
-    assert "model state dict: MODEL_STATE, wrapper prefix: module." in proc.stdout
+    model_line = next(line for line in proc.stdout.splitlines() if line.startswith("model:"))
+    assert model_line.startswith("model: MODEL_STATE, ")
+    assert model_line.endswith(", wrapper prefix module.")
     assert "EPOCHS_RUN" in proc.stdout
 
 
@@ -342,7 +344,7 @@ def test_a_nested_model_state_dict_is_taken_whole(tmp_path):
         "language_model.output_layer.weight",
     ]
     proc = run_cli("inspect", path)
-    assert proc.returncode == 0 and "model state dict, 5 tensors" in proc.stdout
+    assert proc.returncode == 0 and "model: model, 5 tensors" in proc.stdout
 
 
 def test_pickled_module_is_not_mistaken_for_one_layer(tmp_path):

@@ -129,6 +129,7 @@ def test_inspect_json_reports_dense_shape_and_stored_bytes(sparse_file: Path):
         "nbytes": coo._indices().nbytes + coo._values().nbytes,
         "sharded": False,
         "layout": "sparse_coo",
+        "file": str(sparse_file),
     }
     csr = src["csr"]
     parts = (csr.crow_indices(), csr.col_indices(), csr.values())
@@ -158,7 +159,7 @@ def test_inspect_table_names_the_layout(sparse_file: Path):
     proc = run_cli("inspect", sparse_file, columns=200)
     assert proc.returncode == 0, proc.stderr
     row = next(line for line in proc.stdout.splitlines() if "model.csc" in line)
-    assert "float32 sparse_csc" in row and "[6, 4]" in row
+    assert "fp32 sparse_csc" in row and "[6, 4]" in row
 
 
 def test_corrupt_sparse_indices_are_refused_when_read(tmp_path: Path):

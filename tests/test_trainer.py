@@ -146,7 +146,9 @@ def assert_identical(a, b, path: tuple = ()) -> int:
 
 
 def epoch_losses(stdout: str) -> list[float]:
-    return [float(x) for x in re.findall(r"^epoch \d+/\d+ .*\| loss (\S+) \|", stdout, re.M)]
+    # "epoch 0 (1 of 4) | ...": numbered from 0, as the snapshot files are
+    line = r"^epoch \d+ \(\d+ of \d+\) .*\| loss (\S+) \|"
+    return [float(x) for x in re.findall(line, stdout, re.M)]
 
 
 @pytest.fixture(scope="module")

@@ -254,7 +254,10 @@ class Trainer:
         except ckpttool.CkptError as e:
             sys.exit(f"ddp_trainer.py: cannot resume: {e}")
         shown = source if isinstance(source, str) else f"{source[0]} (+{len(source) - 1})"
-        log(f"resuming from {shown} after {snapshot.epochs_run} epoch(s)")
+        log(
+            f"resuming from {shown} after {snapshot.epochs_run} epoch(s) "
+            f"(epochs 0-{snapshot.epochs_run - 1} done)"
+        )
         return snapshot._replace(model=strip_wrapper_prefixes(snapshot.model))
 
     def _restore_training_state(self, snapshot: Snapshot) -> None:
@@ -391,7 +394,8 @@ class Trainer:
 
         if self.rank == 0:
             write_complete_marker(self.snapshot_dir, epoch, fmt, self.world_size, parts)
-        log(f"epoch {epoch + 1} | saved snapshot {self.snapshot_dir / parts[0]}")
+        # epochs are numbered from 0 in logs as in file names: "epoch 0" is saved as ep0-*
+        log(f"epoch {epoch} | saved snapshot {self.snapshot_dir / parts[0]}")
 
     def train(self) -> None:
         total = self.args.epochs
@@ -402,7 +406,8 @@ class Trainer:
             start = time.perf_counter()
             loss = self._run_epoch(epoch)
             log(
-                f"epoch {epoch + 1}/{total} | steps {len(self.loader)} | loss {loss:.4f} | "
+                f"epoch {epoch} ({epoch + 1} of {total}) | steps {len(self.loader)} | "
+                f"loss {loss:.4f} | "
                 f"lr {self.scheduler.get_last_lr()[0]:.2e} | {time.perf_counter() - start:.2f}s"
             )
             if (epoch + 1) % self.args.save_every == 0 or epoch + 1 == total:
@@ -410,20 +415,37 @@ class Trainer:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0],
+        # every option's default in --help, the way `torchrun --help` shows them
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Example: torchrun --standalone --nproc_per_node=2 trainers/ddp_trainer.py "
+        "--epochs 4 --snapshot-dir runs/demo. After epoch E (numbered from 0, in the "
+        "logs too) it writes ep{E}-rank{R}.pt, or the folder ep{E}/ for --save-format dcp.",
+    )
     p.add_argument("--epochs", type=int, default=10, help="total epochs, also when resuming")
     p.add_argument("--save-every", type=int, default=1, help="snapshot every N epochs")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--snapshot-dir", default="runs/demo")
-    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
-    p.add_argument("--save-format", choices=["ddp", "sharded", "dcp"], default="ddp")
+    p.add_argument("--snapshot-dir", default="runs/demo", help="where snapshots go")
+    p.add_argument(
+        "--backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="auto: nccl with CUDA, else gloo",
+    )
+    p.add_argument(
+        "--save-format",
+        choices=["ddp", "sharded", "dcp"],
+        default="ddp",
+        help="ddp: one full file per rank; sharded: ShardedTensor per rank; dcp: a folder",
+    )
     p.add_argument(
         "--resume",
         default="auto",
         help="auto (newest complete snapshot in --snapshot-dir), none, or a PATH",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
+    p.add_argument("--seed", type=int, default=0, help="data order and initial weights")
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="what to train")
     p.add_argument("--dim", type=int, default=32, help="model width (even, for 2 heads)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (gpt)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")

@@ -2,29 +2,69 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-from collections.abc import Callable
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated, NoReturn
 
 import typer
 
 from ..errors import CkptError
+from .text import printable
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_UNSAFE = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130
 
 app = typer.Typer(
     name="ckpttool",
-    help="Inspect, convert, merge and diff PyTorch checkpoints (DDP, FSDP, DCP) safely.",
-    add_completion=False,
+    help="Inspect, convert, merge and diff PyTorch checkpoints (DDP, FSDP, DCP) safely: "
+    "no code from a checkpoint runs.",
+    epilog="Examples:\n\n\b\n"
+    "  ckpttool inspect model.safetensors\n"
+    "  ckpttool convert ep3-rank0.pt --to safetensors\n"
+    "  ckpttool diff model.pt model-bf16.safetensors --atol 1e-2\n\n"
+    "Exit codes: 0 ok, 1 diff found differences, 2 bad input, 3 refused as unsafe. "
+    "--debug, --quiet and --no-color may also follow the command.",
     # plain help: rich markup would import markdown-it on every --help (+0.1 s)
     rich_markup_mode=None,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-_settings = {"debug": False}
+
+
+class Settings:
+    """The global flags, read by every command. ``main`` sets them wherever they were
+    given on the command line (before or after the command's name)."""
+
+    debug = False
+    quiet = False
+    no_color = False
+
+
+settings = Settings()
+# Flags that may appear anywhere on the command line; main() takes them out before
+# typer parses, so `ckpttool inspect x.pt --debug` and `ckpttool --debug inspect x.pt`
+# are the same command.
+GLOBAL_FLAGS = {"--debug": "debug", "--quiet": "quiet", "-q": "quiet", "--no-color": "no_color"}
+# Options that take a value: a global flag's name right after one of these is that value.
+VALUE_OPTIONS = frozenset(
+    {
+        "--filter",
+        "--limit",
+        "--sort",
+        "--to",
+        "-o",
+        "--out",
+        "--select",
+        "--strip-prefix",
+        "--dtype",
+        "--map-location",
+        "--max-shard-size",
+        "--atol",
+        "--rtol",
+    }
+)
 
 
 def _version(value: bool) -> None:
@@ -37,67 +77,101 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _global_options(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", help="Show the traceback of an error (the exit code stays)."),
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress bars, no 'wrote' line.")
+    ] = False,
+    no_color: Annotated[
+        bool, typer.Option("--no-color", help="No colours (also when NO_COLOR is set).")
+    ] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
     ] = False,
 ) -> None:
-    _settings["debug"] = debug
+    # Also reached through app() directly (tests, embedding): flags given here count too.
+    settings.debug |= debug
+    settings.quiet |= quiet
+    settings.no_color |= no_color
 
 
-def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    """Print one line on stderr and exit with ``code``. Plain text: never wrapped."""
-    sys.stderr.write(f"ckpttool: {message}\n")
-    sys.stderr.flush()
-    raise typer.Exit(code)
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    """Stop the command: ``main`` prints ``message`` as one stderr line and exits ``code``."""
+    raise CommandError(message, code)
 
 
-def handle_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn the core's typed errors into the contract's exit codes and one stderr line."""
+class CommandError(Exception):
+    """A command's own refusal, already worded for the user."""
 
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except typer.Exit:
-            raise
-        except CkptError as exc:
-            if _settings["debug"]:
-                raise
-            prefix = "refused" if exc.exit_code == EXIT_UNSAFE else "error"
-            fail(f"{prefix}: {exc.one_line()}", exc.exit_code)
-        except BrokenPipeError:  # `ckpttool inspect | head`: the reader left, that is fine
-            # Later flushes would fail again (and click would exit 1, which means
-            # "differences" here): send what is left of stdout to /dev/null.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            raise typer.Exit(EXIT_OK) from None
-        except KeyboardInterrupt:
-            fail("interrupted; no output was written", 130)
-        except Exception as exc:  # a bug or an input we failed to classify: still one line
-            if _settings["debug"]:
-                raise
-            text = " ".join(str(exc).split())[:300]
-            fail(f"error: unexpected {type(exc).__name__}: {text} (rerun with --debug)")
-
-    return wrapper
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
-def main() -> None:
-    """Console-script entry point."""
-    if not sys.argv[1:]:  # bare `ckpttool`: typer shows the help
-        app()
-    try:
-        code = app(standalone_mode=False)
-    except typer.TyperException as exc:
-        # Bad arguments (click's usage errors) get one line too, not usage text in a box:
-        # the contract says exit 2 and one clear line on stderr.
+def pull_global_flags(args: Sequence[str]) -> list[str]:
+    """Take the global flags out of ``args`` wherever they are, and set them."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--":  # everything after it is a path, even "--debug"
+            out.extend(args[i:])
+            break
+        name = GLOBAL_FLAGS.get(arg)
+        if name is not None and not (out and out[-1] in VALUE_OPTIONS):
+            setattr(settings, name, True)
+        else:
+            out.append(arg)
+    return out
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The one error boundary: one stderr line for ``exc`` and the contract's exit code.
+
+    With ``--debug`` the traceback comes first; the exit code is the same either way.
+    """
+    if isinstance(exc, BrokenPipeError):  # `ckpttool inspect | head`: the reader left
+        # Later flushes would fail again: send what is left of stdout to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    if isinstance(exc, (KeyboardInterrupt, typer.Abort)):
+        code, message = EXIT_INTERRUPTED, "interrupted; no output was written"
+    elif isinstance(exc, CommandError):
+        code, message = exc.code, str(exc)
+    elif isinstance(exc, CkptError):
+        code = exc.exit_code
+        message = f"{'refused' if code == EXIT_UNSAFE else 'error'}: {exc.one_line()}"
+    elif isinstance(exc, typer.TyperException):  # click's usage errors: exit 2, one line
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "ckpttool"
-        text = " ".join(exc.format_message().split())
-        sys.stderr.write(f"ckpttool: error: {text} (see: {where} --help)\n")
-        sys.exit(getattr(exc, "exit_code", EXIT_BAD_INPUT))
-    except typer.Abort:
-        sys.stderr.write("ckpttool: interrupted; no output was written\n")
-        sys.exit(130)
+        code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+        message = f"error: {exc.format_message()} (see: {where} --help)"
+    else:  # a bug or an input we failed to classify: still one line, still exit 2
+        code = EXIT_BAD_INPUT
+        text = str(exc)[:300]
+        message = f"error: unexpected {type(exc).__name__}: {text} (rerun with --debug)"
+    if settings.debug:
+        import traceback
+
+        traceback.print_exception(exc)
+    # the message may quote keys and names from the file: one line, no terminal escapes
+    sys.stderr.write(f"ckpttool: {' '.join(printable(message).split())}\n")
+    sys.stderr.flush()
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Console-script entry point: run one command, map whatever it raises to an exit code."""
+    settings.debug = settings.quiet = settings.no_color = False  # main() may run twice
+    args = pull_global_flags(sys.argv[1:] if argv is None else argv)
+    try:
+        if not args:  # bare `ckpttool`: typer shows the help (and exits 2, as click does)
+            app(args=[], prog_name="ckpttool")
+        code = app(args=args, prog_name="ckpttool", standalone_mode=False)
+        if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C into Exit(130), silently
+            code = exit_code_for(KeyboardInterrupt())
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException as exc:
+        code = exit_code_for(exc)
     sys.exit(code if isinstance(code, int) else EXIT_OK)

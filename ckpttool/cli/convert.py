@@ -2,46 +2,123 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 
-from .app import app, handle_errors
-from .options import Force, Paths, Quiet, Unsafe
+from .app import app, fail, settings
+from .options import Force, Paths, Quiet, Unsafe, examples
 from .render import human_bytes, progress_factory, stderr_console
 
+# What an output's file name says it is: refused when --to says otherwise.
+EXTENSIONS = {
+    ".safetensors": "safetensors",
+    ".pt": "pt",
+    ".pth": "pt",
+    ".bin": "pt",
+    ".ckpt": "pt",
+    ".distcp": "dcp",
+}
 
-@app.command()
-@handle_errors
+
+def _complete(name: str):
+    """Shell completion of an option's choices, ``ckpttool.convert``'s constant ``name``
+    (imported when completing only: --help stays fast; the core checks the value)."""
+
+    def complete(incomplete: str) -> list[str]:
+        from .. import convert as core
+
+        return [c for c in getattr(core, name) if c.startswith(incomplete)]
+
+    return complete
+
+
+@app.command(
+    short_help="Write the tensors as safetensors, pt or dcp.",
+    epilog=examples(
+        "ckpttool convert ep3-rank0.pt --to safetensors    # writes ep3.safetensors",
+        "ckpttool convert model.pt --to safetensors --dtype bfloat16 -o model-bf16.safetensors",
+        "ckpttool convert 'ep0-ba1-rank*.pt' --to safetensors --max-shard-size 5GB -o hf-model/",
+        "ckpttool convert ckpt.pt --to dcp -o ckpt-dcp/",
+    )
+    + "\n\nWithout -o the output goes beside the first input, named after it without its "
+    "extension and rank (NAME): NAME.safetensors, NAME-safetensors/ with --max-shard-size, "
+    "NAME.pt (NAME-converted.pt when that is the input itself), NAME-dcp/. "
+    "-o DIR/ writes that name inside DIR.",
+)
 def convert(
     paths: Paths,
-    to: Annotated[str, typer.Option("--to", help="safetensors, pt or dcp.", show_default=False)],
-    out: Annotated[str | None, typer.Option("-o", "--out", help="Output file or folder.")] = None,
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            metavar="<safetensors|pt|dcp>",
+            help="The output format.",
+            show_default=False,
+            autocompletion=_complete("TARGETS"),
+        ),
+    ],
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "-o",
+            "--out",
+            metavar="OUT",
+            help="Output file, or folder (DIR/: the default name inside it). "
+            "Default: beside the input, see below.",
+            show_default=False,
+        ),
+    ] = None,
     select: Annotated[
-        str, typer.Option("--select", help="auto (model state dict), all, or a KEY.PATH.")
+        str,
+        typer.Option(
+            "--select",
+            metavar="auto|all|KEY.PATH",
+            help="auto (the model state dict), all, or a KEY.PATH.",
+        ),
     ] = "auto",
     strip_prefix: Annotated[
-        str, typer.Option("--strip-prefix", help="auto, none, or a PREFIX to remove from names.")
+        str,
+        typer.Option(
+            "--strip-prefix",
+            metavar="auto|none|PREFIX",
+            help="auto, none, or a PREFIX to remove from names.",
+        ),
     ] = "auto",
     dtype: Annotated[
         str | None,
-        typer.Option("--dtype", help="Cast floating-point tensors: float32, float16, bfloat16."),
+        typer.Option(
+            "--dtype",
+            metavar="<float32|float16|bfloat16>",
+            help="Cast floating-point tensors to this dtype.",
+            autocompletion=_complete("CAST_DTYPES"),
+        ),
     ] = None,
     map_location: Annotated[
         str | None,
-        typer.Option("--map-location", help="Device of the tensors in a pt output (cpu, cuda:N)."),
+        typer.Option(
+            "--map-location",
+            metavar="cpu|cuda:N",
+            help="Device of the tensors in a pt output.",
+        ),
     ] = None,
     max_shard_size: Annotated[
         str | None,
-        typer.Option("--max-shard-size", help="Write HF shards of at most SIZE (2GB, 500MiB)."),
+        typer.Option(
+            "--max-shard-size",
+            metavar="SIZE",
+            help="Write HF shards of at most SIZE (2GB = 2*1000^3 bytes, 500MiB = 500*1024^2).",
+        ),
     ] = None,
     force: Force = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
 ) -> None:
-    """Write the selected tensors in another format (sharded inputs are merged)."""
+    """Write the selected tensors as safetensors, pt or dcp; sharded inputs are merged."""
     from ..convert import convert as convert_checkpoint
 
+    check_extension(out, to, max_shard_size)
     result = convert_checkpoint(
         paths,
         to,
@@ -53,12 +130,31 @@ def convert(
         max_shard_size=max_shard_size,
         force=force,
         unsafe=unsafe,
-        progress=progress_factory(quiet),
+        progress=progress_factory(quiet or settings.quiet),
     )
-    if not quiet:
+    if not (quiet or settings.quiet):
         from rich.markup import escape  # a path is never markup
 
+        from .text import plural, printable
+
         stderr_console().print(
-            f"wrote {escape(result.output)} ({result.num_tensors} tensors, "
-            f"{human_bytes(result.nbytes)})"
+            f"wrote {escape(printable(result.output))} ({plural(result.num_tensors, 'tensor')}, "
+            f"{human_bytes(result.nbytes)})",
+            highlight=False,
         )
+
+
+def check_extension(out: str | None, to: str, max_shard_size: str | None) -> None:
+    """Refuse ``--to pt -o x.safetensors``: a file whose name says one format and holds another."""
+    from ..convert import TARGETS
+
+    if out is None or out.endswith(("/", os.sep)) or os.path.isdir(out):
+        return
+    says = EXTENSIONS.get(os.path.splitext(out)[1].lower())
+    if says is None or says == to or to not in TARGETS:  # an unknown --to: the core says so
+        return
+    if max_shard_size and to == "safetensors":
+        return  # shards go into a folder; its name is free
+    stem = os.path.splitext(out)[0]
+    fix = {"safetensors": f"{stem}.safetensors", "pt": f"{stem}.pt", "dcp": f"{stem}-dcp/"}[to]
+    fail(f"error: -o {out} names a {says} file but --to is {to} (use -o {fix}, or --to {says})")

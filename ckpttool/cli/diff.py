@@ -6,58 +6,153 @@ from typing import Annotated
 
 import typer
 
-from .app import EXIT_DIFFERENT, app, handle_errors
-from .options import Json, Unsafe
-from .render import dumps_json, stdout_console
+from .app import EXIT_DIFFERENT, app, settings
+from .options import Json, Quiet, Unsafe, examples
+from .render import Painter, byte_progress, dumps_json
+from .text import columns, plural, printable, short_dtype, write
+
+DEFAULT_LIMIT = 20
+# a progress bar only for diffs long enough to wonder about (and only on a terminal)
+PROGRESS_BYTES = 256 << 20
 
 
-@app.command()
-@handle_errors
+@app.command(
+    short_help="Compare two checkpoints tensor by tensor.",
+    epilog=examples(
+        "ckpttool diff ep3-rank0.pt ep3.safetensors    # bitwise",
+        "ckpttool diff model.pt model-bf16.safetensors --atol 1e-2",
+        "ckpttool diff a/ b/ --json | jq .counts",
+    )
+    + "\n\nTensors of different dtypes are compared by value, both cast to the wider one: "
+    "with --atol/--rtol, a bf16 export within tolerance is equal. "
+    "Exit 0: equal within tolerance, 1: different, 2: bad input.",
+)
 def diff(
-    a: Annotated[str, typer.Argument(help="First checkpoint.", show_default=False)],
-    b: Annotated[str, typer.Argument(help="Second checkpoint.", show_default=False)],
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance.")] = 0.0,
+    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint.", show_default=False)],
+    b: Annotated[str, typer.Argument(metavar="B", help="Second checkpoint.", show_default=False)],
+    atol: Annotated[
+        float, typer.Option("--atol", metavar="X", help="Absolute tolerance (0: bitwise).")
+    ] = 0.0,
+    rtol: Annotated[
+        float,
+        typer.Option("--rtol", metavar="X", help="Relative tolerance: |a-b| <= atol + rtol*|b|."),
+    ] = 0.0,
+    limit: Annotated[
+        int,
+        typer.Option(
+            "--limit", metavar="N", help="At most N lines per kind, largest first; 0: all."
+        ),
+    ] = DEFAULT_LIMIT,
     json_output: Json = False,
     unsafe: Unsafe = False,
+    quiet: Quiet = False,
 ) -> None:
-    """Names only in A or B, dtype/shape mismatches, max absolute difference."""
+    """Names only in A or B, dtype/shape mismatches, largest value differences first."""
     from ..diff import diff as diff_checkpoints
+    from ..errors import UsageError
 
-    result = diff_checkpoints(a, b, atol=atol, rtol=rtol, unsafe=unsafe)
+    if limit < 0:
+        raise UsageError("--limit must be >= 0 (0: no limit)")
+    quiet = quiet or settings.quiet
+
+    def progress(total: int, description: str):
+        return byte_progress(total, description, not quiet and total > PROGRESS_BYTES)
+
+    result = diff_checkpoints(a, b, atol=atol, rtol=rtol, unsafe=unsafe, progress=progress)
     if json_output:
-        print(dumps_json(result))
+        write(dumps_json(result) + "\n")
     else:
-        render(result)
+        write("\n".join(diff_lines(result, limit, Painter.for_stdout())) + "\n")
     if not result["equal"]:
         raise typer.Exit(EXIT_DIFFERENT)
 
 
-def render(result: dict) -> None:
-    from rich.markup import escape  # names come from the files: never markup
-    from rich.table import Table  # only for human output: --json stays fast
+def _spec(side: dict) -> str:
+    return f"{side['dtype']}{side['shape']}"
 
-    console = stdout_console(highlight=False)
-    for name in result["only_in_a"]:
-        console.print(f"[red]- only in A[/]: {escape(name)}")
-    for name in result["only_in_b"]:
-        console.print(f"[green]+ only in B[/]: {escape(name)}")
-    for m in result["mismatched"]:
-        a, b = m["a"], m["b"]
-        name = escape(m["name"])
-        console.print(f"[yellow]! {name}[/]: {a['dtype']}{a['shape']} vs {b['dtype']}{b['shape']}")
-    if result["different"]:
-        table = Table(title="different tensors", title_justify="left")
-        table.add_column("name", overflow="fold")
-        table.add_column("max |a-b|", justify="right")
-        table.add_column("elements", justify="right")
-        for d in result["different"]:
-            table.add_row(escape(d["name"]), f"{d['max_abs_diff']:.6g}", str(d["num_different"]))
-        console.print(table)
-    verdict = "[green]equal[/]" if result["equal"] else "[red]different[/]"
+
+def diff_lines(result: dict, limit: int, paint: Painter) -> list[str]:
+    """The human diff: each kind largest first, at most ``limit`` lines each, then the
+    verdict with counts per kind."""
+    lines: list[str] = []
+
+    def section(items: list[str], what: str) -> None:
+        shown = items[:limit] if limit else items
+        lines.extend(shown)
+        if len(shown) < len(items):
+            lines.append(f"  … {len(items) - len(shown):,} more {what} (--limit 0 shows all)")
+
+    section([paint("- only in A", "red") + f": {printable(n)}" for n in result["only_in_a"]],
+            "only in A")  # fmt: skip
+    section([paint("+ only in B", "green") + f": {printable(n)}" for n in result["only_in_b"]],
+            "only in B")  # fmt: skip
+    shapes = [m for m in result["mismatched"] if m["kind"] == "shape"]
+    section(
+        [paint(f"! {printable(m['name'])}", "yellow") + f": {_spec(m['a'])} vs {_spec(m['b'])}"
+         for m in shapes],
+        "shape mismatches",
+    )  # fmt: skip
+    # those within tolerance are summed up in the verdict, not listed
+    dtypes = sorted(
+        (m for m in result["mismatched"] if m["kind"] == "dtype" and not m["within_tolerance"]),
+        key=lambda m: -m.get("max_abs_diff", float("inf")),
+    )
+    outside = "differ" if not (result["atol"] or result["rtol"]) else "outside tolerance"
+    dtype_lines = []
+    for m in dtypes:
+        line = f"! {printable(m['name'])}: {_spec(m['a'])} vs {_spec(m['b'])}"
+        if "max_abs_diff" in m:
+            line += f", max |a-b| {m['max_abs_diff']:.6g}"
+            if m["num_different"]:
+                line += f", {plural(m['num_different'], 'element')} {outside}"
+        dtype_lines.append(paint(line, "yellow"))
+    section(dtype_lines, "dtype mismatches")
+    different = sorted(result["different"], key=lambda d: (-d["max_abs_diff"], d["name"]))
+    if different:
+        shown = different[:limit] if limit else different
+        table = [["name", "max |a-b|", "elements"]]
+        table += [
+            [printable(d["name"]), f"{d['max_abs_diff']:.6g}", f"{d['num_different']:,}"]
+            for d in shown
+        ]
+        text = columns(table, right={1, 2})
+        lines += [paint("different values (largest first):", "bold"), paint(text[0], "dim")]
+        lines += text[1:]
+        if len(shown) < len(different):
+            more = len(different) - len(shown)
+            lines.append(f"  … {more:,} more different tensors (--limit 0 shows all)")
+    lines.append(verdict(result, paint))
+    return lines
+
+
+def verdict(result: dict, paint: Painter) -> str:
+    """``equal: 4 tensors compared (bitwise)`` or ``different: 1 only in A, ...; ...``."""
+    counts = result["counts"]
     tol = (
         "bitwise"
         if not (result["atol"] or result["rtol"])
-        else f"atol={result['atol']}, rtol={result['rtol']}"
+        else f"atol={result['atol']:g}, rtol={result['rtol']:g}"
     )
-    console.print(f"{verdict}: {result['compared']} tensors compared ({tol})")
+    compared = f"{plural(result['compared'], 'tensor')} compared ({tol})"
+    if result["equal"]:
+        text = paint("equal", "green") + f": {compared}"
+    else:
+        kinds = [
+            (counts["only_in_a"], "only in A"),
+            (counts["only_in_b"], "only in B"),
+            (counts["shape"], "shape"),
+            (counts["dtype"], "dtype"),
+            (counts["values"], "values"),
+        ]
+        found = ", ".join(f"{n:,} {kind}" for n, kind in kinds if n)
+        text = paint("different", "red") + f": {found}; {compared}"
+    cast = [m for m in result["mismatched"] if m.get("within_tolerance")]
+    if cast:
+        pairs = sorted({(m["a"]["dtype"], m["b"]["dtype"]) for m in cast})
+        names = ", ".join(f"{short_dtype(x)} vs {short_dtype(y)}" for x, y in pairs)
+        worst = max(m["max_abs_diff"] for m in cast)
+        text += (
+            f"; {plural(len(cast), 'tensor')} within tolerance across dtypes ({names}), "
+            f"max |a-b| {worst:.6g}"
+        )
+    return text

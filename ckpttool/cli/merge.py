@@ -6,13 +6,20 @@ from typing import Annotated
 
 import typer
 
-from .app import app, handle_errors
-from .options import Force, Paths, Quiet, Unsafe
+from .app import app, settings
+from .options import Force, Paths, Quiet, Unsafe, examples
 from .render import human_bytes, progress_factory, stderr_console
+from .text import plural, printable
 
 
-@app.command()
-@handle_errors
+@app.command(
+    short_help="Merge per-rank shards or DCP into one torch.save file.",
+    epilog=examples(
+        "ckpttool merge 'ep3-ba100-rank*.pt' -o ep3-full.pt",
+        "ckpttool merge ckpt-dcp/ -o full.pt",
+        "ckpttool merge ep3-rank0.pt -o full.pt    # its sibling ranks are found beside it",
+    ),
+)
 def merge(
     paths: Paths,
     out: Annotated[
@@ -20,7 +27,8 @@ def merge(
         typer.Option(
             "-o",
             "--out",
-            help="The output .pt file, or DIR/ to write it there.",
+            metavar="OUT.pt",
+            help="The output .pt file, or DIR/ to write it into that folder.",
             show_default=False,
         ),
     ],
@@ -28,23 +36,26 @@ def merge(
     unsafe: Unsafe = False,
     quiet: Quiet = False,
 ) -> None:
-    """Merge every sharded tensor (model AND optimizer) into one torch.save file."""
+    """Merge per-rank shards or a DCP folder (model AND optimizer) into one torch.save file."""
     from rich.markup import escape  # paths and class names: never markup
 
     from ..merge import merge as merge_checkpoint
+    from .convert import check_extension
+
+    check_extension(out, "pt", None)
 
     result = merge_checkpoint(
-        paths, out, force=force, unsafe=unsafe, progress=progress_factory(quiet)
+        paths, out, force=force, unsafe=unsafe, progress=progress_factory(quiet or settings.quiet)
     )
     console = stderr_console()
     if result.stand_ins:
         console.print(
             "[yellow]warning[/]: kept as plain-data stand-ins ({'__class__': ...}): "
-            + escape(", ".join(result.stand_ins)),
+            + escape(printable(", ".join(result.stand_ins))),
             highlight=False,
         )
-    if not quiet:
+    if not (quiet or settings.quiet):
         console.print(
-            f"wrote {escape(result.output)} ({result.num_tensors} tensors, "
+            f"wrote {escape(printable(result.output))} ({plural(result.num_tensors, 'tensor')}, "
             f"{human_bytes(result.nbytes)})"
         )

@@ -9,7 +9,9 @@ import typer
 Paths = Annotated[
     list[str],
     typer.Argument(
-        help="A file, a folder (DCP, sharded safetensors), per-rank files or a quoted glob.",
+        metavar="PATH...",
+        help="A file, a folder (DCP, sharded safetensors, HF model), per-rank files or a "
+        "quoted glob.",
         show_default=False,
     ),
 ]
@@ -22,4 +24,12 @@ Unsafe = Annotated[
 ]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+Quiet = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No progress bar (also before the command).")
+]
+
+
+def examples(*lines: str) -> str:
+    """An examples section for a command's --help, one command per line as written
+    (click rewraps paragraphs unless they start with its \\b marker)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)

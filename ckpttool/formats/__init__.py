@@ -88,6 +88,9 @@ def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Chec
 
 def _read_checkpoint(paths: str | Sequence[str], unsafe: bool) -> Checkpoint:
     files = expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
+    if len(files) > 1:  # a shell-expanded shard list (hf-model/*.safetensors): its folder
+        folder = sharded_index.folder_of_shards(files)
+        files = [folder] if folder is not None else files
     pickle_formats = {m.FORMAT for m in PICKLE_FORMATS}
     # several files are most likely rank files: judge the others while reading the first
     with Prescan(files[1:], lambda p: _scan_one(p, unsafe)) as prescan:

@@ -41,6 +41,35 @@ def _indexes(folder: str) -> list[str]:
     return safetensors_indexes or found
 
 
+def folder_of_shards(files: list[str]) -> str | None:
+    """The folder whose index names exactly these shard files (``hf-model/*.safetensors``
+    expanded by the shell), or None when they are not a folder's shards.
+
+    Raises:
+        CkptError: Some, not all, of a folder's shards: naming the folder is the fix.
+    """
+    folders = {os.path.dirname(os.path.abspath(f)) for f in files}
+    if len(folders) != 1 or not all(f.endswith(".safetensors") for f in files):
+        return None
+    folder = folders.pop()
+    found = [p for p in _indexes(folder) if p.endswith(SAFETENSORS_INDEX_SUFFIX)]
+    if len(found) != 1:
+        return None
+    try:
+        shard_names = {str(v) for v in _read_index(found[0])["weight_map"].values()}
+    except CkptError:
+        return None
+    names = {os.path.basename(f) for f in files}
+    if names == shard_names:
+        return os.path.dirname(files[0]) or "."
+    if names < shard_names:
+        raise CkptError(
+            f"{len(names)} of the {len(shard_names)} shards of {folder}",
+            hint=f"pass the folder: ckpttool ... {os.path.dirname(files[0]) or '.'}/",
+        )
+    return None
+
+
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     index_path = path
     if os.path.isdir(path):
