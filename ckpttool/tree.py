@@ -633,6 +633,8 @@ class Checkpoint:
         globals: Every global the pickles referenced, sorted (``module.name``).
         dangerous: Those of them that are refused without ``--unsafe``.
         metadata: Format-level metadata (the safetensors ``__metadata__``).
+        model_path: Where the model state dict is, when the reader knows it from the
+            layout (run folders, Megatron); None: found from the tree's content.
     """
 
     format: str
@@ -642,3 +644,4 @@ class Checkpoint:
     globals: list[str] = field(default_factory=list)
     dangerous: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    model_path: KeyPath | None = None
