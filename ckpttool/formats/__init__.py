@@ -35,7 +35,16 @@ from .prescan import Prescan
 # a DCP folder's data files are read as their folder, so DCP comes first; a Megatron
 # torch_dist folder is a DCP folder with more beside it, so it comes before DCP.
 FOLDER_FORMATS = [megatron, dcp, sharded_index, dcp_hf]
-FILE_FORMATS = [megatron, dcp, torchscript, torch_zip, sharded_index, dcp_hf, safetensors_file, torch_legacy]
+FILE_FORMATS = [
+    megatron,
+    dcp,
+    torchscript,
+    torch_zip,
+    sharded_index,
+    dcp_hf,
+    safetensors_file,
+    torch_legacy,
+]
 # Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
 PICKLE_FORMATS = (torch_zip, torch_legacy)
 HEAD_BYTES = 512

@@ -103,9 +103,7 @@ def _pick_model(folder: str, rule: str, models: list[str], expected: str) -> str
     if len(models) == 1:
         return models[0]
     if not models:
-        raise CkptError(
-            f"{rule} folder without a model (expected one of {expected})", path=folder
-        )
+        raise CkptError(f"{rule} folder without a model (expected one of {expected})", path=folder)
     raise CkptError(
         f"{rule} folder holds several models ({', '.join(models)}): which one is meant "
         "is not written down",
@@ -207,9 +205,7 @@ def _is_verl(folder: str, names: list[str]) -> bool:
     return any((m := VERL_RANK_FILE.match(n)) and m.group(1) == "model" for n in names)
 
 
-def _read_verl(
-    folder: str, names: list[str], read_part: ReadPart, unsafe: bool
-) -> Checkpoint:
+def _read_verl(folder: str, names: list[str], read_part: ReadPart, unsafe: bool) -> Checkpoint:
     sets: dict[tuple[str, int], dict[int, str]] = {}
     for name in names:
         m = VERL_RANK_FILE.match(name)
@@ -252,9 +248,7 @@ def _is_torchtune(folder: str, names: list[str]) -> bool:
     return bool(epochs) or os.path.isdir(os.path.join(folder, TORCHTUNE_RECIPE_STATE))
 
 
-def _read_torchtune(
-    folder: str, names: list[str], read_part: ReadPart, unsafe: bool
-) -> Checkpoint:
+def _read_torchtune(folder: str, names: list[str], read_part: ReadPart, unsafe: bool) -> Checkpoint:
     epochs = [
         n for n in names if TORCHTUNE_EPOCH.match(n) and os.path.isdir(os.path.join(folder, n))
     ]
