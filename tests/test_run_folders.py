@@ -190,3 +190,25 @@ def test_torchtune_output_folder_reads_its_one_epoch(tmp_path):
     (tmp_path / "epoch_1").mkdir()
     save_file(weights, tmp_path / "epoch_1" / "model-00001-of-00001.safetensors")
     check_error(run_cli("inspect", tmp_path), 2, "several models (epoch_0, epoch_1)")
+
+
+# -------------------------------------------------------------- Hugging Face Trainer
+
+
+def test_trainer_fsdp_checkpoint_reads_its_dcp_model(tmp_path):
+    # transformers.Trainer saves FSDP through accelerate's save_fsdp_model/optimizer:
+    # the same DCP folders, beside trainer_state.json, scheduler.pt and rng_state_R.pth
+    src = ACCELERATE / "fsdp2" / "state"
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    shutil.copytree(src / "pytorch_model_fsdp_0", ckpt / "pytorch_model_fsdp_0")
+    shutil.copytree(src / "optimizer_0", ckpt / "optimizer_0")
+    shutil.copy(src / "scheduler.bin", ckpt / "scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, ckpt / "rng_state_0.pth")
+    (ckpt / "trainer_state.json").write_text('{"global_step": 2}')
+    truth = _truth(ACCELERATE / "fsdp2" / "truth.pt")
+    assert ckpttool.read(ckpt).format == "dcp"
+    assert_nested_equal(ckpttool.load(ckpt), truth["model"])
+    full = ckpttool.load(ckpt, select="all")
+    assert sorted(full) == ["optimizer_0", "pytorch_model_fsdp_0", "rng_state_0", "scheduler"]
+    assert_nested_equal(full["optimizer_0"]["optimizer"]["state"], truth["optimizer"])

@@ -6,20 +6,22 @@ rules, tried in order, and the first whose marker the folder has decides. Nothin
 guessed: a rule names the model's entries, and a folder whose model is not exactly
 one of them is refused, naming what it holds.
 
-=====================  ==========================  ==================================
-rule                   marker                      model
-=====================  ==========================  ==================================
-accelerate             ``random_states_N.pkl``     ``pytorch_model_fsdp_0/`` (DCP),
-(``save_state``)                                   ``pytorch_model_fsdp.bin``,
-                                                   ``model.safetensors`` or
-                                                   ``pytorch_model.bin``
-Lightning sharded      ``meta.pt`` + ``.metadata``  the DCP folder itself
+=====================  ============================  ================================
+rule                   marker                        model
+=====================  ============================  ================================
+accelerate             ``random_states_N.pkl``       ``pytorch_model_fsdp_0/`` (DCP),
+(``save_state``)                                     ``pytorch_model_fsdp.bin``,
+                                                     ``model.safetensors`` or
+                                                     ``pytorch_model.bin``
+HF Trainer FSDP        ``trainer_state.json`` +      the ``pytorch_model_fsdp_N/``
+``checkpoint-N/``      ``pytorch_model_fsdp_N/``     folder (DCP)
+Lightning sharded      ``meta.pt`` + ``.metadata``   the DCP folder itself
 ``.ckpt/`` (FSDP)
-verl / SkyRL           ``model_world_size_N_``     those N rank files
+verl / SkyRL           ``model_world_size_N_``       those N rank files
                        ``rank_R.pt``
-torchtune output       ``recipe_state/`` or        the one ``epoch_N/`` folder
+torchtune output       ``recipe_state/`` or          the one ``epoch_N/`` folder
                        ``epoch_N/`` folders
-=====================  ==========================  ==================================
+=====================  ============================  ================================
 
 The checkpoint's tree holds each part under its name (the file name without its
 suffix): ``ckpttool inspect`` and ``--select auto`` see the model, ``--select all``
@@ -53,6 +55,14 @@ ACCELERATE_MODELS = re.compile(
 ACCELERATE_PARTS = re.compile(
     r"^(?:optimizer(?:_\d+)?(?:\.bin)?|scheduler(?:_\d+)?\.bin|sampler(?:_\d+)?\.bin"
     r"|scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
+)
+# transformers.Trainer with FSDP SHARDED_STATE_DICT (it saves through accelerate's
+# save_fsdp_model / save_fsdp_optimizer); without FSDP its weights file is found as any
+# Hugging Face folder's (formats/__init__.py)
+TRAINER_STATE = "trainer_state.json"
+TRAINER_FSDP_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
+TRAINER_PARTS = re.compile(
+    r"^(?:optimizer_\d+|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth)$"
 )
 # Lightning: lightning.fabric.strategies.fsdp._METADATA_FILENAME
 LIGHTNING_META = "meta.pt"
@@ -161,6 +171,25 @@ def _read_accelerate(
     return _combine(folder, _part_name(model), parts)
 
 
+# --- Hugging Face Trainer (FSDP) ----------------------------------------------------
+
+
+def _is_trainer_fsdp(folder: str, names: list[str]) -> bool:
+    return TRAINER_STATE in names and any(TRAINER_FSDP_MODEL.match(n) for n in names)
+
+
+def _read_trainer_fsdp(
+    folder: str, names: list[str], read_part: ReadPart, unsafe: bool
+) -> Checkpoint:
+    models = [n for n in names if TRAINER_FSDP_MODEL.match(n)]
+    model = _pick_model(folder, "Trainer checkpoint", models, "pytorch_model_fsdp_0/")
+    parts = {model: read_part(os.path.join(folder, model))}
+    for name in names:
+        if TRAINER_PARTS.match(name):
+            parts[_part_name(name)] = read_part(os.path.join(folder, name))
+    return _combine(folder, model, parts)
+
+
 # --- Lightning -----------------------------------------------------------------------
 
 
@@ -262,6 +291,7 @@ def _read_torchtune(folder: str, names: list[str], read_part: ReadPart, unsafe: 
 
 RULES: list[Rule] = [
     Rule("accelerate save_state", _is_accelerate, _read_accelerate),
+    Rule("Hugging Face Trainer FSDP", _is_trainer_fsdp, _read_trainer_fsdp),
     Rule("Lightning sharded .ckpt", _is_lightning_sharded, _read_lightning_sharded),
     Rule("verl / SkyRL", _is_verl, _read_verl),
     Rule("torchtune output", _is_torchtune, _read_torchtune),
