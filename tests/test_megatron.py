@@ -131,3 +131,18 @@ def test_zarr_backend_is_named_in_one_line(tmp_path):
     (folder / "metadata.json").write_text('{"sharded_backend": "zarr", "common_backend": "torch"}')
     (folder / "common.pt").write_bytes((GPT / "common.pt").read_bytes())
     check_error(run_cli("inspect", folder), 2, "'zarr' backend", "reads only 'torch_dist'")
+
+
+def test_common_pt_that_calls_os_system_is_refused_and_nothing_runs(tmp_path):
+    import os
+
+    from conftest import Reduce, write_malicious_zip
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(GPT, folder)
+    marker = tmp_path / "fired"
+    write_malicious_zip(folder / "common.pt", Reduce(os.system, (f"touch {marker}",)))
+    out = tmp_path / "out.safetensors"
+    proc = run_cli("convert", folder, "--to", "safetensors", "-o", out)
+    check_error(proc, 3, "common.pt", "system")
+    assert not marker.exists() and not out.exists()
