@@ -99,6 +99,18 @@ def test_accelerate_folder_with_two_models_is_refused_by_name(tmp_path):
                 "pass one of them")  # fmt: skip
 
 
+def test_accelerate_full_state_dict_folder_reads_its_bin(tmp_path):
+    # FSDP FULL_STATE_DICT: save_fsdp_model writes pytorch_model_fsdp.bin on rank 0
+    state = tmp_path / "state"
+    state.mkdir()
+    truth = _truth(ACCELERATE / "fsdp1" / "truth.pt")
+    torch.save(truth["model"], state / "pytorch_model_fsdp.bin")
+    shutil.copy(ACCELERATE / "fsdp1" / "state" / "random_states_0.pkl", state)
+    report = json.loads(run_cli("inspect", state, "--json").stdout)
+    assert (report["format"], report["model_key"]) == ("torch-zip", ["pytorch_model_fsdp"])
+    assert_nested_equal(ckpttool.load(state), truth["model"])
+
+
 # ------------------------------------------------------------------------- Lightning
 
 
@@ -171,6 +183,14 @@ def test_verl_missing_rank_file_is_named(tmp_path):
     proc = run_cli("convert", folder, "--to", "safetensors", "-o", tmp_path / "o.safetensors")
     check_error(proc, 2, "rank file missing: optim_world_size_2_rank_1.pt")
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_verl_rank_files_of_two_world_sizes_are_refused_by_name(tmp_path):
+    folder = tmp_path / "actor"
+    shutil.copytree(VERL / "ws2", folder)
+    shutil.copy(VERL / "ws1" / "model_world_size_1_rank_0.pt", folder)
+    check_error(run_cli("inspect", folder), 2, "several world sizes",
+                "model_world_size_1_rank_*.pt, model_world_size_2_rank_*.pt")  # fmt: skip
 
 
 # ------------------------------------------------------------------------- torchtune
