@@ -203,6 +203,8 @@ STATE_DICT_FORMATS = frozenset({"safetensors", "safetensors-sharded", "torchscri
 
 def model_key(ckpt: Checkpoint) -> KeyPath | None:
     """The path to the model state dict in ``ckpt`` (see :func:`find_model_key`)."""
+    if ckpt.model_path is not None:  # the reader knows it from the layout
+        return ckpt.model_path
     return () if ckpt.format in STATE_DICT_FORMATS else find_model_key(ckpt.root)
 
 

@@ -679,6 +679,8 @@ class Checkpoint:
         dangerous: Those of them that are refused without ``--unsafe``.
         unverified: Those on none of ckpttool's allow-lists, read as inert stand-ins.
         metadata: Format-level metadata (the safetensors ``__metadata__``).
+        model_path: Where the model state dict is, when the reader knows it from the
+            layout (run folders, Megatron); None: found from the tree's content.
     """
 
     format: str
@@ -689,3 +691,4 @@ class Checkpoint:
     dangerous: list[str] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    model_path: KeyPath | None = None

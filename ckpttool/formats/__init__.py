@@ -21,7 +21,9 @@ from . import (
     dcp,
     dcp_hf,
     deepspeed,
+    megatron,
     per_rank,
+    run_folders,
     safetensors_file,
     sharded_index,
     torch_legacy,
@@ -31,9 +33,19 @@ from . import (
 from .prescan import Prescan
 
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
-# a DCP folder's data files are read as their folder, so DCP comes first.
-FOLDER_FORMATS = [dcp, sharded_index, dcp_hf, deepspeed]
-FILE_FORMATS = [dcp, torchscript, torch_zip, sharded_index, dcp_hf, safetensors_file, torch_legacy]
+# a DCP folder's data files are read as their folder, so DCP comes first; a Megatron
+# torch_dist folder is a DCP folder with more beside it, so it comes before DCP.
+FOLDER_FORMATS = [megatron, dcp, sharded_index, dcp_hf, deepspeed]
+FILE_FORMATS = [
+    megatron,
+    dcp,
+    torchscript,
+    torch_zip,
+    sharded_index,
+    dcp_hf,
+    safetensors_file,
+    torch_legacy,
+]
 # Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
 PICKLE_FORMATS = (torch_zip, torch_legacy)
 HEAD_BYTES = 512
@@ -158,6 +170,11 @@ def _read_one(path: str, unsafe: bool) -> Checkpoint:
     if not os.path.exists(path):
         raise CkptError("no such file or directory", path=path)
     if os.path.isdir(path):
+        rule = run_folders.find_rule(path)  # a framework's run folder: its model by rule
+        if rule is not None:
+            return run_folders.read(
+                path, rule, lambda part: _read_checkpoint(part, unsafe), unsafe=unsafe
+            )
         for fmt in FOLDER_FORMATS:
             if fmt.detect(path, b""):
                 return _read(fmt, path, unsafe)

@@ -1,0 +1,298 @@
+"""Framework run folders: where the model is in a folder that a trainer saved, by rule.
+
+A run folder holds the model beside the optimizer, scheduler and RNG state, each in
+files of its own. Each framework names them its own way; :data:`RULES` lists the
+rules, tried in order, and the first whose marker the folder has decides. Nothing is
+guessed: a rule names the model's entries, and a folder whose model is not exactly
+one of them is refused, naming what it holds.
+
+=====================  ============================  ================================
+rule                   marker                        model
+=====================  ============================  ================================
+accelerate             ``random_states_N.pkl``       ``pytorch_model_fsdp_0/`` (DCP),
+(``save_state``)                                     ``pytorch_model_fsdp.bin``,
+                                                     ``model.safetensors`` or
+                                                     ``pytorch_model.bin``
+HF Trainer FSDP        ``trainer_state.json`` +      the ``pytorch_model_fsdp_N/``
+``checkpoint-N/``      ``pytorch_model_fsdp_N/``     folder (DCP)
+Lightning sharded      ``meta.pt`` + ``.metadata``   the DCP folder itself
+``.ckpt/`` (FSDP)
+verl / SkyRL           ``model_world_size_N_``       those N rank files
+                       ``rank_R.pt``
+torchtune output       ``recipe_state/`` or          the one ``epoch_N/`` folder
+                       ``epoch_N/`` folders
+=====================  ============================  ================================
+
+The checkpoint's tree holds each part under its name (the file name without its
+suffix): ``ckpttool inspect`` and ``--select auto`` see the model, ``--select all``
+every part. A Lightning sharded folder is read as Lightning's own consolidation
+(``consolidate_checkpoint``) gives it: the DCP contents with ``meta.pt`` folded in,
+``model`` renamed ``state_dict`` and ``optimizer_N`` gathered into ``optimizer_states``.
+The checkpoint is reported with its model part's format id.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CkptError
+from ..layout import model_key
+from ..tree import Checkpoint
+from . import dcp
+
+ReadPart = Callable[[Any], Checkpoint]  # one path or a list of rank files -> Checkpoint
+
+# accelerate.utils.constants: FSDP_MODEL_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME, ...
+ACCELERATE_MARKER = re.compile(r"^random_states_\d+\.pkl$")
+ACCELERATE_MODELS = re.compile(
+    r"^(?:pytorch_model_fsdp_\d+|pytorch_model_fsdp(?:_\d+)?\.bin|model(?:_\d+)?\.safetensors"
+    r"|pytorch_model(?:_\d+)?\.bin)$"
+)
+ACCELERATE_PARTS = re.compile(
+    r"^(?:optimizer(?:_\d+)?(?:\.bin)?|scheduler(?:_\d+)?\.bin|sampler(?:_\d+)?\.bin"
+    r"|scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
+)
+# transformers.Trainer with FSDP SHARDED_STATE_DICT (it saves through accelerate's
+# save_fsdp_model / save_fsdp_optimizer); without FSDP its weights file is found as any
+# Hugging Face folder's (formats/__init__.py)
+TRAINER_STATE = "trainer_state.json"
+TRAINER_FSDP_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
+TRAINER_PARTS = re.compile(
+    r"^(?:optimizer_\d+|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth)$"
+)
+# Lightning: lightning.fabric.strategies.fsdp._METADATA_FILENAME
+LIGHTNING_META = "meta.pt"
+LIGHTNING_OPTIMIZER = re.compile(r"^optimizer_(\d+)$")
+# verl's FSDPCheckpointManager (SkyRL keeps its names)
+VERL_RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+# torchtune: <output_dir>/epoch_N/ (the model), <output_dir>/recipe_state/recipe_state.pt
+TORCHTUNE_EPOCH = re.compile(r"^epoch_(\d+)$")
+TORCHTUNE_RECIPE_STATE = "recipe_state"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one framework lays out a run folder."""
+
+    name: str
+    marker: Callable[[str, list[str]], bool]  # (folder, its entries) -> it follows this rule
+    read: Callable[[str, list[str], ReadPart, bool], Checkpoint]
+
+
+def find_rule(folder: str) -> Rule | None:
+    """The rule whose marker ``folder`` has, or None for a folder of no known framework."""
+    names = sorted(os.listdir(folder))
+    return next((rule for rule in RULES if rule.marker(folder, names)), None)
+
+
+def read(folder: str, rule: Rule, read_part: ReadPart, *, unsafe: bool = False) -> Checkpoint:
+    """Read a run folder by its rule.
+
+    Args:
+        folder: The run folder.
+        rule: What :func:`find_rule` found for it.
+        read_part: Reads one part (a path, or a list of rank files) lazily.
+        unsafe: Keep dangerous globals as inert stand-ins instead of refusing.
+
+    Raises:
+        CkptError: The model is not exactly one of the rule's candidates.
+        UnsafeError: A part's pickle references dangerous globals.
+    """
+    return rule.read(folder, sorted(os.listdir(folder)), read_part, unsafe)
+
+
+def _part_name(entry: str) -> str:
+    return entry if "." not in entry else entry.rsplit(".", 1)[0]
+
+
+def _pick_model(folder: str, rule: str, models: list[str], expected: str) -> str:
+    if len(models) == 1:
+        return models[0]
+    if not models:
+        raise CkptError(f"{rule} folder without a model (expected one of {expected})", path=folder)
+    raise CkptError(
+        f"{rule} folder holds several models ({', '.join(models)}): which one is meant "
+        "is not written down",
+        path=folder,
+        hint="pass one of them",
+    )
+
+
+def _combine(
+    folder: str, model_name: str, parts: dict[str, Checkpoint], model_path: tuple | None = None
+) -> Checkpoint:
+    """One checkpoint of the parts, each under its name, reported as the model part."""
+    model = parts[model_name]
+    inner = model_key(model) if model_path is None else model_path
+    files = list(model.files)
+    globals_, dangerous = set(model.globals), set(model.dangerous)
+    for name, part in parts.items():
+        if name != model_name:
+            files.extend(part.files)
+            globals_.update(part.globals)
+            dangerous.update(part.dangerous)
+    return Checkpoint(
+        format=model.format,
+        files=files,
+        root={name: part.root for name, part in parts.items()},
+        world_size=model.world_size,
+        globals=sorted(globals_),
+        dangerous=sorted(dangerous),
+        metadata=model.metadata,
+        model_path=None if inner is None else (model_name, *inner),
+    )
+
+
+# --- accelerate ----------------------------------------------------------------------
+
+
+def _is_accelerate(folder: str, names: list[str]) -> bool:
+    return any(ACCELERATE_MARKER.match(n) for n in names)
+
+
+def _read_accelerate(
+    folder: str, names: list[str], read_part: ReadPart, unsafe: bool
+) -> Checkpoint:
+    models = [n for n in names if ACCELERATE_MODELS.match(n)]
+    model = _pick_model(
+        folder,
+        "accelerate save_state",
+        models,
+        "pytorch_model_fsdp_0/, pytorch_model_fsdp.bin, model.safetensors, pytorch_model.bin",
+    )
+    parts = {_part_name(model): read_part(os.path.join(folder, model))}
+    for name in names:
+        if ACCELERATE_PARTS.match(name):
+            parts[_part_name(name)] = read_part(os.path.join(folder, name))
+    return _combine(folder, _part_name(model), parts)
+
+
+# --- Hugging Face Trainer (FSDP) ----------------------------------------------------
+
+
+def _is_trainer_fsdp(folder: str, names: list[str]) -> bool:
+    return TRAINER_STATE in names and any(TRAINER_FSDP_MODEL.match(n) for n in names)
+
+
+def _read_trainer_fsdp(
+    folder: str, names: list[str], read_part: ReadPart, unsafe: bool
+) -> Checkpoint:
+    models = [n for n in names if TRAINER_FSDP_MODEL.match(n)]
+    model = _pick_model(folder, "Trainer checkpoint", models, "pytorch_model_fsdp_0/")
+    parts = {model: read_part(os.path.join(folder, model))}
+    for name in names:
+        if TRAINER_PARTS.match(name):
+            parts[_part_name(name)] = read_part(os.path.join(folder, name))
+    return _combine(folder, model, parts)
+
+
+# --- Lightning -----------------------------------------------------------------------
+
+
+def _is_lightning_sharded(folder: str, names: list[str]) -> bool:
+    return LIGHTNING_META in names and dcp.METADATA_FILE in names
+
+
+def _read_lightning_sharded(
+    folder: str, names: list[str], read_part: ReadPart, unsafe: bool
+) -> Checkpoint:
+    sharded = dcp.read(folder, permissive=unsafe)  # (read_part would find this rule again)
+    meta = read_part(os.path.join(folder, LIGHTNING_META))
+    if not isinstance(sharded.root, dict) or not isinstance(meta.root, dict):
+        raise CkptError("Lightning sharded checkpoint: not a dict", path=folder)
+    # lightning.fabric.utilities.load._load_distributed_checkpoint, then
+    # lightning.pytorch.utilities.consolidate_checkpoint._format_checkpoint
+    root = {**sharded.root, **meta.root}
+    if "model" in root:
+        root["state_dict"] = root.pop("model")
+    optimizers = sorted(
+        (int(m.group(1)), key) for key in root if (m := LIGHTNING_OPTIMIZER.match(str(key)))
+    )
+    if optimizers:
+        if [i for i, _ in optimizers] != list(range(len(optimizers))):
+            raise CkptError("Lightning sharded checkpoint: optimizer_N keys with gaps", path=folder)
+        root["optimizer_states"] = [root.pop(key) for _, key in optimizers]
+    return Checkpoint(
+        format=sharded.format,
+        files=[*sharded.files, *meta.files],
+        root=root,
+        world_size=sharded.world_size,
+        globals=sorted(set(sharded.globals) | set(meta.globals)),
+        dangerous=sorted(set(sharded.dangerous) | set(meta.dangerous)),
+        model_path=("state_dict",) if "state_dict" in root else None,
+    )
+
+
+# --- verl / SkyRL --------------------------------------------------------------------
+
+
+def _is_verl(folder: str, names: list[str]) -> bool:
+    return any((m := VERL_RANK_FILE.match(n)) and m.group(1) == "model" for n in names)
+
+
+def _read_verl(folder: str, names: list[str], read_part: ReadPart, unsafe: bool) -> Checkpoint:
+    sets: dict[tuple[str, int], dict[int, str]] = {}
+    for name in names:
+        m = VERL_RANK_FILE.match(name)
+        if m:
+            sets.setdefault((m.group(1), int(m.group(2))), {})[int(m.group(3))] = name
+    sizes = sorted(size for kind, size in sets if kind == "model")
+    if len(sizes) > 1:
+        shown = ", ".join(f"model_world_size_{n}_rank_*.pt" for n in sizes)
+        raise CkptError(
+            f"folder holds the model rank files of several world sizes ({shown})",
+            path=folder,
+            hint="pass one set as a quoted glob",
+        )
+    world_size = sizes[0]
+    parts: dict[str, Checkpoint] = {}
+    for kind in ("model", "optim", "extra_state"):
+        by_rank = sets.get((kind, world_size))
+        if by_rank is None:
+            continue
+        missing = [r for r in range(world_size) if r not in by_rank]
+        if missing:
+            name = f"{kind}_world_size_{world_size}_rank_{missing[0]}.pt"
+            raise CkptError(f"rank file missing: {name}", path=folder)
+        files = [os.path.join(folder, by_rank[r]) for r in range(world_size)]
+        if kind == "extra_state":  # each rank's own scheduler and RNG state, no shards
+            for r, path in enumerate(files):
+                parts[f"extra_state_rank_{r}"] = read_part(path)
+        else:
+            # world size 1 saves plain tensors; FSDP2's replicated buffers (0-dim ones
+            # too) are plain tensors in every rank's file: the lowest rank's stand for all
+            parts[kind] = read_part(files[0] if world_size == 1 else files)
+    return _combine(folder, "model", parts)
+
+
+# --- torchtune -----------------------------------------------------------------------
+
+
+def _is_torchtune(folder: str, names: list[str]) -> bool:
+    epochs = [n for n in names if TORCHTUNE_EPOCH.match(n) and os.path.isdir(f"{folder}/{n}")]
+    return bool(epochs) or os.path.isdir(os.path.join(folder, TORCHTUNE_RECIPE_STATE))
+
+
+def _read_torchtune(folder: str, names: list[str], read_part: ReadPart, unsafe: bool) -> Checkpoint:
+    epochs = [
+        n for n in names if TORCHTUNE_EPOCH.match(n) and os.path.isdir(os.path.join(folder, n))
+    ]
+    epoch = _pick_model(folder, "torchtune output", epochs, "epoch_N/")
+    parts = {epoch: read_part(os.path.join(folder, epoch))}
+    recipe = os.path.join(folder, TORCHTUNE_RECIPE_STATE, "recipe_state.pt")
+    if os.path.isfile(recipe):
+        parts[TORCHTUNE_RECIPE_STATE] = read_part(recipe)
+    return _combine(folder, epoch, parts)
+
+
+RULES: list[Rule] = [
+    Rule("accelerate save_state", _is_accelerate, _read_accelerate),
+    Rule("Hugging Face Trainer FSDP", _is_trainer_fsdp, _read_trainer_fsdp),
+    Rule("Lightning sharded .ckpt", _is_lightning_sharded, _read_lightning_sharded),
+    Rule("verl / SkyRL", _is_verl, _read_verl),
+    Rule("torchtune output", _is_torchtune, _read_torchtune),
+]

@@ -1,0 +1,234 @@
+"""Framework run folders written by the frameworks themselves (fixtures/accelerate/,
+fixtures/lightning/; fixtures/verl/ is verl's layout written with torch): the model is
+found by rule, the other parts come with ``--select all``, and the values equal what
+the framework's own loader gave back (stored beside them as ``truth.pt``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import FIXTURES, assert_nested_equal, check_error, run_cli
+
+import ckpttool
+
+ACCELERATE = FIXTURES / "accelerate"
+LIGHTNING = FIXTURES / "lightning"
+VERL = FIXTURES / "verl"
+PARAMS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]  # the optimizer's order
+
+
+def _truth(path):
+    return torch.load(path, weights_only=False)  # our own fixture, written by the generator
+
+
+# ------------------------------------------------------------------------ accelerate
+
+
+@pytest.mark.parametrize(
+    "kind, fmt, model_key",
+    [
+        ("fsdp1", "dcp", ["pytorch_model_fsdp_0", "model"]),
+        ("fsdp2", "dcp", ["pytorch_model_fsdp_0", "model"]),
+        ("ddp", "safetensors", ["model"]),
+    ],
+)
+def test_accelerate_model_is_found_by_rule_and_equals_load_state(kind, fmt, model_key):
+    state = ACCELERATE / kind / "state"
+    truth = _truth(ACCELERATE / kind / "truth.pt")
+    proc = run_cli("inspect", state, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["format"], report["model_key"]) == (fmt, model_key)
+    assert report["world_size"] == (2 if fmt == "dcp" else None)
+    model = ckpttool.load(state)
+    assert sorted(model) == sorted(truth["model"])
+    assert_nested_equal(model, truth["model"])
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2", "ddp"])
+def test_accelerate_optimizer_scheduler_and_rng_come_with_select_all(kind):
+    state = ACCELERATE / kind / "state"
+    truth = _truth(ACCELERATE / kind / "truth.pt")["optimizer"]
+    full = ckpttool.load(state, select="all")
+    if kind == "ddp":
+        assert sorted(full) == ["model", "optimizer", "random_states_0", "random_states_1",
+                                "scheduler"]  # fmt: skip
+        optim = {name: full["optimizer"]["state"][i] for i, name in enumerate(PARAMS)}
+    else:
+        assert sorted(full) == ["optimizer_0", "pytorch_model_fsdp_0", "random_states_0",
+                                "random_states_1", "scheduler"]  # fmt: skip
+        optim = full["optimizer_0"]["optimizer"]["state"]
+    assert_nested_equal(optim, truth)
+    # accelerate steps a prepared scheduler once per process: 2 steps x 2 processes
+    assert full["scheduler"]["last_epoch"] == 4
+    assert_nested_equal(full["scheduler"], torch.load(state / "scheduler.bin", weights_only=True))
+    assert isinstance(full["random_states_1"]["torch_manual_seed"], torch.Tensor)
+
+
+def test_accelerate_folder_diffs_equal_to_its_exported_model(tmp_path):
+    # the issue's report: convert said "no model state dict found", diff "only in B"
+    out = tmp_path / "model.safetensors"
+    state = ACCELERATE / "fsdp2" / "state"
+    assert run_cli("convert", state, "--to", "safetensors", "-o", out).returncode == 0
+    proc = run_cli("diff", state, out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equal: 4 tensors" in proc.stdout
+
+
+def test_accelerate_folder_without_a_model_names_the_candidates(tmp_path):
+    state = tmp_path / "state"
+    shutil.copytree(ACCELERATE / "fsdp1" / "state", state)
+    shutil.rmtree(state / "pytorch_model_fsdp_0")
+    out = tmp_path / "out.safetensors"
+    proc = run_cli("convert", state, "--to", "safetensors", "-o", out)
+    check_error(proc, 2, "accelerate save_state folder without a model",
+                "pytorch_model_fsdp_0/, pytorch_model_fsdp.bin, model.safetensors, "
+                "pytorch_model.bin")  # fmt: skip
+    assert not out.exists()
+
+
+def test_accelerate_folder_with_two_models_is_refused_by_name(tmp_path):
+    state = tmp_path / "state"
+    shutil.copytree(ACCELERATE / "ddp" / "state", state)
+    shutil.copy(state / "model.safetensors", state / "model_1.safetensors")
+    proc = run_cli("inspect", state)
+    check_error(proc, 2, "several models (model.safetensors, model_1.safetensors)",
+                "pass one of them")  # fmt: skip
+
+
+def test_accelerate_full_state_dict_folder_reads_its_bin(tmp_path):
+    # FSDP FULL_STATE_DICT: save_fsdp_model writes pytorch_model_fsdp.bin on rank 0
+    state = tmp_path / "state"
+    state.mkdir()
+    truth = _truth(ACCELERATE / "fsdp1" / "truth.pt")
+    torch.save(truth["model"], state / "pytorch_model_fsdp.bin")
+    shutil.copy(ACCELERATE / "fsdp1" / "state" / "random_states_0.pkl", state)
+    report = json.loads(run_cli("inspect", state, "--json").stdout)
+    assert (report["format"], report["model_key"]) == ("torch-zip", ["pytorch_model_fsdp"])
+    assert_nested_equal(ckpttool.load(state), truth["model"])
+
+
+# ------------------------------------------------------------------------- Lightning
+
+
+def test_lightning_sharded_merge_holds_what_its_consolidation_holds(tmp_path):
+    folder = LIGHTNING / "fsdp" / "last.ckpt"
+    truth = _truth(LIGHTNING / "fsdp" / "truth.pt")
+    out = tmp_path / "merged.pt"
+    proc = run_cli("merge", folder, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    merged = torch.load(out, weights_only=True)
+    assert sorted(merged) == sorted(truth)
+    for key in ("epoch", "global_step", "loops", "lr_schedulers", "hyper_parameters"):
+        assert key in merged
+    for key in truth:
+        assert_nested_equal(merged[key], truth[key], (key,))
+
+
+def test_lightning_sharded_folder_reads_its_state_dict_as_the_model():
+    folder = LIGHTNING / "fsdp" / "last.ckpt"
+    truth = _truth(LIGHTNING / "fsdp" / "truth.pt")
+    report = json.loads(run_cli("inspect", folder, "--json").stdout)
+    assert (report["format"], report["model_key"], report["world_size"]) == (
+        "dcp",
+        ["state_dict"],
+        2,
+    )
+    values = {tuple(v["key"]): v["value"] for v in report["values"]}
+    assert values[("global_step",)] == 2 and values[("epoch",)] == truth["epoch"]
+    assert_nested_equal(ckpttool.load(folder), truth["state_dict"])
+
+
+def test_lightning_ddp_checkpoint_equals_load_from_checkpoint():
+    truth = _truth(LIGHTNING / "ddp" / "truth.pt")["state_dict"]
+    model = ckpttool.load(LIGHTNING / "ddp" / "last.ckpt")
+    assert list(model) == list(truth)
+    assert_nested_equal(model, truth)
+
+
+# ----------------------------------------------------------------------- verl/SkyRL
+
+
+def test_verl_rank_files_merge_without_concatenating_replicated_buffers():
+    truth = _truth(VERL / "truth.pt")
+    report = json.loads(run_cli("inspect", VERL / "ws2", "--json").stdout)
+    assert (report["format"], report["world_size"], report["model_key"]) == (
+        "per-rank",
+        2,
+        ["model"],
+    )
+    model = ckpttool.load(VERL / "ws2")
+    assert list(model) == ["scale", "counts", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert model["scale"].shape == () and model["counts"].shape == (3,)  # not [2], [6]
+    assert_nested_equal(model, truth["model"])
+    full = ckpttool.load(VERL / "ws2", select="all")
+    assert sorted(full) == ["extra_state_rank_0", "extra_state_rank_1", "model", "optim"]
+    optim = {name: full["optim"]["state"][i] for i, name in enumerate(PARAMS)}
+    assert_nested_equal(optim, truth["optimizer"])
+
+
+def test_verl_world_size_1_is_plain_tensors():
+    truth = _truth(VERL / "ws1_truth.pt")["model"]
+    assert ckpttool.read(VERL / "ws1").format == "torch-zip"
+    assert_nested_equal(ckpttool.load(VERL / "ws1"), truth)
+
+
+def test_verl_missing_rank_file_is_named(tmp_path):
+    folder = tmp_path / "actor"
+    shutil.copytree(VERL / "ws2", folder)
+    (folder / "optim_world_size_2_rank_1.pt").unlink()
+    proc = run_cli("convert", folder, "--to", "safetensors", "-o", tmp_path / "o.safetensors")
+    check_error(proc, 2, "rank file missing: optim_world_size_2_rank_1.pt")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_verl_rank_files_of_two_world_sizes_are_refused_by_name(tmp_path):
+    folder = tmp_path / "actor"
+    shutil.copytree(VERL / "ws2", folder)
+    shutil.copy(VERL / "ws1" / "model_world_size_1_rank_0.pt", folder)
+    check_error(run_cli("inspect", folder), 2, "several world sizes",
+                "model_world_size_1_rank_*.pt, model_world_size_2_rank_*.pt")  # fmt: skip
+
+
+# ------------------------------------------------------------------------- torchtune
+
+
+def test_torchtune_output_folder_reads_its_one_epoch(tmp_path):
+    from safetensors.torch import save_file
+
+    weights = {"tok.weight": torch.arange(6.0).reshape(2, 3), "norm.weight": torch.ones(3)}
+    (tmp_path / "epoch_0").mkdir()
+    save_file(weights, tmp_path / "epoch_0" / "model-00001-of-00001.safetensors")
+    (tmp_path / "recipe_state").mkdir()
+    torch.save({"epochs_run": 1, "seed": 0}, tmp_path / "recipe_state" / "recipe_state.pt")
+    assert_nested_equal(ckpttool.load(tmp_path), weights)
+    full = ckpttool.load(tmp_path, select="all")
+    assert full["recipe_state"] == {"epochs_run": 1, "seed": 0}
+    (tmp_path / "epoch_1").mkdir()
+    save_file(weights, tmp_path / "epoch_1" / "model-00001-of-00001.safetensors")
+    check_error(run_cli("inspect", tmp_path), 2, "several models (epoch_0, epoch_1)")
+
+
+# -------------------------------------------------------------- Hugging Face Trainer
+
+
+def test_trainer_fsdp_checkpoint_reads_its_dcp_model(tmp_path):
+    # transformers.Trainer saves FSDP through accelerate's save_fsdp_model/optimizer:
+    # the same DCP folders, beside trainer_state.json, scheduler.pt and rng_state_R.pth
+    src = ACCELERATE / "fsdp2" / "state"
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    shutil.copytree(src / "pytorch_model_fsdp_0", ckpt / "pytorch_model_fsdp_0")
+    shutil.copytree(src / "optimizer_0", ckpt / "optimizer_0")
+    shutil.copy(src / "scheduler.bin", ckpt / "scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, ckpt / "rng_state_0.pth")
+    (ckpt / "trainer_state.json").write_text('{"global_step": 2}')
+    truth = _truth(ACCELERATE / "fsdp2" / "truth.pt")
+    assert ckpttool.read(ckpt).format == "dcp"
+    assert_nested_equal(ckpttool.load(ckpt), truth["model"])
+    full = ckpttool.load(ckpt, select="all")
+    assert sorted(full) == ["optimizer_0", "pytorch_model_fsdp_0", "rng_state_0", "scheduler"]
+    assert_nested_equal(full["optimizer_0"]["optimizer"]["state"], truth["optimizer"])
