@@ -692,3 +692,14 @@ class Checkpoint:
     unverified: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     model_path: KeyPath | None = None
+
+
+def verdicts(*parts: Checkpoint) -> dict[str, list[str]]:
+    """``globals``, ``dangerous`` and ``unverified`` of several checkpoints read as one
+    (keyword arguments for :class:`Checkpoint`)."""
+    dangerous = {g for part in parts for g in part.dangerous}
+    return {
+        "globals": sorted({g for part in parts for g in part.globals}),
+        "dangerous": sorted(dangerous),
+        "unverified": sorted({g for part in parts for g in part.unverified} - dangerous),
+    }

@@ -117,13 +117,15 @@ class Reader:
             is_zip = f.read(4) == ZIP_MAGIC
         if not is_zip:
             ckpt = read_legacy(path, permissive=self.permissive)
-            self.seen.update(ckpt.globals)
+            self.seen.update(ckpt.globals)  # in split_seen's notation:
+            self.seen.update("!" + g for g in ckpt.dangerous)
+            self.seen.update("?" + g for g in ckpt.unverified)
             return ckpt.root
         with ZipPickle(path) as archive:
             return archive.load(permissive=self.permissive, seen=self.seen)
 
     def checkpoint(self, root: Any, world_size: int | None) -> Checkpoint:
-        globals_, dangerous = split_seen(self.seen)
+        globals_, dangerous, unverified = split_seen(self.seen)
         # the model states first: what a reader of one file would be pointed at
         files = sorted(self.files, key=lambda p: not MODEL_STATES.match(os.path.basename(p)))
         return Checkpoint(
@@ -133,6 +135,7 @@ class Reader:
             world_size=world_size,
             globals=globals_,
             dangerous=dangerous,
+            unverified=unverified,
         )
 
     def model_states(self, model_files: dict, rank: int, stage: int | None) -> tuple[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..policy import MAX_NESTING
-from ..tree import Checkpoint, Opaque
+from ..tree import Checkpoint, Opaque, verdicts
 from . import dcp, torch_zip
 
 FORMAT = "megatron"
@@ -125,8 +125,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         files=[os.path.join(folder, METADATA_JSON), common_path, *sharded.files],
         root=root,
         world_size=sharded.world_size,
-        globals=sorted(set(common.globals) | set(sharded.globals)),
-        dangerous=sorted(set(common.dangerous) | set(sharded.dangerous)),
+        **verdicts(common, sharded),
         metadata=meta,
         model_path=(model_key,),
     )

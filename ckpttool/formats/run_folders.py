@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..layout import model_key
-from ..tree import Checkpoint
+from ..tree import Checkpoint, verdicts
 from . import dcp
 
 ReadPart = Callable[[Any], Checkpoint]  # one path or a list of rank files -> Checkpoint
@@ -129,19 +129,15 @@ def _combine(
     model = parts[model_name]
     inner = model_key(model) if model_path is None else model_path
     files = list(model.files)
-    globals_, dangerous = set(model.globals), set(model.dangerous)
     for name, part in parts.items():
         if name != model_name:
             files.extend(part.files)
-            globals_.update(part.globals)
-            dangerous.update(part.dangerous)
     return Checkpoint(
         format=model.format,
         files=files,
         root={name: part.root for name, part in parts.items()},
         world_size=model.world_size,
-        globals=sorted(globals_),
-        dangerous=sorted(dangerous),
+        **verdicts(*parts.values()),
         metadata=model.metadata,
         model_path=None if inner is None else (model_name, *inner),
     )
@@ -221,8 +217,7 @@ def _read_lightning_sharded(
         files=[*sharded.files, *meta.files],
         root=root,
         world_size=sharded.world_size,
-        globals=sorted(set(sharded.globals) | set(meta.globals)),
-        dangerous=sorted(set(sharded.dangerous) | set(meta.dangerous)),
+        **verdicts(sharded, meta),
         model_path=("state_dict",) if "state_dict" in root else None,
     )
 

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from ..errors import CkptError
-from ..tree import Checkpoint, TensorRef
+from ..tree import Checkpoint, TensorRef, verdicts
 from . import safetensors_file, torch_legacy, torch_zip
 
 FORMAT = "safetensors-sharded"
@@ -101,9 +101,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         format=pickled[0].format if pickled else FORMAT,
         files=[index_path, *shards],
         root=root,
-        globals=sorted({g for c in pickled for g in c.globals}),
-        dangerous=sorted({g for c in pickled for g in c.dangerous}),
-        unverified=sorted({g for c in pickled for g in c.unverified}),
+        **verdicts(*pickled),
         metadata=dict(metadata),
     )
 
