@@ -114,7 +114,7 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-BOUNDED = [name for name in CASES if name != "many_empty_tensors"]  # see the linear test
+BOUNDED = list(CASES)
 
 
 @pytest.mark.parametrize("name", BOUNDED)
@@ -198,8 +198,8 @@ def test_bombs_really_inflate(tmp_path: Path):
 
 def test_many_entry_safetensors_header_linear_memory(tmp_path: Path, baseline: dict[str, Run]):
     """10x the tensors costs at most ~10x the memory and CPU (no quadratic step), and the
-    work per tensor is small. The full 10^6-entry file is ``many_empty_tensors``."""
-    counts = (20_000, 200_000)
+    work per tensor is small. A 10^6-entry file is refused (``many_empty_tensors``)."""
+    counts = (10_000, 100_000)
     jobs = []
     for count in counts:
         path = tmp_path / f"empty{count}.safetensors"
@@ -210,6 +210,6 @@ def test_many_entry_safetensors_header_linear_memory(tmp_path: Path, baseline: d
         assert run.returncode == 0, run.stderr
         assert f'"num_tensors": {count}' in run.stdout
         costs[count] = run.max_rss - baseline["inspect"].max_rss
-    small, large = costs[20_000], costs[200_000]
+    small, large = costs[10_000], costs[100_000]
     assert large <= 12 * max(small, 8 * MiB), (small // MiB, large // MiB)
-    assert large / 200_000 <= 4096  # bytes per tensor, the JSON output included
+    assert large / 100_000 <= 4096  # bytes per tensor, the JSON output included

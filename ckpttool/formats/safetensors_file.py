@@ -21,6 +21,9 @@ from ..tree import (
 FORMAT = "safetensors"
 # The safetensors library refuses headers over 100 MB; so do we, before allocating.
 MAX_HEADER = 100_000_000
+# Tensors one file may list: the largest real files (a whole MoE model in one file)
+# hold tens of thousands.
+MAX_TENSORS = 1 << 17
 # DCP's safetensors files (its safetensors serialization format, HuggingFaceStorageWriter)
 # record under this metadata key where each tensor, a block, lies in its global tensor.
 DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -48,12 +51,21 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
                 path=path,
             )
         raw = f.read(n)
+    # counted in C before anything is parsed: a header of a million empty tensors is a
+    # few dozen MB of JSON but gigabytes of Python objects and report entries
+    entries = raw.count(b'"data_offsets"')
+    if entries > MAX_TENSORS:
+        raise CkptError(
+            f"safetensors header lists {entries} tensors, more than any checkpoint file "
+            f"holds (at most {MAX_TENSORS} are read)",
+            path=path,
+        )
     try:
         header = json.loads(raw)
         # each tensor entry names its data_offsets once: a different count means a key
         # given twice (json keeps the last one silently; another reader may take the
         # first), or a header to look at closely
-        if isinstance(header, dict) and raw.count(b'"data_offsets"') != len(header) - (
+        if isinstance(header, dict) and entries != len(header) - (
             "__metadata__" in header
         ):
             header = json.loads(raw, object_pairs_hook=_unique_keys)
