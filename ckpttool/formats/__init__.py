@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
-from ..errors import CkptError, UnsafeError
+from ..errors import CkptError, InputNotFoundError, UnsafeError
 from ..tree import Checkpoint
 from ..unpickler import split_seen
 from . import (
@@ -60,7 +60,7 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
         if not os.path.exists(path) and glob.has_magic(path):
             matches = sorted(glob.glob(path))
             if not matches:
-                raise CkptError("no file matches this pattern", path=path)
+                raise InputNotFoundError("no file matches this pattern", path=path)
             out.extend(matches)
         else:
             out.append(path)
@@ -151,7 +151,7 @@ def _read_rank(path: str, unsafe: bool) -> Checkpoint:
 
 def _read_one(path: str, unsafe: bool) -> Checkpoint:
     if not os.path.exists(path):
-        raise CkptError("no such file or directory", path=path)
+        raise InputNotFoundError("no such file or directory", path=path)
     if os.path.isdir(path):
         for fmt in FOLDER_FORMATS:
             if fmt.detect(path, b""):

@@ -1,0 +1,174 @@
+"""Tensor bytes straight from their file: mapped copy-on-write, or read into a given buffer.
+
+``ckpttool.load`` maps a file once (``MAP_PRIVATE``, as ``torch.load(mmap=True)`` and
+safetensors do) and hands out views of it: nothing is read until a page is touched,
+and writing to a loaded tensor copies that page instead of changing the file. The
+map lives as long as a tensor uses it; the file may be closed, renamed or deleted.
+
+No torch here: :mod:`ckpttool.tensors` turns the views into tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import CkptError
+from .tree import ByteSource, OpenFiles
+
+# One map per version of a file (device, inode, size, mtime): a rewritten file gets
+# a new one. Weak values: a map goes away with the last tensor that uses it.
+_MAPS: weakref.WeakValueDictionary[tuple, mmap.mmap] = weakref.WeakValueDictionary()
+_LOCK = threading.Lock()
+
+
+def _file_map(fd: int, path: str) -> mmap.mmap:
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _LOCK:
+        found = _MAPS.get(key)
+        if found is None:
+            try:
+                found = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as exc:
+                raise CkptError(f"cannot map the file ({exc})", path=path) from None
+            _MAPS[key] = found
+    return found
+
+
+def map_span(source: ByteSource, start: int, size: int, itemsize: int = 1) -> memoryview | None:
+    """A writable, copy-on-write view of ``size`` bytes at ``start`` of ``source``.
+
+    Returns None where mapping does not apply: bytes held in memory, nothing to map,
+    or a file offset that is not a multiple of ``itemsize`` (legacy files store
+    tensors at any byte; a misaligned tensor would be slow or refused by kernels).
+
+    Raises:
+        CkptError: The span lies outside the stored bytes or past the end of the file
+            (it is checked against the file's size before anything is mapped).
+    """
+    if source.data is not None or source.path is None or size <= 0:
+        return None
+    if start < 0 or start + size > source.length:
+        raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+    try:
+        fd = os.open(source.path, os.O_RDONLY)
+    except OSError as exc:
+        raise CkptError(f"cannot read ({exc.strerror})", path=source.path) from None
+    try:
+        source.resolve(fd)
+        begin = source.offset + start
+        if begin % itemsize:
+            return None
+        end = begin + size
+        file_size = os.fstat(fd).st_size
+        if end > file_size:
+            raise CkptError(
+                f"tensor data runs {end - file_size} bytes past the end of the file (truncated?)",
+                path=source.path,
+            )
+        return memoryview(_file_map(fd, source.path))[begin:end]
+    finally:
+        os.close(fd)
+
+
+class Reader:
+    """Reads spans of many sources into caller-owned buffers, files kept open meanwhile.
+
+    Used where the destination exists already (a model's parameter, a pinned staging
+    buffer): the bytes go from the page cache into it, with no buffer in between.
+    """
+
+    def __init__(self) -> None:
+        self._files = OpenFiles()
+
+    def read_into(self, source: ByteSource, start: int, view: Any) -> None:
+        """Fill the writable buffer ``view`` with the bytes of ``source`` from ``start``."""
+        view = memoryview(view).cast("B")
+        size = len(view)
+        if start < 0 or start + size > source.length:
+            raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+        if source.data is not None:
+            view[:] = memoryview(source.data)[start : start + size]
+            return
+        try:
+            fd = self._files.fd(source.path)  # type: ignore[arg-type]
+        except OSError as exc:
+            raise CkptError(f"cannot read ({exc.strerror})", path=source.path) from None
+        source.resolve(fd)
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [view[done:]], source.offset + start + done)
+            if n <= 0:
+                raise CkptError(
+                    f"file ends {size - done} bytes early (truncated?)", path=source.path
+                )
+            done += n
+
+    def close(self) -> None:
+        self._files.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LoadSession:
+    """How tensors are read during one ``load`` / ``open`` / ``load_into`` call.
+
+    Attributes:
+        mmap: Map tensor bytes from their file where the format allows it.
+        reader: Open files for reads into existing buffers.
+        stagers: Pinned staging buffers per CUDA device (made on first use).
+    """
+
+    def __init__(self, mmap: bool = True) -> None:
+        self.mmap = mmap
+        self.reader = Reader()
+        self.stagers: dict[str, Any] = {}
+
+    def close(self) -> None:
+        """Wait for copies in flight, free staging buffers, close files."""
+        try:
+            for stager in self.stagers.values():
+                stager.finish()
+        finally:
+            self.stagers.clear()
+            self.reader.close()
+
+
+_SESSION: contextvars.ContextVar[LoadSession | None] = contextvars.ContextVar(
+    "ckpttool_load_session", default=None
+)
+
+
+def current_session() -> LoadSession | None:
+    """The session of the ``load`` call in progress here, or None (CLI reads)."""
+    return _SESSION.get()
+
+
+@contextlib.contextmanager
+def loading(mmap: bool = True) -> Iterator[LoadSession]:
+    """Run the reads inside the ``with`` block as one session (see :class:`LoadSession`).
+
+    A session already in progress is reused, so nested calls share files and buffers.
+    """
+    outer = _SESSION.get()
+    if outer is not None and outer.mmap == mmap:
+        yield outer
+        return
+    session = LoadSession(mmap)
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
+        session.close()
