@@ -172,3 +172,13 @@ def loading(mmap: bool = True) -> Iterator[LoadSession]:
     finally:
         _SESSION.reset(token)
         session.close()
+
+
+@contextlib.contextmanager
+def activated(session: LoadSession) -> Iterator[LoadSession]:
+    """Make ``session`` the current one inside the block (it stays open afterwards)."""
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
