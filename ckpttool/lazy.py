@@ -81,8 +81,11 @@ class LazyCheckpoint(Mapping):
         from .tensors import as_saved
 
         ref = self.leaf(name)
-        with activated(self._session):
-            return as_saved(ref.load(self._map_location), ref)
+        try:
+            with activated(self._session):
+                return as_saved(ref.load(self._map_location), ref)
+        finally:
+            self._session.maps.clear()  # each tensor its own private pages, as from load
 
     def get_slice(self, name: str) -> TensorSlice:
         """A handle whose ``[...]`` reads only the elements asked for (ints and slices)."""
@@ -128,8 +131,12 @@ class TensorSlice:
         from .tensors import place, target_device
 
         ranges, squeeze = normalize_index(key, self.shape)
-        with activated(self._owner._session):
-            out = _read_ranges(self._ref, ranges)
+        session = self._owner._session
+        try:
+            with activated(session):
+                out = _read_ranges(self._ref, ranges)
+        finally:
+            session.maps.clear()
         if any(squeeze):
             out = out[tuple(0 if s else slice(None) for s in squeeze)]
         location = self._owner._map_location

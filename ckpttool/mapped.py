@@ -1,6 +1,6 @@
 """Tensor bytes straight from their file: mapped copy-on-write, or read into a given buffer.
 
-``ckpttool.load`` maps a file once (``MAP_PRIVATE``, as ``torch.load(mmap=True)`` and
+``ckpttool.load`` maps a file once per call (``MAP_PRIVATE``, as ``torch.load(mmap=True)`` and
 safetensors do) and hands out views of it: nothing is read until a page is touched,
 and writing to a loaded tensor copies that page instead of changing the file. The
 map lives as long as a tensor uses it; the file may be closed, renamed or deleted.
@@ -14,40 +14,36 @@ import contextlib
 import contextvars
 import mmap
 import os
-import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from .errors import CkptError
 from .tree import ByteSource, OpenFiles
 
-# One map per version of a file (device, inode, size, mtime): a rewritten file gets
-# a new one. Weak values: a map goes away with the last tensor that uses it.
-_MAPS: weakref.WeakValueDictionary[tuple, mmap.mmap] = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
-
-
-def _file_map(fd: int, path: str) -> mmap.mmap:
+def _file_map(fd: int, path: str, maps: dict[tuple, mmap.mmap]) -> mmap.mmap:
+    # One map per version of a file (device, inode, size, mtime) and per load: writes
+    # to the tensors of one load (private pages) must not show in another's.
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    with _LOCK:
-        found = _MAPS.get(key)
-        if found is None:
-            try:
-                found = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
-            except (OSError, ValueError) as exc:
-                raise CkptError(f"cannot map the file ({exc})", path=path) from None
-            _MAPS[key] = found
+    found = maps.get(key)
+    if found is None:
+        try:
+            found = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            raise CkptError(f"cannot map the file ({exc})", path=path) from None
+        maps[key] = found
     return found
 
 
-def map_span(source: ByteSource, start: int, size: int, itemsize: int = 1) -> memoryview | None:
+def map_span(
+    source: ByteSource, start: int, size: int, itemsize: int, maps: dict[tuple, mmap.mmap]
+) -> memoryview | None:
     """A writable, copy-on-write view of ``size`` bytes at ``start`` of ``source``.
 
     Returns None where mapping does not apply: bytes held in memory, nothing to map,
     or a file offset that is not a multiple of ``itemsize`` (legacy files store
     tensors at any byte; a misaligned tensor would be slow or refused by kernels).
+    ``maps`` holds the maps made so far (one per file), for the views to share.
 
     Raises:
         CkptError: The span lies outside the stored bytes or past the end of the file
@@ -73,7 +69,7 @@ def map_span(source: ByteSource, start: int, size: int, itemsize: int = 1) -> me
                 f"tensor data runs {end - file_size} bytes past the end of the file (truncated?)",
                 path=source.path,
             )
-        return memoryview(_file_map(fd, source.path))[begin:end]
+        return memoryview(_file_map(fd, source.path, maps))[begin:end]
     finally:
         os.close(fd)
 
@@ -134,6 +130,7 @@ class LoadSession:
         self.mmap = mmap
         self.reader = Reader()
         self.stagers: dict[str, Any] = {}
+        self.maps: dict[tuple, mmap.mmap] = {}  # the tensors keep them alive after close
 
     def close(self) -> None:
         """Wait for copies in flight, free staging buffers, close files."""
@@ -142,6 +139,7 @@ class LoadSession:
                 stager.finish()
         finally:
             self.stagers.clear()
+            self.maps.clear()
             self.reader.close()
 
 

@@ -104,7 +104,7 @@ def storage_bytes(storage: StorageRef, start: int, size: int) -> torch.Tensor:
         raise CkptError("tensor has no stored data (saved on the meta device)")
     session = current_session()
     if session is not None and session.mmap and not storage.big_endian:
-        view = map_span(source, start, size, storage.dtype.itemsize)
+        view = map_span(source, start, size, storage.dtype.itemsize, session.maps)
         if view is not None:
             return torch.frombuffer(view, dtype=torch.uint8)
     return torch.frombuffer(source.read(start, size), dtype=torch.uint8)
