@@ -164,9 +164,9 @@ def materialize(node: Any, map_location: Any = "cpu", *, mmap: bool = False) -> 
                 group = by_storage.setdefault(id(ref.storage), [])
                 if all(r is not ref for r in group):
                     group.append(ref)
+        # one storage at a time: tensors keep their saved strides, tied ones share it
         for group in by_storage.values():
-            if len(group) > 1:
-                loaded.update(shared_storage_tensors(group, map_location) or {})
+            loaded.update(shared_storage_tensors(group, map_location) or {})
         return to_torch(node, leaf)
 
 
