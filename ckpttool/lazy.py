@@ -85,6 +85,7 @@ class LazyCheckpoint(Mapping):
             with activated(self._session):
                 return as_saved(ref.load(self._map_location), ref)
         finally:
+            self._session.settle()
             self._session.maps.clear()  # each tensor its own private pages, as from load
 
     def get_slice(self, name: str) -> TensorSlice:
@@ -136,6 +137,7 @@ class TensorSlice:
             with activated(session):
                 out = _read_ranges(self._ref, ranges)
         finally:
+            session.settle()
             session.maps.clear()
         if any(squeeze):
             out = out[tuple(0 if s else slice(None) for s in squeeze)]

@@ -132,6 +132,11 @@ class LoadSession:
         self.stagers: dict[str, Any] = {}
         self.maps: dict[tuple, mmap.mmap] = {}  # the tensors keep them alive after close
 
+    def settle(self) -> None:
+        """Wait until every device copy in flight has landed (tensors handed out are whole)."""
+        for stager in self.stagers.values():
+            stager.finish()
+
     def close(self) -> None:
         """Wait for copies in flight, free staging buffers, close files."""
         try:

@@ -156,3 +156,71 @@ def test_load_into_from_sharded_checkpoints(dist_runs, dist_reference):
         target = {k: torch.zeros_like(v) for k, v in full.items()}
         assert ckpttool.load_into(target, source) == ([], [])  # type: ignore[comparison-overlap]
         assert all(torch.equal(target[k], v) for k, v in full.items())
+
+
+# ------------------------------------------ CUDA: pinned buffers, overlapped copies
+
+
+
+@pytest.fixture
+def small_staging(monkeypatch):
+    """Staging buffers of 1 KiB: every tensor goes through several, each reused."""
+    import ckpttool.fastload as fastload
+
+    monkeypatch.setattr(fastload, "STAGING_BYTES", 1024)
+
+
+@pytest.mark.parametrize("fmt", ["torch-zip", "safetensors", "dcp"])
+@pytest.mark.usefixtures("small_staging")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_into_a_cuda_model(tmp_path, fmt):
+    source = trained(0)
+    source.embed.weight.data = torch.randn(4000, 6)  # 96 KB: many staging rounds
+    source.head.weight = source.embed.weight
+    sd = source.state_dict()
+    path = tmp_path / ("m.safetensors" if fmt == "safetensors" else "m.pt")
+    if fmt == "safetensors":
+        save_file({k: v.clone() for k, v in sd.items()}, path)
+    elif fmt == "dcp":
+        path = tmp_path / "dcp"
+        write_dcp(path, {"model": {k: v.clone() for k, v in sd.items()}})
+    else:
+        torch.save(sd, path)
+    target = trained(1)
+    target.embed.weight.data = torch.zeros(4000, 6)
+    target.head.weight = target.embed.weight
+    target.to("cuda:0")
+    assert ckpttool.load_into(target, path) == ([], [])  # type: ignore[comparison-overlap]
+    assert target.head.weight is target.embed.weight
+    got = {k: v.cpu() for k, v in target.state_dict().items()}
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+
+
+@pytest.mark.parametrize("fmt", ["torch-zip", "safetensors", "dcp"])
+@pytest.mark.usefixtures("small_staging")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_with_map_location_cuda(tmp_path, fmt):
+    w = torch.randn(3000, 5)
+    sd = {"w": w, "tied": w, "view": w[10:20], "n": torch.arange(7), "h": torch.randn(9).half()}
+    if fmt == "safetensors":
+        path = tmp_path / "sd.safetensors"
+        save_file({k: v.clone().contiguous() for k, v in sd.items()}, path)
+    elif fmt == "dcp":
+        path = tmp_path / "dcp"
+        write_dcp(path, {"model": {k: v.clone() for k, v in sd.items()}})
+    else:
+        path = tmp_path / "sd.pt"
+        torch.save(sd, path)
+    for mmap in (True, False):
+        got = ckpttool.load(path, map_location="cuda:0", mmap=mmap)
+        assert sorted(got) == sorted(sd)
+        for k, v in sd.items():
+            assert got[k].device == torch.device("cuda:0")
+            assert torch.equal(got[k].cpu(), v), k
+        if fmt == "torch-zip":  # tied weights share one storage on the device too
+            assert got["w"].untyped_storage().data_ptr() == got["tied"].untyped_storage().data_ptr()
+    with ckpttool.open(path, map_location="cuda:0") as f:
+        assert torch.equal(f.get_tensor("w").cpu(), w)
+        assert f.get_slice("w")[5:9].device == torch.device("cuda:0")
