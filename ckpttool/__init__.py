@@ -25,6 +25,8 @@ _EXPORTS = {
     "open": "lazy",
     "LazyCheckpoint": "lazy",
     "LoadResult": "load_into",
+    "KeyMismatchError": "load_into",
+    "StateMismatchError": "load_into",
     "read": "api",
     "select_node": "api",
     "flatten_tensors": "api",

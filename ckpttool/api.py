@@ -33,12 +33,13 @@ from .tree import (
 PathArg = str | PathLike | Sequence[str | PathLike]
 
 
-def read(paths: PathArg | BinaryIO, *, unsafe: bool = False) -> Checkpoint:
+def read(paths: PathArg | BinaryIO | Checkpoint, *, unsafe: bool = False) -> Checkpoint:
     """Read a checkpoint's structure and tensor metadata; no tensor bytes are read.
 
     Args:
-        paths: A file, a folder (DCP, sharded safetensors), per-rank files, a glob, or
-            a binary file object (``io.BytesIO``, an open file), as ``torch.load`` takes.
+        paths: A file, a folder (DCP, sharded safetensors), per-rank files, a glob, a
+            binary file object (``io.BytesIO``, an open file) as ``torch.load`` takes, or a
+            :class:`Checkpoint` read before (returned as it is).
         unsafe: Accept pickles that reference dangerous globals (they stay inert).
 
     Returns:
@@ -49,6 +50,8 @@ def read(paths: PathArg | BinaryIO, *, unsafe: bool = False) -> Checkpoint:
         InputNotFoundError: The input does not exist (also a ``FileNotFoundError``).
         CkptError: Missing, corrupt, truncated or unsupported input.
     """
+    if isinstance(paths, Checkpoint):  # read already: load, open and load_into take one too
+        return paths
     if is_file_like(paths):
         source = FileInput(paths)
         ckpt = read_checkpoint(source.path, unsafe=unsafe)

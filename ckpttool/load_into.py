@@ -25,7 +25,11 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-class KeyMismatchError(CkptError):
+class StateMismatchError(CkptError):
+    """The checkpoint does not fit the model: keys or shapes differ (exit 2)."""
+
+
+class KeyMismatchError(StateMismatchError):
     """``strict=True`` and the checkpoint's keys do not match the model's (exit 2).
 
     Attributes:
@@ -104,7 +108,8 @@ def load_into(
 
     Raises:
         KeyMismatchError: ``strict`` and the keys differ (nothing was changed).
-        CkptError: A shape does not match (nothing was changed), or bad input.
+        StateMismatchError: A shape does not match (nothing was changed).
+        CkptError: Bad input.
     """
     import torch
 
@@ -125,7 +130,7 @@ def load_into(
     for name, t in dest.items():
         leaf = source.get(name)
         if leaf is not None and tuple(leaf.shape) != tuple(t.shape):
-            raise CkptError(
+            raise StateMismatchError(
                 f"size mismatch for {name!r}: the checkpoint has {list(leaf.shape)}, "
                 f"the model {list(t.shape)}",
                 path=where,
