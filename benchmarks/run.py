@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(groups) - set(cases.GROUPS))
     if unknown:
         parser.error(f"unknown --only {unknown}; choose from {', '.join(cases.GROUPS)}")
-    args.groups = groups or list(cases.GROUPS)
+    args.groups = groups or list(cases.DEFAULT_GROUPS)
     if args.scale <= 0 or args.repeat < 1 or args.warmup < 0:
         parser.error("--scale must be > 0, --repeat >= 1, --warmup >= 0")
     return args
@@ -105,6 +105,10 @@ def evaluate(row: cases.Row, tool: Measurement | None, base: Measurement | None)
         targets.append(f"ratio ≤{row.ratio_text}")
     if row.max_rss is not None:
         targets.append(f"RSS ≤{row.max_rss:.0f} MiB")
+    if row.max_rss_ratio is not None:
+        targets.append(f"RSS ratio ≤{row.max_rss_ratio:g}")
+    if row.max_rss_extra is not None:
+        targets.append(f"RSS ≤ base +{row.max_rss_extra:.0f} MiB")
     target = ", ".join(targets) or "(info)"
     if tool is None or base is None:
         return [row.case, fmt_time(tool.wall) if tool else "error",
@@ -116,6 +120,10 @@ def evaluate(row: cases.Row, tool: Measurement | None, base: Measurement | None)
     if row.max_ratio is not None and ratio > row.max_ratio:
         missed.append("ratio")
     if row.max_rss is not None and tool.rss_mib > row.max_rss:
+        missed.append("RSS")
+    if row.max_rss_ratio is not None and tool.rss_mib > row.max_rss_ratio * base.rss_mib:
+        missed.append("RSS ratio")
+    if row.max_rss_extra is not None and tool.rss_mib > base.rss_mib + row.max_rss_extra:
         missed.append("RSS")
     ok = "—" if row.informative else ("NO: " + ", ".join(missed) if missed else "yes")
     rss = f"{tool.rss_mib:.0f} / {base.rss_mib:.0f} MiB"
