@@ -1,14 +1,16 @@
 """The load group's programs: load a checkpoint, then use every byte (sum each tensor).
 
-    python benchmarks/loaders.py ckpttool-load PATH [DEVICE]     # ckpttool.load
-    python benchmarks/loaders.py torch-mmap PATH                 # torch.load(mmap=True, weights_only=True)
-    python benchmarks/loaders.py safetensors PATH [DEVICE]       # safetensors.torch.load_file
-    python benchmarks/loaders.py ckpttool-load-into PATH [DEVICE]  # into an nn.Module of its shapes
-    python benchmarks/loaders.py torch-load-state-dict PATH      # model.load_state_dict(torch.load(mmap))
-    python benchmarks/loaders.py model-only PATH [DEVICE]        # the nn.Module alone (RSS floor)
-    python benchmarks/loaders.py ckpttool-load-all PATH          # ckpttool.load(select="all"), a DCP folder
-    python benchmarks/loaders.py ckpttool-load-into-all PATH     # into preallocated tensors
-    python benchmarks/loaders.py dcp-load PATH                   # dcp.load(no_dist=True) into preallocated
+    python benchmarks/loaders.py COMMAND PATH [DEVICE]
+
+    ckpttool-load            ckpttool.load(PATH, map_location=DEVICE)
+    torch-mmap               torch.load(mmap=True, weights_only=True)
+    safetensors              safetensors.torch.load_file(device=DEVICE)
+    ckpttool-load-into       ckpttool.load_into an nn.Module of its shapes (on DEVICE)
+    torch-load-state-dict    model.load_state_dict(torch.load(mmap=True, weights_only=True))
+    model-only               the nn.Module alone (the RSS floor of the two above)
+    ckpttool-load-all        ckpttool.load(select="all"), for a DCP folder
+    ckpttool-load-into-all   ckpttool.load_into preallocated tensors of a DCP folder
+    dcp-load                 dcp.load(no_dist=True) into preallocated tensors
 
 Each is a fresh process (run.py measures it): imports count on both sides. Summing
 touches every byte, so a loader that maps the file pays for the pages here.

@@ -16,8 +16,8 @@ import torch
 
 from .errors import CkptError
 from .mapped import LoadSession, current_session
-from .tree import ShardedRef, StorageRef, TensorRef
 from .tensors import as_saved, place, target_device, torch_dtype
+from .tree import ShardedRef, StorageRef, TensorRef
 
 STAGING_BUFFERS = 4
 STAGING_BYTES = 32 << 20
@@ -214,7 +214,9 @@ def shared_storage_tensors(refs: list[TensorRef], map_location: Any) -> dict[int
     else:
         from .tensors import storage_bytes
 
-        base = place(storage_bytes(storage, low * itemsize, (high - low) * itemsize).view(dt), device)
+        base = place(
+            storage_bytes(storage, low * itemsize, (high - low) * itemsize).view(dt), device
+        )
     out = {}
     for r in refs:
         if r.numel:

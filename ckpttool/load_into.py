@@ -52,7 +52,9 @@ class KeyMismatchError(StateMismatchError):
 
 def _names(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:MAX_NAMES_SHOWN])
-    return shown + (f", … ({len(keys) - MAX_NAMES_SHOWN} more)" if len(keys) > MAX_NAMES_SHOWN else "")
+    return shown + (
+        f", … ({len(keys) - MAX_NAMES_SHOWN} more)" if len(keys) > MAX_NAMES_SHOWN else ""
+    )
 
 
 def _targets(target: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 from .errors import CkptError
 from .tree import ByteSource, OpenFiles
 
+
 def _file_map(fd: int, path: str, maps: dict[tuple, mmap.mmap]) -> mmap.mmap:
     # One map per version of a file (device, inode, size, mtime) and per load: writes
     # to the tensors of one load (private pages) must not show in another's.

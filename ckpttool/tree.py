@@ -662,9 +662,13 @@ class Checkpoint(Mapping):
     def __repr__(self) -> str:
         # short at any size: a 70B folder has thousands of tensors and dozens of files
         files = [os.path.basename(f) for f in self.files]
-        shown_files = repr(files[:2])[:-1] + (f", ... +{len(files) - 2}]" if len(files) > 2 else "]")
-        keys = [str(k) for k in list(self._container())[:MAX_REPR_KEYS + 1]]
-        shown_keys = ", ".join(repr(k if len(k) <= 40 else k[:39] + "…") for k in keys[:MAX_REPR_KEYS])
+        shown_files = repr(files[:2])[:-1] + (
+            f", ... +{len(files) - 2}]" if len(files) > 2 else "]"
+        )
+        keys = [str(k) for k in list(self._container())[: MAX_REPR_KEYS + 1]]
+        shown_keys = ", ".join(
+            repr(k if len(k) <= 40 else k[:39] + "…") for k in keys[:MAX_REPR_KEYS]
+        )
         if len(keys) > MAX_REPR_KEYS:
             shown_keys += f", ... +{len(self) - MAX_REPR_KEYS}"
         tensors = sum(1 for _ in iter_tensors(self.root))
