@@ -17,7 +17,7 @@ import torch
 from .errors import CkptError
 from .mapped import LoadSession, current_session
 from .tensors import as_saved, place, target_device, torch_dtype
-from .tree import ShardedRef, StorageRef, TensorRef
+from .tree import DType, ShardedRef, StorageRef, TensorRef
 
 STAGING_BUFFERS = 4
 STAGING_BYTES = 32 << 20
@@ -156,10 +156,10 @@ def read_into(leaf: Any, dest: torch.Tensor, session: LoadSession) -> None:
         dest.copy_(leaf.load("cpu"))
 
 
-def empty_like_leaf(leaf: Any, device: Any) -> torch.Tensor:
-    """An uninitialised tensor of the leaf's shape and dtype on ``device``."""
+def empty_on(shape: tuple[int, ...], dtype: DType, device: Any) -> torch.Tensor:
+    """An uninitialised tensor on ``device``, or a CkptError saying the device is absent."""
     try:
-        return torch.empty(leaf.shape, dtype=torch_dtype(leaf.dtype), device=device)
+        return torch.empty(shape, dtype=torch_dtype(dtype), device=device)
     except (RuntimeError, AssertionError) as exc:
         raise CkptError(
             f"cannot place tensors on {device} ({str(exc).splitlines()[0]})",
@@ -173,14 +173,19 @@ def load_on_device(leaf: Any, device: Any) -> torch.Tensor:
     plain = readable_directly(leaf) or isinstance(leaf, ShardedRef)
     if session is None or not plain or (isinstance(leaf, TensorRef) and leaf.kind != "tensor"):
         return place(leaf.load("cpu"), device)
-    dest = empty_like_leaf(leaf, device)
+    dest = empty_on(leaf.shape, leaf.dtype, device)
     read_into(leaf, dest, session)
     return dest
 
 
 def shared_storage_tensors(refs: list[TensorRef], map_location: Any) -> dict[int, Any] | None:
-    """Tensors of one storage (tied weights, views) loaded as views of one storage,
-    as ``torch.load`` returns them; None where they cannot share (see :func:`load_group`).
+    """The tensors of one storage (tied weights, views), as views of one buffer with
+    their saved strides, as ``torch.load`` returns them. The buffer is the span of the
+    storage they cover: mapped, read, or staged to a CUDA device.
+
+    Returns None where they cannot share one (quantized, lazily conjugated or negated,
+    byte-swapped, different devices, a ``map_location`` callable): each is then loaded
+    on its own.
 
     Returns:
         ``{id(ref): tensor}``, each an ``nn.Parameter`` / ``requires_grad`` as saved.
@@ -209,7 +214,7 @@ def shared_storage_tensors(refs: list[TensorRef], map_location: Any) -> dict[int
     dt = torch_dtype(first.dtype)
     session = current_session()
     if device.startswith("cuda") and session is not None:
-        base = empty_like_leaf(_Flat(first.dtype, high - low), device)
+        base = empty_on((high - low,), first.dtype, device)
         _stager(session, base.device).fill(flat_bytes(base), session, storage, low * itemsize)
     else:
         from .tensors import storage_bytes
@@ -225,9 +230,3 @@ def shared_storage_tensors(refs: list[TensorRef], map_location: Any) -> dict[int
             t = torch.empty(r.shape, dtype=dt, device=base.device)
         out[id(r)] = as_saved(t, r)
     return out
-
-
-class _Flat:
-    def __init__(self, dtype: Any, numel: int) -> None:
-        self.dtype = dtype
-        self.shape = (numel,)

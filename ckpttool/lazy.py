@@ -155,11 +155,12 @@ def normalize_index(key: Any, shape: tuple[int, ...]) -> tuple[Ranges, list[bool
             or a kind of index other than int, slice and ``...``.
     """
     items = list(key) if isinstance(key, tuple) else [key]
-    if sum(1 for k in items if k is Ellipsis) > 1:
+    ellipses = [i for i, k in enumerate(items) if k is Ellipsis]
+    if len(ellipses) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
+    if ellipses:
+        at = ellipses[0]
+        items[at : at + 1] = [slice(None)] * max(0, len(shape) - len(items) + 1)
     if len(items) > len(shape):
         raise IndexError(f"too many indices for a tensor of {len(shape)} dimensions")
     items += [slice(None)] * (len(shape) - len(items))
