@@ -7,6 +7,7 @@ the shards of a sharded tensor). Nothing imports torch until a tensor is asked f
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
@@ -35,6 +36,8 @@ class LazyCheckpoint(Mapping):
         self._tensors: dict[str, Any] | None = tensors
         self._map_location = map_location
         self._session = LoadSession(mmap)
+        # files it keeps open are closed with it, also when it is never closed
+        weakref.finalize(self, self._session.close)
 
     # -- the mapping ------------------------------------------------------------------
 

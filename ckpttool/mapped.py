@@ -5,14 +5,13 @@ safetensors do) and hands out views of it: nothing is read until a page is touch
 and writing to a loaded tensor copies that page instead of changing the file. The
 map lives as long as a tensor uses it; the file may be closed, renamed or deleted.
 
-No torch here: :mod:`ckpttool.tensors` turns the views into tensors.
+torch is imported only where a map is made (a tensor is being built anyway).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import mmap
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -21,25 +20,34 @@ from .errors import CkptError
 from .tree import ByteSource, OpenFiles
 
 
-def _file_map(fd: int, path: str, maps: dict[tuple, mmap.mmap]) -> mmap.mmap:
+def _file_map(fd: int, path: str, maps: dict[tuple, Any]) -> Any:
     # One map per version of a file (device, inode, size, mtime) and per load: writes
     # to the tensors of one load (private pages) must not show in another's.
+    import torch
+
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     found = maps.get(key)
     if found is None:
+        # torch's own map (what torch.load(mmap=True) uses): MAP_PRIVATE, and unlike
+        # Python's mmap it keeps no descriptor open while tensors use it. Mapped
+        # through our descriptor, so it is the file whose size was just checked.
+        proc = f"/proc/self/fd/{fd}"
         try:
-            found = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
-        except (OSError, ValueError) as exc:
+            found = torch.UntypedStorage.from_file(
+                proc if os.path.exists(proc) else path, shared=False, nbytes=st.st_size
+            )
+        except (OSError, RuntimeError) as exc:
             raise CkptError(f"cannot map the file ({exc})", path=path) from None
         maps[key] = found
     return found
 
 
 def map_span(
-    source: ByteSource, start: int, size: int, itemsize: int, maps: dict[tuple, mmap.mmap]
-) -> memoryview | None:
-    """A writable, copy-on-write view of ``size`` bytes at ``start`` of ``source``.
+    source: ByteSource, start: int, size: int, itemsize: int, maps: dict[tuple, Any]
+) -> Any | None:
+    """A copy-on-write view of ``size`` bytes at ``start`` of ``source``: a flat uint8
+    CPU tensor whose memory is the file's pages, each read when first touched.
 
     Returns None where mapping does not apply: bytes held in memory, nothing to map,
     or a file offset that is not a multiple of ``itemsize`` (legacy files store
@@ -50,6 +58,8 @@ def map_span(
         CkptError: The span lies outside the stored bytes or past the end of the file
             (it is checked against the file's size before anything is mapped).
     """
+    import torch
+
     if source.data is not None or source.path is None or size <= 0:
         return None
     if start < 0 or start + size > source.length:
@@ -70,9 +80,10 @@ def map_span(
                 f"tensor data runs {end - file_size} bytes past the end of the file (truncated?)",
                 path=source.path,
             )
-        return memoryview(_file_map(fd, source.path, maps))[begin:end]
+        storage = _file_map(fd, source.path, maps)[begin:end]
     finally:
         os.close(fd)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 class Reader:
@@ -131,7 +142,7 @@ class LoadSession:
         self.mmap = mmap
         self.reader = Reader()
         self.stagers: dict[str, Any] = {}
-        self.maps: dict[tuple, mmap.mmap] = {}  # the tensors keep them alive after close
+        self.maps: dict[tuple, Any] = {}  # file maps; the tensors keep them alive after close
 
     def settle(self) -> None:
         """Wait until every device copy in flight has landed (tensors handed out are whole)."""

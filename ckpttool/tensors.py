@@ -106,7 +106,7 @@ def storage_bytes(storage: StorageRef, start: int, size: int) -> torch.Tensor:
     if session is not None and session.mmap and not storage.big_endian:
         view = map_span(source, start, size, storage.dtype.itemsize, session.maps)
         if view is not None:
-            return torch.frombuffer(view, dtype=torch.uint8)
+            return view
     return torch.frombuffer(source.read(start, size), dtype=torch.uint8)
 
 

@@ -301,6 +301,19 @@ def test_load_maps_tensor_bytes_copy_on_write(tmp_path, kind):
     assert all(torch.equal(again[k], v) for k, v in sd.items())
 
 
+def test_mapped_tensors_hold_no_file_descriptors(tmp_path):
+    """A thousand live loads must not use up the process's descriptors."""
+    import os
+
+    path, _ = _write("safetensors", tmp_path, {"w": torch.ones(4), "b": torch.zeros(2)})
+    before = sorted(os.listdir("/proc/self/fd"))
+    kept = [ckpttool.load(path) for _ in range(20)]
+    with ckpttool.open(path) as f:
+        kept.append({"w": f.get_tensor("w")})
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert all(torch.equal(sd["w"], torch.ones(4)) for sd in kept)
+
+
 @pytest.mark.parametrize("kind", MAPPED_KINDS)
 def test_mmap_false_reads_into_memory_of_its_own(tmp_path, kind):
     sd = {"w": torch.randn(8, 4)}
