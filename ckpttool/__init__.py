@@ -43,7 +43,8 @@ _EXPORTS = {
     "TensorRef": "tree",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+# `from ckpttool import *` must not shadow the builtin open(): ckpttool.open stays an attribute
+__all__ = [name for name in _EXPORTS if name != "open"] + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -56,4 +57,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_EXPORTS})

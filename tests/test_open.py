@@ -161,3 +161,10 @@ def test_open_imports_torch_only_when_a_tensor_is_asked_for(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.splitlines() == ["['w'] {} [3] False", "True"], out.stderr
+
+
+def test_star_import_keeps_the_builtin_open():
+    namespace: dict = {}
+    exec("from ckpttool import *", namespace)
+    assert "open" not in namespace and "load_into" in namespace
+    assert "open" in dir(ckpttool) and ckpttool.open is ckpttool.lazy.open_checkpoint
