@@ -541,3 +541,27 @@ def test_checkpoint_repr_is_short_at_any_size(tmp_path):
     assert len(text) < 400, text
     assert text.startswith("Checkpoint(format='safetensors', files=['many.safetensors']")
     assert "tensors=3000" in text and "+2994" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+@pytest.mark.parametrize("call", ["load", "open"])
+def test_a_cuda_target_without_a_gpu_is_a_clear_error(tmp_path, call):
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(3)}, path)
+    with pytest.raises(ckpttool.CkptError, match="cannot place tensors on cuda:0") as info:
+        if call == "load":
+            ckpttool.load(path, map_location="cuda:0")
+        else:
+            with ckpttool.open(path, map_location="cuda:0") as f:
+                f.get_tensor("w")
+    assert "map_location='cpu'" in str(info.value)
+
+
+def test_a_safetensors_bytesio(tmp_path):
+    import io
+
+    from safetensors.torch import save
+
+    sd = {"a": torch.randn(3, 2), "b": torch.arange(4)}
+    loaded = ckpttool.load(io.BytesIO(save(sd)))
+    assert sorted(loaded) == ["a", "b"] and all(torch.equal(loaded[k], v) for k, v in sd.items())

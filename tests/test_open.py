@@ -168,3 +168,36 @@ def test_star_import_keeps_the_builtin_open():
     exec("from ckpttool import *", namespace)
     assert "open" not in namespace and "load_into" in namespace
     assert "open" in dir(ckpttool) and ckpttool.open is ckpttool.lazy.open_checkpoint
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize(
+    "fmt", ["torch-zip", "torch-legacy", "safetensors", "safetensors-sharded", "torchscript", "dcp"]
+)
+def test_open_reads_every_format_as_load_does(tmp_path, fmt):
+    from test_readers import write_hf_shards
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    path = tmp_path / "ckpt"
+    if fmt == "torch-zip":
+        torch.save(sd, path)
+    elif fmt == "torch-legacy":
+        torch.save(sd, path, _use_new_zipfile_serialization=False)
+    elif fmt == "safetensors":
+        save_file(sd, path)
+    elif fmt == "safetensors-sharded":
+        write_hf_shards(path, sd)
+    elif fmt == "torchscript":
+        torch.jit.save(torch.jit.script(net), path)
+    else:
+        write_dcp(path, {"model": sd})
+    loaded = ckpttool.load(path)
+    with ckpttool.open(path) as f:
+        assert f.checkpoint.format == fmt
+        assert sorted(f) == sorted(loaded) == sorted(sd)
+        for name, tensor in sd.items():
+            assert torch.equal(f.get_tensor(name), tensor), name
+            assert torch.equal(f.get_slice(name)[1:], tensor[1:]), name
+            assert torch.equal(loaded[name], tensor), name
