@@ -466,6 +466,7 @@ def test_load_read_and_open_take_binary_file_objects(tmp_path, how):
         assert list(lazy) == list(sd)
         assert torch.equal(lazy.get_tensor("fc.weight"), sd["fc.weight"])
     f.close()
+    assert all(torch.equal(loaded[k], v) for k, v in sd.items())  # the file object is closed
 
 
 def test_a_file_object_in_text_mode_is_refused(tmp_path):
