@@ -17,7 +17,10 @@ from data import Input
 from measure import MiB
 
 HERE = Path(__file__).resolve().parent
-GROUPS = ("inspect", "help", "convert", "merge", "diff", "stats")
+GROUPS = ("inspect", "help", "convert", "merge", "diff", "stats", "load", "load-gpu")
+# load-gpu needs a CUDA device: only run when asked for (--only load-gpu)
+DEFAULT_GROUPS = GROUPS[:-1]
+LOADERS = str(HERE / "loaders.py")
 LOAD_MMAP = "import sys, torch; torch.load(sys.argv[1], mmap=True, weights_only=True)"
 LOAD_FULL = "import sys, torch; torch.load(sys.argv[1], weights_only=True)"
 IMPORT_TORCH = "import torch"
@@ -57,10 +60,17 @@ class Row:
     max_ratio: float | None = None
     ratio_text: str | None = None  # how the ratio target reads, e.g. "1/7"
     max_rss: float | None = None  # MiB
+    max_rss_ratio: float | None = None  # ckpttool's peak RSS / the baseline's
+    max_rss_extra: float | None = None  # MiB over the baseline's peak RSS
 
     @property
     def informative(self) -> bool:
-        return self.max_wall is None and self.max_ratio is None and self.max_rss is None
+        return all(
+            limit is None
+            for limit in (
+                self.max_wall, self.max_ratio, self.max_rss, self.max_rss_ratio, self.max_rss_extra
+            )
+        )
 
 
 def ckpttool_command() -> list[str]:
@@ -218,6 +228,25 @@ def commands(inputs: dict[str, Input], out: Path) -> dict[str, Command]:
             expect_rc=(1,),
         ),
     }
+    mpt, mst, d2 = str(model["pt"]), str(model["safetensors"]), dcp2
+    for key, args in {
+        "load pt": ["ckpttool-load", mpt],
+        "torch mmap pt": ["torch-mmap", mpt],
+        "load st": ["ckpttool-load", mst],
+        "load_file st": ["safetensors", mst],
+        "load_into pt": ["ckpttool-load-into", mpt],
+        "load_into st": ["ckpttool-load-into", mst],
+        "load_state_dict pt": ["torch-load-state-dict", mpt],
+        "model only": ["model-only", mpt],
+        "load dcp2": ["ckpttool-load-all", d2],
+        "load_into dcp2": ["ckpttool-load-into-all", d2],
+        "dcp.load dcp2": ["dcp-load", d2],
+        "load cuda st": ["ckpttool-load", mst, "cuda:0"],
+        "load cuda pt": ["ckpttool-load", mpt, "cuda:0"],
+        "load_into cuda st": ["ckpttool-load-into", mst, "cuda:0"],
+        "load_file cuda st": ["safetensors", mst, "cuda:0"],
+    }.items():
+        c[key] = Command([py, LOADERS, *args], ["dcp2" if "dcp2" in key else "model-1g"])
     return c
 
 
@@ -283,4 +312,25 @@ def rows(inputs: dict[str, Input]) -> list[Row]:
         # issue 21: --stats at least as fast as a safe_open loop computing the same numbers
         Row("stats", f"inspect --stats {m1} safetensors vs a safe_open loop (float64)",
             "stats 1g", "safe_open stats 1g", max_ratio=1, ratio_text="1"),
+        # load: every tensor summed after loading, on both sides
+        Row("load", f"load {m1} torch-zip + sum vs torch.load(mmap, weights_only) + sum",
+            "load pt", "torch mmap pt", max_ratio=1.0, ratio_text="1.0", max_rss_ratio=1.1),
+        Row("load", f"load {m1} safetensors + sum vs load_file + sum", "load st",
+            "load_file st", max_ratio=1.0, ratio_text="1.0", max_rss_ratio=1.1),
+        Row("load", f"load_into nn.Module {m1} torch-zip vs the module alone (RSS +256 MiB)",
+            "load_into pt", "model only", max_rss_extra=256),
+        Row("load", f"load_into nn.Module {m1} safetensors vs the module alone (RSS +256 MiB)",
+            "load_into st", "model only", max_rss_extra=256),
+        Row("load", "  load_into torch-zip vs load_state_dict(torch.load(mmap))", "load_into pt",
+            "load_state_dict pt"),
+        Row("load", f"load {d2} DCP (2 ranks, --select all) + sum vs dcp.load(no_dist) into "
+            "preallocated + sum", "load dcp2", "dcp.load dcp2", max_ratio=1.0, ratio_text="1.0"),
+        Row("load", "  load_into preallocated tensors vs the same", "load_into dcp2",
+            "dcp.load dcp2", max_ratio=1.0, ratio_text="1.0"),
+        Row("load-gpu", f"load {m1} safetensors map_location=cuda:0 vs load_file(device=cuda:0)",
+            "load cuda st", "load_file cuda st", max_ratio=1.0, ratio_text="1.0"),
+        Row("load-gpu", f"load {m1} torch-zip map_location=cuda:0 vs load_file(device=cuda:0)",
+            "load cuda pt", "load_file cuda st", max_ratio=1.0, ratio_text="1.0"),
+        Row("load-gpu", f"load_into a CUDA nn.Module {m1} vs load_file(device=cuda:0)",
+            "load_into cuda st", "load_file cuda st", max_ratio=1.0, ratio_text="1.0"),
     ]  # fmt: skip

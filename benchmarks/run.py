@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per command")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before those")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run the commands in rounds (each once per round) instead of one after the "
+        "other: load from other processes then drifts over both sides of a ratio alike",
+    )
     parser.add_argument("--json", type=Path, help="also write every raw sample to this file")
     parser.add_argument(
         "--generate-only", action="store_true", help="generate the inputs, measure nothing"
@@ -67,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(groups) - set(cases.GROUPS))
     if unknown:
         parser.error(f"unknown --only {unknown}; choose from {', '.join(cases.GROUPS)}")
-    args.groups = groups or list(cases.GROUPS)
+    args.groups = groups or list(cases.DEFAULT_GROUPS)
     if args.scale <= 0 or args.repeat < 1 or args.warmup < 0:
         parser.error("--scale must be > 0, --repeat >= 1, --warmup >= 0")
     return args
@@ -105,6 +111,10 @@ def evaluate(row: cases.Row, tool: Measurement | None, base: Measurement | None)
         targets.append(f"ratio ≤{row.ratio_text}")
     if row.max_rss is not None:
         targets.append(f"RSS ≤{row.max_rss:.0f} MiB")
+    if row.max_rss_ratio is not None:
+        targets.append(f"RSS ratio ≤{row.max_rss_ratio:g}")
+    if row.max_rss_extra is not None:
+        targets.append(f"RSS ≤ base +{row.max_rss_extra:.0f} MiB")
     target = ", ".join(targets) or "(info)"
     if tool is None or base is None:
         return [row.case, fmt_time(tool.wall) if tool else "error",
@@ -116,6 +126,10 @@ def evaluate(row: cases.Row, tool: Measurement | None, base: Measurement | None)
     if row.max_ratio is not None and ratio > row.max_ratio:
         missed.append("ratio")
     if row.max_rss is not None and tool.rss_mib > row.max_rss:
+        missed.append("RSS")
+    if row.max_rss_ratio is not None and tool.rss_mib > row.max_rss_ratio * base.rss_mib:
+        missed.append("RSS ratio")
+    if row.max_rss_extra is not None and tool.rss_mib > base.rss_mib + row.max_rss_extra:
         missed.append("RSS")
     ok = "—" if row.informative else ("NO: " + ", ".join(missed) if missed else "yes")
     rss = f"{tool.rss_mib:.0f} / {base.rss_mib:.0f} MiB"
@@ -153,6 +167,41 @@ def machine() -> str:
     )
 
 
+def measure_in_rounds(keys: list[str], commands: dict, args, env) -> tuple[dict, list[str]]:
+    """Every command once per round, ``warmup + repeat`` rounds; a failed command drops out."""
+    results: dict[str, Measurement | None] = {k: Measurement(commands[k].cmd) for k in keys}
+    failures: list[str] = []
+    for round_no in range(args.warmup + args.repeat):
+        log(f"round {round_no + 1} of {args.warmup + args.repeat}")
+        for key in keys:
+            if results[key] is None:
+                continue
+            command = commands[key]
+            try:
+                once = measure(
+                    command.cmd,
+                    outputs=command.outputs,
+                    expect_rc=command.expect_rc,
+                    check_stdout=command.check_stdout,
+                    warmup=0,
+                    repeat=1,
+                    env=env,
+                )
+            except CommandFailed as exc:
+                results[key] = None
+                failures.append(f"{key}: {exc}")
+                log(f"  {key} FAILED: {exc}")
+                continue
+            if round_no >= args.warmup:
+                results[key].walls += once.walls
+                results[key].rss_kib += once.rss_kib
+    for key, m in results.items():
+        if m is not None:
+            log(f"{key}: {fmt_time(m.wall)} (runs {', '.join(f'{w:.3f}' for w in m.walls)}), "
+                f"peak RSS {m.rss_mib:.0f} MiB")  # fmt: skip
+    return results, failures
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     folder = args.workdir.resolve() / f"scale-{args.scale:g}"
@@ -175,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     env = child_env(args.workdir.resolve() / "pycache")
     results: dict[str, Measurement | None] = {}
     failures: list[str] = []
-    for key in keys:
+    if args.interleave:
+        results, failures = measure_in_rounds(keys, commands, args, env)
+    for key in keys if not args.interleave else ():
         command = commands[key]
         log(f"measuring {key}: {' '.join(command.cmd)}")
         try:
@@ -200,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"ratio = ckpttool wall / baseline wall, median of {args.repeat} warm runs after "
-        f"{args.warmup} warm-up; peak RSS = ckpttool / baseline (max over runs, "
+        f"{args.warmup} warm-up{' (interleaved rounds)' if args.interleave else ''}; "
+        "peak RSS = ckpttool / baseline (max over runs, "
         f"{rss_source()}); "
         f"scale {args.scale:g}; {machine()}; 1-min load average {load_before:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after; total {time.perf_counter() - started:.0f} s"

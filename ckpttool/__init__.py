@@ -3,6 +3,9 @@
 >>> import ckpttool
 >>> sd = ckpttool.load("ep3-rank0.pt", map_location="cpu")   # model state dict, prefix stripped
 >>> full = ckpttool.load("ckpt/", select="all")              # whole structure, shards merged
+>>> with ckpttool.open("ckpt/") as f:                        # lazy, like safe_open
+...     rows = f.get_slice("embed.weight")[:128]
+>>> ckpttool.load_into(model, "ckpt/")                       # in place, keys reported
 
 Importing this package imports nothing heavy (no torch, no readers) until a name
 is used, so ``ckpttool --help`` stays fast.
@@ -18,11 +21,18 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "load": "api",
+    "load_into": "load_into",
+    "open": "lazy",
+    "LazyCheckpoint": "lazy",
+    "LoadResult": "load_into",
+    "KeyMismatchError": "load_into",
+    "StateMismatchError": "load_into",
     "read": "api",
     "select_node": "api",
     "flatten_tensors": "api",
     "materialize": "api",
     "CkptError": "errors",
+    "InputNotFoundError": "errors",
     "OutputExistsError": "errors",
     "UnsafeError": "errors",
     "UsageError": "errors",
@@ -33,7 +43,8 @@ _EXPORTS = {
     "TensorRef": "tree",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+# `from ckpttool import *` must not shadow the builtin open(): ckpttool.open stays an attribute
+__all__ = [name for name in _EXPORTS if name != "open"] + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -46,4 +57,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_EXPORTS})

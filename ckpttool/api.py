@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from os import PathLike
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import CkptError, translate_errors
 from .formats import read_checkpoint
+from .inputs import FileInput, is_file_like
 from .layout import (
     check_not_partitioned,
     model_candidates,
@@ -17,6 +18,7 @@ from .layout import (
     resolve_prefix,
     strip_prefix,
 )
+from .mapped import loading
 from .tree import (
     Checkpoint,
     KeyPath,
@@ -32,11 +34,13 @@ PathArg = str | PathLike | Sequence[str | PathLike]
 
 
 @translate_errors
-def read(paths: PathArg, *, unsafe: bool = False) -> Checkpoint:
+def read(paths: PathArg | BinaryIO | Checkpoint, *, unsafe: bool = False) -> Checkpoint:
     """Read a checkpoint's structure and tensor metadata; no tensor bytes are read.
 
     Args:
-        paths: A file, a folder (DCP, sharded safetensors), per-rank files or a glob.
+        paths: A file, a folder (DCP, sharded safetensors), per-rank files, a glob, a
+            binary file object (``io.BytesIO``, an open file) as ``torch.load`` takes, or a
+            :class:`Checkpoint` read before (returned as it is).
         unsafe: Accept pickles that reference dangerous globals (they stay inert).
 
     Returns:
@@ -44,9 +48,17 @@ def read(paths: PathArg, *, unsafe: bool = False) -> Checkpoint:
 
     Raises:
         UnsafeError: The file references dangerous globals and ``unsafe`` is False.
+        InputNotFoundError: The input does not exist (also a ``FileNotFoundError``).
         CkptError: Missing, corrupt, truncated or unsupported input.
     """
-    return read_checkpoint(paths, unsafe=unsafe)
+    if isinstance(paths, Checkpoint):  # read already: load, open and load_into take one too
+        return paths
+    if is_file_like(paths):
+        source = FileInput(paths)
+        ckpt = read_checkpoint(source.path, unsafe=unsafe)
+        source.keep_alive(ckpt.root)
+        return ckpt
+    return read_checkpoint(paths, unsafe=unsafe)  # type: ignore[arg-type]
 
 
 def select_node(
@@ -126,14 +138,20 @@ def flatten_tensors(node: Any, name: str = "") -> dict[str, Any]:
     return out
 
 
-def materialize(node: Any, map_location: Any = "cpu") -> Any:
+def materialize(node: Any, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
     """The same structure with every lazy tensor read (shards merged into full tensors).
 
     Tensors saved as ``nn.Parameter`` or with ``requires_grad`` come back so, as from
     ``torch.load``. Opaque objects become plain-data stand-ins (``{"__class__": ...,
     "state": ...}``), as in ``ckpttool merge`` output; a tensor referenced twice comes
-    back as one tensor.
+    back as one tensor, tensors saved sharing a storage (tied weights, views) share one.
+
+    Args:
+        node: A lazy subtree (from :func:`select_node`).
+        map_location: As in :func:`load`.
+        mmap: Map tensor bytes from the file where the format allows (see :func:`load`).
     """
+    from .fastload import shared_storage_tensors
     from .tensors import as_saved, to_torch
 
     loaded: dict[int, Any] = {}
@@ -143,28 +161,46 @@ def materialize(node: Any, map_location: Any = "cpu") -> Any:
             loaded[id(ref)] = as_saved(ref.load(map_location), ref)
         return loaded[id(ref)]
 
-    return to_torch(node, leaf)
+    with loading(mmap):
+        by_storage: dict[int, list[TensorRef]] = {}
+        for _, ref in iter_tensors(node):
+            if isinstance(ref, TensorRef) and ref.storage is not None:
+                group = by_storage.setdefault(id(ref.storage), [])
+                if all(r is not ref for r in group):
+                    group.append(ref)
+        # one storage at a time: tensors keep their saved strides, tied ones share it
+        for group in by_storage.values():
+            loaded.update(shared_storage_tensors(group, map_location) or {})
+        return to_torch(node, leaf)
 
 
 @translate_errors
 def load(
-    paths: PathArg,
+    paths: PathArg | BinaryIO,
     map_location: Any = "cpu",
     select: str = "auto",
     strip_prefix: str | None = "auto",
     unsafe: bool = False,
+    mmap: bool = True,
 ) -> Any:
     """Load a checkpoint of any supported format, safely, as torch tensors.
 
     Args:
-        paths: A file, a folder (DCP, sharded safetensors), per-rank files or a glob.
+        paths: A file, a folder (DCP, sharded safetensors), per-rank files, a glob or a
+            binary file object.
         map_location: As in ``torch.load``: a device string, ``torch.device``, a dict
-            mapping saved locations, or a callable. Defaults to ``"cpu"``.
+            mapping saved locations, or a callable. Defaults to ``"cpu"``. ``cuda:N``
+            reads through pinned buffers straight to the device, copies overlapping reads.
         select: ``auto`` returns the model state dict; ``all`` the whole nested
             structure; a dotted key path (``state.model``) that subtree.
         strip_prefix: ``auto`` strips wrapper prefixes (``module.``, ``_orig_mod.``),
             ``none`` keeps keys, any other string is stripped where present.
         unsafe: Accept files whose pickles reference dangerous globals (still inert).
+        mmap: Map tensor bytes from the file (copy-on-write, as ``torch.load(mmap=True)``):
+            torch-zip entries, safetensors, DCP chunks; nothing is read until used, and
+            writing to a tensor never changes the file. Legacy files, byte-swapped data
+            and sharded tensors are read once into the final tensor. ``False`` reads
+            everything now (for files about to change, e.g. on a network file system).
 
     Returns:
         A dict of tensors (``auto``) or the nested structure, sharded tensors merged.
@@ -177,7 +213,7 @@ def load(
     """
     ckpt = read(paths, unsafe=unsafe)
     _, node = select_node(ckpt, select, strip_prefix)
-    return materialize(node, map_location)
+    return materialize(node, map_location, mmap=mmap)
 
 
 __all__ = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -32,6 +33,20 @@ class CkptError(Exception):
         if self.hint:
             text += f" ({self.hint})"
         return " ".join(text.split())
+
+
+class InputNotFoundError(CkptError, FileNotFoundError):
+    """The input does not exist (exit 2); also a ``FileNotFoundError``, as ``torch.load``
+    and ``safetensors`` raise, so ``except OSError`` code catches it."""
+
+    def __init__(self, message: str, *, path: object = None, hint: str | None = None):
+        super().__init__(message, path=path, hint=hint)
+        self.errno = errno.ENOENT
+        self.strerror = message
+        self.filename = self.path
+
+    def __str__(self) -> str:
+        return self.one_line()
 
 
 class UsageError(CkptError):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .errors import CkptError
+from .mapped import current_session, map_span
 from .plain import TorchValue, to_plain
 from .stand_ins import Device, TorchSize
 from .tree import DTYPES, DType, ShardedRef, SparseRef, StorageRef, TensorRef
@@ -76,8 +77,7 @@ def _read_elements(ref: TensorRef, dt: torch.dtype) -> torch.Tensor:
         return torch.empty(ref.shape, dtype=dt)
     # Read only the span of the storage this tensor covers, not the whole storage.
     span = 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride, strict=True))
-    raw = ref.storage.source.read(ref.offset * itemsize, span * itemsize)
-    flat = torch.frombuffer(raw, dtype=torch.uint8)
+    flat = storage_bytes(ref.storage, ref.offset * itemsize, span * itemsize)
     if ref.storage.big_endian and itemsize > 1:
         flat = flat.view(-1, itemsize).flip(1).reshape(-1)
     flat = flat.view(dt)
@@ -92,8 +92,37 @@ def _read_elements(ref: TensorRef, dt: torch.dtype) -> torch.Tensor:
     return tensor
 
 
+def storage_bytes(storage: StorageRef, start: int, size: int) -> torch.Tensor:
+    """``size`` bytes of a storage from ``start``, as a flat uint8 CPU tensor.
+
+    Inside a ``load`` session with ``mmap`` on, a copy-on-write view of the mapped file
+    where the bytes allow it (little-endian, aligned, in a file); else one read into
+    a buffer of its own.
+    """
+    source = storage.source
+    if source is None:
+        raise CkptError("tensor has no stored data (saved on the meta device)")
+    session = current_session()
+    if session is not None and session.mmap and not storage.big_endian:
+        view = map_span(source, start, size, storage.dtype.itemsize, session.maps)
+        if view is not None:
+            return view
+    return torch.frombuffer(source.read(start, size), dtype=torch.uint8)
+
+
+def plain_on_device(device: Any) -> bool:
+    """Whether ``device`` is a CUDA device a session stages to (pinned, overlapped)."""
+    return current_session() is not None and str(device).startswith("cuda")
+
+
 def load_tensor(ref: TensorRef, map_location: Any = "cpu") -> torch.Tensor:
     """Materialize one lazy tensor on the device ``map_location`` asks for."""
+    if not callable(map_location) or isinstance(map_location, (str, torch.device, dict)):
+        device = target_device(ref.device, map_location)
+        if plain_on_device(device):
+            from .fastload import load_on_device
+
+            return load_on_device(ref, device)
     tensor = _read_cpu(ref)
     if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
         moved = map_location(tensor.untyped_storage(), ref.device)
@@ -130,6 +159,12 @@ def place(tensor: torch.Tensor, device: Any) -> torch.Tensor:
 
 def load_sharded(ref: ShardedRef, map_location: Any = "cpu") -> torch.Tensor:
     """Assemble a sharded tensor's full value, one shard in memory at a time."""
+    if not callable(map_location) or isinstance(map_location, (str, torch.device, dict)):
+        device = target_device(ref.device, map_location)
+        if plain_on_device(device) or (current_session() is not None and len(ref.shards) > 1):
+            from .fastload import load_on_device
+
+            return load_on_device(ref, device)  # each shard read into its place
     out = None
     for shard in ref.shards:
         block = shard.tensor.load("cpu")

@@ -666,9 +666,12 @@ def get_path(node: Any, path: KeyPath) -> Any:
     return node
 
 
-@dataclass
-class Checkpoint:
+@dataclass(repr=False)
+class Checkpoint(Mapping):
     """What a reader returns: the lazy tree plus what it learned on the way.
+
+    A read-only mapping over its root, as ``torch.load`` would return it (``ckpt["model"]``,
+    ``ckpt.keys()``), its values lazy: tensors are :class:`TensorRef` & co. until loaded.
 
     Attributes:
         format: A format id from the contract (``torch-zip``, ``dcp``, ...).
@@ -692,6 +695,41 @@ class Checkpoint:
     unverified: list[str] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     model_path: KeyPath | None = None
+
+    def _container(self) -> Any:
+        root = self.root
+        return root if isinstance(root, Mapping) else dict(children(root))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._container()[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._container())
+
+    def __len__(self) -> int:
+        return len(self._container())
+
+    def __repr__(self) -> str:
+        # short at any size: a 70B folder has thousands of tensors and dozens of files
+        files = [os.path.basename(f) for f in self.files]
+        shown_files = repr(files[:2])[:-1] + (
+            f", ... +{len(files) - 2}]" if len(files) > 2 else "]"
+        )
+        keys = [str(k) for k in list(self._container())[: MAX_REPR_KEYS + 1]]
+        shown_keys = ", ".join(
+            repr(k if len(k) <= 40 else k[:39] + "…") for k in keys[:MAX_REPR_KEYS]
+        )
+        if len(keys) > MAX_REPR_KEYS:
+            shown_keys += f", ... +{len(self) - MAX_REPR_KEYS}"
+        tensors = sum(1 for _ in iter_tensors(self.root))
+        world = f", world_size={self.world_size}" if self.world_size else ""
+        return (
+            f"Checkpoint(format={self.format!r}, files={shown_files}{world}, "
+            f"tensors={tensors}, keys=[{shown_keys}])"
+        )
+
+
+MAX_REPR_KEYS = 6
 
 
 def verdicts(*parts: Checkpoint) -> dict[str, list[str]]:

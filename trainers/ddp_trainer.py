@@ -61,8 +61,8 @@ from snapshot_io import (
     optim_state_by_index,
     optim_state_by_name,
     set_rng_state,
-    strip_wrapper_prefixes,
-    unpack_snapshot,
+    snapshot_layout,
+    snapshot_part,
     write_complete_marker,
 )
 from tinytask import build_task
@@ -185,15 +185,7 @@ class Trainer:
         # Load the snapshot before wrapping: the bare model's keys have no "module." and
         # FSDP then shards the restored weights instead of random ones.
         self.epochs_run = 0
-        snapshot = self._load_snapshot(args.resume)
-        if snapshot is not None:
-            try:
-                model.load_state_dict(snapshot.model)
-            except RuntimeError as e:
-                sys.exit(
-                    f"ddp_trainer.py: the snapshot's weights do not fit --model {args.model} "
-                    f"--dim {args.dim} --layers {args.layers}: {' '.join(str(e).split())[:400]}"
-                )
+        snapshot = self._load_snapshot(args.resume, model)
 
         if args.save_format == "ddp":
             self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -238,19 +230,33 @@ class Trainer:
             return latest["paths"][min(self.rank, len(latest["paths"]) - 1)]
         return latest["paths"] if latest["format"] == "sharded" else latest["paths"][0]
 
-    def _load_snapshot(self, resume: str) -> Snapshot | None:
+    def _load_snapshot(self, resume: str, model: torch.nn.Module) -> Snapshot | None:
+        """Copy the snapshot's weights into ``model`` and return the rest of its state."""
         source = self._resume_source(resume)
         if source is None:
             log("starting fresh")
             return None
-        # ckpttool is the safe reader: no code from the file runs, and sharded tensors
-        # (ShardedTensor, DTensor, DCP) come back merged into full tensors on our device.
+        # ckpttool is the safe reader: no code from the file runs. load_into reads each
+        # weight straight into the parameter on our device (sharded tensors merged on the
+        # way), never the whole snapshot in memory; the rest is loaded as plain data.
         try:
-            snapshot = unpack_snapshot(
-                ckpttool.load(source, map_location=self.device, select="all")
+            ckpt = ckpttool.read(source)
+            layout = snapshot_layout(ckpt)
+            ckpttool.load_into(model, ckpt, select=".".join(layout[0]) if layout else "auto")
+            if layout is None:  # a plain weights file: train on from those weights
+                snapshot = Snapshot({})
+            else:
+                parts = [snapshot_part(ckpt, path) for path in layout[1:]]
+                optimizer, scheduler, epochs_run, rng = (
+                    None if part is None else ckpttool.materialize(part, self.device)
+                    for part in parts
+                )
+                snapshot = Snapshot({}, optimizer, scheduler, int(epochs_run or 0), rng)
+        except ckpttool.StateMismatchError as e:
+            sys.exit(
+                f"ddp_trainer.py: the snapshot's weights do not fit --model {self.args.model} "
+                f"--dim {self.args.dim} --layers {self.args.layers}: {str(e)[:400]}"
             )
-            if snapshot is None:  # a plain weights file: train on from those weights
-                snapshot = Snapshot(ckpttool.load(source, map_location=self.device))
         except ckpttool.CkptError as e:
             sys.exit(f"ddp_trainer.py: cannot resume: {e}")
         shown = source if isinstance(source, str) else f"{source[0]} (+{len(source) - 1})"
@@ -258,7 +264,7 @@ class Trainer:
             f"resuming from {shown} after {snapshot.epochs_run} epoch(s) "
             f"(epochs 0-{snapshot.epochs_run - 1} done)"
         )
-        return snapshot._replace(model=strip_wrapper_prefixes(snapshot.model))
+        return snapshot
 
     def _restore_training_state(self, snapshot: Snapshot) -> None:
         self.epochs_run = snapshot.epochs_run

@@ -140,13 +140,27 @@ def _get(tree, path: tuple):
     return tree
 
 
+def snapshot_layout(snapshot: object) -> tuple | None:
+    """The entry of ``SNAPSHOT_LAYOUTS`` that ``snapshot`` follows (where its parts are),
+    or None. Works on a lazy ``ckpttool.read`` tree as on loaded data."""
+    for layout in SNAPSHOT_LAYOUTS:
+        if isinstance(_get(snapshot, layout[0]), Mapping):
+            return layout
+    return None
+
+
+def snapshot_part(snapshot: object, path: tuple):
+    """One part of a snapshot by its layout path (``"*"``: the one value there), or None."""
+    return _get(snapshot, path)
+
+
 def unpack_snapshot(snapshot: object) -> Snapshot | None:
     """Find the parts of a snapshot of any known layout; None if it is none of them."""
-    for layout in SNAPSHOT_LAYOUTS:
-        model, optimizer, scheduler, epochs_run, rng = (_get(snapshot, p) for p in layout)
-        if isinstance(model, Mapping):
-            return Snapshot(model, optimizer, scheduler, int(epochs_run or 0), rng)
-    return None
+    layout = snapshot_layout(snapshot)
+    if layout is None:
+        return None
+    model, optimizer, scheduler, epochs_run, rng = (_get(snapshot, p) for p in layout)
+    return Snapshot(model, optimizer, scheduler, int(epochs_run or 0), rng)
 
 
 def strip_wrapper_prefixes(state_dict: dict) -> dict:

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
-from ..errors import CkptError, UnsafeError, translate_errors
+from ..errors import CkptError, InputNotFoundError, UnsafeError, translate_errors
 from ..tree import Checkpoint
 from ..unpickler import split_seen
 from . import (
@@ -73,7 +73,7 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
         if not os.path.exists(path) and glob.has_magic(path):
             matches = sorted(glob.glob(path))
             if not matches:
-                raise CkptError("no file matches this pattern", path=path)
+                raise InputNotFoundError("no file matches this pattern", path=path)
             out.extend(matches)
         else:
             out.append(path)
@@ -168,7 +168,7 @@ def _read_rank(path: str, unsafe: bool) -> Checkpoint:
 
 def _read_one(path: str, unsafe: bool) -> Checkpoint:
     if not os.path.exists(path):
-        raise CkptError("no such file or directory", path=path)
+        raise InputNotFoundError("no such file or directory", path=path)
     if os.path.isdir(path):
         rule = run_folders.find_rule(path)  # a framework's run folder: its model by rule
         if rule is not None:

@@ -65,9 +65,7 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         # each tensor entry names its data_offsets once: a different count means a key
         # given twice (json keeps the last one silently; another reader may take the
         # first), or a header to look at closely
-        if isinstance(header, dict) and entries != len(header) - (
-            "__metadata__" in header
-        ):
+        if isinstance(header, dict) and entries != len(header) - ("__metadata__" in header):
             header = json.loads(raw, object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
         raise CkptError(

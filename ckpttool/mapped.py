@@ -1,0 +1,199 @@
+"""Tensor bytes straight from their file: mapped copy-on-write, or read into a given buffer.
+
+``ckpttool.load`` maps a file once per call (``MAP_PRIVATE``, as ``torch.load(mmap=True)`` and
+safetensors do) and hands out views of it: nothing is read until a page is touched,
+and writing to a loaded tensor copies that page instead of changing the file. The
+map lives as long as a tensor uses it; the file may be closed, renamed or deleted.
+
+torch is imported only where a map is made (a tensor is being built anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import CkptError
+from .tree import ByteSource, OpenFiles
+
+
+def _file_map(fd: int, path: str, maps: dict[tuple, Any]) -> Any:
+    # One map per version of a file (device, inode, size, mtime) and per load: writes
+    # to the tensors of one load (private pages) must not show in another's.
+    import torch
+
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    found = maps.get(key)
+    if found is None:
+        # torch's own map (what torch.load(mmap=True) uses): MAP_PRIVATE, and unlike
+        # Python's mmap it keeps no descriptor open while tensors use it. Mapped
+        # through our descriptor, so it is the file whose size was just checked.
+        proc = f"/proc/self/fd/{fd}"
+        try:
+            found = torch.UntypedStorage.from_file(
+                proc if os.path.exists(proc) else path, shared=False, nbytes=st.st_size
+            )
+        except (OSError, RuntimeError) as exc:
+            raise CkptError(f"cannot map the file ({exc})", path=path) from None
+        maps[key] = found
+    return found
+
+
+def map_span(
+    source: ByteSource, start: int, size: int, itemsize: int, maps: dict[tuple, Any]
+) -> Any | None:
+    """A copy-on-write view of ``size`` bytes at ``start`` of ``source``: a flat uint8
+    CPU tensor whose memory is the file's pages, each read when first touched.
+
+    Returns None where mapping does not apply: bytes held in memory, nothing to map,
+    or a file offset that is not a multiple of ``itemsize`` (legacy files store
+    tensors at any byte; a misaligned tensor would be slow or refused by kernels).
+    ``maps`` holds the maps made so far (one per file), for the views to share.
+
+    Raises:
+        CkptError: The span lies outside the stored bytes or past the end of the file
+            (it is checked against the file's size before anything is mapped).
+    """
+    import torch
+
+    if source.data is not None or source.path is None or size <= 0:
+        return None
+    if start < 0 or start + size > source.length:
+        raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+    try:
+        fd = os.open(source.path, os.O_RDONLY)
+    except OSError as exc:
+        raise CkptError(f"cannot read ({exc.strerror})", path=source.path) from None
+    try:
+        source.resolve(fd)
+        begin = source.offset + start
+        if begin % itemsize:
+            return None
+        end = begin + size
+        file_size = os.fstat(fd).st_size
+        if end > file_size:
+            raise CkptError(
+                f"tensor data runs {end - file_size} bytes past the end of the file (truncated?)",
+                path=source.path,
+            )
+        storage = _file_map(fd, source.path, maps)[begin:end]
+    finally:
+        os.close(fd)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class Reader:
+    """Reads spans of many sources into caller-owned buffers, files kept open meanwhile.
+
+    Used where the destination exists already (a model's parameter, a pinned staging
+    buffer): the bytes go from the page cache into it, with no buffer in between.
+    """
+
+    def __init__(self) -> None:
+        self._files = OpenFiles()
+
+    def read_into(self, source: ByteSource, start: int, view: Any) -> None:
+        """Fill the writable buffer ``view`` with the bytes of ``source`` from ``start``."""
+        view = memoryview(view).cast("B")
+        size = len(view)
+        if start < 0 or start + size > source.length:
+            raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+        if source.data is not None:
+            view[:] = memoryview(source.data)[start : start + size]
+            return
+        try:
+            fd = self._files.fd(source.path)  # type: ignore[arg-type]
+        except OSError as exc:
+            raise CkptError(f"cannot read ({exc.strerror})", path=source.path) from None
+        source.resolve(fd)
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [view[done:]], source.offset + start + done)
+            if n <= 0:
+                raise CkptError(
+                    f"file ends {size - done} bytes early (truncated?)", path=source.path
+                )
+            done += n
+
+    def close(self) -> None:
+        self._files.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LoadSession:
+    """How tensors are read during one ``load`` / ``open`` / ``load_into`` call.
+
+    Attributes:
+        mmap: Map tensor bytes from their file where the format allows it.
+        reader: Open files for reads into existing buffers.
+        stagers: Pinned staging buffers per CUDA device (made on first use).
+    """
+
+    def __init__(self, mmap: bool = True) -> None:
+        self.mmap = mmap
+        self.reader = Reader()
+        self.stagers: dict[str, Any] = {}
+        self.maps: dict[tuple, Any] = {}  # file maps; the tensors keep them alive after close
+
+    def settle(self) -> None:
+        """Wait until every device copy in flight has landed (tensors handed out are whole)."""
+        for stager in self.stagers.values():
+            stager.finish()
+
+    def close(self) -> None:
+        """Wait for copies in flight, free staging buffers, close files."""
+        try:
+            for stager in self.stagers.values():
+                stager.finish()
+        finally:
+            self.stagers.clear()
+            self.maps.clear()
+            self.reader.close()
+
+
+_SESSION: contextvars.ContextVar[LoadSession | None] = contextvars.ContextVar(
+    "ckpttool_load_session", default=None
+)
+
+
+def current_session() -> LoadSession | None:
+    """The session of the ``load`` call in progress here, or None (CLI reads)."""
+    return _SESSION.get()
+
+
+@contextlib.contextmanager
+def loading(mmap: bool = True) -> Iterator[LoadSession]:
+    """Run the reads inside the ``with`` block as one session (see :class:`LoadSession`).
+
+    A session already in progress is reused, so nested calls share files and buffers.
+    """
+    outer = _SESSION.get()
+    if outer is not None and outer.mmap == mmap:
+        yield outer
+        return
+    session = LoadSession(mmap)
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
+        session.close()
+
+
+@contextlib.contextmanager
+def activated(session: LoadSession) -> Iterator[LoadSession]:
+    """Make ``session`` the current one inside the block (it stays open afterwards)."""
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
