@@ -9,7 +9,6 @@ nothing read from it needs it any more.
 from __future__ import annotations
 
 import os
-import tempfile
 import weakref
 from typing import Any
 
@@ -36,6 +35,8 @@ class FileInput:
         if own is not None:
             self.path = own
             return
+        import tempfile  # (imports random, shutil...: only for an in-memory input)
+
         fd, self.path = tempfile.mkstemp(prefix="ckpttool-", suffix=".input")
         # deleted when the last lazy tensor reading from it goes (see keep_alive)
         weakref.finalize(self, _unlink, self.path)
