@@ -1,8 +1,13 @@
-"""What the restricted unpickler refuses, and pickle shapes no checkpoint has.
+"""What the restricted unpickler refuses or cannot vouch for, and pickle shapes no
+checkpoint has.
 
-The refusal list is by name: a global whose module or name reaches the OS, the
-network, the interpreter or another deserializer. Nothing on this list is ever
-imported or called; the list only decides between "opaque" and "refused".
+Every global a pickle names is judged by its name, resolved as pickle resolves it
+(each part of a dotted name counts), and never imported: :func:`judge` says KNOWN (a
+plain value class on an allow-list), UNVERIFIED (on no list: read inert, and refused
+by the unpickler if the pickle calls it) or DANGEROUS (a module family or name that
+reaches the OS, processes, files, the network, the interpreter, a debugger or
+another deserializer: refused). The globals ckpttool rebuilds itself (tensors,
+containers) are decided before, in :mod:`ckpttool.unpickler`.
 """
 
 from __future__ import annotations
