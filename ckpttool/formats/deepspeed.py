@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import CkptError, UnsafeError
 from ..tree import Checkpoint, TensorRef, is_tensor
-from ..unpickler import split_seen
+from . import torch_zip
 from .deepspeed_flat import Piece, as_float32, rebuild
 from .deepspeed_zero import OPTIMIZER_STATE_DICT, PARTITIONED_GROUPS, ZeroLayout, int_value
 
@@ -125,18 +125,9 @@ class Reader:
             return archive.load(permissive=self.permissive, seen=self.seen)
 
     def checkpoint(self, root: Any, world_size: int | None) -> Checkpoint:
-        globals_, dangerous, unverified = split_seen(self.seen)
         # the model states first: what a reader of one file would be pointed at
         files = sorted(self.files, key=lambda p: not MODEL_STATES.match(os.path.basename(p)))
-        return Checkpoint(
-            format=FORMAT,
-            files=files,
-            root=root,
-            world_size=world_size,
-            globals=globals_,
-            dangerous=dangerous,
-            unverified=unverified,
-        )
+        return torch_zip.checkpoint(FORMAT, files, root, self.seen, world_size)
 
     def model_states(self, model_files: dict, rank: int, stage: int | None) -> tuple[str, Any]:
         """(file name, root) of a rank's model states: ZeRO-3 writes one per rank."""

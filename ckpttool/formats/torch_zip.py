@@ -21,13 +21,16 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     return checkpoint(FORMAT, [path], root, seen)
 
 
-def checkpoint(fmt: str, files: list[str], root: object, seen: set[str]) -> Checkpoint:
+def checkpoint(
+    fmt: str, files: list[str], root: object, seen: set[str], world_size: int | None = None
+) -> Checkpoint:
     """A Checkpoint from a safe unpickle's result and the globals it saw."""
     globals_, dangerous, unverified = split_seen(seen)
     return Checkpoint(
         format=fmt,
         files=files,
         root=root,
+        world_size=world_size,
         globals=globals_,
         dangerous=dangerous,
         unverified=unverified,
