@@ -15,6 +15,7 @@ it hands out. They report here, per thread (a context variable), while
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -76,6 +77,12 @@ UNPICKLE_SPACE_BASE = 256 << 20
 UNPICKLE_SPACE_PER_BYTE = 32
 
 
+# The limit is the process's: one read sets it at a time (reads in other threads wait,
+# a read inside a read keeps the outer one's), and each restores what it found.
+_LIMIT_LOCK = threading.RLock()
+_limit_depth = 0
+
+
 @contextlib.contextmanager
 def address_space_limit(pickle_size: int) -> Iterator[None]:
     """Bound what CPython's C unpickler itself may allocate while it reads one pickle.
@@ -87,23 +94,30 @@ def address_space_limit(pickle_size: int) -> Iterator[None]:
     process's address space is capped for the duration: such an allocation fails as a
     MemoryError, reported as a corrupt file. A no-op where the platform has no limits.
     """
-    try:
-        import resource
+    global _limit_depth
+    with _LIMIT_LOCK:
+        if _limit_depth:
+            yield
+            return
+        try:
+            import resource
 
-        with open("/proc/self/statm", "rb") as f:
-            mapped = int(f.read().split()[0]) * resource.getpagesize()
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    except (ImportError, OSError, ValueError):
-        yield
-        return
-    cap = mapped + UNPICKLE_SPACE_BASE + UNPICKLE_SPACE_PER_BYTE * max(pickle_size, 0)
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    if soft != resource.RLIM_INFINITY and soft <= cap:
-        yield  # already tighter than ours
-        return
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            with open("/proc/self/statm", "rb") as f:
+                mapped = int(f.read().split()[0]) * resource.getpagesize()
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        except (ImportError, OSError, ValueError):
+            yield
+            return
+        cap = mapped + UNPICKLE_SPACE_BASE + UNPICKLE_SPACE_PER_BYTE * max(pickle_size, 0)
+        if hard != resource.RLIM_INFINITY:
+            cap = min(cap, hard)
+        if soft != resource.RLIM_INFINITY and soft <= cap:
+            yield  # already tighter than ours
+            return
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+        _limit_depth += 1
+        try:
+            yield
+        finally:
+            _limit_depth -= 1
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
