@@ -152,7 +152,7 @@ KNOWN_CLASSES = frozenset(
     torch.torch_version.TorchVersion torch.nn.parameter.Parameter torch.Tensor
     torch._tensor.Tensor torch.per_tensor_affine torch.per_tensor_symmetric
     torch.per_channel_affine torch.per_channel_symmetric torch.per_channel_affine_float_qparams
-    """.split()
+    torch.distributed.remote_device._remote_device""".split()
 )
 # Packages whose classes (CapWords names: configs, enums, dataclasses) checkpoints hold.
 # A function there is judged like any other global.
@@ -197,6 +197,8 @@ def judge(module: str, name: str) -> str:
         return DANGEROUS
     if full in KNOWN_CLASSES or module.startswith("pathlib") or module == "builtins":
         return KNOWN  # (builtins left here are data types and exceptions)
+    if module.split(".", 1)[0] == "__torch__":
+        return KNOWN  # TorchScript's own type names: nothing Python can import
     if module == "torch._utils" and name.startswith("_rebuild_"):
         return KNOWN  # torch's own tensor rebuilders, all on weights_only's list
     if module.startswith("numpy.random") and name.startswith("__pyx_unpickle_"):

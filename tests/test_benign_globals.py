@@ -87,3 +87,35 @@ def test_trainer_arguments_read_without_unverified_globals(tmp_path):
     report = json.loads(proc.stdout)
     assert report["dangerous"] == [] and report["unverified"] == []
     assert "transformers.training_args.TrainingArguments" in report["globals"]
+
+
+# Checkpoints written by torch and the frameworks themselves (fixtures/): every global
+# they name is one ckpttool knows, so inspect's security line has nothing to flag.
+FRAMEWORK_FIXTURES = [
+    "composer/ep0-ba4-rank0.pt",
+    "fsdp_uneven/model-rank0.pt",
+    "dtensor/dt-rank0.pt",
+    "dcp",
+    "torch1/dcp",
+    "torch1/ep0-ba20-rank0.pt",
+    "torchscript/model.pt",
+    "legacy/model.pt",
+    "ddp/ep0-rank0.pt",
+    "snapshots/custom_objects.pt",
+    "accelerate/fsdp2",
+    "lightning/fsdp/last.ckpt",
+    "lightning/ddp/last.ckpt",
+    "megatron/gpt",
+    "megatron/nemo2/model",
+    "deepspeed/zero3",
+]
+
+
+@pytest.mark.parametrize("name", FRAMEWORK_FIXTURES)
+def test_framework_fixtures_name_no_unverified_global(name):
+    from conftest import FIXTURES
+
+    proc = run_cli("inspect", "--json", FIXTURES / name)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["dangerous"], report["unverified"]) == ([], []), name
