@@ -10,6 +10,9 @@ it hands out. They report here, per thread (a context variable), while
 * what constructors build from their arguments (``list(x)``, ``bytes(n)``): a few
   bytes of pickle can call ``list`` on one shared million-item list a thousand
   times, so every constructor charges a budget proportional to the pickle's size.
+
+And what the C unpickler may allocate on its own, before any of that runs
+(:func:`address_space_limit`).
 """
 
 from __future__ import annotations
