@@ -51,15 +51,21 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_many(argvs: list[list[str]]) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "-c", CORPUS_DRIVER],
-        input=json.dumps(argvs),
+def run_child(code: str, items: list, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -c code`` with ``items`` as JSON on its stdin (a hang guard, no timing)."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(items),
         capture_output=True,
         text=True,
         env=_env(),
         timeout=600,
+        cwd=cwd,
     )
+
+
+def run_many(argvs: list[list[str]]) -> list[dict]:
+    proc = run_child(CORPUS_DRIVER, argvs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -162,14 +168,7 @@ def test_outputs_of_valid_hostile_inputs_load_safely(corpus):
             folder = corpus[case.name]["folder"]
             outputs += [str(folder / "merged.pt"), str(folder / "conv.pt")]
     assert outputs
-    proc = subprocess.run(
-        [sys.executable, "-c", LOAD_BOTH_WAYS],
-        input=json.dumps(outputs),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-    )
+    proc = run_child(LOAD_BOTH_WAYS, outputs)
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
     for case in CASES:
         assert not (corpus[case.name]["folder"] / "marker").exists()
@@ -196,15 +195,7 @@ def test_live_payloads_act_under_a_plain_torch_load(tmp_path):
         folder = tmp_path / case.name
         folder.mkdir()
         paths.append(str(write_case(case, folder)))
-    subprocess.run(
-        [sys.executable, "-c", RUN_PAYLOADS],
-        input=json.dumps(paths),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-        cwd=tmp_path,
-    )
+    run_child(RUN_PAYLOADS, paths, cwd=tmp_path)
     for case in live:
         assert (tmp_path / case.name / "marker").exists(), case.name
 

@@ -185,6 +185,19 @@ def test_verl_missing_rank_file_is_named(tmp_path):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_verl_world_size_from_a_file_name_is_counted_not_listed(tmp_path):
+    # the world size is a number in a file name: a billion must not become a list
+    folder = tmp_path / "actor"
+    folder.mkdir()
+    for rank in (0, 1):
+        shutil.copy(
+            VERL / "ws2" / f"model_world_size_2_rank_{rank}.pt",
+            folder / f"model_world_size_1000000000_rank_{rank}.pt",
+        )
+    check_error(run_cli("inspect", folder), 2,
+                "rank file missing: model_world_size_1000000000_rank_2.pt")  # fmt: skip
+
+
 def test_verl_rank_files_of_two_world_sizes_are_refused_by_name(tmp_path):
     folder = tmp_path / "actor"
     shutil.copytree(VERL / "ws2", folder)

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CkptError, UnsafeError
+from ..stand_ins import check_shape
 from ..tree import Checkpoint, TensorRef, is_tensor
 from . import torch_zip
 from .deepspeed_flat import Piece, as_float32, rebuild
@@ -240,7 +241,8 @@ def _shape(name: Any, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, (tuple, list)) or not all(
         isinstance(d, int) and d >= 0 for d in shape
     ):
-        raise CkptError(f"corrupt shape recorded for {name!r}: {shape!r}")
+        raise CkptError(f"corrupt shape recorded for {name!r}: {shape!r:.80}")
+    check_shape(tuple(shape))  # (its element count feeds the partition arithmetic)
     return tuple(shape)
 
 

@@ -244,14 +244,17 @@ def _read_verl(folder: str, names: list[str], read_part: ReadPart, unsafe: bool)
             hint="pass one set as a quoted glob",
         )
     world_size = sizes[0]
+    if world_size < 1:
+        raise CkptError(f"rank files of world size {world_size}", path=folder)
     parts: dict[str, Checkpoint] = {}
     for kind in ("model", "optim", "extra_state"):
         by_rank = sets.get((kind, world_size))
         if by_rank is None:
             continue
-        missing = [r for r in range(world_size) if r not in by_rank]
-        if missing:
-            name = f"{kind}_world_size_{world_size}_rank_{missing[0]}.pt"
+        # the world size is a file name's number: count the ranks, never list them all
+        if sum(1 for r in by_rank if r < world_size) < world_size:
+            first = next(r for r in range(world_size) if r not in by_rank)
+            name = f"{kind}_world_size_{world_size}_rank_{first}.pt"
             raise CkptError(f"rank file missing: {name}", path=folder)
         files = [os.path.join(folder, by_rank[r]) for r in range(world_size)]
         if kind == "extra_state":  # each rank's own scheduler and RNG state, no shards
