@@ -15,7 +15,8 @@ from typing import Any
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError, translate_errors
 from .layout import model_key
-from .tree import NO_NUMBERS, OpenFiles, SparseRef, TensorRef, contiguous_stride
+from .sources import OpenFiles
+from .tree import NO_NUMBERS, SparseRef, TensorRef, contiguous_stride
 
 ProgressFactory = Callable[[int, str], Any]
 

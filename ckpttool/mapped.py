@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .errors import CkptError
-from .tree import ByteSource, OpenFiles
+from .sources import OpenFiles
+from .tree import ByteSource
 
 
 def _file_map(fd: int, path: str, maps: dict[tuple, Any]) -> Any:

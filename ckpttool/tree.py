@@ -197,36 +197,6 @@ class ByteSource:
         return buf
 
 
-MAX_OPEN_FILES = 64
-
-
-class OpenFiles:
-    """Read-only descriptors of input files, kept open while many blocks are read.
-
-    A per-rank merge or a diff reads thousands of blocks from the same few files: an
-    open and a close each would cost more than the read. At most ``MAX_OPEN_FILES``
-    stay open, least recently used closed first (a DCP folder from a thousand ranks
-    would otherwise reach the usual limit of 1024 descriptors per process).
-    """
-
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}  # least recently used first
-
-    def fd(self, path: str) -> int:
-        fd = self._fds.pop(path, None)
-        if fd is None:
-            if len(self._fds) >= MAX_OPEN_FILES:
-                os.close(self._fds.pop(next(iter(self._fds))))
-            fd = os.open(path, os.O_RDONLY)
-        self._fds[path] = fd
-        return fd
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
 @dataclass(eq=False)
 class StorageRef(Sealed):
     """One storage as torch saved it: ``numel`` elements of ``dtype`` on ``device``.

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CkptError
-from ..tree import OpenFiles
+from ..sources import OpenFiles
 
 Progress = Callable[[int], None]
 
