@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import UsageError, translate_errors
-from .output import DCP_FILES, HF_SHARDS, atomic_output, check_output, output_path
+from .output import atomic_output, check_output, output_path
+from .progress import ProgressFactory
 from .tree import DTYPES, DType
-from .writers import output_nbytes
+from .writers import WRITERS
 
-TARGETS = ("safetensors", "pt", "dcp")
+TARGETS = tuple(WRITERS)
 CAST_DTYPES = ("float32", "float16", "bfloat16")
 SIZE_UNITS = {
     "": 1,
@@ -29,8 +30,6 @@ SIZE_UNITS = {
     "TIB": 1024**4,
 }
 DEVICE_RE = re.compile(r"^(cpu|meta|(cuda|xpu|mps|npu|hpu)(:\d+)?)$")
-
-ProgressFactory = Callable[[int, str], Any]
 
 
 def parse_size(text: str | int) -> int:
@@ -139,6 +138,10 @@ def convert(
     shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
     cast: DType | None = DTYPES[dtype] if dtype else None
 
+    from .writers import writer_for
+    from .writers.plan import WriteOptions, write_plan
+
+    writer = writer_for(to)
     ckpt = read(paths, unsafe=unsafe)
     path, node = select_node(ckpt, select, strip_prefix)
     tensors = flatten_tensors(node, str(path[-1]) if path else "")
@@ -151,42 +154,24 @@ def convert(
         named_after = [os.path.dirname(os.path.abspath(inputs[0]))]
     else:
         named_after = inputs
-    folder_output = to == "dcp" or shard_limit is not None
+    options = WriteOptions(
+        cast=cast,
+        location=map_location or "cpu",
+        max_shard_size=shard_limit,
+        metadata={"source": os.path.basename(os.path.normpath(inputs[0]))},
+    )
+    layout = writer.layout(options)
     if out is None:
         out = default_output(named_after, to, shard_limit is not None)
-    elif not folder_output:  # -o DIR/: the default name inside it
+    elif layout is None:  # -o DIR/: the default name inside it
         name = os.path.basename(default_output(named_after, to, False, folder=out))
         out = output_path(out, name, folder_output=False)
     else:
         out = output_path(out, "", folder_output=True)
-    layout = DCP_FILES if to == "dcp" else HF_SHARDS if folder_output else None
     check_output(out, [*inputs, *ckpt.files], force=force, layout=layout)
-    total = sum(output_nbytes(leaf, cast) for leaf in tensors.values())
-    metadata = {"source": os.path.basename(os.path.normpath(inputs[0]))}
-
-    from contextlib import nullcontext
-
+    plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
+    total = plan.total_bytes
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
     with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
-        if to == "safetensors" and shard_limit is not None:
-            from .writers.safetensors import write_sharded
-
-            files = write_sharded(
-                tmp, tensors, shard_limit, cast=cast, metadata=metadata, progress=advance
-            )
-        elif to == "safetensors":
-            from .writers.safetensors import write_file
-
-            write_file(tmp, tensors, cast=cast, metadata=metadata, progress=advance)
-            files = [os.path.basename(out)]
-        elif to == "pt":
-            from .writers.torch_zip import write_torch
-
-            write_torch(tmp, tensors, cast=cast, location=map_location or "cpu", progress=advance)
-            files = [os.path.basename(out)]
-        else:
-            from .writers.dcp import DATA_FILE, METADATA_FILE, write_dcp
-
-            write_dcp(tmp, tensors, cast=cast, progress=advance)
-            files = [METADATA_FILE, DATA_FILE]
-    return ConvertResult(out, files, len(tensors), total)
+        write_plan(plan, tmp, advance)
+    return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total)

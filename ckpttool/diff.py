@@ -9,16 +9,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .errors import CkptError, UsageError, translate_errors
 from .layout import model_key
+from .progress import ProgressFactory
 from .sources import OpenFiles
 from .tree import NO_NUMBERS, SparseRef, TensorRef, contiguous_stride
-
-ProgressFactory = Callable[[int, str], Any]
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from .api import read, require_data
 from .errors import translate_errors
 from .output import atomic_output, check_output, output_path
 from .plain import stand_in_names
+from .progress import ProgressFactory
 from .tree import iter_tensors
 
 
@@ -29,7 +29,7 @@ def merge(
     *,
     force: bool = False,
     unsafe: bool = False,
-    progress: Any = None,
+    progress: ProgressFactory | None = None,
 ) -> MergeResult:
     """Write the whole nested structure with every sharded tensor (model AND optimizer) full.
 
@@ -49,6 +49,9 @@ def merge(
     """
     from contextlib import nullcontext
 
+    from .writers.plan import WriteOptions, write_plan
+    from .writers.torch_zip import plan as plan_torch
+
     ckpt = read(paths, unsafe=unsafe)
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     out = output_path(os.fspath(out), default_name(inputs, out), folder_output=False)
@@ -57,11 +60,11 @@ def merge(
     leaves = [leaf for _, leaf in iter_tensors(ckpt.root)]
     total = sum(leaf.nbytes for leaf in leaves)
     stand_ins = stand_in_names(ckpt.root)
-    bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
+    plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
+    description = f"writing {os.path.basename(out)}"
+    bar = progress(plan.total_bytes, description) if progress else nullcontext(None)
     with bar as advance, atomic_output(out, force=force) as tmp:
-        from .writers.torch_zip import write_torch
-
-        write_torch(tmp, ckpt.root, progress=advance)
+        write_plan(plan, tmp, advance)
     return MergeResult(out, len(leaves), total, stand_ins)
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
+from .progress import Progress
 from .stand_ins import Device, TorchName, TorchSize, global_name
 from .tree import (
     NO_NUMBERS,
@@ -27,7 +28,6 @@ from .tree import (
     iter_tensors,
 )
 
-Progress = Callable[[int], None]
 # --stats works on float64 copies of this many elements at a time (8 MiB)
 STATS_CHUNK = 1 << 20
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import io
 import os
-import struct
 import zipfile
 import zlib
 from typing import Any
 
 from ..errors import CkptError
+from ..zip_records import END as _END
+from ..zip_records import LOCAL_HEADER, ZIP_MAGIC
+from ..zip_records import ZIP64_END as _ZIP64_END
+from ..zip_records import ZIP64_LOCATOR as _ZIP64_LOCATOR
 
-ZIP_MAGIC = b"PK\x03\x04"
 # a central directory larger than this is not a checkpoint's (a few KB per thousand entries)
 MAX_DIRECTORY_BYTES = 1 << 30
 # general-purpose flag bits that change how an entry's bytes must be read; torch writes
@@ -39,7 +41,6 @@ ZIP_ERRORS = (
     NotImplementedError,
     RuntimeError,
 )
-LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
 def central_directory(path: str) -> bytes:
@@ -69,11 +70,6 @@ def central_directory(path: str) -> bytes:
             return b""
         f.seek(cd_offset)
         return f.read(cd_size)
-
-
-_END = struct.Struct("<IHHHHIIH")
-_ZIP64_LOCATOR = struct.Struct("<IIQI")
-_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
 
 
 class FileSpan(io.RawIOBase):

@@ -1,24 +1,57 @@
-"""Output writers, one module per format. Each streams tensors one at a time, so
-memory stays bounded by the largest tensor, never by the checkpoint."""
+"""Output writers, one module per output format, picked by ``--to`` from :data:`WRITERS`.
+
+Each writer module has the same surface:
+
+- ``TO``: the contract's ``--to`` value it writes;
+- ``layout(options)``: the :class:`~ckpttool.output.FolderLayout` of a folder output,
+  or None for one file;
+- ``plan(tensors, options)``: a :class:`~ckpttool.writers.plan.Plan` (files, pieces
+  at offsets, sizes) from the tensors' metadata alone;
+- ``write(part, out, progress)``: any part of that plan, at its offsets, into an
+  open :class:`OutputFile` (the same function for every writer: see ``plan.py``).
+
+Tensors stream one at a time, so memory stays bounded by the largest tensor, never
+by the checkpoint.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
-from ..errors import CkptError
+from ..errors import CkptError, UsageError
+from ..progress import Progress
 from ..tree import DType, SparseRef, TensorRef
-from .output_file import OutputFile, Progress
+from .output_file import OutputFile
 
 __all__ = [
+    "WRITERS",
     "OutputFile",
     "Progress",
     "output_dtype",
     "output_nbytes",
     "refuse_sparse",
     "write_leaf",
+    "writer_for",
 ]
+
+# --to value -> writer module, imported on first use (DCP's imports torch)
+WRITERS = {"safetensors": "safetensors", "pt": "torch_zip", "dcp": "dcp"}
+
+
+def writer_for(to: str) -> ModuleType:
+    """The writer module for a ``--to`` value.
+
+    Raises:
+        UsageError: No writer writes ``to``.
+    """
+    if to not in WRITERS:
+        raise UsageError(f"unknown --to {to!r}", hint=f"choose one of {', '.join(WRITERS)}")
+    return importlib.import_module(f".{WRITERS[to]}", __name__)
+
 
 CHUNK_BYTES = 16 << 20
 

@@ -1,13 +1,13 @@
 """Write a ``torch.distributed.checkpoint`` folder from a flat name -> tensor dict.
 
-Streams like ``FileSystemWriter`` does with one rank: every tensor is a
-``torch.save`` blob appended to ``__0_0.distcp``, described in ``.metadata``.
+Lays out what ``FileSystemWriter`` writes with one rank: every tensor is a
+``torch.save`` blob (here a torch zip planned by :func:`.torch_zip.plan_zip`, so
+its size is known before any byte is read) in ``__0_0.distcp``, described in
+``.metadata``.
 """
 
 from __future__ import annotations
 
-import io
-import os
 import pickle
 from typing import Any
 
@@ -21,47 +21,56 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..tree import DType
-from . import Progress, refuse_sparse, tensor_for_write
+from ..output import DCP_FILES, FolderLayout
+from ..tensors import torch_dtype
+from . import output_dtype, refuse_sparse
+from .plan import FilePlan, Piece, Plan, WriteOptions, write
+from .torch_zip import plan_zip
 
+__all__ = ["TO", "layout", "plan", "write"]
+
+TO = "dcp"
 DATA_FILE = "__0_0.distcp"
 METADATA_FILE = ".metadata"
 
 
-def write_dcp(
-    folder: str,
-    tensors: dict[str, Any],
-    *,
-    cast: DType | None = None,
-    progress: Progress | None = None,
-) -> None:
-    """Write ``tensors`` (name -> lazy leaf) as a one-rank DCP checkpoint into ``folder``."""
+def layout(options: WriteOptions) -> FolderLayout | None:
+    """A DCP checkpoint is a folder."""
+    return DCP_FILES
+
+
+def plan(tensors: dict[str, Any], options: WriteOptions) -> Plan:
+    """The data file (one blob per tensor, in key order), then ``.metadata`` naming them."""
     refuse_sparse(tensors, "DCP")
     entries: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    with open(os.path.join(folder, DATA_FILE), "wb") as f:
-        for name, leaf in tensors.items():
-            tensor = tensor_for_write(leaf, cast)
-            offset = f.tell()
-            blob = io.BytesIO()
-            torch.save(tensor, blob)
-            f.write(blob.getbuffer())
-            zeros = torch.Size([0] * tensor.dim())
-            entries[name] = TensorStorageMetadata(
-                properties=TensorProperties.create_from_tensor(tensor),
-                size=tensor.size(),
-                chunks=[ChunkStorageMetadata(offsets=zeros, sizes=tensor.size())],
-            )
-            storage[MetadataIndex(name, zeros, 0)] = _StorageInfo(
-                DATA_FILE, offset, f.tell() - offset
-            )
-            if progress:
-                progress(leaf.nbytes)
-            del tensor, blob
+    pieces: list[Piece] = []
+    offset = 0
+    for name, leaf in tensors.items():
+        blob, size = plan_zip(leaf, cast=options.cast, base=offset)
+        pieces += blob
+        dtype = output_dtype(leaf, options.cast)
+        shape = torch.Size(leaf.shape)
+        zeros = torch.Size([0] * len(shape))
+        # what TensorProperties.create_from_tensor gives for the tensor as loaded
+        grad = leaf.requires_grad and not leaf.sharded
+        grad = grad and (dtype.is_floating or dtype.name.startswith("complex"))
+        properties = TensorProperties(dtype=torch_dtype(dtype), requires_grad=grad)
+        entries[name] = TensorStorageMetadata(
+            properties=properties,
+            size=shape,
+            chunks=[ChunkStorageMetadata(offsets=zeros, sizes=shape)],
+        )
+        storage[MetadataIndex(name, zeros, 0)] = _StorageInfo(DATA_FILE, offset, size)
+        offset += size
     metadata = Metadata(
         state_dict_metadata=entries,
         planner_data={name: (name,) for name in tensors},
         storage_data=storage,
     )
-    with open(os.path.join(folder, METADATA_FILE), "wb") as f:
-        pickle.dump(metadata, f)
+    raw = pickle.dumps(metadata)
+    files = [
+        FilePlan(DATA_FILE, offset, pieces),
+        FilePlan(METADATA_FILE, len(raw), [Piece(0, len(raw), data=raw)]),
+    ]
+    return Plan(files, [METADATA_FILE, DATA_FILE])

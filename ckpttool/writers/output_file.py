@@ -16,6 +16,12 @@ and ext4 runs those one at a time, each waited for before the next starts; write
 into allocated blocks run side by side. (Same machine: 2 GiB durably written in
 about half the time.)
 
+A part of a file (``offset=``: one writer of several, each writing its part of a
+planned file that :func:`~ckpttool.writers.plan.allocate` created) starts at any
+offset and ends anywhere: its first buffer is cut short so that the next ones start
+aligned, and the unaligned ends (which share a block with the neighbouring parts, so
+they cannot be padded as the end of a whole file is) go through the page cache.
+
 Where ``O_DIRECT`` is missing or refused (not Linux, FUSE, older overlayfs and
 tmpfs) the same buffers are written through the page cache, and writeback of
 what is done is started as we go (``sync_file_range``), so the fsync waits only
@@ -30,14 +36,12 @@ import fcntl
 import mmap
 import os
 import zlib
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CkptError
+from ..progress import Progress
 from ..sources import OpenFiles
-
-Progress = Callable[[int], None]
 
 BUFFER_BYTES = 16 << 20  # one staging buffer
 BUFFERS = 4  # one being filled, up to three being written: a disk takes several at once
@@ -49,18 +53,31 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 class OutputFile:
     """An output file written front to back through a ring of staging buffers.
 
-    ``pos`` is the number of bytes written so far. ``patch`` rewrites bytes already
+    Args:
+        path: The file.
+        size_hint: Its final size where known (blocks allocated up front).
+        offset: Write a part of an existing file from this offset: the file is not
+            truncated, nothing past the part is touched. None (the default): the
+            whole file, from offset 0, cut off after the last byte written.
+
+    ``pos`` is the offset of the next byte written. ``patch`` rewrites bytes already
     written (a zip header field known only after its data). ``begin_crc32`` /
     ``end_crc32`` give the CRC-32 of the bytes written in between, computed as they
     pass, so nothing is read back.
     """
 
-    def __init__(self, path: str, size_hint: int = 0):
+    def __init__(self, path: str, size_hint: int = 0, *, offset: int | None = None):
         self.path = path
-        self.fd, self.direct = _open_output(path)
-        if size_hint > 0:
+        self.whole = offset is None
+        start = offset or 0
+        if start < 0:
+            raise ValueError(f"negative offset {start}")
+        self.fd, self.direct = _open_output(path, truncate=self.whole)
+        # the unaligned ends of a part go through the page cache (see the module's doc)
+        self._plain_fd = os.open(path, os.O_WRONLY) if self.direct and not self.whole else None
+        if size_hint > 0 and self.whole:
             _preallocate(self.fd, size_hint)
-        self.pos = 0
+        self.pos = start
         self.inputs = OpenFiles()  # the files we copy from
         size = _round_up(BUFFER_BYTES)  # module constants, read here so tests can shrink them
         # page-aligned anonymous maps, as O_DIRECT needs; each view keeps its map alive
@@ -68,9 +85,10 @@ class OutputFile:
         self._pending: list[Future[None] | None] = [None] * len(self._views)
         self._writers = ThreadPoolExecutor(len(self._views) - 1, "ckpttool-write")
         self._current = 0  # index of the buffer being filled
-        self._base = 0  # file offset of its first byte (a multiple of the buffer size)
+        self._base = start  # file offset of its first byte (aligned but for a part's first)
         self._fill = 0  # bytes in it
-        self._written_back = 0
+        self._room_left = size - start % ALIGNMENT  # its capacity: the next one starts aligned
+        self._written_back = start
         self._crc: int | None = None
         self._patches: list[tuple[int, bytes]] = []  # for bytes the writers have
 
@@ -85,6 +103,8 @@ class OutputFile:
             self._writers.shutdown(wait=True)  # never close a file a write is still using
             self.inputs.close()
             os.close(self.fd)
+            if self._plain_fd is not None:
+                os.close(self._plain_fd)
             # the buffers are unmapped when the last view of them goes (a traceback
             # may still hold one, and closing an exported mmap raises)
 
@@ -117,7 +137,7 @@ class OutputFile:
     def _room(self, nbytes: int) -> memoryview:
         """Where the next bytes go: at most ``nbytes`` of the current buffer's free space."""
         view = self._views[self._current]
-        return view[self._fill : self._fill + min(nbytes, len(view) - self._fill)]
+        return view[self._fill : self._fill + min(nbytes, self._room_left - self._fill)]
 
     def _filled(self, view: memoryview) -> None:
         """``view`` (the next bytes of the current buffer) now holds data."""
@@ -125,7 +145,7 @@ class OutputFile:
             self._crc = zlib.crc32(view, self._crc)
         self._fill += len(view)
         self.pos += len(view)
-        if self._fill == len(self._views[self._current]):
+        if self._fill == self._room_left:
             self._flush()
 
     def _flush(self) -> None:
@@ -134,6 +154,7 @@ class OutputFile:
         self._pending[index] = self._writers.submit(self._write_out, index, self._base, self._fill)
         self._base += self._fill
         self._fill = 0
+        self._room_left = len(self._views[index])
         self._current = (index + 1) % len(self._views)
         self._wait(self._current)
         if not self.direct and self._base - self._written_back >= WRITEBACK_BYTES:
@@ -151,10 +172,14 @@ class OutputFile:
         """In a writer thread: ``nbytes`` of buffer ``index`` to ``offset`` of the file."""
         # read once: another writer thread may give O_DIRECT up while this one writes
         direct = self.direct
+        fd = self.fd
+        if direct and not self.whole and (offset % ALIGNMENT or nbytes % ALIGNMENT):
+            # a part's unaligned end: padding it would write over the next part
+            direct, fd = False, self._plain_fd
         view = self._views[index][: _round_up(nbytes) if direct else nbytes]
         while len(view):
             try:
-                n = os.pwrite(self.fd, view, offset)
+                n = os.pwrite(fd, view, offset)
             except OSError as exc:
                 if not (direct and exc.errno == errno.EINVAL):
                     raise
@@ -176,7 +201,7 @@ class OutputFile:
             self._flush()
         self._wait()
         self._apply_patches()
-        if os.fstat(self.fd).st_size != end:
+        if self.whole and os.fstat(self.fd).st_size != end:
             os.ftruncate(self.fd, end)
 
     # ------------------------------------------------------------ checksums, patches
@@ -221,8 +246,8 @@ class OutputFile:
                 os.close(fd)
 
 
-def _open_output(path: str) -> tuple[int, bool]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+def _open_output(path: str, *, truncate: bool = True) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
     if _O_DIRECT:
         try:
             return os.open(path, flags | _O_DIRECT, 0o644), True

@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from ..errors import CkptError
+from ..output import HF_SHARDS, FolderLayout
 from ..tree import DType
-from . import OutputFile, Progress, output_dtype, output_nbytes, refuse_sparse, write_leaf
+from . import output_dtype, refuse_sparse
+from .plan import FilePlan, Piece, Plan, WriteOptions, write
 
+__all__ = ["TO", "layout", "plan", "write"]
+
+TO = "safetensors"
 SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 HEADER_ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte aligned
+
+
+def layout(options: WriteOptions) -> FolderLayout | None:
+    """Shards and their index go into a folder; without a shard size, one file."""
+    return HF_SHARDS if options.max_shard_size is not None else None
+
+
+def plan(tensors: dict[str, Any], options: WriteOptions) -> Plan:
+    """One file, or shards of at most ``options.max_shard_size`` bytes and their index."""
+    check_dtypes(tensors, options.cast)
+    if options.max_shard_size is None:
+        return Plan([plan_file("", tensors, options)])
+    return plan_sharded(tensors, options)
 
 
 def check_dtypes(tensors: dict[str, Any], cast: DType | None) -> None:
@@ -50,25 +66,18 @@ def header_bytes(tensors: dict[str, Any], cast: DType | None, metadata: dict[str
     return len(raw).to_bytes(8, "little") + raw
 
 
-def write_file(
-    path: str,
-    tensors: dict[str, Any],
-    *,
-    cast: DType | None = None,
-    metadata: dict[str, str] | None = None,
-    progress: Progress | None = None,
-) -> None:
-    """Write ``tensors`` (name -> lazy leaf) to one safetensors file, one tensor at a time."""
-    check_dtypes(tensors, cast)
-    header = header_bytes(tensors, cast, metadata or {})
-    size = len(header) + sum(output_nbytes(leaf, cast) for leaf in tensors.values())
-    with OutputFile(path, size_hint=size) as out:
-        out.write(header)
-        for leaf in tensors.values():
-            write_leaf(out, leaf, cast, progress)
+def plan_file(name: str, tensors: dict[str, Any], options: WriteOptions) -> FilePlan:
+    """One safetensors file: its header, then every tensor's bytes in key order."""
+    header = header_bytes(tensors, options.cast, dict(options.metadata))
+    pieces, offset = [Piece(0, len(header), data=header)], len(header)
+    for leaf in tensors.values():
+        nbytes = leaf.numel * output_dtype(leaf, options.cast).itemsize
+        pieces.append(Piece(offset, nbytes, leaf=leaf, cast=options.cast))
+        offset += nbytes
+    return FilePlan(name, offset, pieces)
 
 
-def plan_shards(
+def shard_names(
     tensors: dict[str, Any], cast: DType | None, max_shard_size: int
 ) -> list[list[str]]:
     """Greedy in key order; a tensor larger than the limit gets a shard of its own."""
@@ -84,34 +93,18 @@ def plan_shards(
     return shards or [[]]
 
 
-def write_sharded(
-    folder: str,
-    tensors: dict[str, Any],
-    max_shard_size: int,
-    *,
-    cast: DType | None = None,
-    metadata: dict[str, str] | None = None,
-    progress: Progress | None = None,
-) -> list[str]:
-    """Write Hugging Face style shards and their index into ``folder``; return the file names."""
-    check_dtypes(tensors, cast)
-    plan = plan_shards(tensors, cast, max_shard_size)
-    weight_map: dict[str, str] = {}
-    names = []
-    for index, shard in enumerate(plan, start=1):
-        name = SHARD_NAME.format(index=index, count=len(plan))
-        write_file(
-            os.path.join(folder, name),
-            {k: tensors[k] for k in shard},
-            cast=cast,
-            metadata=metadata,
-            progress=progress,
-        )
-        weight_map.update(dict.fromkeys(shard, name))
-        names.append(name)
-    total = sum(leaf.numel * output_dtype(leaf, cast).itemsize for leaf in tensors.values())
+def plan_sharded(tensors: dict[str, Any], options: WriteOptions) -> Plan:
+    """Hugging Face style shards, then their index (written last: it names them)."""
+    if options.max_shard_size is None:
+        raise ValueError("plan_sharded needs options.max_shard_size")
+    shards = shard_names(tensors, options.cast, options.max_shard_size)
+    files, weight_map = [], {}
+    for index, keys in enumerate(shards, start=1):
+        name = SHARD_NAME.format(index=index, count=len(shards))
+        files.append(plan_file(name, {k: tensors[k] for k in keys}, options))
+        weight_map.update(dict.fromkeys(keys, name))
+    total = sum(f.size - f.pieces[0].nbytes for f in files)  # the tensors' bytes
     index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with open(os.path.join(folder, INDEX_NAME), "w", encoding="utf-8") as f:
-        json.dump(index_doc, f, indent=2)
-        f.write("\n")
-    return [*names, INDEX_NAME]
+    raw = (json.dumps(index_doc, indent=2) + "\n").encode()
+    files.append(FilePlan(INDEX_NAME, len(raw), [Piece(0, len(raw), data=raw)]))
+    return Plan(files, [f.name for f in files])

@@ -1,24 +1,28 @@
 """Write a ``torch.save``-compatible zip, streaming one tensor at a time, without torch.
 
-``torch.save`` needs the whole object in memory; this writer copies each tensor's
-bytes into its own ``archive/data/<key>`` entry as it goes (straight from the input
-file where the bytes are stored as they are, see :func:`write_leaf`) and pickles the structure
-last. The pickle names torch's rebuild functions, storage classes, dtypes and
-devices as globals, exactly as ``torch.save`` does, so ``torch.load(weights_only=True)``
-(and ``mmap=True``) read it, yet torch is never imported unless a tensor must be
-cast or gathered.
+``torch.save`` needs the whole object in memory; this writer plans first (every
+tensor's key and ``archive/data/<key>`` entry at its offset, then the pickle of the
+structure that refers to them, all from metadata), then copies each tensor's bytes
+into its entry (straight from the input file where the bytes are stored as they are,
+see :func:`write_leaf`), then the CRCs and the central directory. The pickle names
+torch's rebuild functions, storage classes, dtypes and devices as globals, exactly
+as ``torch.save`` does, so ``torch.load(weights_only=True)`` (and ``mmap=True``) read
+it, yet torch is never imported unless a tensor must be cast or gathered.
 """
 
 from __future__ import annotations
 
 import codecs
 import collections
+import functools
 import io
 import pickle
 import struct
+import zlib
 from typing import Any
 
 from ..errors import CkptError
+from ..output import FolderLayout
 from ..plain import TorchValue, to_plain
 from ..stand_ins import TORCH_LAYOUTS, Device, TorchName, TorchSize
 from ..tree import (
@@ -29,9 +33,34 @@ from ..tree import (
     StorageRef,
     TensorRef,
     check_dtype,
-    iter_tensors,
 )
-from . import OutputFile, Progress, output_dtype, output_nbytes, write_leaf
+from ..zip_records import (
+    CENTRAL_HEADER,
+    CENTRAL_HEADER_SIGNATURE,
+    END,
+    END_SIGNATURE,
+    LOCAL_HEADER,
+    LOCAL_HEADER_SIGNATURE,
+    ZIP64_END,
+    ZIP64_END_SIGNATURE,
+    ZIP64_LOCATOR,
+    ZIP64_LOCATOR_SIGNATURE,
+)
+from . import output_dtype
+from .plan import Crcs, FilePlan, Piece, Plan, Progress, WriteOptions, write, write_plan
+
+__all__ = [
+    "TO",
+    "WRITABLE_GLOBALS",
+    "check_writable",
+    "layout",
+    "plan",
+    "plan_zip",
+    "write",
+    "write_torch",
+]
+
+TO = "pt"
 
 ARCHIVE = "archive"
 ALIGNMENT = 64  # torch aligns tensor data to 64 bytes so torch.load(mmap=True) can map it
@@ -220,11 +249,6 @@ _PICKLED_GLOBALS = (collections.OrderedDict, codecs.encode, set, bytearray, comp
 
 # ---------------------------------------------------------------- the zip container
 
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # 30 bytes, then name and extra
-_CENTRAL_HEADER = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
-_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
-_ZIP64_LOCATOR = struct.Struct("<IIQI")
-_END = struct.Struct("<IHHHHIIH")
 _ZIP64_VERSION = 45
 _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01, as zipfile and torch write
 _ZIP64_LIMIT = (1 << 31) - 1  # as Python's zipfile: sizes and offsets past this use zip64
@@ -234,110 +258,136 @@ _LOCAL_EXTRA = 20 + 4  # zip64 sizes, then the padding field's header
 
 
 class _Entry:
-    def __init__(self, name: bytes, header_offset: int, size: int):
+    def __init__(self, name: bytes, header_offset: int, size: int, crc: int | None):
         self.name, self.header_offset, self.size = name, header_offset, size
+        self.crc = crc  # None: known once its data is written (a tensor's)
         self.data_offset = 0
-        self.crc = 0
 
 
-class ZipWriter:
-    """A stored (uncompressed) zip written front to back, its data 64-byte aligned.
+class _ZipLayout:
+    """A stored (uncompressed) zip laid out as pieces, its data 64-byte aligned.
 
-    Each entry's size is declared before its data and its CRC-32, computed as the
-    data passes, patched in after: the data streams through once, nothing is held
-    or read back. Every local header carries zip64 sizes.
+    Each entry's size is declared before its data; a tensor's CRC-32, computed as its
+    bytes are written, goes into its local header and the central directory after:
+    the data streams through once, nothing is held or read back. Every local header
+    carries zip64 sizes. ``base`` is where the zip starts in its file (a DCP blob):
+    the zip's own offsets count from there, the pieces' from the file's start.
     """
 
-    def __init__(self, out: OutputFile):
-        self.out = out
+    def __init__(self, base: int = 0):
+        self.base = base
+        self.pos = 0  # from the zip's start
+        self.pieces: list[Piece] = []
         self.entries: list[_Entry] = []
 
-    def begin(self, name: str, size: int) -> _Entry:
-        raw = name.encode()
-        entry = _Entry(raw, self.out.pos, size)
-        header_end = entry.header_offset + _LOCAL_HEADER.size + len(raw) + _LOCAL_EXTRA
+    def _header(self, entry: _Entry) -> bytes:
+        header_end = entry.header_offset + LOCAL_HEADER.size + len(entry.name) + _LOCAL_EXTRA
         pad = -header_end % ALIGNMENT
-        extra = struct.pack("<HHQQHH", 1, 16, size, size, _PAD_ID, pad) + b"Z" * pad
+        extra = struct.pack("<HHQQHH", 1, 16, entry.size, entry.size, _PAD_ID, pad) + b"Z" * pad
         # fmt: off
-        header = _LOCAL_HEADER.pack(
-            0x04034B50, _ZIP64_VERSION, 0, 0, 0, _DOS_DATE,  # signature .. date
-            0, 0xFFFFFFFF, 0xFFFFFFFF,  # CRC (patched in at close), sizes (in the extra)
-            len(raw), len(extra),
+        header = LOCAL_HEADER.pack(
+            LOCAL_HEADER_SIGNATURE, _ZIP64_VERSION, 0, 0, 0, _DOS_DATE,  # signature .. date
+            entry.crc or 0, 0xFFFFFFFF, 0xFFFFFFFF,  # CRC, sizes (in the extra)
+            len(entry.name), len(extra),
         )
         # fmt: on
-        self.out.write(header + raw + extra)
-        entry.data_offset = self.out.pos
-        self.out.begin_crc32()
-        return entry
+        return header + entry.name + extra
 
-    def end(self, entry: _Entry) -> None:
-        """Close the entry whose data was just written."""
-        if self.out.pos - entry.data_offset != entry.size:
-            raise CkptError(
-                f"internal error: {self.out.pos - entry.data_offset} bytes written for "
-                f"{entry.name.decode()}, {entry.size} declared"
-            )
-        entry.crc = self.out.end_crc32()
-        self.out.patch(entry.header_offset + _CRC_OFFSET, struct.pack("<I", entry.crc))
+    def _bytes(self, data: bytes) -> None:
+        self.pieces.append(Piece(self.base + self.pos, len(data), data=data))
+        self.pos += len(data)
+
+    def add_tensor(self, name: str, size: int, leaf: Any, cast: DType | None, check: Any) -> None:
+        """An entry whose data is a tensor's output bytes (their CRC known once written)."""
+        entry = _Entry(name.encode(), self.pos, size, None)
+        header = self._header(entry)
+        entry.data_offset = self.pos + len(header)
+        data_at = self.base + entry.data_offset
+        self._bytes(header[:_CRC_OFFSET])
+        crc = functools.partial(_crc_field, data_at)
+        self.pieces.append(Piece(self.base + self.pos, 4, build=crc, needs=(data_at,)))
+        self.pos += 4
+        self._bytes(header[_CRC_OFFSET + 4 :])
+        self.pieces.append(Piece(data_at, size, leaf=leaf, cast=cast, crc=True, check=check))
+        self.pos += size
         self.entries.append(entry)
 
-    def add(self, name: str, data: bytes) -> None:
-        entry = self.begin(name, len(data))
-        self.out.write(data)
-        self.end(entry)
+    def add_bytes(self, name: str, data: bytes) -> None:
+        """An entry whose data is known now."""
+        entry = _Entry(name.encode(), self.pos, len(data), zlib.crc32(data))
+        header = self._header(entry)
+        entry.data_offset = self.pos + len(header)
+        self._bytes(header + data)
+        self.entries.append(entry)
 
     def close(self) -> None:
-        """Write the central directory (and zip64 end records if needed)."""
-        directory = bytearray()
-        for entry in self.entries:
-            big_size, big_offset = entry.size > _ZIP64_LIMIT, entry.header_offset > _ZIP64_LIMIT
-            values = (entry.size, entry.size) * big_size + (entry.header_offset,) * big_offset
-            zip64 = struct.pack(f"<HH{len(values)}Q", 1, 8 * len(values), *values)
-            extra = zip64 if values else b""
-            # fmt: off
-            directory += _CENTRAL_HEADER.pack(
-                0x02014B50, (3 << 8) | _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, 0, _DOS_DATE,
-                entry.crc,
-                0xFFFFFFFF if big_size else entry.size, 0xFFFFFFFF if big_size else entry.size,
-                len(entry.name), len(extra), 0, 0, 0, 0o644 << 16,  # name .. external attrs
-                0xFFFFFFFF if big_offset else entry.header_offset,
-            ) + entry.name + extra
-            # fmt: on
-        offset, size, count = self.out.pos, len(directory), len(self.entries)
-        if count > 0xFFFF or max(offset, size) > _ZIP64_LIMIT:
-            # fmt: off
-            directory += _ZIP64_END.pack(
-                0x06064B50, _ZIP64_END.size - 12, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0,
-                count, count, size, offset,
-            ) + _ZIP64_LOCATOR.pack(0x07064B50, 0, offset + size, 1)
-            # fmt: on
-            count, size, offset = min(count, 0xFFFF), min(size, 0xFFFFFFFF), 0xFFFFFFFF
-        directory += _END.pack(0x06054B50, 0, 0, count, count, size, offset, 0)
-        self.out.write(directory)
+        """The central directory (and zip64 end records if needed): built from the CRCs
+        once the tensors are written; its size is known now."""
+        needs = tuple(self.base + e.data_offset for e in self.entries if e.crc is None)
+        build = functools.partial(_directory, self.entries, self.base, self.pos)
+        size = len(build(dict.fromkeys(needs, 0)))
+        self.pieces.append(Piece(self.base + self.pos, size, build=build, needs=needs))
+        self.pos += size
 
 
-# ---------------------------------------------------------------- the writer
+def _crc_field(data_at: int, crcs: Crcs) -> bytes:
+    return struct.pack("<I", crcs[data_at])
 
 
-class TorchZipWriter:
-    """Stream tensors into a torch zip, then pickle the structure that refers to them."""
+def _directory(entries: list[_Entry], base: int, offset: int, crcs: Crcs) -> bytes:
+    """The central directory at ``offset`` of the zip (which starts at ``base`` of its file)."""
+    directory = bytearray()
+    for entry in entries:
+        crc = entry.crc if entry.crc is not None else crcs[base + entry.data_offset]
+        big_size, big_offset = entry.size > _ZIP64_LIMIT, entry.header_offset > _ZIP64_LIMIT
+        values = (entry.size, entry.size) * big_size + (entry.header_offset,) * big_offset
+        zip64 = struct.pack(f"<HH{len(values)}Q", 1, 8 * len(values), *values)
+        extra = zip64 if values else b""
+        # fmt: off
+        directory += CENTRAL_HEADER.pack(
+            CENTRAL_HEADER_SIGNATURE, (3 << 8) | _ZIP64_VERSION, _ZIP64_VERSION, 0, 0, 0,
+            _DOS_DATE, crc,
+            0xFFFFFFFF if big_size else entry.size, 0xFFFFFFFF if big_size else entry.size,
+            len(entry.name), len(extra), 0, 0, 0, 0o644 << 16,  # name .. external attrs
+            0xFFFFFFFF if big_offset else entry.header_offset,
+        ) + entry.name + extra
+        # fmt: on
+    size, count = len(directory), len(entries)
+    if count > 0xFFFF or max(offset, size) > _ZIP64_LIMIT:
+        # fmt: off
+        directory += ZIP64_END.pack(
+            ZIP64_END_SIGNATURE, ZIP64_END.size - 12, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0,
+            count, count, size, offset,
+        ) + ZIP64_LOCATOR.pack(ZIP64_LOCATOR_SIGNATURE, 0, offset + size, 1)
+        # fmt: on
+        count, size, offset = min(count, 0xFFFF), min(size, 0xFFFFFFFF), 0xFFFFFFFF
+    directory += END.pack(END_SIGNATURE, 0, 0, count, count, size, offset, 0)
+    return bytes(directory)
 
-    def __init__(
-        self,
-        out: OutputFile,
-        *,
-        cast: DType | None = None,
-        location: str = "cpu",
-        progress: Progress | None = None,
-    ):
-        self.zip = ZipWriter(out)
-        self.cast, self.location, self.progress = cast, location, progress
-        self._count = 0
+
+# ---------------------------------------------------------------- the plan
+
+
+class _Data:
+    """A ``data/<key>`` entry: a tensor's output bytes (``check``: the sparse tensor
+    whose invariants are checked before its first part is written)."""
+
+    def __init__(self, key: str, leaf: Any, cast: DType | None, nbytes: int):
+        self.key, self.leaf, self.cast, self.nbytes = key, leaf, cast, nbytes
+        self.check: Any = None
+
+
+class _Planner:
+    """Give every tensor and storage its key, in the order ``torch.save`` would, and
+    build the structure the pickle holds: no byte of a tensor is read."""
+
+    def __init__(self, cast: DType | None, location: str):
+        self.cast, self.location = cast, location
+        self.data: list[_Data] = []
 
     def add_tensor(self, leaf: Any) -> _Reduced:
-        """Write one tensor's bytes now; return what the pickle will hold for it: as
-        torch pickles it, an ``nn.Parameter`` where one was read, ``requires_grad`` kept
-        (sharded tensors are written plain)."""
+        """What the pickle holds for one tensor: as torch pickles it, an ``nn.Parameter``
+        where one was read, ``requires_grad`` kept (sharded tensors are written plain)."""
         dt = output_dtype(leaf, self.cast)
         # torch refuses requires_grad on other dtypes
         grad_ok = dt.is_floating or dt.name.startswith("complex")
@@ -352,14 +402,13 @@ class TorchZipWriter:
             return _Reduced(torch_global("torch._utils", "_rebuild_parameter"), args)
         return reduced
 
+    def _entry(self, leaf: Any, cast: DType | None, dtype: DType) -> _Storage:
+        key = str(len(self.data))
+        self.data.append(_Data(key, leaf, cast, leaf.numel * dtype.itemsize))
+        return _Storage(key, dtype, leaf.numel, self.location)
+
     def _dense(self, leaf: Any, requires_grad: bool) -> _Reduced:
-        key = str(self._count)
-        self._count += 1
-        dt = output_dtype(leaf, self.cast)
-        entry = self.zip.begin(f"{ARCHIVE}/data/{key}", leaf.numel * dt.itemsize)
-        write_leaf(self.zip.out, leaf, self.cast, self.progress)
-        self.zip.end(entry)
-        storage = _Storage(key, dt, leaf.numel, self.location)
+        storage = self._entry(leaf, self.cast, output_dtype(leaf, self.cast))
         quantizer = getattr(leaf, "quantizer", None)
         if quantizer is not None:
             return self._quantized(storage, tuple(leaf.shape), quantizer)
@@ -378,8 +427,10 @@ class TorchZipWriter:
     def _sparse(self, leaf: SparseRef) -> _Reduced:
         """``_rebuild_sparse_tensor(layout, (parts..., size[, is_coalesced]))`` as torch
         pickles a sparse tensor; each part is a tensor of its own."""
-        leaf.load("cpu")  # checks its invariants: torch.load would refuse the output otherwise
+        first = len(self.data)
         parts = [self.add_tensor(part) for part in leaf.parts]
+        if len(self.data) > first:
+            self.data[first].check = leaf  # torch.load would refuse the output otherwise
         size = pickle_value(TorchSize(leaf.shape))
         coalesced = (leaf.is_coalesced,) if leaf.layout == "sparse_coo" else ()
         layout = pickle_value(TorchName(f"torch.{leaf.layout}"))
@@ -387,29 +438,50 @@ class TorchZipWriter:
         return _Reduced(torch_global("torch._utils", "_rebuild_sparse_tensor"), (layout, data))
 
     def add_storage(self, ref: StorageRef) -> _Storage:
-        """A storage saved on its own: its bytes now, the storage itself in the pickle."""
-        key = str(self._count)
-        self._count += 1
-        entry = self.zip.begin(f"{ARCHIVE}/data/{key}", ref.nbytes)
-        write_leaf(self.zip.out, TensorRef.whole_storage(ref), None, self.progress)
-        self.zip.end(entry)
-        return _Storage(key, ref.dtype, ref.numel, self.location)
+        """A storage saved on its own: its bytes an entry, the storage itself in the pickle."""
+        return self._entry(TensorRef.whole_storage(ref), None, ref.dtype)
 
     def convert(self, node: Any) -> Any:
-        """The structure with every lazy tensor written and replaced by its pickle stand-in."""
+        """The structure with every lazy tensor replaced by its pickle stand-in."""
         return to_plain(
             node, self.add_tensor, pickle_value, weights_only=True, storage=self.add_storage
         )
 
-    def finish(self, structure: Any) -> None:
-        data = io.BytesIO()
-        _Pickler(data, protocol=PICKLE_PROTOCOL).dump(structure)
-        self.zip.add(f"{ARCHIVE}/data.pkl", data.getvalue())
-        self.zip.add(f"{ARCHIVE}/byteorder", b"little")
-        self.zip.add(f"{ARCHIVE}/version", b"3\n")
-        self.zip.add(f"{ARCHIVE}/.format_version", b"1")
-        self.zip.add(f"{ARCHIVE}/.storage_alignment", str(ALIGNMENT).encode())
-        self.zip.close()
+
+def plan_zip(
+    root: Any, *, cast: DType | None = None, location: str = "cpu", base: int = 0
+) -> tuple[list[Piece], int]:
+    """The pieces of a torch.save zip of ``root`` starting at ``base`` of its file, and
+    its size: the tensors' entries, then ``data.pkl`` and torch's small records, then
+    the central directory. The pickle is made here, from metadata only: every global
+    it names passes :func:`check_writable` as it is written into the pickle's bytes."""
+    planner = _Planner(cast, location)
+    structure = planner.convert(root)
+    pickled = io.BytesIO()
+    _Pickler(pickled, protocol=PICKLE_PROTOCOL).dump(structure)
+    zip_layout = _ZipLayout(base)
+    for data in planner.data:
+        name = f"{ARCHIVE}/data/{data.key}"
+        zip_layout.add_tensor(name, data.nbytes, data.leaf, data.cast, data.check)
+    zip_layout.add_bytes(f"{ARCHIVE}/data.pkl", pickled.getvalue())
+    zip_layout.add_bytes(f"{ARCHIVE}/byteorder", b"little")
+    zip_layout.add_bytes(f"{ARCHIVE}/version", b"3\n")
+    zip_layout.add_bytes(f"{ARCHIVE}/.format_version", b"1")
+    zip_layout.add_bytes(f"{ARCHIVE}/.storage_alignment", str(ALIGNMENT).encode())
+    zip_layout.close()
+    return zip_layout.pieces, zip_layout.pos
+
+
+def layout(options: WriteOptions) -> FolderLayout | None:
+    """One file."""
+    return None
+
+
+def plan(root: Any, options: WriteOptions) -> Plan:
+    """Lay out ``root`` (a nested structure with lazy tensors, or a flat name -> tensor
+    dict) as one torch.save file, ``options.location`` recorded as the tensors' device."""
+    pieces, size = plan_zip(root, cast=options.cast, location=options.location or "cpu")
+    return Plan([FilePlan("", size, pieces)])
 
 
 def write_torch(
@@ -421,8 +493,4 @@ def write_torch(
     progress: Progress | None = None,
 ) -> None:
     """Write ``root`` (a nested structure with lazy tensors) as a torch.save file."""
-    # the tensors' bytes: the zip's headers and the pickle add a little
-    size = sum(output_nbytes(leaf, cast) for _, leaf in iter_tensors(root))
-    with OutputFile(path, size_hint=size) as out:
-        writer = TorchZipWriter(out, cast=cast, location=location, progress=progress)
-        writer.finish(writer.convert(root))
+    write_plan(plan(root, WriteOptions(cast=cast, location=location)), path, progress)
