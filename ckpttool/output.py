@@ -1,7 +1,10 @@
 """Atomic output: write beside the target, fsync, rename at the end.
 
 An interrupted run (SIGKILL, disk full) leaves no partial output and never
-touches the input; a temp file left by a killed run is removed by the next one.
+touches the input; a temp file left by a killed run is removed by the next one on
+the same host. Temp names carry the host and the process id: on a file system that
+several nodes share, a process id says nothing about another node's processes, so
+a node never takes another's running output for a dead run's.
 
 ``--force`` replaces only what a ckpttool output consists of: the output file, or the
 files of a folder output (HF shards and their index, DCP's ``.metadata`` and
@@ -16,12 +19,25 @@ import errno
 import os
 import re
 import shutil
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .errors import CkptError, OutputExistsError
 
-TEMP_MARK = ".ckpttool-tmp-"
+
+def _host_name() -> str:
+    """This host's name as it goes into temp names: letters, digits, dots and dashes
+    only (never the ``_`` that ends it in :data:`TEMP_MARK`)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:64] or "localhost"
+
+
+HOST = _host_name()
+# What this host's temp names hold between the output's name and the process id:
+# ``.out.pt.ckpttool-tmp-node1_1234`` (and ``..._old-1234``, the old output of a
+# --force run, moved aside until the new one is in place)
+TEMP_MARK = f".ckpttool-tmp-{HOST}_"
+_TEMP_TAIL = re.compile(r"(?:old-)?([1-9]\d{0,9})")  # what follows TEMP_MARK: a pid
 
 
 @dataclass(frozen=True)
@@ -217,13 +233,24 @@ def _remove(path: str) -> None:
 
 
 def _clean_stale(folder: str, stem: str) -> None:
-    """Remove temp outputs of earlier runs that were killed (their pid is gone)."""
+    """Remove temp outputs of earlier runs on this host that were killed (their pid is gone).
+
+    ``stem`` ends with :data:`TEMP_MARK`, which names this host: another host's temp
+    files never match it (its processes cannot be checked from here). Only a name this
+    host's ckpttool gives (the stem, then a pid or ``old-`` and a pid), owned by this
+    user, is removed: never a file another user or program made.
+    """
     for entry in os.listdir(folder):
-        if not entry.startswith(stem):
+        match = _TEMP_TAIL.fullmatch(entry[len(stem) :]) if entry.startswith(stem) else None
+        if match is None or int(match.group(1)) > _MAX_PID or _alive(int(match.group(1))):
             continue
-        pid = entry[len(stem) :].removeprefix("old-")  # also the old output of a --force run
-        if pid.isdigit() and not _alive(int(pid)):
-            _remove(os.path.join(folder, entry))
+        path = os.path.join(folder, entry)
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(path).st_uid == os.getuid():
+                _remove(path)
+
+
+_MAX_PID = (1 << 31) - 1  # no process has a larger id (os.kill would overflow)
 
 
 def _alive(pid: int) -> bool:
