@@ -10,13 +10,12 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .dtypes import NO_NUMBERS, DType
 from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
-from .stand_ins import Device, TorchName, TorchSize, global_name
+from .torch_values import Device, TorchName, TorchSize, global_name
 from .tree import (
-    NO_NUMBERS,
     Checkpoint,
-    DType,
     KeyPath,
     Opaque,
     ShardedRef,
