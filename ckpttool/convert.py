@@ -9,10 +9,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from .api import flatten_tensors, read, select_node
+from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
 from .output import atomic_output, check_output, output_path
 from .progress import ProgressFactory
-from .tree import DTYPES, DType
 from .writers import WRITERS
 
 TARGETS = tuple(WRITERS)

@@ -13,11 +13,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
+from .dtypes import NO_NUMBERS
 from .errors import CkptError, UsageError, translate_errors
 from .layout import model_key
 from .progress import ProgressFactory
+from .sharding import raw_parts
 from .sources import OpenFiles
-from .tree import NO_NUMBERS, SparseRef, TensorRef, contiguous_stride
+from .tree import SparseRef, TensorRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -76,9 +78,8 @@ def _differing_raw_blocks(
     their shard sizes); None when they need torch to load. Blocks end on element
     boundaries: both streams hold the same number of bytes, cut at the same places.
     """
-    from .writers import raw_parts
 
-    parts_a, parts_b = raw_parts(a, None), raw_parts(b, None)
+    parts_a, parts_b = raw_parts(a), raw_parts(b)
     if parts_a is None or parts_b is None:
         return None
     ra, rb = readers

@@ -11,9 +11,10 @@ import collections
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .dtypes import DType
 from .errors import CkptError
-from .stand_ins import Device, TorchName, TorchSize, global_name
-from .tree import DType, Opaque, StorageRef, TensorRef, is_tensor, walk
+from .torch_values import Device, TorchName, TorchSize, global_name
+from .tree import Opaque, StorageRef, TensorRef, is_tensor, walk
 
 TorchValue = Device | DType | TorchName | TorchSize
 

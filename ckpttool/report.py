@@ -10,14 +10,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .dtypes import NO_NUMBERS, DType
 from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
 from .progress import Progress
-from .stand_ins import Device, TorchName, TorchSize, global_name
+from .torch_values import Device, TorchName, TorchSize, global_name
 from .tree import (
-    NO_NUMBERS,
     Checkpoint,
-    DType,
     KeyPath,
     Opaque,
     ShardedRef,

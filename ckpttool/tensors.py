@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
+from .dtypes import DTYPES, DType
 from .errors import CkptError
 from .mapped import current_session, map_span
 from .plain import TorchValue, to_plain
-from .stand_ins import Device, TorchSize
-from .tree import DTYPES, DType, ShardedRef, SparseRef, StorageRef, TensorRef
+from .torch_values import Device, TorchSize
+from .tree import ShardedRef, SparseRef, StorageRef, TensorRef
 
 
 def torch_dtype(dt: DType) -> torch.dtype:

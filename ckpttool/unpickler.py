@@ -23,18 +23,13 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from .dtypes import DTYPES, STORAGE_CLASSES
 from .errors import CkptError, UnsafeError
 from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
-from .stand_ins import (
-    SAFE_GLOBALS,
-    TORCH_LAYOUTS,
-    TORCH_MEMORY_FORMATS,
-    NamedGlobal,
-    StorageType,
-    TorchName,
-)
-from .tree import DTYPES, STORAGE_CLASSES, Opaque, opaque_class
+from .stand_ins import SAFE_GLOBALS
+from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
+from .tree import Opaque, opaque_class
 
 
 class SafeUnpickler(pickle.Unpickler):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import ckpttool
 from ckpttool.api import flatten_tensors, select_node
 from ckpttool.convert import convert
+from ckpttool.dtypes import DTYPES
 from ckpttool.errors import CkptError
 from ckpttool.merge import merge
 from ckpttool.writers import WRITERS, output_file, writer_for
@@ -75,7 +76,7 @@ CASES = {
     "safetensors": ("safetensors", WriteOptions(metadata={"source": "in.pt"})),
     "safetensors-shards": ("safetensors", WriteOptions(max_shard_size=2000)),
     "pt": ("pt", WriteOptions(location="cpu")),
-    "pt-float16": ("pt", WriteOptions(cast=ckpttool.tree.DTYPES["float16"])),
+    "pt-float16": ("pt", WriteOptions(cast=DTYPES["float16"])),
     "dcp": ("dcp", WriteOptions()),
 }
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..dtypes import DType
 from ..errors import CkptError
 from ..output import HF_SHARDS, FolderLayout
-from ..tree import DType
 from . import output_dtype, refuse_sparse
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 

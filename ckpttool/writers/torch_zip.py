@@ -21,19 +21,12 @@ import struct
 import zlib
 from typing import Any
 
+from ..dtypes import DTYPES, STORAGE_CLASSES, DType, check_dtype
 from ..errors import CkptError
 from ..output import FolderLayout
 from ..plain import TorchValue, to_plain
-from ..stand_ins import TORCH_LAYOUTS, Device, TorchName, TorchSize
-from ..tree import (
-    DTYPES,
-    STORAGE_CLASSES,
-    DType,
-    SparseRef,
-    StorageRef,
-    TensorRef,
-    check_dtype,
-)
+from ..torch_values import TORCH_LAYOUTS, Device, TorchName, TorchSize
+from ..tree import SparseRef, StorageRef, TensorRef
 from ..zip_records import (
     CENTRAL_HEADER,
     CENTRAL_HEADER_SIGNATURE,
