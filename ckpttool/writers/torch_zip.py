@@ -40,7 +40,7 @@ from ..zip_records import (
     ZIP64_LOCATOR_SIGNATURE,
 )
 from . import output_dtype
-from .plan import Crcs, FilePlan, Piece, Plan, Progress, WriteOptions, write, write_plan
+from .plan import Crcs, FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = [
     "TO",
@@ -50,7 +50,6 @@ __all__ = [
     "plan",
     "plan_zip",
     "write",
-    "write_torch",
 ]
 
 TO = "pt"
@@ -475,15 +474,3 @@ def plan(root: Any, options: WriteOptions) -> Plan:
     dict) as one torch.save file, ``options.location`` recorded as the tensors' device."""
     pieces, size = plan_zip(root, cast=options.cast, location=options.location or "cpu")
     return Plan([FilePlan("", size, pieces)])
-
-
-def write_torch(
-    path: str,
-    root: Any,
-    *,
-    cast: DType | None = None,
-    location: str = "cpu",
-    progress: Progress | None = None,
-) -> None:
-    """Write ``root`` (a nested structure with lazy tensors) as a torch.save file."""
-    write_plan(plan(root, WriteOptions(cast=cast, location=location)), path, progress)
