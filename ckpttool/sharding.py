@@ -208,7 +208,7 @@ def dtensor_local(stub: WrapperStub, state: Any) -> LocalShards:
     out = LocalShards(
         "dtensor", check_dtype(stub.dtype), stub.shape, local.device, stub.requires_grad
     )
-    placements = []
+    placements: list[tuple[Any, ...]] = []
     for p in spec.get("placements") or ():
         cls = type(p).__name__ if isinstance(p, Opaque) else ""
         a = state_attrs(p)
@@ -262,7 +262,7 @@ def _mesh_shape(mesh: dict) -> tuple[int, ...] | None:
     if isinstance(axes, tuple) and axes:
         shapes = [state_attrs(axis).get("shape") for axis in axes]
         if all(isinstance(s, tuple) and INT_ONLY.issuperset(map(type, s)) for s in shapes):
-            return tuple(math.prod(s) for s in shapes)
+            return tuple(math.prod(s) for s in shapes if s is not None)
     mesh_tensor = mesh.get("mesh")
     if isinstance(mesh_tensor, TensorRef):
         return mesh_tensor.shape
