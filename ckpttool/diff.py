@@ -114,10 +114,11 @@ def compare_tensors(
     if blocks is not None:
         from .tensors import torch_dtype
 
+        raw_blocks = itertools.chain([first] if first is not None else [], blocks)
         dtype = torch_dtype(a.dtype)
         pairs: Iterator[tuple[Any, Any]] = (
             (torch.frombuffer(va, dtype=dtype), torch.frombuffer(vb, dtype=dtype))
-            for va, vb in itertools.chain([first], blocks)
+            for va, vb in raw_blocks
         )
     elif isinstance(a, SparseRef) or isinstance(b, SparseRef):
         pairs = iter([_sparse_values(a, b)])

@@ -87,6 +87,8 @@ def numpy_scalar(np_dtype: Any, raw: Any = None) -> Any:
     if described is None or described[1] is None or not isinstance(raw, (bytes, bytearray)):
         return opaque_class("numpy", "generic", known=True).make(np_dtype, raw)
     dtype, fmt, big_endian = described
+    if fmt is None:
+        return opaque_class("numpy", "generic", known=True).make(np_dtype, raw)
     try:
         return struct.unpack((">" if big_endian else "<") + fmt, raw)[0]
     except struct.error:

@@ -18,6 +18,7 @@ from .torch_values import Device, TorchName, TorchSize, global_name
 from .tree import (
     Checkpoint,
     KeyPath,
+    Leaf,
     Opaque,
     ShardedRef,
     SparseRef,
@@ -86,7 +87,7 @@ def inspect_report(
     num_params = sum(
         ref.numel
         for path, ref in iter_tensors(model or {})
-        if not pattern or pattern.search(dotted((*model_path, *path)))
+        if not pattern or pattern.search(dotted((*(model_path or ()), *path)))
     )
 
     values = [
@@ -113,7 +114,7 @@ def inspect_report(
     }
 
 
-def tensor_entry(path: KeyPath, ref: Any) -> dict[str, Any]:
+def tensor_entry(path: KeyPath, ref: Leaf) -> dict[str, Any]:
     entry = {
         "key": json_key(path),
         "dtype": ref.dtype.name,
@@ -199,7 +200,7 @@ def json_value(value: Any) -> Any:
 MAX_SHOWN_TEXT = 1000
 
 
-def tensor_stats(ref: Any) -> dict[str, Any]:
+def tensor_stats(ref: Leaf) -> dict[str, Any]:
     """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes).
 
     A tensor saved without data (meta device) or sharded with blocks missing has none
@@ -270,7 +271,8 @@ def _chunked_float_stats(t: Any) -> dict[str, Any]:
     for start in range(0, t.numel(), STATS_CHUNK):
         chunk = t[start : start + STATS_CHUNK].to(torch.float64)
         kept = chunk.numel()
-        var, chunk_mean = torch.var_mean(chunk, correction=0)
+        var, mean_t = torch.var_mean(chunk, correction=0)
+        chunk_mean: Any = mean_t
         # a NaN or an infinity makes the mean or variance one too: only then count them
         if not (math.isfinite(float(var)) and math.isfinite(float(chunk_mean))):
             finite = torch.isfinite(chunk)

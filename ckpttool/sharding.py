@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .dtypes import check_dtype
+from .dtypes import DType, check_dtype
 from .errors import CkptError
 from .sealed import Sealed
 from .torch_values import INT_ONLY, WrapperStub, int_tuple
-from .tree import Opaque, ShardedRef, TensorRef, state_attrs
+from .tree import Leaf, Opaque, ShardedRef, TensorRef, state_attrs
 
 
 class Block(Protocol):
@@ -132,7 +132,14 @@ class LocalShards(Sealed):
         rank, world_size: when the file says so.
     """
 
-    def __init__(self, kind, dtype, shape, device, requires_grad=False):
+    def __init__(
+        self,
+        kind: str,
+        dtype: DType,
+        shape: tuple[int, ...],
+        device: str,
+        requires_grad: bool = False,
+    ) -> None:
         self.kind = kind
         self.dtype = dtype
         self.shape = shape
@@ -208,7 +215,7 @@ def dtensor_local(stub: WrapperStub, state: Any) -> LocalShards:
     out = LocalShards(
         "dtensor", check_dtype(stub.dtype), stub.shape, local.device, stub.requires_grad
     )
-    placements = []
+    placements: list[tuple[Any, ...]] = []
     for p in spec.get("placements") or ():
         cls = type(p).__name__ if isinstance(p, Opaque) else ""
         a = state_attrs(p)
@@ -262,7 +269,7 @@ def _mesh_shape(mesh: dict) -> tuple[int, ...] | None:
     if isinstance(axes, tuple) and axes:
         shapes = [state_attrs(axis).get("shape") for axis in axes]
         if all(isinstance(s, tuple) and INT_ONLY.issuperset(map(type, s)) for s in shapes):
-            return tuple(math.prod(s) for s in shapes)
+            return tuple(math.prod(s) for s in shapes if s is not None)
     mesh_tensor = mesh.get("mesh")
     if isinstance(mesh_tensor, TensorRef):
         return mesh_tensor.shape
@@ -366,7 +373,7 @@ def _raw_copy_ok(leaf: Any) -> bool:
     )
 
 
-def raw_parts(leaf: Any) -> list[TensorRef] | None:
+def raw_parts(leaf: Leaf) -> list[TensorRef] | None:
     """Stored tensors whose bytes, one after the other, are the leaf's bytes.
 
     A plain contiguous tensor is its own single part. A sharded tensor whose shards are

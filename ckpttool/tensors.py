@@ -196,12 +196,16 @@ def load_sparse(ref: SparseRef, map_location: Any = "cpu") -> torch.Tensor:
     with warnings.catch_warnings():  # "sparse CSR support is in beta state"
         warnings.simplefilter("ignore", UserWarning)
         try:
+            # (torch's stubs name no positional size after the parts; the function takes it)
+            build: Any
             if ref.layout == "sparse_coo":
-                tensor = torch.sparse_coo_tensor(
+                build = torch.sparse_coo_tensor
+                tensor = build(
                     *parts, ref.shape, is_coalesced=ref.is_coalesced, check_invariants=True
                 )
             else:
-                tensor = torch.sparse_compressed_tensor(
+                build = torch.sparse_compressed_tensor
+                tensor = build(
                     *parts, ref.shape, layout=getattr(torch, ref.layout), check_invariants=True
                 )
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, Union
 
 from .dtypes import DType
 from .errors import CkptError
@@ -253,12 +253,18 @@ class SparseRef(Sealed):
 class _ReadOnlyClass(type):
     """Stand-in classes are shared by every read: a pickle's BUILD must not change them."""
 
+    # (set by Opaque and opaque_class's subclasses; declared for the type checker)
+    module: str
+    qualname: str
+    dangerous: bool
+    known: bool
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         # only a pickle calls a stand-in class (ckpttool's own code uses make()):
         # calling a global on no allow-list is what gadgets do (FileHandler(path))
         if not (cls.known or cls.dangerous):
-            note_call(cls.class_name())
-        return cls.__new__(cls, *args, **kwargs)
+            note_call(f"{cls.module}.{cls.qualname}")
+        return cls.__new__(cls, *args, **kwargs)  # type: ignore[arg-type]
 
     def __setattr__(cls, name: str, value: Any) -> None:
         raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
@@ -283,6 +289,8 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     # ShardedTensor pickles a dozen metadata objects, none with items).
     items: Mapping[Any, Any] = MappingProxyType({})
     list: Sequence[Any] = ()
+    args: tuple[Any, ...]
+    state: Any
 
     # No __init__: with __new__ overridden, object.__init__ accepts the arguments, and
     # Python makes one call per object instead of two.
@@ -298,7 +306,7 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     def __setitem__(self, key: Any, value: Any) -> None:
         if "items" not in self.__dict__:
             self.items = {}
-        self.items[key] = value
+        self.items[key] = value  # type: ignore[index]  # its own dict from here on
 
     def append(self, value: Any) -> None:
         self.extend((value,))
@@ -306,7 +314,7 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     def extend(self, values: Any) -> None:
         if "list" not in self.__dict__:
             self.list = []
-        self.list.extend(values)
+        self.list.extend(values)  # type: ignore[attr-defined]  # its own list from here on
 
     def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
         # A pickle may call a stand-in (``getattr(x, "system")(cmd)``): the result is
@@ -400,10 +408,13 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 LEAF_TYPES = (TensorRef, ShardedRef, SparseRef)
+# A tensor leaf of the tree: what inspect lists, convert writes and load turns into a
+# torch.Tensor. Every other leaf is plain data or an Opaque.
+Leaf: TypeAlias = Union[TensorRef, ShardedRef, SparseRef]  # noqa: UP007  (a runtime alias)
 KeyPath = tuple[Any, ...]
 
 
-def is_tensor(value: Any) -> bool:
+def is_tensor(value: Any) -> TypeGuard[Leaf]:
     return isinstance(value, LEAF_TYPES)
 
 
@@ -434,9 +445,7 @@ def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
             stack.extend((here + (k,), v, inner) for k, v in reversed(kids))
 
 
-def iter_tensors(
-    node: Any, path: KeyPath = ()
-) -> Iterator[tuple[KeyPath, TensorRef | ShardedRef | SparseRef]]:
+def iter_tensors(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Leaf]]:
     """Yield (key path, tensor leaf) for every tensor under ``node``, in order."""
     for here, value in walk(node, path):
         if is_tensor(value):
