@@ -20,6 +20,7 @@ from typing import Any
 from ..errors import CkptError
 from ..progress import Progress
 from ..tree import DType
+from . import write_leaf
 from .output_file import OutputFile
 
 Crcs = Mapping[int, int]  # the CRC-32 of pieces, by the piece's offset in its file
@@ -165,8 +166,6 @@ def write(part: Part, out: OutputFile, progress: Progress | None = None) -> Writ
     """
     if out.pos != part.offset:
         raise CkptError(f"internal error: part at {part.offset} written at {out.pos}")
-    from . import write_leaf  # the read side lives with the helpers that copy bytes
-
     written = Written()
     crcs = written.crcs
     for piece in part.pieces:
