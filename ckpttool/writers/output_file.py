@@ -173,7 +173,7 @@ class OutputFile:
         # read once: another writer thread may give O_DIRECT up while this one writes
         direct = self.direct
         fd = self.fd
-        if direct and not self.whole and (offset % ALIGNMENT or nbytes % ALIGNMENT):
+        if self._plain_fd is not None and (offset % ALIGNMENT or nbytes % ALIGNMENT):
             # a part's unaligned end: padding it would write over the next part
             direct, fd = False, self._plain_fd
         view = self._views[index][: _round_up(nbytes) if direct else nbytes]

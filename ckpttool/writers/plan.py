@@ -12,6 +12,7 @@ order, or by several processes; :func:`complete` then fills in what needed the C
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -253,12 +254,12 @@ def complete_files(plan: Plan, target: str, written: Mapping[str, Written]) -> N
         fd = os.open(file_path(target, file), os.O_WRONLY)
         try:
             done = written.get(file.name, Written())
-            complete(file, done, lambda at, data, fd=fd: _pwrite(fd, data, at))
+            complete(file, done, functools.partial(_pwrite, fd))
         finally:
             os.close(fd)
 
 
-def _pwrite(fd: int, data: bytes, offset: int) -> None:
+def _pwrite(fd: int, offset: int, data: bytes) -> None:
     view = memoryview(data)
     while len(view):
         n = os.pwrite(fd, view, offset)
