@@ -236,7 +236,8 @@ def test_progress_total_is_exactly_the_bytes_reported(snapshot: Path, tmp_path: 
 def test_merge_progress_total_counts_sparse_parts_and_storages_as_written(tmp_path: Path):
     """Before the plan, merge's total was the tensors' dense sizes; a sparse tensor
     writes its indices and values, a bare storage its bytes."""
-    sparse = torch.sparse_coo_tensor([[0, 5]], [1.0, 2.0], (1000,)).coalesce()
+    sparse = torch.sparse_coo_tensor([[0, 5]], [1.0, 2.0], (1000,), check_invariants=True)
+    sparse = sparse.coalesce()
     storage = torch.arange(6, dtype=torch.int32).untyped_storage()
     torch.save({"s": sparse, "raw": storage, "w": torch.ones(5)}, tmp_path / "in.pt")
     with _counting() as (factory, seen):
