@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from attack_corpus import CASES, CASES_BY_NAME, Case, write_case
-from conftest import ROOT, sha256
+from helpers import ROOT, sha256
 
 # Runs each argv through ckpttool's real entry point in-process; prints one JSON list.
 CORPUS_DRIVER = textwrap.dedent(
@@ -254,7 +254,7 @@ def test_costly_files_are_refused_within_the_memory_bound(tmp_path, name):
 
 def _edit_pickles(folder: Path, old: bytes, new: bytes) -> None:
     """Replace ``old`` by ``new`` (same length) in every rank file's data.pkl."""
-    from conftest import rewrite_zip
+    from helpers import rewrite_zip
 
     for path in sorted(folder.glob("*.pt")):
         edited = path.with_suffix(".tmp")
@@ -275,7 +275,7 @@ def _edit_pickles(folder: Path, old: bytes, new: bytes) -> None:
     ],
 )
 def test_damaged_sharded_metadata_is_one_ckpt_error(tmp_path, fixture, old, new, needle):
-    from conftest import FIXTURES
+    from helpers import FIXTURES
 
     import ckpttool
 

@@ -9,7 +9,6 @@ torch's import included) and its peak RSS (``ru_maxrss``) at most 256 MiB above 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 import hostile_zips
 import pytest
 import torch
-from helpers_dist import one_line_error, subprocess_env, tree_files
+from helpers import check_error, sha256, subprocess_env, tree_files
 from hostile_zips import CASES
 
 import ckpttool
@@ -110,10 +109,6 @@ def baseline(tmp_path_factory) -> dict[str, Run]:
     return runs
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 BOUNDED = list(CASES)
 
 
@@ -141,7 +136,7 @@ def test_hostile_input_bounded_one_line_nothing_written(
             if command in ("convert", "merge"):
                 assert outs[command].is_file()
         else:
-            one_line_error(run, case.code, case.needle)  # type: ignore[arg-type]
+            check_error(run, case.code, case.needle)  # type: ignore[arg-type]
             assert not outs[command].parent.exists(), command
     assert sha256(path) == before
     assert tree_files(path.parent) == [path.name]
