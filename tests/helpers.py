@@ -327,6 +327,15 @@ def write_hf_shards(folder, sd, shard_format="safetensors"):
     return index
 
 
+def shard_source() -> dict:
+    """float32 tensors of 120, 40, 40, 20, 1200, 4, 600 and 400 bytes."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    sizes = {"a": 30, "b": 10, "c": 10, "d": 5, "e": 300, "f": 1, "g": 150, "h": 100}
+    return {k: torch.randn(n, generator=g) for k, n in sizes.items()}
+
+
 def write_dcp(folder: Path, state: dict) -> None:
     """A single-process ``torch.distributed.checkpoint`` save (no process group)."""
     import warnings

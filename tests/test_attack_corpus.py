@@ -13,7 +13,6 @@ import, not a hundred.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from attack_corpus import CASES, CASES_BY_NAME, Case, write_case
-from helpers import ROOT, sha256
+from helpers import sha256, subprocess_env
 
 # Runs each argv through ckpttool's real entry point in-process; prints one JSON list.
 CORPUS_DRIVER = textwrap.dedent(
@@ -45,12 +44,6 @@ CORPUS_DRIVER = textwrap.dedent(
 )
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, COLUMNS="200")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def run_child(code: str, items: list, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``python -c code`` with ``items`` as JSON on its stdin (a hang guard, no timing)."""
     return subprocess.run(
@@ -58,7 +51,7 @@ def run_child(code: str, items: list, cwd: Path | None = None) -> subprocess.Com
         input=json.dumps(items),
         capture_output=True,
         text=True,
-        env=_env(),
+        env=subprocess_env(COLUMNS="200"),
         timeout=600,
         cwd=cwd,
     )
@@ -226,7 +219,7 @@ MEMORY_BOUND_MIB = 256
 
 def peak_rss_mib(argv: list[str], tmp_path: Path) -> tuple[int, float]:
     rss_file = tmp_path / "rss"
-    env = dict(_env(), CKPTTOOL_RSS_FILE=str(rss_file))
+    env = subprocess_env(COLUMNS="200", CKPTTOOL_RSS_FILE=str(rss_file))
     proc = subprocess.run(
         [sys.executable, "-c", MEASURED, *argv],
         capture_output=True,

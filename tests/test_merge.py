@@ -9,11 +9,9 @@ import argparse
 import collections
 import enum
 import shutil
-import struct
 import subprocess
 import sys
 import warnings
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +31,6 @@ from ckpttool.convert import convert
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
 from ckpttool.report import inspect_report
-from ckpttool.writers import torch_zip
 
 pytestmark = pytest.mark.slow
 
@@ -382,45 +379,6 @@ def test_a_stand_in_no_reader_resolves_is_refused_not_written(tmp_path: Path):
     check_error(run_cli("merge", tmp_path / "in.pt", "-o", out), 2,
                    "cannot write a WrapperStub stand-in")  # fmt: skip
     assert not out.exists()
-
-
-def test_merged_zip_is_valid_and_aligned(fsdp2: Path, tmp_path: Path):
-    """Our own zip writer: every CRC-32 right (zipfile checks them), data 64-byte aligned,
-    and torch's mmap loader maps it."""
-    out = tmp_path / "m.pt"
-    merge(str(fsdp2 / "ep0-ba2-rank*.pt"), str(out))
-    with zipfile.ZipFile(out) as z:
-        assert z.testzip() is None
-        names = z.namelist()
-        assert names[-5:] == [
-            f"archive/{n}"
-            for n in ("data.pkl", "byteorder", "version", ".format_version", ".storage_alignment")
-        ]
-        assert names[:-5] == [f"archive/data/{i}" for i in range(27)]
-    raw = out.read_bytes()
-    for info in z.infolist():
-        name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
-        data_start = info.header_offset + 30 + name_len + extra_len
-        if info.filename.startswith("archive/data/"):
-            assert data_start % 64 == 0, info.filename
-    plain = torch.load(out, weights_only=True)
-    mapped = torch.load(out, weights_only=True, mmap=True)
-    assert assert_identical(mapped, plain) == 27
-
-
-def test_zip64_records_when_sizes_pass_the_limit(monkeypatch, tmp_path: Path):
-    """Sizes and offsets past the zip64 limit (2 GiB, lowered here so the records appear in
-    a small file) go to zip64 extra fields and end records that zipfile and torch read."""
-    monkeypatch.setattr(torch_zip, "_ZIP64_LIMIT", 100)
-    tensors = {f"t{i}": torch.arange(40, dtype=torch.float32) + i for i in range(5)}
-    torch.save(tensors, tmp_path / "in.pt")
-    merge(str(tmp_path / "in.pt"), str(tmp_path / "out.pt"))
-    raw = (tmp_path / "out.pt").read_bytes()
-    assert b"PK\x06\x06" in raw and b"PK\x06\x07" in raw  # zip64 end record and locator
-    with zipfile.ZipFile(tmp_path / "out.pt") as z:
-        assert z.testzip() is None
-        assert [i.file_size for i in z.infolist()][:5] == [160] * 5
-    assert assert_identical(torch.load(tmp_path / "out.pt", weights_only=True), tensors) == 5
 
 
 def test_merging_whole_shards_does_not_import_torch(fsdp2: Path, tmp_path: Path):
