@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
+from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
 from .output import DCP_FILES, HF_SHARDS, atomic_output, check_output, output_path
-from .tree import DTYPES, DType
 from .writers import output_nbytes
 
 TARGETS = ("safetensors", "pt", "dcp")

@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
+from .dtypes import NO_NUMBERS
 from .errors import CkptError, UsageError, translate_errors
 from .layout import model_key
+from .sharding import raw_parts
 from .sources import OpenFiles
-from .tree import NO_NUMBERS, SparseRef, TensorRef, contiguous_stride
+from .tree import SparseRef, TensorRef, contiguous_stride
 
 ProgressFactory = Callable[[int, str], Any]
 
@@ -77,9 +79,8 @@ def _differing_raw_blocks(
     their shard sizes); None when they need torch to load. Blocks end on element
     boundaries: both streams hold the same number of bytes, cut at the same places.
     """
-    from .writers import raw_parts
 
-    parts_a, parts_b = raw_parts(a, None), raw_parts(b, None)
+    parts_a, parts_b = raw_parts(a), raw_parts(b)
     if parts_a is None or parts_b is None:
         return None
     ra, rb = readers
@@ -114,10 +115,11 @@ def compare_tensors(
     if blocks is not None:
         from .tensors import torch_dtype
 
+        raw_blocks = itertools.chain([first] if first is not None else [], blocks)
         dtype = torch_dtype(a.dtype)
         pairs: Iterator[tuple[Any, Any]] = (
             (torch.frombuffer(va, dtype=dtype), torch.frombuffer(vb, dtype=dtype))
-            for va, vb in itertools.chain([first], blocks)
+            for va, vb in raw_blocks
         )
     elif isinstance(a, SparseRef) or isinstance(b, SparseRef):
         pairs = iter([_sparse_values(a, b)])

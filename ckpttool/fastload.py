@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from .dtypes import DType
 from .errors import CkptError
 from .mapped import LoadSession, current_session
 from .tensors import as_saved, place, target_device, torch_dtype
-from .tree import DType, ShardedRef, StorageRef, TensorRef
+from .tree import ShardedRef, StorageRef, TensorRef
 
 STAGING_BUFFERS = 4
 STAGING_BYTES = 32 << 20
@@ -96,11 +97,7 @@ def readable_directly(ref: Any) -> bool:
 
 
 def _shard_ref(shard: Any) -> TensorRef | None:
-    tensor = shard.tensor
-    if isinstance(tensor, TensorRef):
-        return tensor
-    resolve = getattr(tensor, "tensor_ref", None)
-    return resolve() if callable(resolve) else None
+    return shard.tensor.tensor_ref()
 
 
 def read_into(leaf: Any, dest: torch.Tensor, session: LoadSession) -> None:

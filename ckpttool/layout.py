@@ -147,7 +147,13 @@ def check_not_partitioned(root: Any, node: Any, source: str | None = None) -> No
     for group in groups if isinstance(groups, list) else [groups]:
         for name, shape in group.items() if isinstance(group, Mapping) else ():
             tensor = node.get(name)
-            if is_tensor(tensor) and tensor.numel == 0 and isinstance(shape, tuple) and all(shape):
+            if (
+                tensor is not None
+                and is_tensor(tensor)
+                and tensor.numel == 0
+                and isinstance(shape, tuple)
+                and all(shape)
+            ):
                 raise CkptError(
                     f"DeepSpeed ZeRO-3 model states: {name!r} is an empty placeholder of "
                     f"shape {list(shape)}; the weights are partitioned over the "

@@ -7,7 +7,7 @@ so the extra memory is at most one tensor, never the whole checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO, NamedTuple
 
 from .errors import CkptError, translate_errors
@@ -60,6 +60,7 @@ def _names(keys: list[str]) -> str:
 def _targets(target: Any) -> dict[str, Any]:
     import torch
 
+    items: Iterable[tuple[Any, Any]]
     if isinstance(target, torch.nn.Module):
         items = target.state_dict(keep_vars=True).items()
     elif isinstance(target, Mapping):

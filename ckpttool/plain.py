@@ -11,9 +11,10 @@ import collections
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .dtypes import DType
 from .errors import CkptError
-from .stand_ins import Device, TorchName, TorchSize, global_name
-from .tree import DType, Opaque, StorageRef, TensorRef, is_tensor, walk
+from .torch_values import Device, TorchName, TorchSize, global_name
+from .tree import Opaque, StorageRef, TensorRef, is_tensor, walk
 
 TorchValue = Device | DType | TorchName | TorchSize
 
@@ -43,8 +44,8 @@ def stand_in_names(root: Any) -> list[str]:
     for _, value in walk(root):
         if isinstance(value, Opaque) or (isinstance(value, type) and issubclass(value, Opaque)):
             names.add(value.class_name())
-        elif global_name(value):
-            names.add(global_name(value))
+        elif (name := global_name(value)) is not None:
+            names.add(name)
         elif _weights_only_refuses(value):
             names.add(_builtin_name(value))
     return sorted(names)
@@ -88,12 +89,15 @@ def to_plain(
             return leaf(value)
         if id(value) in memo:
             return memo[id(value)]
+        result: Any
         if weights_only and _weights_only_refuses(value):
             result = _stand_in(value)
             memo[id(value)] = result
             return result
         if isinstance(value, Mapping):
-            out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
+            out: dict[Any, Any] = (
+                collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
+            )
             memo[id(value)] = out
             for k, v in value.items():
                 out[key(k)] = build(v)
@@ -104,7 +108,7 @@ def to_plain(
             out_list.extend(build(v) for v in value)
             return out_list
         if isinstance(value, (Device, DType, TorchName, TorchSize)):
-            result: Any = torch_value(value)
+            result = torch_value(value)
         elif isinstance(value, (tuple, set, frozenset)):
             result = type(value)(build(v) for v in value)
         elif isinstance(value, type) and issubclass(value, Opaque):

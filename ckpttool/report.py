@@ -10,13 +10,12 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .dtypes import NO_NUMBERS, DType
 from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
-from .stand_ins import Device, TorchName, TorchSize, global_name
+from .torch_values import Device, TorchName, TorchSize, global_name
 from .tree import (
-    NO_NUMBERS,
     Checkpoint,
-    DType,
     KeyPath,
     Opaque,
     ShardedRef,
@@ -87,7 +86,7 @@ def inspect_report(
     num_params = sum(
         ref.numel
         for path, ref in iter_tensors(model or {})
-        if not pattern or pattern.search(dotted((*model_path, *path)))
+        if not pattern or pattern.search(dotted((*(model_path or ()), *path)))
     )
 
     values = [
@@ -271,7 +270,8 @@ def _chunked_float_stats(t: Any) -> dict[str, Any]:
     for start in range(0, t.numel(), STATS_CHUNK):
         chunk = t[start : start + STATS_CHUNK].to(torch.float64)
         kept = chunk.numel()
-        var, chunk_mean = torch.var_mean(chunk, correction=0)
+        var, mean_t = torch.var_mean(chunk, correction=0)
+        chunk_mean: Any = mean_t
         # a NaN or an infinity makes the mean or variance one too: only then count them
         if not (math.isfinite(float(var)) and math.isfinite(float(chunk_mean))):
             finite = torch.isfinite(chunk)

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
+from .dtypes import DTYPES, DType
 from .errors import CkptError
 from .mapped import current_session, map_span
 from .plain import TorchValue, to_plain
-from .stand_ins import Device, TorchSize
-from .tree import DTYPES, DType, ShardedRef, SparseRef, StorageRef, TensorRef
+from .torch_values import Device, TorchSize
+from .tree import ShardedRef, SparseRef, StorageRef, TensorRef
 
 
 def torch_dtype(dt: DType) -> torch.dtype:
@@ -195,12 +196,16 @@ def load_sparse(ref: SparseRef, map_location: Any = "cpu") -> torch.Tensor:
     with warnings.catch_warnings():  # "sparse CSR support is in beta state"
         warnings.simplefilter("ignore", UserWarning)
         try:
+            # (torch's stubs name no positional size after the parts; the function takes it)
+            build: Any
             if ref.layout == "sparse_coo":
-                tensor = torch.sparse_coo_tensor(
+                build = torch.sparse_coo_tensor
+                tensor = build(
                     *parts, ref.shape, is_coalesced=ref.is_coalesced, check_invariants=True
                 )
             else:
-                tensor = torch.sparse_compressed_tensor(
+                build = torch.sparse_compressed_tensor
+                tensor = build(
                     *parts, ref.shape, layout=getattr(torch, ref.layout), check_invariants=True
                 )
         except (RuntimeError, ValueError, TypeError, IndexError) as exc:

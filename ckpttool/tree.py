@@ -16,122 +16,15 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .dtypes import DType
 from .errors import CkptError
 from .guard import note_call
+from .sealed import Sealed
 
-
-class Sealed:
-    """A value the unpickler hands out, which the pickle cannot change afterwards.
-
-    Without a ``__setstate__`` of its own, a pickle's BUILD opcode writes straight into
-    an object's ``__dict__`` (frozen dataclasses included): a file could rename the
-    ``torch.float32`` it was given, and a writer would then name that in its output.
-    """
-
-    __slots__ = ()
-
-    def __setstate__(self, state: Any) -> None:
-        raise CkptError(f"corrupt pickle: it rewrites the state of a {type(self).__name__}")
-
-
-@dataclass(frozen=True)
-class DType(Sealed):
-    """A torch dtype by name (``float32``), with what writers need to know about it.
-
-    One shared object per dtype (:data:`DTYPES`): writers check a dtype is that object.
-    """
-
-    name: str
-    itemsize: int
-    safetensors: str | None  # the safetensors dtype code, None where it has none
-    is_floating: bool
-
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
-
-
-def _dtypes() -> dict[str, DType]:
-    table = [
-        # name, itemsize, safetensors code, floating
-        ("float64", 8, "F64", True),
-        ("float32", 4, "F32", True),
-        ("float16", 2, "F16", True),
-        ("bfloat16", 2, "BF16", True),
-        ("float8_e4m3fn", 1, "F8_E4M3", True),
-        ("float8_e5m2", 1, "F8_E5M2", True),
-        ("float8_e4m3fnuz", 1, "F8_E4M3FNUZ", True),
-        ("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", True),
-        ("float8_e8m0fnu", 1, "F8_E8M0", True),
-        # two fp4 values per byte; not cast by --dtype (torch has no conversion for it)
-        ("float4_e2m1fn_x2", 1, None, False),
-        ("complex128", 16, None, False),  # the safetensors format has C64 only
-        ("complex64", 8, "C64", False),
-        ("complex32", 4, None, False),
-        ("int64", 8, "I64", False),
-        ("int32", 4, "I32", False),
-        ("int16", 2, "I16", False),
-        ("int8", 1, "I8", False),
-        ("uint64", 8, "U64", False),
-        ("uint32", 4, "U32", False),
-        ("uint16", 2, "U16", False),
-        ("uint8", 1, "U8", False),
-        ("bool", 1, "BOOL", False),
-        ("qint8", 1, None, False),
-        ("quint8", 1, None, False),
-        ("qint32", 4, None, False),
-        # raw bit containers (bit-packed custom formats): bytes without a number type
-        ("bits8", 1, None, False),
-        ("bits16", 2, None, False),
-        ("bits1x8", 1, None, False),
-        ("bits2x4", 1, None, False),
-        ("bits4x2", 1, None, False),
-    ]
-    return {name: DType(name, size, st, fl) for name, size, st, fl in table}
-
-
-DTYPES: dict[str, DType] = _dtypes()
-# dtypes whose bytes torch cannot turn into numbers (no conversion kernels): no stats,
-# and diff compares their raw bits
-NO_NUMBERS = frozenset({"float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2"})
-SAFETENSORS_DTYPES: dict[str, DType] = {d.safetensors: d for d in DTYPES.values() if d.safetensors}
-
-# torch.save names a typed storage class per dtype (``torch.FloatStorage``); newer
-# dtypes (fp8, uint16...) are saved as ``torch.storage.UntypedStorage`` plus a dtype.
-STORAGE_CLASSES: dict[str, str] = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64",
-    "QInt8Storage": "qint8",
-    "QUInt8Storage": "quint8",
-    "QInt32Storage": "qint32",
-    "UntypedStorage": "uint8",
-}
-
-
-def dtype(name: str) -> DType:
-    """Look a dtype up by torch name (``float32`` or ``torch.float32``)."""
-    key = name.removeprefix("torch.")
-    if key not in DTYPES:
-        raise CkptError(f"unsupported dtype {name!r}")
-    return DTYPES[key]
-
-
-def check_dtype(value: Any) -> DType:
-    """``value`` is one of the table's own dtypes (a writer names nothing else), or raise."""
-    if not isinstance(value, DType) or DTYPES.get(value.name) is not value:
-        raise CkptError(f"corrupt tensor dtype {value!r:.80}")
-    return value
+if TYPE_CHECKING:
+    from .sharding import Shard
 
 
 class ByteSource:
@@ -256,6 +149,10 @@ class TensorRef(_Sized):
 
     sharded = False
 
+    def tensor_ref(self) -> TensorRef:
+        """Itself: a stored tensor is its own :class:`~ckpttool.sharding.Block`."""
+        return self
+
     def is_contiguous(self) -> bool:
         return self.stride == contiguous_stride(self.shape) or self.numel <= 1
 
@@ -270,16 +167,6 @@ class TensorRef(_Sized):
         """A storage saved on its own (``torch.save(t.untyped_storage())``), as the flat
         tensor of all its elements: how its bytes are read and written."""
         return cls(storage.dtype, (storage.numel,), (1,), 0, storage, device=storage.device)
-
-
-@dataclass(eq=False)
-class Shard(Sealed):
-    """One block of a sharded tensor: ``sizes`` elements starting at ``offsets``."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    tensor: Any  # TensorRef, or anything with .load(map_location) returning the block
-    rank: int | None = None
 
 
 @dataclass(eq=False)
@@ -306,70 +193,6 @@ class ShardedRef(_Sized):
         if self.incomplete:
             raise CkptError(f"sharded tensor {self.incomplete}")
         return load_sharded(self, map_location)
-
-
-def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
-    """Every element of the global tensor is in exactly one shard."""
-    nonempty = [s for s in shards if math.prod(s.sizes)]  # empty ranks hold nothing
-    if _tiles(shape, nonempty, 0):
-        return
-    total = math.prod(shape)
-    covered = 0
-    for s in shards:
-        if (
-            len(s.offsets) != len(shape)
-            or len(s.sizes) != len(shape)
-            or any(
-                o < 0 or n < 0 or o + n > dim
-                for o, n, dim in zip(s.offsets, s.sizes, shape, strict=True)
-            )
-        ):
-            raise CkptError(
-                f"tensor {key!r}: a shard lies outside the tensor of shape {list(shape)}"
-            )
-        covered += math.prod(s.sizes)
-    if covered > total:
-        raise CkptError(f"tensor {key!r}: shards overlap ({covered} elements for {total})")
-    if covered < total:
-        raise CkptError(
-            f"tensor {key!r}: shards cover {covered} of {total} elements "
-            "(incomplete checkpoint: a rank file is missing?)"
-        )
-    if len(nonempty) > MAX_IRREGULAR_SHARDS:  # the pairwise check below is quadratic
-        raise CkptError(
-            f"tensor {key!r}: {len(nonempty)} shards that do not form a grid (corrupt checkpoint?)"
-        )
-    for i, a in enumerate(nonempty):
-        for b in nonempty[i + 1 :]:
-            if all(
-                max(ao, bo) < min(ao + an, bo + bn)
-                for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-            ):
-                raise CkptError(f"tensor {key!r}: shards overlap")
-
-
-MAX_IRREGULAR_SHARDS = 4096
-
-
-def _tiles(shape: tuple, shards: list[Shard], dim: int) -> bool:
-    """The layouts sharding produces, checked in n log n: along ``dim`` the shards'
-    ranges follow each other from 0 to the end, shards with the same range form a
-    group, and each group tiles the dims after it the same way. Blocks of rows (FSDP,
-    DCP, DTensor ``Shard(0)``) and grids (tensor parallel x FSDP) are such layouts.
-    False means only "not this case": the general check decides."""
-    if dim == len(shape):
-        return len(shards) == 1
-    groups: dict[tuple[int, int], list[Shard]] = {}
-    for s in shards:
-        if len(s.offsets) != len(shape) or len(s.sizes) != len(shape):
-            return False
-        groups.setdefault((s.offsets[dim], s.sizes[dim]), []).append(s)
-    end = 0
-    for start, size in sorted(groups):
-        if start != end or size <= 0:
-            return False
-        end += size
-    return end == shape[dim] and all(_tiles(shape, g, dim + 1) for g in groups.values())
 
 
 # Sparse layouts torch.save writes, and the stored tensors each is rebuilt from.
@@ -430,12 +253,18 @@ class SparseRef(Sealed):
 class _ReadOnlyClass(type):
     """Stand-in classes are shared by every read: a pickle's BUILD must not change them."""
 
+    # (set by Opaque and opaque_class's subclasses; declared for the type checker)
+    module: str
+    qualname: str
+    dangerous: bool
+    known: bool
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         # only a pickle calls a stand-in class (ckpttool's own code uses make()):
         # calling a global on no allow-list is what gadgets do (FileHandler(path))
         if not (cls.known or cls.dangerous):
-            note_call(cls.class_name())
-        return cls.__new__(cls, *args, **kwargs)
+            note_call(f"{cls.module}.{cls.qualname}")
+        return cls.__new__(cls, *args, **kwargs)  # type: ignore[arg-type]
 
     def __setattr__(cls, name: str, value: Any) -> None:
         raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
@@ -460,6 +289,8 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     # ShardedTensor pickles a dozen metadata objects, none with items).
     items: Mapping[Any, Any] = MappingProxyType({})
     list: Sequence[Any] = ()
+    args: tuple[Any, ...]
+    state: Any
 
     # No __init__: with __new__ overridden, object.__init__ accepts the arguments, and
     # Python makes one call per object instead of two.
@@ -475,7 +306,7 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     def __setitem__(self, key: Any, value: Any) -> None:
         if "items" not in self.__dict__:
             self.items = {}
-        self.items[key] = value
+        self.items[key] = value  # type: ignore[index]  # its own dict from here on
 
     def append(self, value: Any) -> None:
         self.extend((value,))
@@ -483,7 +314,7 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     def extend(self, values: Any) -> None:
         if "list" not in self.__dict__:
             self.list = []
-        self.list.extend(values)
+        self.list.extend(values)  # type: ignore[attr-defined]  # its own list from here on
 
     def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
         # A pickle may call a stand-in (``getattr(x, "system")(cmd)``): the result is

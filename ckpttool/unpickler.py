@@ -23,18 +23,13 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from .dtypes import DTYPES, STORAGE_CLASSES
 from .errors import CkptError, UnsafeError
 from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
-from .stand_ins import (
-    SAFE_GLOBALS,
-    TORCH_LAYOUTS,
-    TORCH_MEMORY_FORMATS,
-    NamedGlobal,
-    StorageType,
-    TorchName,
-)
-from .tree import DTYPES, STORAGE_CLASSES, Opaque, opaque_class
+from .stand_ins import SAFE_GLOBALS
+from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
+from .tree import Opaque, opaque_class
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -77,7 +72,7 @@ class SafeUnpickler(pickle.Unpickler):
                 return value
             # A fresh object per read: BUILD cannot reach our shared functions through it
             named = NamedGlobal(value)
-            named.name = full
+            named.name = full  # type: ignore[attr-defined]  # a partial's own __dict__
             return named
         if module == "builtins" and name == "getattr":
             return self._getattr
@@ -146,7 +141,7 @@ class _Absorb:
     skips ``__init__``: one Python call per object the pickle builds, not two.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Sink:
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Sink:  # type: ignore[misc]
         return _ABSORB
 
 
@@ -167,11 +162,11 @@ class GlobalsScanner(SafeUnpickler):
         return _Absorb
 
     def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
-        if isinstance(obj, type) and issubclass(obj, _Absorb) and obj is not _Absorb:
+        if isinstance(obj, _AbsorbClass):
             # the same rule as a full read, on the class the absorbing one stands for
             obj = opaque_class(obj.module, obj.qualname)
         value = super()._getattr(obj, name, *default)
-        if isinstance(value, type) and not value.dangerous:
+        if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
             return _named_absorb(value.module, value.qualname, value.known)
         return _Absorb
 
@@ -182,6 +177,10 @@ class GlobalsScanner(SafeUnpickler):
 class _AbsorbClass(type):
     """A class standing for a global in a scan: calling one on no allow-list is noted,
     as :class:`~ckpttool.tree.Opaque`'s metaclass notes it in a full read."""
+
+    module: str
+    qualname: str
+    known: bool
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if not cls.known:

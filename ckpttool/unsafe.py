@@ -29,11 +29,11 @@ def sharded_tensor_loadable() -> Iterator[None]:
         self._local_shards, self._metadata, _pg_state, self._sharding_spec, self._init_rrefs = state
         self._process_group = None
 
-    ShardedTensor.__setstate__ = setstate
+    ShardedTensor.__setstate__ = setstate  # type: ignore[method-assign]
     try:
         yield
     finally:
-        ShardedTensor.__setstate__ = original
+        ShardedTensor.__setstate__ = original  # type: ignore[method-assign]
 
 
 def torch_load(path: Any, map_location: Any = "cpu", **kwargs: Any) -> Any:

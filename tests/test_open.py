@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ckpttool
-from ckpttool.tree import Shard, ShardedRef
+from ckpttool.sharding import Shard
+from ckpttool.tree import ShardedRef
 
 INDEXES = [
     slice(None),

@@ -156,6 +156,13 @@ def test_optimizer_state_round_trips_between_index_and_name_keys():
     assert snapshot_io.optim_state_by_index(by_name, names) == by_index
 
 
+def test_snapshot_layouts_find_their_model_where_ckpttool_does():
+    import ckpttool
+
+    for layout in snapshot_io.SNAPSHOT_LAYOUTS:
+        assert layout[0] in ckpttool.MODEL_KEYS
+
+
 def test_strip_wrapper_prefixes_stacked():
     sd = {"module._orig_mod.fc.weight": torch.zeros(1), "module._orig_mod.fc.bias": torch.ones(1)}
     assert list(snapshot_io.strip_wrapper_prefixes(sd)) == ["fc.weight", "fc.bias"]

@@ -9,9 +9,10 @@ import pytest
 from payloads import lazy_tensor, torch_pickle_bytes
 
 import ckpttool
+from ckpttool.dtypes import DTYPES
 from ckpttool.errors import CkptError, UnsafeError
 from ckpttool.policy import is_dangerous
-from ckpttool.tree import DTYPES, ByteSource, Opaque, StorageRef, TensorRef
+from ckpttool.tree import ByteSource, Opaque, StorageRef, TensorRef
 from ckpttool.unpickler import load_pickle
 
 PLAIN = {

@@ -67,11 +67,7 @@ from snapshot_io import (
 )
 from tinytask import build_task
 
-try:
-    import ckpttool
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import ckpttool
+import ckpttool  # (snapshot_io put the checkout on sys.path when it is not installed)
 
 # FSDP1's SHARDED_STATE_DICT is deprecated in favour of DTensor, but it is the layout that
 # Composer and many published checkpoints use, so this trainer writes it on purpose.

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+try:
+    import ckpttool
+except ImportError:  # running from a checkout without `pip install -e .`
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import ckpttool
 
 SNAPSHOT_FILE = "ep{epoch}-rank{rank}.pt"
 SNAPSHOT_DIR = "ep{epoch}"
@@ -32,9 +39,10 @@ class Snapshot(NamedTuple):
     rng: dict | list | None = None
 
 
-# Where each layout keeps the parts of a Snapshot, in order. Composer keys its optimizers
-# and schedulers by class name; "*" takes the one value there. Only the model is required,
-# so `--resume PATH` also takes e.g. {"model", "optimizer", "epoch"} files.
+# Where each layout keeps the parts of a Snapshot, in order (each model path is one of
+# the places ckpttool looks for a model, ckpttool.MODEL_KEYS). Composer keys its
+# optimizers and schedulers by class name; "*" takes the one value there. Only the model
+# is required, so `--resume PATH` also takes e.g. {"model", "optimizer", "epoch"} files.
 SNAPSHOT_LAYOUTS = (
     (("MODEL_STATE",), ("OPTIMIZER_STATE",), ("SCHEDULER_STATE",), ("EPOCHS_RUN",), ("RNG",)),
     (
@@ -164,14 +172,9 @@ def unpack_snapshot(snapshot: object) -> Snapshot | None:
 
 
 def strip_wrapper_prefixes(state_dict: dict) -> dict:
-    """Drop DDP's ``module.`` and torch.compile's ``_orig_mod.``, stacked in any order."""
-    state_dict = dict(state_dict)
-    while True:
-        before = list(state_dict)
-        for prefix in ("module.", "_orig_mod."):
-            consume_prefix_in_state_dict_if_present(state_dict, prefix)
-        if list(state_dict) == before:
-            return state_dict
+    """Drop the wrapper prefixes every key shares (DDP's ``module.``, torch.compile's
+    ``_orig_mod.``, stacked in any order), as ckpttool strips them when it loads."""
+    return ckpttool.strip_prefix(state_dict, ckpttool.detect_prefix(list(state_dict)))
 
 
 def optim_state_by_name(optim_state: dict, names: list[str]) -> dict:

@@ -82,8 +82,8 @@ def _products(tuples: list[tuple[int, ...]]) -> list[tuple[list[list[int]], list
     for prefix, values in lasts.items():
         by_lasts[frozenset(values)].append(prefix)
     out = []
-    for values, prefixes in by_lasts.items():
-        last = sorted(values)
+    for last_values, prefixes in by_lasts.items():
+        last = sorted(last_values)
         for sub_sets, sub_tuples in _products(prefixes):
             out.append(([*sub_sets, last], [(*p, v) for p in sub_tuples for v in last]))
     return out

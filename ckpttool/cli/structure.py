@@ -51,7 +51,7 @@ def structure_lines(
         return type(value).__name__
 
     def entries(node: Any, path: tuple, depth: int) -> list[tuple[Any, str, list]]:
-        out = []
+        out: list[tuple[Any, str, list]] = []
         for key, value in children(node):
             here = (*path, key)
             if here == model_key:

@@ -19,17 +19,11 @@ import os
 import re
 from typing import Any
 
+from ..dtypes import DType
 from ..errors import CkptError
 from ..policy import MAX_NESTING
-from ..tree import (
-    Checkpoint,
-    DType,
-    Shard,
-    ShardedRef,
-    TensorRef,
-    check_coverage,
-    state_attrs,
-)
+from ..sharding import Shard, check_coverage
+from ..tree import Checkpoint, ShardedRef, TensorRef, state_attrs
 from .per_rank import lone_rank_shards
 from .safetensors_file import MAX_HEADER, dcp_saved_offsets
 from .safetensors_file import tensor_ref as safetensors_tensor_ref

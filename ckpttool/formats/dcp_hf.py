@@ -14,7 +14,8 @@ import os
 import re
 
 from ..errors import CkptError
-from ..tree import Checkpoint, Shard, ShardedRef, check_coverage
+from ..sharding import Shard, check_coverage
+from ..tree import Checkpoint, ShardedRef
 from .safetensors_file import (
     DCP_SHARDING_KEY,
     dcp_saved_offsets,

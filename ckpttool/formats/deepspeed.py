@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CkptError, UnsafeError
-from ..stand_ins import check_shape
+from ..torch_values import check_shape
 from ..tree import Checkpoint, TensorRef, is_tensor
 from . import torch_zip
 from .deepspeed_flat import Piece, as_float32, rebuild

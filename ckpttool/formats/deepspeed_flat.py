@@ -15,8 +15,10 @@ import dataclasses
 import math
 from typing import Any
 
+from ..dtypes import DTYPES
 from ..errors import CkptError
-from ..tree import DTYPES, Shard, ShardedRef, TensorRef, check_coverage, contiguous_stride
+from ..sharding import Shard, check_coverage
+from ..tree import ShardedRef, TensorRef, contiguous_stride
 
 # what ShardedRef.kind says of a tensor rebuilt from ZeRO partitions (inspect shows it)
 ZERO_KIND = "zero"

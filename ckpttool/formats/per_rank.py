@@ -17,17 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CkptError
-from ..stand_ins import LocalShards
-from ..tree import (
-    Checkpoint,
-    Opaque,
-    Shard,
-    ShardedRef,
-    TensorRef,
-    check_coverage,
-    get_path,
-    walk,
-)
+from ..sharding import LocalShards, Shard, check_coverage, own_dtensor_block
+from ..tree import Checkpoint, Opaque, ShardedRef, TensorRef, get_path, walk
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")
@@ -328,7 +319,7 @@ def lone_rank_shards(node: Any, path: tuple = ()) -> Any:
 def _lone_rank_ref(path: tuple, local: LocalShards) -> ShardedRef:
     key = ".".join(str(k) for k in path)
     if local.kind == "dtensor":
-        shards = [_own_dtensor_block(key, local, local.rank)]
+        shards = [own_dtensor_block(key, local, local.rank)]
     else:
         shards = local.shards
     shards = [s for s in shards if math.prod(s.sizes)]
@@ -432,91 +423,7 @@ def _dtensor_shards(
             or mine.dtype != local.dtype
         ):
             raise CkptError(f"rank files disagree about tensor {key!r}", path=files.by_rank[rank])
-        block = _own_dtensor_block(key, mine, rank, files.by_rank[rank])
+        block = own_dtensor_block(key, mine, rank, files.by_rank[rank])
         if math.prod(block.sizes) > 0:  # replicas: keep one
             blocks.setdefault((block.offsets, block.sizes), block)
     return list(blocks.values())
-
-
-def _own_dtensor_block(
-    key: str, local: LocalShards, rank: int | None, file: str | None = None
-) -> Shard:
-    """A DTensor rank's own block, placed by its mesh coordinate."""
-    layout = local.layout
-    offsets, sizes = dtensor_block(
-        key, local.shape, layout["mesh_shape"], layout["coordinate"], layout["placements"]
-    )
-    own = local.shards[0].tensor
-    if own.shape != sizes:
-        raise CkptError(
-            f"tensor {key!r}: local tensor of shape {list(own.shape)} does not match its "
-            f"placement (expected {list(sizes)})",
-            path=file,
-        )
-    return Shard(offsets, sizes, own, rank)
-
-
-def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple, tuple]:
-    """The (offsets, sizes) a DTensor rank holds, as torch's
-    ``_compute_local_shape_and_global_offset`` places it.
-
-    Mesh dimensions shard left to right, each splitting what the previous ones left,
-    like ``torch.chunk``. ``_StridedShard(d, split_factor=k)`` (FSDP2 over tensor
-    parallel) splits into k parts first and takes this rank's chunk of each: it stands
-    for a split that happens after it, so the rows it picks are strided, and the
-    later ``Shard(d)`` picks a contiguous block out of them. Each dim's picked rows
-    are tracked as runs of global indices (never one number per row: the shape is
-    the file's word); a rank's block must end up one run.
-    """
-    if (
-        not mesh_shape
-        or len(coordinate) != len(mesh_shape)
-        or len(placements) != len(mesh_shape)
-        or not all(type(n) is int and type(c) is int and 0 <= c < n
-                   for n, c in zip(mesh_shape, coordinate, strict=True))
-    ):  # fmt: skip
-        raise CkptError(f"tensor {key!r}: DTensor without a usable device mesh")
-    picked: dict[int, list[range]] = {}  # dim -> the global rows held, in local order
-    for mesh_dim, (kind, dim, *args) in enumerate(placements):
-        if kind == "replicate":
-            continue
-        if kind not in ("shard", "strided_shard") or type(dim) is not int or not shape:
-            raise CkptError(f"tensor {key!r}: DTensor placement {kind!r} cannot be merged")
-        dim = dim % len(shape)
-        runs = picked.get(dim, [range(shape[dim])])
-        n, c = mesh_shape[mesh_dim], coordinate[mesh_dim]
-        if kind == "shard":
-            picked[dim] = _chunk(runs, n, c)
-            continue
-        split = args[0] if args else None
-        # the work is split x runs; a real split factor is a tensor-parallel size
-        if not isinstance(split, int) or not 1 <= split <= MAX_RUNS // max(len(runs), 1):
-            raise CkptError(f"tensor {key!r}: corrupt _StridedShard split factor {split!r}")
-        picked[dim] = [r for part in range(split) for r in _chunk(_chunk(runs, split, part), n, c)]
-    offsets, sizes = [0] * len(shape), list(shape)
-    for dim, runs in picked.items():
-        sizes[dim] = sum(len(r) for r in runs)
-        offsets[dim] = runs[0].start if runs else shape[dim]
-        if any(a.stop != b.start for a, b in itertools.pairwise(runs)):
-            raise CkptError(
-                f"tensor {key!r}: a rank's DTensor rows along dim {dim} are not one block of "
-                "the global tensor (a _StridedShard layout ckpttool cannot merge)"
-            )
-    return tuple(offsets), tuple(sizes)
-
-
-MAX_RUNS = 1 << 16  # runs of rows a rank may hold along one dim (and split x runs)
-
-
-def _chunk(runs: list[range], n: int, c: int) -> list[range]:
-    """Part ``c`` of the rows in ``runs`` split in ``n`` as ``torch.chunk`` splits (the
-    last parts may be short or empty), as runs; empty runs are dropped."""
-    size = -(-sum(len(r) for r in runs) // n)
-    start, stop = c * size, (c + 1) * size
-    out, pos = [], 0
-    for run in runs:
-        lo, hi = max(start - pos, 0), min(stop - pos, len(run))
-        if lo < hi:
-            out.append(run[lo:hi])
-        pos += len(run)
-    return out

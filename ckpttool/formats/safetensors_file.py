@@ -8,15 +8,9 @@ import math
 import os
 from typing import Any
 
+from ..dtypes import SAFETENSORS_DTYPES
 from ..errors import CkptError
-from ..tree import (
-    SAFETENSORS_DTYPES,
-    ByteSource,
-    Checkpoint,
-    StorageRef,
-    TensorRef,
-    contiguous_stride,
-)
+from ..tree import ByteSource, Checkpoint, StorageRef, TensorRef, contiguous_stride
 
 FORMAT = "safetensors"
 # The safetensors library refuses headers over 100 MB; so do we, before allocating.

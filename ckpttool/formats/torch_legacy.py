@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..errors import CkptError
-from ..stand_ins import Device, check_storage_reference
+from ..torch_values import Device, check_storage_reference
 from ..tree import ByteSource, Checkpoint, Opaque, StorageRef, opaque_class
 from ..unpickler import load_pickle
 from .torch_zip import checkpoint

@@ -14,7 +14,7 @@ import zlib
 from typing import Any
 
 from ..errors import CkptError
-from ..stand_ins import Device, check_storage_reference
+from ..torch_values import Device, check_storage_reference
 from ..tree import ByteSource, StorageRef
 from ..unpickler import load_pickle
 from .zip_container import (

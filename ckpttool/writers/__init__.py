@@ -7,8 +7,10 @@ import ctypes
 from collections.abc import Iterator
 from typing import Any
 
+from .. import sharding
+from ..dtypes import DType
 from ..errors import CkptError
-from ..tree import DType, SparseRef, TensorRef
+from ..tree import SparseRef, TensorRef
 from .output_file import OutputFile, Progress
 
 __all__ = [
@@ -48,18 +50,12 @@ def refuse_sparse(tensors: dict[str, Any], target: str) -> None:
             )
 
 
-def _raw_copy_ok(leaf: Any, cast: DType | None) -> bool:
-    """Bytes can be copied as stored: a contiguous on-disk tensor, no cast, no byte swap."""
-    return (
-        isinstance(leaf, TensorRef)
-        and leaf.kind != "quantized"
-        and not (leaf.conj or leaf.neg)
-        and leaf.storage is not None
-        and leaf.storage.source is not None
-        and not leaf.storage.big_endian
-        and leaf.is_contiguous()
-        and output_dtype(leaf, cast) == leaf.dtype
-    )
+def raw_parts(leaf: Any, cast: DType | None) -> list[TensorRef] | None:
+    """Stored tensors whose bytes, one after the other, are the leaf's output bytes (None
+    when they need torch: a cast, a view, a byte swap; see :func:`sharding.raw_parts`)."""
+    if output_dtype(leaf, cast) != leaf.dtype:
+        return None
+    return sharding.raw_parts(leaf)
 
 
 def tensor_for_write(leaf: Any, cast: DType | None) -> Any:
@@ -79,53 +75,6 @@ def tensor_bytes(tensor: Any) -> memoryview:
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
-
-
-def raw_parts(leaf: Any, cast: DType | None) -> list[TensorRef] | None:
-    """Stored tensors whose bytes, one after the other, are the leaf's output bytes.
-
-    A plain contiguous tensor is its own single part. A sharded tensor whose shards are
-    each one run of its row-major elements (split along dim 0, as FSDP, DCP and DTensor
-    ``Shard(0)`` split; or cut from a flat buffer, as DeepSpeed ZeRO's partitions) is
-    its shards in element order: no torch, no full tensor in memory. None when the
-    bytes need torch (a cast, a view, a byte swap, blocks split along other dims).
-    """
-    if isinstance(leaf, TensorRef):
-        return [leaf] if _raw_copy_ok(leaf, cast) else None
-    if not getattr(leaf, "sharded", False) or output_dtype(leaf, cast) != leaf.dtype:
-        return None
-    runs = []
-    for shard in leaf.shards:
-        start = _flat_start(leaf.shape, shard.offsets, shard.sizes)
-        if start is None:
-            return None
-        runs.append((start, shard))
-    parts, end = [], 0
-    for start, shard in sorted(runs, key=lambda run: run[0]):
-        block = shard.tensor
-        ref = block if isinstance(block, TensorRef) else block.tensor_ref()
-        if start != end or not _raw_copy_ok(ref, None) or ref.dtype != leaf.dtype:
-            return None
-        parts.append(ref)
-        end += ref.numel
-    return parts if end == leaf.numel else None
-
-
-def _flat_start(shape: tuple, offsets: tuple, sizes: tuple) -> int | None:
-    """The row-major index of a block's first element, if its elements are one run of the
-    tensor's (a few leading indices fixed, a range along one dim, the dims after it whole)."""
-    if len(offsets) != len(shape) or len(sizes) != len(shape):
-        return None
-    whole = len(shape)  # the dims from here on are whole
-    while whole and offsets[whole - 1] == 0 and sizes[whole - 1] == shape[whole - 1]:
-        whole -= 1
-    if any(n != 1 for n in sizes[: max(whole - 1, 0)]):
-        return None
-    start, stride = 0, 1
-    for dim in reversed(range(len(shape))):
-        start += offsets[dim] * stride
-        stride *= shape[dim]
-    return start
 
 
 def _raw_chunks(ref: TensorRef) -> Iterator[memoryview]:

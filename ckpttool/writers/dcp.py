@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..tree import DType
+from ..dtypes import DType
 from . import Progress, refuse_sparse, tensor_for_write
 
 DATA_FILE = "__0_0.distcp"

@@ -6,8 +6,8 @@ import json
 import os
 from typing import Any
 
+from ..dtypes import DType
 from ..errors import CkptError
-from ..tree import DType
 from . import OutputFile, Progress, output_dtype, output_nbytes, refuse_sparse, write_leaf
 
 SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"

@@ -18,19 +18,11 @@ import pickle
 import struct
 from typing import Any
 
+from ..dtypes import DTYPES, STORAGE_CLASSES, DType, check_dtype
 from ..errors import CkptError
 from ..plain import TorchValue, to_plain
-from ..stand_ins import TORCH_LAYOUTS, Device, TorchName, TorchSize
-from ..tree import (
-    DTYPES,
-    STORAGE_CLASSES,
-    DType,
-    SparseRef,
-    StorageRef,
-    TensorRef,
-    check_dtype,
-    iter_tensors,
-)
+from ..torch_values import TORCH_LAYOUTS, Device, TorchName, TorchSize
+from ..tree import SparseRef, StorageRef, TensorRef, iter_tensors
 from . import OutputFile, Progress, output_dtype, output_nbytes, write_leaf
 
 ARCHIVE = "archive"
