@@ -17,6 +17,7 @@ from .torch_values import Device, TorchName, TorchSize, global_name
 from .tree import (
     Checkpoint,
     KeyPath,
+    Leaf,
     Opaque,
     ShardedRef,
     SparseRef,
@@ -113,7 +114,7 @@ def inspect_report(
     }
 
 
-def tensor_entry(path: KeyPath, ref: Any) -> dict[str, Any]:
+def tensor_entry(path: KeyPath, ref: Leaf) -> dict[str, Any]:
     entry = {
         "key": json_key(path),
         "dtype": ref.dtype.name,
@@ -199,7 +200,7 @@ def json_value(value: Any) -> Any:
 MAX_SHOWN_TEXT = 1000
 
 
-def tensor_stats(ref: Any) -> dict[str, Any]:
+def tensor_stats(ref: Leaf) -> dict[str, Any]:
     """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes).
 
     A tensor saved without data (meta device) or sharded with blocks missing has none

@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .dtypes import check_dtype
+from .dtypes import DType, check_dtype
 from .errors import CkptError
 from .sealed import Sealed
 from .torch_values import INT_ONLY, WrapperStub, int_tuple
-from .tree import Opaque, ShardedRef, TensorRef, state_attrs
+from .tree import Leaf, Opaque, ShardedRef, TensorRef, state_attrs
 
 
 class Block(Protocol):
@@ -132,7 +132,14 @@ class LocalShards(Sealed):
         rank, world_size: when the file says so.
     """
 
-    def __init__(self, kind, dtype, shape, device, requires_grad=False):
+    def __init__(
+        self,
+        kind: str,
+        dtype: DType,
+        shape: tuple[int, ...],
+        device: str,
+        requires_grad: bool = False,
+    ) -> None:
         self.kind = kind
         self.dtype = dtype
         self.shape = shape
@@ -366,7 +373,7 @@ def _raw_copy_ok(leaf: Any) -> bool:
     )
 
 
-def raw_parts(leaf: Any) -> list[TensorRef] | None:
+def raw_parts(leaf: Leaf) -> list[TensorRef] | None:
     """Stored tensors whose bytes, one after the other, are the leaf's bytes.
 
     A plain contiguous tensor is its own single part. A sharded tensor whose shards are

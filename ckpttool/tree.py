@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, Union
 
 from .dtypes import DType
 from .errors import CkptError
@@ -408,10 +408,13 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 LEAF_TYPES = (TensorRef, ShardedRef, SparseRef)
+# A tensor leaf of the tree: what inspect lists, convert writes and load turns into a
+# torch.Tensor. Every other leaf is plain data or an Opaque.
+Leaf: TypeAlias = Union[TensorRef, ShardedRef, SparseRef]  # noqa: UP007  (a runtime alias)
 KeyPath = tuple[Any, ...]
 
 
-def is_tensor(value: Any) -> bool:
+def is_tensor(value: Any) -> TypeGuard[Leaf]:
     return isinstance(value, LEAF_TYPES)
 
 
@@ -442,9 +445,7 @@ def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
             stack.extend((here + (k,), v, inner) for k, v in reversed(kids))
 
 
-def iter_tensors(
-    node: Any, path: KeyPath = ()
-) -> Iterator[tuple[KeyPath, TensorRef | ShardedRef | SparseRef]]:
+def iter_tensors(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Leaf]]:
     """Yield (key path, tensor leaf) for every tensor under ``node``, in order."""
     for here, value in walk(node, path):
         if is_tensor(value):
