@@ -73,6 +73,28 @@ def check_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> 
     return lines[0]
 
 
+def run_child(
+    name: str,
+    *args: Any,
+    items: Any = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float | None = 600,
+) -> subprocess.CompletedProcess:
+    """Run the child program ``name`` of ``children.py`` in a fresh interpreter, with
+    ``items`` as JSON on its stdin; text stdout/stderr captured (``timeout`` is a hang
+    guard, no timing)."""
+    return subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("children.py")), name, *map(str, args)],
+        input=None if items is None else json.dumps(items),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(**(env or {})),
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
 def _descendants(pid: int) -> list[int]:
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
