@@ -6,66 +6,23 @@ naming the globals (refused), exit 2 in one line (corrupt), or exit 0 with outpu
 Nothing is written after an error, the input is never changed, no marker appears, and
 the files built to cost time or memory are read under a memory bound.
 
-The commands run in one child process (``CORPUS_DRIVER``) so the corpus costs one torch
+The commands run in one child process (``children.py cli-batch``) so the corpus costs one torch
 import, not a hundred.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from attack_corpus import CASES, CASES_BY_NAME, Case, write_case
-from conftest import ROOT, sha256
-
-# Runs each argv through ckpttool's real entry point in-process; prints one JSON list.
-CORPUS_DRIVER = textwrap.dedent(
-    """
-    import contextlib, io, json, sys
-    from ckpttool.cli import main
-    results = []
-    for argv in json.load(sys.stdin):
-        out, err = io.StringIO(), io.StringIO()
-        sys.argv = ["ckpttool", *argv]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
-    print(json.dumps(results))
-    """
-)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, COLUMNS="200")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def run_child(code: str, items: list, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -c code`` with ``items`` as JSON on its stdin (a hang guard, no timing)."""
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(items),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-        cwd=cwd,
-    )
+from helpers import run_child, sha256
 
 
 def run_many(argvs: list[list[str]]) -> list[dict]:
-    proc = run_child(CORPUS_DRIVER, argvs)
+    proc = run_child("cli-batch", items=argvs, env={"COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -148,19 +105,6 @@ def test_a_benign_unknown_class_is_unverified_not_dangerous(corpus):
     assert "collections.OrderedDict" not in report["unverified"]  # allowed names are not
 
 
-# Loads every output both ways in one child: weights_only=True must read it, and
-# weights_only=False must run nothing (no marker appears).
-LOAD_BOTH_WAYS = textwrap.dedent(
-    """
-    import json, sys, torch
-    for path in json.load(sys.stdin):
-        torch.load(path, weights_only=True)
-        torch.load(path, weights_only=False)
-    print("ok")
-    """
-)
-
-
 def test_outputs_of_valid_hostile_inputs_load_safely(corpus):
     outputs = []
     for case in CASES:
@@ -168,23 +112,10 @@ def test_outputs_of_valid_hostile_inputs_load_safely(corpus):
             folder = corpus[case.name]["folder"]
             outputs += [str(folder / "merged.pt"), str(folder / "conv.pt")]
     assert outputs
-    proc = run_child(LOAD_BOTH_WAYS, outputs)
+    proc = run_child("load-both-ways", items=outputs)
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
     for case in CASES:
         assert not (corpus[case.name]["folder"] / "marker").exists()
-
-
-# Proves the "no marker" assertions can fail: a plain torch.load runs these payloads.
-RUN_PAYLOADS = textwrap.dedent(
-    """
-    import json, sys, torch
-    for path in json.load(sys.stdin):
-        try:
-            torch.load(path, weights_only=False)
-        except Exception:
-            pass  # a payload's call may fail after it acted
-    """
-)
 
 
 def test_live_payloads_act_under_a_plain_torch_load(tmp_path):
@@ -195,24 +126,11 @@ def test_live_payloads_act_under_a_plain_torch_load(tmp_path):
         folder = tmp_path / case.name
         folder.mkdir()
         paths.append(str(write_case(case, folder)))
-    run_child(RUN_PAYLOADS, paths, cwd=tmp_path)
+    run_child("run-payloads", items=paths, cwd=tmp_path)
     for case in live:
         assert (tmp_path / case.name / "marker").exists(), case.name
 
 
-# Runs one command; writes the child's peak resident memory (KiB) to CKPTTOOL_RSS_FILE.
-MEASURED = textwrap.dedent(
-    """
-    import atexit, os, resource, sys
-    from ckpttool.cli import main
-    def report():
-        with open(os.environ["CKPTTOOL_RSS_FILE"], "w") as f:
-            f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
-    atexit.register(report)
-    sys.argv = ["ckpttool", *sys.argv[1:]]
-    main()
-    """
-)
 COSTLY = [
     "memo-index-of-a-billion",
     "bytearray-constructor-repeated",
@@ -226,14 +144,9 @@ MEMORY_BOUND_MIB = 256
 
 def peak_rss_mib(argv: list[str], tmp_path: Path) -> tuple[int, float]:
     rss_file = tmp_path / "rss"
-    env = dict(_env(), CKPTTOOL_RSS_FILE=str(rss_file))
-    proc = subprocess.run(
-        [sys.executable, "-c", MEASURED, *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,  # a hang guard, not a timing assertion
-    )
+    env = {"COLUMNS": "200", "CKPTTOOL_RSS_FILE": str(rss_file)}
+    # timeout: a hang guard, not a timing assertion
+    proc = run_child("measured", *argv, env=env, timeout=120)
     return proc.returncode, int(rss_file.read_text()) / 1024
 
 
@@ -254,7 +167,7 @@ def test_costly_files_are_refused_within_the_memory_bound(tmp_path, name):
 
 def _edit_pickles(folder: Path, old: bytes, new: bytes) -> None:
     """Replace ``old`` by ``new`` (same length) in every rank file's data.pkl."""
-    from conftest import rewrite_zip
+    from helpers import rewrite_zip
 
     for path in sorted(folder.glob("*.pt")):
         edited = path.with_suffix(".tmp")
@@ -275,7 +188,7 @@ def _edit_pickles(folder: Path, old: bytes, new: bytes) -> None:
     ],
 )
 def test_damaged_sharded_metadata_is_one_ckpt_error(tmp_path, fixture, old, new, needle):
-    from conftest import FIXTURES
+    from helpers import FIXTURES
 
     import ckpttool
 

@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import FIXTURES, check_error, rewrite_zip, run_cli, sha256, write_dcp
+from helpers import FIXTURES, check_error, rewrite_zip, run_cli, sha256, write_dcp
 from safetensors.torch import save_file
 
 import ckpttool

@@ -19,7 +19,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from helpers import run_cli
 
 
 def benign_snapshot() -> dict:
@@ -113,7 +113,7 @@ FRAMEWORK_FIXTURES = [
 
 @pytest.mark.parametrize("name", FRAMEWORK_FIXTURES)
 def test_framework_fixtures_name_no_unverified_global(name):
-    from conftest import FIXTURES
+    from helpers import FIXTURES
 
     proc = run_cli("inspect", "--json", FIXTURES / name)
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, check_error, run_cli, small_state_dict
+from helpers import ROOT, check_error, run_cli, small_state_dict
 
 import ckpttool
 
@@ -152,7 +152,7 @@ def test_diff_exits_1_on_differences(model_file, tmp_path):
 def test_exit_code_3_for_unsafe_and_0_with_unsafe(tmp_path):
     import os
 
-    from conftest import Reduce
+    from payloads import Reduce
 
     marker = tmp_path / "marker"
     path = tmp_path / "evil.pt"
@@ -231,7 +231,7 @@ def test_debug_keeps_the_exit_code_and_adds_the_traceback(tmp_path, args):
 def test_debug_on_unsafe_input_keeps_exit_3(tmp_path):
     import os
 
-    from conftest import Reduce
+    from payloads import Reduce
 
     path = tmp_path / "evil.pt"
     torch.save({"x": Reduce(os.system, ("true",))}, path)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES
-from helpers_dist import fsdp_checkpoints, one_line_error, run_cli
+from helpers import FIXTURES, check_error, run_cli
 
 from ckpttool.convert import convert
 from ckpttool.diff import diff
@@ -109,8 +108,8 @@ def test_equal_across_formats(formats: dict[str, Path], a, b):
 
 
 @pytest.mark.slow
-def test_sharded_inputs_equal_to_full_state(tmp_path_factory):
-    folder = fsdp_checkpoints(tmp_path_factory, 2)
+def test_sharded_inputs_equal_to_full_state(fsdp2: Path):
+    folder = fsdp2
     ranks = str(folder / "ep0-ba2-rank*.pt")
     assert diff(ranks, str(folder / "full.pt")) == report(compared=7)
     assert diff(str(folder / "dcp"), str(folder / "full.pt")) == report(compared=7)
@@ -313,9 +312,9 @@ def test_select_and_prefix_apply_to_both(formats: dict[str, Path], tmp_path: Pat
 def test_bad_inputs_exit_2(formats: dict[str, Path], tmp_path: Path):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
-    one_line_error(run_cli("diff", formats["pt"], tmp_path / "nope.pt"), 2, "nope.pt")
-    one_line_error(run_cli("diff", garbage, formats["pt"]), 2, "garbage.pt")
-    one_line_error(run_cli("diff", formats["pt"], formats["pt"], "--atol", "-1"), 2, "--atol")
+    check_error(run_cli("diff", formats["pt"], tmp_path / "nope.pt"), 2, "nope.pt")
+    check_error(run_cli("diff", garbage, formats["pt"]), 2, "garbage.pt")
+    check_error(run_cli("diff", formats["pt"], formats["pt"], "--atol", "-1"), 2, "--atol")
     with pytest.raises(UsageError):
         diff(str(formats["pt"]), str(formats["pt"]), rtol=-0.1)
     with pytest.raises(CkptError, match="no such file"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_dist import one_line_error, run_cli, tree_files
+from helpers import check_error, run_cli, tree_files
 from safetensors.torch import load_file, save_file
 
 import ckpttool
@@ -135,7 +135,7 @@ def test_into_a_folder_with_other_files_and_force(tmp_path: Path, snap: Path, ki
     first = {name: (folder / name).read_bytes() for name in OWN_FILES[kind]}
 
     # again: refused, nothing written or removed
-    one_line_error(cli(kind, snap, f"{folder}/"), 2, "--force")
+    check_error(cli(kind, snap, f"{folder}/"), 2, "--force")
     assert tree_files(folder) == sorted(before + OWN_FILES[kind])
     assert_untouched(planted)
 
@@ -159,7 +159,7 @@ def test_named_file_output_beside_other_files(tmp_path: Path, snap: Path, kind: 
     planted = plant(tmp_path / "out")
     out = tmp_path / "out" / "model.x"
     assert cli(kind, snap, str(out)).returncode == 0
-    one_line_error(cli(kind, snap, str(out)), 2, "output exists", "--force")
+    check_error(cli(kind, snap, str(out)), 2, "output exists", "--force")
     proc = cli(kind, snap, str(out), "--force")
     assert proc.returncode == 0, proc.stderr
     assert_untouched(planted)
@@ -221,8 +221,8 @@ def test_plain_file_where_a_folder_is_needed_is_never_replaced(
     target = tmp_path / "models"
     target.write_bytes(b"my notes")
     out = f"{target}/" if kind == "pt" else str(target)
-    one_line_error(cli(kind, snap, out), 2, "--force")
-    one_line_error(cli(kind, snap, out, "--force"), 2, "not a checkpoint", "only what ckpttool")
+    check_error(cli(kind, snap, out), 2, "--force")
+    check_error(cli(kind, snap, out, "--force"), 2, "not a checkpoint", "only what ckpttool")
     assert target.read_bytes() == b"my notes"
     assert tree_files(tmp_path) == ["in", "in/ep1-rank0.pt", "models"]
 
@@ -235,7 +235,7 @@ def test_checkpoint_file_where_a_folder_is_needed_is_replaced_with_force(
     target = tmp_path / "models"
     save_file({"x": torch.ones(2)}, str(target))
     out = f"{target}/" if kind == "pt" else str(target)
-    one_line_error(cli(kind, snap, out), 2, "--force")
+    check_error(cli(kind, snap, out), 2, "--force")
     assert target.is_file()
     proc = cli(kind, snap, out, "--force")
     assert proc.returncode == 0, proc.stderr

@@ -15,7 +15,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
-from conftest import FIXTURES, sha256
+from helpers import FIXTURES, sha256
 from test_attack_corpus import run_many
 from test_mutations import mutate
 

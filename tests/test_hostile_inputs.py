@@ -9,10 +9,8 @@ torch's import included) and its peak RSS (``ru_maxrss``) at most 256 MiB above 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from pathlib import Path
 import hostile_zips
 import pytest
 import torch
-from helpers_dist import one_line_error, subprocess_env, tree_files
+from helpers import check_error, run_child, sha256, tree_files
 from hostile_zips import CASES
 
 import ckpttool
@@ -48,24 +46,6 @@ class Run:
     max_rss: int  # bytes
 
 
-# Started from pytest, a child's ru_maxrss would count the pytest image it was forked
-# from (hundreds of MB, torch loaded): a small launcher process forks the commands
-# instead, one after the other, each under its own CPU limit.
-LAUNCHER = """
-import json, os, resource, subprocess, sys
-results = []
-for cpu, out, err, args in json.loads(sys.argv[1]):
-    def limit(cpu=cpu):
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    with open(out, "wb") as o, open(err, "wb") as e:
-        proc = subprocess.Popen(args, stdout=o, stderr=e, preexec_fn=limit)
-        _, status, usage = os.wait4(proc.pid, 0)
-    cpu_s = usage.ru_utime + usage.ru_stime
-    results.append([os.waitstatus_to_exitcode(status), cpu_s, usage.ru_maxrss * 1024])
-print(json.dumps(results))
-"""
-
-
 def run_limited(jobs: list[tuple[list[str], int]]) -> list[Run]:
     """``python -m ckpttool ARGS`` under ``RLIMIT_CPU`` for each (ARGS, limit); each
     one's exit code, output, CPU time and peak RSS."""
@@ -79,13 +59,10 @@ def run_limited(jobs: list[tuple[list[str], int]]) -> list[Run]:
             ]
             for i, (a, limit) in enumerate(jobs)
         ]
-        launcher = subprocess.run(
-            [sys.executable, "-c", LAUNCHER, json.dumps(specs)],
-            capture_output=True,
-            text=True,
-            env={**subprocess_env(), "COLUMNS": "80"},
-            check=True,
-        )
+        # a small launcher forks the commands: see children.limited
+        specs_json = json.dumps(specs)
+        launcher = run_child("limited", specs_json, env={"COLUMNS": "80"}, timeout=None)
+        assert launcher.returncode == 0, launcher.stderr[-3000:]
         return [
             Run(code, Path(spec[1]).read_text(), Path(spec[2]).read_text(), cpu_s, max_rss)
             for spec, (code, cpu_s, max_rss) in zip(specs, json.loads(launcher.stdout), strict=True)
@@ -108,10 +85,6 @@ def baseline(tmp_path_factory) -> dict[str, Run]:
     for run in runs.values():
         assert run.returncode == 0, run.stderr
     return runs
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 BOUNDED = list(CASES)
@@ -141,7 +114,7 @@ def test_hostile_input_bounded_one_line_nothing_written(
             if command in ("convert", "merge"):
                 assert outs[command].is_file()
         else:
-            one_line_error(run, case.code, case.needle)  # type: ignore[arg-type]
+            check_error(run, case.code, case.needle)  # type: ignore[arg-type]
             assert not outs[command].parent.exists(), command
     assert sha256(path) == before
     assert tree_files(path.parent) == [path.name]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_cli, small_state_dict, write_dcp
+from helpers import ROOT, run_cli, small_state_dict, write_dcp
 from safetensors.torch import save_file
 
 TOP_KEYS = {
@@ -190,7 +190,7 @@ def test_filter(snapshot):
 
 
 def test_bad_filter_is_exit_2(snapshot):
-    from conftest import check_error
+    from helpers import check_error
 
     check_error(run_cli("inspect", "--filter", "(", snapshot), 2, "--filter")
 
@@ -291,7 +291,7 @@ def test_human_output_for_safetensors_says_no_code(tmp_path):
 
 
 def test_inspect_does_not_change_the_input(snapshot):
-    from conftest import sha256
+    from helpers import sha256
 
     before = sha256(snapshot)
     run_cli("inspect", snapshot)
@@ -524,7 +524,7 @@ def test_full_limit_sort_and_names(llama_file):
                     "model.layers.{0..31}.self_attn.k_proj.weight"]  # fmt: skip
     by_name = run_cli("inspect", "--sort", "name", llama_file).stdout.splitlines()[9:]
     assert [line.split()[0] for line in by_name] == sorted(line.split()[0] for line in by_name)
-    from conftest import check_error
+    from helpers import check_error
 
     check_error(run_cli("inspect", "--sort", "bytes", llama_file), 2, "'bytes'", "name")
     check_error(run_cli("inspect", "--limit", "-1", llama_file), 2, "--limit")
@@ -554,7 +554,7 @@ def test_metadata_in_json_and_file_per_tensor(tmp_path, llama_file):
     # the shell's expansion of folder/*.safetensors is that folder
     expanded = inspect_json(*shards)
     assert expanded["format"] == "safetensors-sharded" and expanded["files"] == report["files"]
-    from conftest import check_error
+    from helpers import check_error
 
     check_error(
         run_cli("inspect", *shards[:2]), 2, f"2 of the {len(shards)} shards", "pass the folder"

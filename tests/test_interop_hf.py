@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_dist import run_cli, tree_files
+from helpers import run_cli, tree_files
 
 transformers = pytest.importorskip("transformers", exc_type=ImportError)
 

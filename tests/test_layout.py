@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from conftest import run_cli, small_state_dict
+from helpers import run_cli, small_state_dict
 from safetensors.torch import load_file
 
 import ckpttool

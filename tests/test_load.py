@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import autograd_view, parameter_snapshot, rewrite_zip, sha256, small_state_dict
+from helpers import autograd_view, parameter_snapshot, rewrite_zip, sha256, small_state_dict
 
 import ckpttool
 
@@ -252,7 +252,7 @@ def _write(kind: str, folder, sd: dict):
         save_file(sd, path)
         return path, path
     if kind == "dcp":
-        from conftest import write_dcp
+        from helpers import write_dcp
 
         write_dcp(folder / "dcp", sd)
         return folder / "dcp", folder / "dcp" / "__0_0.distcp"
@@ -347,9 +347,10 @@ def test_mapped_tensors_stay_valid_after_the_file_is_gone(tmp_path, kind):
 
 # ------------------------------------- bitwise equality with torch.load / load_file
 
+from helpers import same_bits  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_properties import DTYPES, LAYOUTS, make_tensor, same_bits  # noqa: E402
+from test_properties import DTYPES, LAYOUTS, make_tensor  # noqa: E402
 
 
 @st.composite
@@ -425,7 +426,7 @@ def test_load_is_bitwise_safetensors_load_file(shapes, dtypes, mmap):
 
 
 def test_dcp_load_is_bitwise_the_saved_state(tmp_path):
-    from conftest import write_dcp
+    from helpers import write_dcp
 
     sd = {f"t{i}": make_tensor(dt, (3, 5), "contiguous", i) for i, dt in enumerate(DTYPES)}
     write_dcp(tmp_path / "dcp", {"model": sd})
@@ -505,7 +506,7 @@ def test_a_missing_input_is_a_ckpterror_and_a_filenotfounderror(tmp_path, what):
 
 
 def test_a_missing_input_still_exits_2_with_one_line(tmp_path, cli):
-    from conftest import check_error
+    from helpers import check_error
 
     check_error(cli("inspect", tmp_path / "nope.pt"), 2, "no such file or directory")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import write_dcp
+from helpers import write_dcp
 from safetensors.torch import save_file
 
 import ckpttool

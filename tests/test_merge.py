@@ -9,48 +9,30 @@ import argparse
 import collections
 import enum
 import shutil
-import struct
 import subprocess
 import sys
 import warnings
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import autograd_view, parameter_snapshot
-from helpers_dist import one_line_error, run_cli, tree_files
+from helpers import (
+    assert_identical,
+    autograd_view,
+    check_error,
+    parameter_snapshot,
+    run_cli,
+    tree_files,
+)
 
 import ckpttool
 from ckpttool.convert import convert
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
 from ckpttool.report import inspect_report
-from ckpttool.writers import torch_zip
 
 pytestmark = pytest.mark.slow
-
-
-def assert_identical(got, want, path: tuple = ()) -> int:
-    """Same container types, same keys in the same order (ints stay ints), equal plain
-    values, every tensor bitwise equal with the same dtype and shape; returns the tensor count."""
-    assert type(got) is type(want), (path, type(got), type(want))
-    if isinstance(want, torch.Tensor):
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), path
-        assert torch.equal(got, want), f"tensor differs at {path}"
-        return 1
-    if isinstance(want, dict):
-        assert list(got) == list(want), (path, list(got), list(want))
-        return sum(assert_identical(got[k], want[k], (*path, k)) for k in want)
-    if isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        return sum(
-            assert_identical(g, w, (*path, i))
-            for i, (g, w) in enumerate(zip(got, want, strict=True))
-        )
-    assert got == want, (path, got, want)
-    return 0
 
 
 def expected_snapshot(folder: Path) -> dict:
@@ -150,7 +132,7 @@ def test_local_state_dict_pieces_are_refused_not_taken_from_rank_0(dist_runs, tm
     that is its own piece of the parameter. Taking rank 0's as the whole was wrong data."""
     files = str(dist_runs.three / "local-rank*.pt")
     out = tmp_path / "m.pt"
-    line = one_line_error(run_cli("merge", files, "-o", out), 2, "differs between rank files")
+    line = check_error(run_cli("merge", files, "-o", out), 2, "differs between rank files")
     assert "LOCAL_STATE_DICT" in line and "SHARDED_STATE_DICT" in line
     assert not out.exists()
 
@@ -160,7 +142,7 @@ def test_merge_refuses_missing_rank(fsdp3: Path, tmp_path: Path):
     alone.mkdir()
     shutil.copy(fsdp3 / "ep0-ba2-rank1.pt", alone)
     proc = run_cli("merge", alone / "ep0-ba2-rank1.pt", "-o", tmp_path / "m.pt")
-    one_line_error(proc, 2, "missing", "ep0-ba2-rank0.pt", "ep0-ba2-rank2.pt")
+    check_error(proc, 2, "missing", "ep0-ba2-rank0.pt", "ep0-ba2-rank2.pt")
     assert tree_files(tmp_path) == ["alone", "alone/ep0-ba2-rank1.pt"]
 
 
@@ -387,55 +369,16 @@ def test_a_stand_in_no_reader_resolves_is_refused_not_written(tmp_path: Path):
     """A crafted pickle calls _rebuild_wrapper_subclass outside the call that names
     the subclass: what it builds is ckpttool's own placeholder, which must not end up
     in an output only ckpttool could load."""
-    from conftest import Reduce
+    from payloads import Reduce
 
     stub = Reduce(torch._utils._rebuild_wrapper_subclass,
                   (torch.Tensor, torch.float32, torch.Size([2]), (1,), 0, torch.strided,
                    torch.device("cpu"), False))  # fmt: skip
     torch.save({"model": {"w": torch.ones(2)}, "odd": stub}, tmp_path / "in.pt")
     out = tmp_path / "m.pt"
-    one_line_error(run_cli("merge", tmp_path / "in.pt", "-o", out), 2,
+    check_error(run_cli("merge", tmp_path / "in.pt", "-o", out), 2,
                    "cannot write a WrapperStub stand-in")  # fmt: skip
     assert not out.exists()
-
-
-def test_merged_zip_is_valid_and_aligned(fsdp2: Path, tmp_path: Path):
-    """Our own zip writer: every CRC-32 right (zipfile checks them), data 64-byte aligned,
-    and torch's mmap loader maps it."""
-    out = tmp_path / "m.pt"
-    merge(str(fsdp2 / "ep0-ba2-rank*.pt"), str(out))
-    with zipfile.ZipFile(out) as z:
-        assert z.testzip() is None
-        names = z.namelist()
-        assert names[-5:] == [
-            f"archive/{n}"
-            for n in ("data.pkl", "byteorder", "version", ".format_version", ".storage_alignment")
-        ]
-        assert names[:-5] == [f"archive/data/{i}" for i in range(27)]
-    raw = out.read_bytes()
-    for info in z.infolist():
-        name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
-        data_start = info.header_offset + 30 + name_len + extra_len
-        if info.filename.startswith("archive/data/"):
-            assert data_start % 64 == 0, info.filename
-    plain = torch.load(out, weights_only=True)
-    mapped = torch.load(out, weights_only=True, mmap=True)
-    assert assert_identical(mapped, plain) == 27
-
-
-def test_zip64_records_when_sizes_pass_the_limit(monkeypatch, tmp_path: Path):
-    """Sizes and offsets past the zip64 limit (2 GiB, lowered here so the records appear in
-    a small file) go to zip64 extra fields and end records that zipfile and torch read."""
-    monkeypatch.setattr(torch_zip, "_ZIP64_LIMIT", 100)
-    tensors = {f"t{i}": torch.arange(40, dtype=torch.float32) + i for i in range(5)}
-    torch.save(tensors, tmp_path / "in.pt")
-    merge(str(tmp_path / "in.pt"), str(tmp_path / "out.pt"))
-    raw = (tmp_path / "out.pt").read_bytes()
-    assert b"PK\x06\x06" in raw and b"PK\x06\x07" in raw  # zip64 end record and locator
-    with zipfile.ZipFile(tmp_path / "out.pt") as z:
-        assert z.testzip() is None
-        assert [i.file_size for i in z.infolist()][:5] == [160] * 5
-    assert assert_identical(torch.load(tmp_path / "out.pt", weights_only=True), tensors) == 5
 
 
 def test_merging_whole_shards_does_not_import_torch(fsdp2: Path, tmp_path: Path):

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 import ckpttool
 from ckpttool.errors import CkptError, UnsafeError

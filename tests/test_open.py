@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, small_state_dict, write_dcp
+from helpers import ROOT, small_state_dict, write_dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -176,7 +176,7 @@ def test_star_import_keeps_the_builtin_open():
     "fmt", ["torch-zip", "torch-legacy", "safetensors", "safetensors-sharded", "torchscript", "dcp"]
 )
 def test_open_reads_every_format_as_load_does(tmp_path, fmt):
-    from test_readers import write_hf_shards
+    from helpers import write_hf_shards
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))

@@ -6,7 +6,6 @@ no temporary file (or one the next run removes) and an untouched input.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import resource
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_dist import one_line_error, run_cli, subprocess_env, tree_files
+from helpers import check_error, run_cli, sha256, subprocess_env, tree_files
 from safetensors.torch import load_file
 
 from ckpttool.convert import convert
@@ -26,14 +25,6 @@ from ckpttool.merge import merge
 from ckpttool.output import DCP_FILES, HF_SHARDS, TEMP_MARK, atomic_output, check_output
 
 BIG_TENSORS, BIG_ELEMENTS = 6, 12_500_000  # 6 x 50 MB = 300 MB of float32
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +139,7 @@ def test_file_size_limit_exit_2_one_line_nothing_left(medium: Path, tmp_path: Pa
     before = sha256(medium)
     out = tmp_path / "out"
     proc = run_cli(args[0], medium, *args[1:], "-o", out, preexec_fn=limit_file_size(1 << 20))
-    one_line_error(proc, 2, str(out), "file too large", "nothing was written")
+    check_error(proc, 2, str(out), "file too large", "nothing was written")
     assert tree_files(tmp_path) == []
     assert sha256(medium) == before
 
@@ -159,7 +150,7 @@ def test_folders_made_for_a_failed_output_are_removed(medium: Path, tmp_path: Pa
     out = tmp_path / "new" / "dir" / "out.pt"
     proc = run_cli("convert", medium, "--to", "pt", "-o", out,
                    preexec_fn=limit_file_size(1 << 20))  # fmt: skip
-    one_line_error(proc, 2, "file too large")
+    check_error(proc, 2, "file too large")
     assert tree_files(tmp_path) == []
     (tmp_path / "kept").mkdir()
     out = tmp_path / "kept" / "sub" / "out.pt"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_dist import safetensors_header
+from helpers import assert_identical, safetensors_header, same_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -80,18 +80,6 @@ def tensors(draw) -> torch.Tensor:
     dtype = draw(st.sampled_from(DTYPES))
     shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
     return make_tensor(dtype, shape, draw(st.sampled_from(LAYOUTS)), draw(st.integers(0, 2**31)))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    # a fresh copy with standard strides: .contiguous() keeps odd strides of size-0/1 dims
-    flat = torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1)
-    return flat.view(torch.uint8)
-
-
-def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return (
-        got.dtype == want.dtype and got.shape == want.shape and torch.equal(bits(got), bits(want))
-    )
 
 
 def flatten(node, path: tuple = ()) -> dict[str, torch.Tensor]:
@@ -200,22 +188,6 @@ def snapshots(draw) -> dict:
         max_leaves=12,
     )
     return draw(st.dictionaries(KEYS, node, min_size=1, max_size=4))
-
-
-def assert_identical(got, want, path: tuple = ()) -> None:
-    assert type(got) is type(want), (path, type(got), type(want))
-    if isinstance(want, torch.Tensor):
-        assert same_bits(got, want), path
-    elif isinstance(want, dict):
-        assert list(got) == list(want), path
-        for k in want:
-            assert_identical(got[k], want[k], (*path, k))
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_identical(g, w, (*path, i))
-    else:
-        assert got == want, path
 
 
 @SETTINGS

@@ -17,7 +17,8 @@ import time
 import types
 
 import pytest
-from conftest import MALICIOUS_KINDS, check_error, run_cli, write_dcp
+from helpers import check_error, run_cli, write_dcp
+from payloads import MALICIOUS_KINDS
 
 import ckpttool
 
@@ -350,7 +351,7 @@ def test_safetensors_index_cannot_point_outside_its_folder(tmp_path):
 @pytest.mark.slow
 def test_malicious_sibling_rank_file_is_refused(dist_runs, tmp_path):
     """Rank 1's file carries the payload; giving rank 0 (siblings found) or a glob refuses."""
-    from conftest import rewrite_zip
+    from helpers import rewrite_zip
 
     marker = tmp_path / "marker"
     evil = (

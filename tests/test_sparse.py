@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_error, run_cli, sha256
+from helpers import check_error, run_cli, sha256
 
 import ckpttool
 from ckpttool.diff import diff

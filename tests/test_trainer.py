@@ -7,24 +7,21 @@ shared through a module-scoped fixture to keep the file under two minutes on 2 c
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, assert_identical, finish, run_cli, start_torchrun
 
 import ckpttool
 
-REPO = Path(__file__).resolve().parents[1]
-TRAINER = REPO / "trainers" / "ddp_trainer.py"
+TRAINER = ROOT / "trainers" / "ddp_trainer.py"
 sys.path.insert(0, str(TRAINER.parent))
 import ddp_trainer  # noqa: E402  (hook names)
 import snapshot_io  # noqa: E402  (the trainer's snapshot helpers, tested directly below)
@@ -32,43 +29,6 @@ import snapshot_io  # noqa: E402  (the trainer's snapshot helpers, tested direct
 # Small and quick: ~4 steps an epoch on 2 ranks; dropout keeps the RNG in play.
 TINY = ["--backend", "gloo", "--model", "gpt", "--dim", "16", "--layers", "1"]
 TIMEOUT_S = 180
-
-
-def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
-
-
-def _descendants(pid: int) -> list[int]:
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def run_killing_tree_on_timeout(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run, but a timeout kills torchrun's workers too, not just torchrun.
-
-    The workers run in sessions of their own; left alive they would hang in a collective
-    forever and hold our pipes open.
-    """
-    with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
-    ) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for pid in [proc.pid, *_descendants(proc.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(
-                f"timed out after {TIMEOUT_S}s: {' '.join(cmd)}\n{stdout[-3000:]}\n{stderr[-3000:]}"
-            )
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def torchrun(
@@ -81,36 +41,18 @@ def torchrun(
     tiny: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run the trainer under torchrun; fail with its output unless it exits 0 (``check``)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        f"--max-restarts={max_restarts}",
-        str(TRAINER),
-        "--snapshot-dir",
-        str(snapshot_dir),
-        *(TINY if tiny else []),
-        *args,
-    ]
-    proc = run_killing_tree_on_timeout(cmd, env=_env(**(env or {})), cwd=snapshot_dir.parent)
+    trainer_args = ["--snapshot-dir", str(snapshot_dir), *(TINY if tiny else []), *args]
+    proc = start_torchrun(
+        TRAINER, *trainer_args, nproc=nproc, max_restarts=max_restarts, env=env,
+        cwd=snapshot_dir.parent,
+    )  # fmt: skip
+    proc = finish(proc, TIMEOUT_S)
     if check and proc.returncode != 0:
         pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n"
+            f"{' '.join(proc.args)} exited {proc.returncode}\n"
             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
         )
     return proc
-
-
-def ckpttool_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ckpttool", *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        env=_env(),
-    )
 
 
 def final_snapshot(snapshot_dir: Path, fmt: str, epoch: int = 3) -> list[str] | str:
@@ -125,24 +67,6 @@ def load_all(snapshot: list[str] | str) -> dict:
     if isinstance(snapshot, list) and "MODEL_STATE" in ckpttool.load(snapshot[0], select="all"):
         return {Path(p).name: ckpttool.load(p, select="all") for p in snapshot}
     return ckpttool.load(snapshot, select="all")
-
-
-def assert_identical(a, b, path: tuple = ()) -> int:
-    """Same keys, same values, every tensor bitwise equal; returns how many tensors."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
-        assert torch.equal(a, b), f"tensor differs at {path}"
-        return 1
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), (path, list(a), list(b))
-        return sum(assert_identical(a[k], b[k], path + (k,)) for k in a)
-    if isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
-        pairs = enumerate(zip(a, b, strict=True))
-        return sum(assert_identical(x, y, path + (i,)) for i, (x, y) in pairs)
-    assert a == b, (path, a, b)
-    return 0
 
 
 def epoch_losses(stdout: str) -> list[float]:
@@ -371,7 +295,7 @@ def test_merged_sharded_snapshot_resumes_on_one_process(tmp_path, straight_run):
     assert [p.name for p in shards] == ["ep1-rank0.pt", "ep1-rank1.pt"]
     merged = tmp_path / "merged.pt"
 
-    merge = ckpttool_cli("merge", *map(str, shards), "-o", str(merged))
+    merge = run_cli("merge", *map(str, shards), "-o", str(merged))
     assert merge.returncode == 0, merge.stderr
     run_dir = tmp_path / "one"
     run = torchrun(run_dir, "--epochs", "4", "--resume", str(merged), nproc=1)
@@ -389,7 +313,7 @@ def test_merged_sharded_snapshot_resumes_on_one_process(tmp_path, straight_run):
 def test_inspect_json_on_ddp_snapshot(straight_run):
     snapshot = straight_run("ddp") / "ep0-rank0.pt"
 
-    result = ckpttool_cli("inspect", "--json", str(snapshot))
+    result = run_cli("inspect", "--json", str(snapshot))
 
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -436,7 +360,7 @@ def test_nccl_resume(tmp_path, fmt):
     resumed = torchrun(run_dir, "--epochs", "3", *args, nproc=nproc, tiny=False)
 
     assert "after 2 epoch(s)" in resumed.stdout
-    report = json.loads(ckpttool_cli("inspect", "--json", str(run_dir / "ep2-rank0.pt")).stdout)
+    report = json.loads(run_cli("inspect", "--json", str(run_dir / "ep2-rank0.pt")).stdout)
     model_key = report["model_key"]
     devices = {t["device"] for t in report["tensors"] if t["key"][: len(model_key)] == model_key}
     assert devices and devices <= {f"cuda:{r}" for r in range(nproc)}

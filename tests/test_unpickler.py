@@ -6,7 +6,7 @@ import collections
 import pickle
 
 import pytest
-from conftest import lazy_tensor, torch_pickle_bytes
+from payloads import lazy_tensor, torch_pickle_bytes
 
 import ckpttool
 from ckpttool.dtypes import DTYPES

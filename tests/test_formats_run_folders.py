@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import FIXTURES, assert_nested_equal, check_error, run_cli
+from helpers import FIXTURES, assert_identical, check_error, run_cli
 
 import ckpttool
 
@@ -45,7 +45,7 @@ def test_accelerate_model_is_found_by_rule_and_equals_load_state(kind, fmt, mode
     assert report["world_size"] == (2 if fmt == "dcp" else None)
     model = ckpttool.load(state)
     assert sorted(model) == sorted(truth["model"])
-    assert_nested_equal(model, truth["model"])
+    assert_identical(model, truth["model"], ordered=False, exact_types=False)
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2", "ddp"])
@@ -61,10 +61,11 @@ def test_accelerate_optimizer_scheduler_and_rng_come_with_select_all(kind):
         assert sorted(full) == ["optimizer_0", "pytorch_model_fsdp_0", "random_states_0",
                                 "random_states_1", "scheduler"]  # fmt: skip
         optim = full["optimizer_0"]["optimizer"]["state"]
-    assert_nested_equal(optim, truth)
+    assert_identical(optim, truth, ordered=False, exact_types=False)
     # accelerate steps a prepared scheduler once per process: 2 steps x 2 processes
     assert full["scheduler"]["last_epoch"] == 4
-    assert_nested_equal(full["scheduler"], torch.load(state / "scheduler.bin", weights_only=True))
+    scheduler = torch.load(state / "scheduler.bin", weights_only=True)
+    assert_identical(full["scheduler"], scheduler, ordered=False, exact_types=False)
     assert isinstance(full["random_states_1"]["torch_manual_seed"], torch.Tensor)
 
 
@@ -108,7 +109,7 @@ def test_accelerate_full_state_dict_folder_reads_its_bin(tmp_path):
     shutil.copy(ACCELERATE / "fsdp1" / "state" / "random_states_0.pkl", state)
     report = json.loads(run_cli("inspect", state, "--json").stdout)
     assert (report["format"], report["model_key"]) == ("torch-zip", ["pytorch_model_fsdp"])
-    assert_nested_equal(ckpttool.load(state), truth["model"])
+    assert_identical(ckpttool.load(state), truth["model"], ordered=False, exact_types=False)
 
 
 # ------------------------------------------------------------------------- Lightning
@@ -125,7 +126,7 @@ def test_lightning_sharded_merge_holds_what_its_consolidation_holds(tmp_path):
     for key in ("epoch", "global_step", "loops", "lr_schedulers", "hyper_parameters"):
         assert key in merged
     for key in truth:
-        assert_nested_equal(merged[key], truth[key], (key,))
+        assert_identical(merged[key], truth[key], path=(key,), ordered=False, exact_types=False)
 
 
 def test_lightning_sharded_folder_reads_its_state_dict_as_the_model():
@@ -139,14 +140,14 @@ def test_lightning_sharded_folder_reads_its_state_dict_as_the_model():
     )
     values = {tuple(v["key"]): v["value"] for v in report["values"]}
     assert values[("global_step",)] == 2 and values[("epoch",)] == truth["epoch"]
-    assert_nested_equal(ckpttool.load(folder), truth["state_dict"])
+    assert_identical(ckpttool.load(folder), truth["state_dict"], ordered=False, exact_types=False)
 
 
 def test_lightning_ddp_checkpoint_equals_load_from_checkpoint():
     truth = _truth(LIGHTNING / "ddp" / "truth.pt")["state_dict"]
     model = ckpttool.load(LIGHTNING / "ddp" / "last.ckpt")
     assert list(model) == list(truth)
-    assert_nested_equal(model, truth)
+    assert_identical(model, truth, ordered=False, exact_types=False)
 
 
 # ----------------------------------------------------------------------- verl/SkyRL
@@ -163,17 +164,17 @@ def test_verl_rank_files_merge_without_concatenating_replicated_buffers():
     model = ckpttool.load(VERL / "ws2")
     assert list(model) == ["scale", "counts", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     assert model["scale"].shape == () and model["counts"].shape == (3,)  # not [2], [6]
-    assert_nested_equal(model, truth["model"])
+    assert_identical(model, truth["model"], ordered=False, exact_types=False)
     full = ckpttool.load(VERL / "ws2", select="all")
     assert sorted(full) == ["extra_state_rank_0", "extra_state_rank_1", "model", "optim"]
     optim = {name: full["optim"]["state"][i] for i, name in enumerate(PARAMS)}
-    assert_nested_equal(optim, truth["optimizer"])
+    assert_identical(optim, truth["optimizer"], ordered=False, exact_types=False)
 
 
 def test_verl_world_size_1_is_plain_tensors():
     truth = _truth(VERL / "ws1_truth.pt")["model"]
     assert ckpttool.read(VERL / "ws1").format == "torch-zip"
-    assert_nested_equal(ckpttool.load(VERL / "ws1"), truth)
+    assert_identical(ckpttool.load(VERL / "ws1"), truth, ordered=False, exact_types=False)
 
 
 def test_verl_missing_rank_file_is_named(tmp_path):
@@ -217,7 +218,7 @@ def test_torchtune_output_folder_reads_its_one_epoch(tmp_path):
     save_file(weights, tmp_path / "epoch_0" / "model-00001-of-00001.safetensors")
     (tmp_path / "recipe_state").mkdir()
     torch.save({"epochs_run": 1, "seed": 0}, tmp_path / "recipe_state" / "recipe_state.pt")
-    assert_nested_equal(ckpttool.load(tmp_path), weights)
+    assert_identical(ckpttool.load(tmp_path), weights, ordered=False, exact_types=False)
     full = ckpttool.load(tmp_path, select="all")
     assert full["recipe_state"] == {"epochs_run": 1, "seed": 0}
     (tmp_path / "epoch_1").mkdir()
@@ -241,7 +242,8 @@ def test_trainer_fsdp_checkpoint_reads_its_dcp_model(tmp_path):
     (ckpt / "trainer_state.json").write_text('{"global_step": 2}')
     truth = _truth(ACCELERATE / "fsdp2" / "truth.pt")
     assert ckpttool.read(ckpt).format == "dcp"
-    assert_nested_equal(ckpttool.load(ckpt), truth["model"])
+    assert_identical(ckpttool.load(ckpt), truth["model"], ordered=False, exact_types=False)
     full = ckpttool.load(ckpt, select="all")
     assert sorted(full) == ["optimizer_0", "pytorch_model_fsdp_0", "rng_state_0", "scheduler"]
-    assert_nested_equal(full["optimizer_0"]["optimizer"]["state"], truth["optimizer"])
+    optim = full["optimizer_0"]["optimizer"]["state"]
+    assert_identical(optim, truth["optimizer"], ordered=False, exact_types=False)

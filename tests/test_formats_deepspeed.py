@@ -13,8 +13,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import FIXTURES, Reduce, check_error, run_cli, write_malicious_zip
+from helpers import FIXTURES, assert_identical, check_error, run_cli, small_state_dict
 from helpers_deepspeed import write_zero_tag
+from payloads import Reduce, write_malicious_zip
 from safetensors.torch import load_file
 
 import ckpttool
@@ -55,11 +56,6 @@ def optim_truth(stage):
     return torch.load(DS / f"zero{stage}_optim.pt", weights_only=True)
 
 
-def assert_bitwise(actual, expected):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    assert torch.equal(actual, expected)
-
-
 @pytest.mark.parametrize("stage", STAGES)
 def test_fp32_weights_are_deepspeeds_own_consolidation(stage):
     """Run folder (follows ``latest``) and tag folder give zero_to_fp32's state dict,
@@ -69,7 +65,7 @@ def test_fp32_weights_are_deepspeeds_own_consolidation(stage):
         sd = ckpttool.load(path)
         assert list(sd) == MODEL_KEYS
         for name, tensor in expected.items():
-            assert_bitwise(sd[name], tensor)
+            assert_identical(sd[name], tensor)
         assert sd["fc1.weight"].dtype == torch.float32  # the masters, not the bf16 states
         assert torch.equal(sd["head.weight"], sd["embed.weight"])
     if stage == 1:
@@ -77,7 +73,7 @@ def test_fp32_weights_are_deepspeeds_own_consolidation(stage):
         # the model states hold it whole, as stored (bf16)
         assert sorted(set(MODEL_KEYS) - set(expected)) == ["frozen.bias", "frozen.weight"]
         stored = ckpttool.load(DS / "zero1", select="model_states.module")
-        assert_bitwise(sd["frozen.weight"], stored["frozen.weight"])
+        assert_identical(sd["frozen.weight"], stored["frozen.weight"])
         assert sd["frozen.weight"].dtype == torch.bfloat16
     else:
         assert sorted(expected) == sorted(MODEL_KEYS)
@@ -91,9 +87,9 @@ def test_adam_moments_per_parameter_name_are_the_live_optimizers(stage):
     for name, own in optim_truth(stage).items():
         state = optimizer["state"][name]
         assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
-        assert_bitwise(state["exp_avg"], own["exp_avg"])
-        assert_bitwise(state["exp_avg_sq"], own["exp_avg_sq"])
-        assert_bitwise(full["module"][name], own["fp32"])
+        assert_identical(state["exp_avg"], own["exp_avg"])
+        assert_identical(state["exp_avg_sq"], own["exp_avg_sq"])
+        assert_identical(full["module"][name], own["fp32"])
         assert state["step"].item() == 3.0
     groups = optimizer["param_groups"]
     assert [g["params"] for g in groups] == [TRAINED[:3], TRAINED[3:]]
@@ -131,12 +127,12 @@ def test_convert_writes_the_fp32_weights_or_the_dtype_asked(tmp_path, stage):
     written = load_file(out)
     assert list(written) == MODEL_KEYS
     for name, tensor in truth(stage).items():
-        assert_bitwise(written[name], tensor)
+        assert_identical(written[name], tensor)
     half = tmp_path / "half.pt"
     proc = run_cli("convert", DS / f"zero{stage}", "--to", "pt", "--dtype", "bfloat16", "-o", half)
     assert proc.returncode == 0, proc.stderr
     cast = torch.load(half, weights_only=True)
-    assert_bitwise(cast["fc2.weight"], truth(stage)["fc2.weight"].to(torch.bfloat16))
+    assert_identical(cast["fc2.weight"], truth(stage)["fc2.weight"].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -147,10 +143,10 @@ def test_merge_writes_the_whole_state_with_moments_per_name(tmp_path, stage):
     merged = torch.load(out, weights_only=True)
     assert list(merged) == ["module", "optimizer", "model_states"]
     for name, tensor in truth(stage).items():
-        assert_bitwise(merged["module"][name], tensor)
+        assert_identical(merged["module"][name], tensor)
     for name, own in optim_truth(stage).items():
-        assert_bitwise(merged["optimizer"]["state"][name]["exp_avg"], own["exp_avg"])
-        assert_bitwise(merged["optimizer"]["state"][name]["exp_avg_sq"], own["exp_avg_sq"])
+        assert_identical(merged["optimizer"]["state"][name]["exp_avg"], own["exp_avg"])
+        assert_identical(merged["optimizer"]["state"][name]["exp_avg_sq"], own["exp_avg_sq"])
     stored = merged["model_states"]["module"]["fc1.weight"]
     assert stored.dtype == torch.bfloat16
     assert stored.shape == ((0,) if stage == 3 else (7, 6))  # ZeRO-3: the placeholder
@@ -174,12 +170,12 @@ def test_universal_checkpoint_reads_as_one_checkpoint(stage):
     for name, tensor in truth(stage).items():
         if stage == 2 and name.startswith("frozen."):
             # ds_to_universal --inject_missing_state writes them in fp32
-            assert_bitwise(full["module"][name], tensor.float())
+            assert_identical(full["module"][name], tensor.float())
         else:
-            assert_bitwise(full["module"][name], tensor)
+            assert_identical(full["module"][name], tensor)
     for name, own in optim_truth(stage).items():
-        assert_bitwise(full["optimizer"]["state"][name]["exp_avg"], own["exp_avg"])
-        assert_bitwise(full["optimizer"]["state"][name]["exp_avg_sq"], own["exp_avg_sq"])
+        assert_identical(full["optimizer"]["state"][name]["exp_avg"], own["exp_avg"])
+        assert_identical(full["optimizer"]["state"][name]["exp_avg_sq"], own["exp_avg_sq"])
     groups = full["optimizer"]["param_groups"]
     assert [g["params"] for g in groups] == [TRAINED[:3], TRAINED[3:]]
     if stage == 3:
@@ -204,10 +200,10 @@ def test_partitions_over_any_world_size(tmp_path, stage, world):
     full = ckpttool.load(tmp_path / "tag", select="all")
     assert list(full["module"]) == list(sd)
     for name, tensor in sd.items():
-        assert_bitwise(full["module"][name], tensor)
+        assert_identical(full["module"][name], tensor)
     for name, own in moments.items():
-        assert_bitwise(full["optimizer"]["state"][name]["exp_avg"], own["exp_avg"])
-        assert_bitwise(full["optimizer"]["state"][name]["exp_avg_sq"], own["exp_avg_sq"])
+        assert_identical(full["optimizer"]["state"][name]["exp_avg"], own["exp_avg"])
+        assert_identical(full["optimizer"]["state"][name]["exp_avg_sq"], own["exp_avg_sq"])
 
 
 def test_rebuilt_tensors_stream_from_the_partitions():
@@ -345,7 +341,7 @@ def test_a_stage_0_folder_reads_as_its_model_states(tmp_path):
     loaded = ckpttool.load(tmp_path / "run")
     assert list(loaded) == list(sd)
     for name, tensor in sd.items():
-        assert_bitwise(loaded[name], tensor)
+        assert_identical(loaded[name], tensor)
 
 
 @pytest.mark.parametrize(
@@ -368,7 +364,7 @@ def test_garbled_model_states_are_one_line_or_ignored(tmp_path, field, value, me
     proc = run_cli("convert", tag, "--to", "safetensors", "-o", tmp_path / "out.safetensors")
     if message is None:
         assert proc.returncode == 0, proc.stderr
-        assert_bitwise(load_file(tmp_path / "out.safetensors")["w"], sd["w"])
+        assert_identical(load_file(tmp_path / "out.safetensors")["w"], sd["w"])
     else:
         assert check_error(proc, 2) == f"ckpttool: error: {tag}: {message}"
         assert not (tmp_path / "out.safetensors").exists()
@@ -386,3 +382,41 @@ def test_a_universal_parameter_name_never_leads_outside_its_folder(tmp_path):
         f"ckpttool: error: {folder}: parameter name '../../zero3_fp32' cannot name a folder "
         "of zero/"
     )
+
+
+def _deepspeed_tag(folder, sd, mp_ranks=1, dp_ranks=2):
+    """A DeepSpeed ZeRO-2 tag folder: model states beside each rank's optimizer states."""
+    write_zero_tag(
+        folder, sd, world=dp_ranks, buffers=("bn.num_batches_tracked",), mp_ranks=mp_ranks
+    )
+
+
+def test_deepspeed_folders_read_their_model_states(tmp_path):
+    """A run folder follows its ``latest`` file to the tag folder, whose fp32 weights are
+    rebuilt from the ranks' partitions (as zero_to_fp32.py finds them); a pytorch_model.bin
+    written beside ``latest`` comes first."""
+    sd = small_state_dict()
+    run = tmp_path / "checkpoints"
+    _deepspeed_tag(run / "global_step10", {k: v + 1 for k, v in sd.items()})
+    _deepspeed_tag(run / "global_step20", sd)
+    (run / "latest").write_text("global_step20")
+    for folder in (run, run / "global_step20"):
+        ckpt = ckpttool.read(folder)
+        assert ckpt.format == "deepspeed"
+        assert ckpt.files[0] == str(run / "global_step20" / "mp_rank_00_model_states.pt")
+        assert_identical(ckpttool.load(folder), sd)
+    torch.save({k: v * 2 for k, v in sd.items()}, run / "pytorch_model.bin")
+    assert ckpttool.read(run).files == [str(run / "pytorch_model.bin")]
+
+    (run / "latest").write_text("../elsewhere")  # only a folder beside it
+    (run / "pytorch_model.bin").unlink()
+    with pytest.raises(ckpttool.CkptError, match="folder holds no checkpoint"):
+        ckpttool.read(run)
+
+
+def test_deepspeed_model_parallel_states_are_refused_by_name(tmp_path):
+    folder = tmp_path / "global_step5"
+    _deepspeed_tag(folder, small_state_dict(), mp_ranks=2)
+    with pytest.raises(ckpttool.CkptError, match="model states of several model-parallel ranks"):
+        ckpttool.read(folder)
+    assert ckpttool.read(folder / "mp_rank_01_model_states.pt").format == "torch-zip"

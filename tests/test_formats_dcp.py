@@ -1,0 +1,102 @@
+"""``dcp`` (formats/dcp.py): torch.distributed.checkpoint folders, from one process and from
+torchrun runs, with torch's and the safetensors serialization."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers import assert_identical, check_error, run_cli, small_state_dict, write_dcp
+
+import ckpttool
+from ckpttool.report import inspect_report
+
+
+def test_dcp_single_process(tmp_path):
+    sd = small_state_dict()
+    write_dcp(tmp_path / "ckpt", {"model": sd, "epoch": 4, "name": "run"})
+    ckpt = ckpttool.read(tmp_path / "ckpt")
+    assert ckpt.format == "dcp"
+    assert ckpt.files[0] == str(tmp_path / "ckpt" / ".metadata")
+    everything = ckpttool.load(tmp_path / "ckpt", select="all")
+    assert everything["epoch"] == 4 and everything["name"] == "run"
+    assert_identical({k: everything["model"][k] for k in sd}, sd)
+    assert sorted(everything["model"]) == sorted(sd)
+
+
+@pytest.mark.slow
+def test_dcp_two_ranks(dist_runs, dist_reference):
+    path = dist_runs.two / "dcp"
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == "dcp"
+    assert ckpt.world_size == 2
+    assert sorted(ckpt.files[1:]) == [str(path / "__0_0.distcp"), str(path / "__1_0.distcp")]
+    everything = ckpttool.load(path, select="all")
+    assert everything["step"] == 7
+    full = dist_reference["two"]
+    assert_identical({k: everything["model"][k] for k in full["model"]}, full["model"])
+    assert_identical(
+        everything["optim"]["state"], full["optim"]["state"], ordered=False, exact_types=False
+    )
+    assert_identical(ckpttool.load(path), full["model"])  # auto: the model state dict
+    report = inspect_report(ckpt)
+    weight = next(t for t in report["tensors"] if t["key"] == ["model", "0.weight"])
+    assert weight == {
+        "key": ["model", "0.weight"],
+        "dtype": "float32",
+        "shape": [5, 4],
+        "device": "cpu",
+        "nbytes": 80,
+        "sharded": True,
+        "shards": 2,
+        "file": None,  # its shards lie in both ranks' files
+    }
+
+
+@pytest.mark.slow
+def test_dcp_tuple_holding_one_ranks_dtensor_block(dist_runs, tmp_path):
+    """DCP does not flatten a tuple: rank 0 pickles it whole, with its own block of the
+    DTensor in it. inspect shows the global tensor; reading it is refused by name."""
+    folder = dist_runs.mesh / "dcp-tuple"
+    report = inspect_report(ckpttool.read(folder))
+    pair = next(t for t in report["tensors"] if t["key"] == ["pair", 0])
+    assert (pair["shape"], pair["sharded"]) == ([5, 6], True)
+    out = tmp_path / "out.pt"
+    check_error(run_cli("merge", folder, "-o", out), 2,
+                "tensor 'pair.0' holds rank 0's shards only (9 of 30 elements)")  # fmt: skip
+    assert not out.exists()
+    assert ckpttool.load(folder, select="step") == 1
+
+
+def test_distcp_file_without_its_metadata_is_refused(tmp_path):
+    write_dcp(tmp_path / "ckpt", {"w": torch.ones(3)})
+    (tmp_path / "ckpt" / ".metadata").unlink()
+    check_error(run_cli("inspect", tmp_path / "ckpt" / "__0_0.distcp"), 2, "has no .metadata")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run, given", [("two", "dcp"), ("mesh", "dcp-safetensors")])
+def test_one_distcp_file_reads_its_folder(dist_runs, run, given):
+    folder = getattr(dist_runs, run) / given
+    ckpt = ckpttool.read(folder / "__1_0.distcp")
+    assert ckpt.format == "dcp"
+    assert ckpt.files == ckpttool.read(folder).files
+    assert_identical(ckpttool.load(folder / "__1_0.distcp"), ckpttool.load(folder))
+
+
+@pytest.mark.slow
+def test_dcp_safetensors_blob_that_lacks_a_chunk_is_refused(dist_runs, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(dist_runs.mesh / "dcp-safetensors", folder)
+    distcp = folder / "__0_0.distcp"
+    data = distcp.read_bytes()
+    name = b'"model.lin.weight"'
+    assert data.count(name) == 1  # the header's key (DCP_SHARDING_INFO escapes its quotes)
+    distcp.write_bytes(data.replace(name, b'"model.lin.weighs"'))
+    check_error(
+        run_cli("convert", folder, "--to", "safetensors", "-o", tmp_path / "o.safetensors"),
+        2,
+        "holds no chunk of 'model.lin.weight' at [0, 0]",
+    )
+    assert not (tmp_path / "o.safetensors").exists()

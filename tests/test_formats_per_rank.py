@@ -1,0 +1,192 @@
+"""``per-rank`` (formats/per_rank.py): one checkpoint over one torch.save file per rank,
+ShardedTensor (FSDP) or DTensor leaves, from real torchrun runs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers import assert_identical, check_error, fixture_path, run_cli
+from safetensors.torch import load_file
+
+import ckpttool
+from ckpttool.report import inspect_report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", ["paths", "glob", "rank0", "rank1"])
+def test_per_rank_fsdp_sharded_state_dict(dist_runs, dist_reference, given):
+    folder = dist_runs.two
+    files = [folder / "ep0-ba1-rank0.pt", folder / "ep0-ba1-rank1.pt"]
+    arg = {
+        "paths": [str(f) for f in files],
+        "glob": str(folder / "ep0-ba1-rank*.pt"),
+        "rank0": str(files[0]),
+        "rank1": str(files[1]),
+    }[given]
+    ckpt = ckpttool.read(arg)
+    assert ckpt.format == "per-rank"
+    assert ckpt.world_size == 2
+    assert ckpt.files == [str(f) for f in files]
+    assert ckpt.dangerous == []
+    everything = ckpttool.load(arg, select="all")
+    full = dist_reference["two"]
+    assert_identical(everything["state"]["model"], full["model"], exact_types=False)
+    assert_identical(
+        everything["state"]["optimizers"]["Adam"], full["optim"], ordered=False, exact_types=False
+    )
+    assert everything["state"]["timestamp"] == {"epoch": 0, "batch": 1}
+    assert_identical(ckpttool.load(arg), full["model"], exact_types=False)
+
+
+@pytest.mark.slow
+def test_per_rank_uneven_shards_in_the_report(dist_runs):
+    report = inspect_report(ckpttool.read(dist_runs.two / "ep0-ba1-rank0.pt"))
+    assert report["model_key"] == ["state", "model"]
+    by_key = {tuple(t["key"]): t for t in report["tensors"]}
+    # 5 rows over 2 ranks: 3 + 2; the shape and size are the global ones
+    assert by_key[("state", "model", "0.weight")] == {
+        "key": ["state", "model", "0.weight"],
+        "dtype": "float32",
+        "shape": [5, 4],
+        "device": "cpu",
+        "nbytes": 80,
+        "sharded": True,
+        "shards": 2,
+        "file": None,  # its shards lie in both ranks' files
+    }
+    assert by_key[("state", "model", "2.bias")]["shape"] == [3]
+    assert by_key[("state", "optimizers", "Adam", "state", "2.weight", "exp_avg")]["shape"] == [
+        3,
+        5,
+    ]
+    assert report["num_params"] == 5 * 4 + 5 + 3 * 5 + 3
+
+
+@pytest.mark.slow
+def test_per_rank_dtensor_pair(dist_runs, dist_reference):
+    files = [str(dist_runs.two / f"dtensor-rank{r}.pt") for r in (0, 1)]
+    ckpt = ckpttool.read(files)
+    assert ckpt.format == "per-rank" and ckpt.world_size == 2
+    assert ckpt.root["w"].kind == "dtensor"
+    assert [s.sizes for s in ckpt.root["w"].shards] == [(3, 3), (2, 3)]
+    assert len(ckpt.root["b"].shards) == 1  # replicated: one copy is enough
+    assert_identical(ckpttool.load(files), dist_reference["dtensor"])
+    assert_identical(ckpttool.load(files[1]), dist_reference["dtensor"])  # siblings found
+
+
+@pytest.mark.slow
+def test_per_rank_sharded_tensors_inside_a_custom_object(dist_runs, dist_reference, tmp_path):
+    """DTensors held by an object of a class ckpttool does not rebuild (an EMA helper)
+    are merged too: the object is kept as a stand-in holding full tensors."""
+    files = str(dist_runs.two / "holder-rank*.pt")
+    report = inspect_report(ckpttool.read(files))
+    assert [(t["key"], t["sharded"]) for t in report["tensors"]] == [
+        (["ema", "weights", "w"], True), (["ema", "weights", "b"], True)
+    ]  # fmt: skip
+    out = tmp_path / "merged.pt"
+    proc = run_cli("merge", files, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    merged = torch.load(out, weights_only=True)
+    assert merged["ema"]["__class__"] == "__main__.Holder"
+    assert merged["ema"]["state"]["decay"] == 0.99 and merged["step"] == 3
+    assert_identical(merged["ema"]["state"]["weights"], dist_reference["dtensor"])
+
+
+@pytest.mark.slow
+def test_per_rank_three_ranks_one_holds_nothing(dist_runs, dist_reference):
+    """A 2-row weight and a 2-element bias over 3 ranks: rank 2's shards are empty."""
+    ckpt = ckpttool.read(dist_runs.three / "ep0-ba1-rank2.pt")
+    assert ckpt.world_size == 3
+    assert len(ckpt.files) == 3
+    bias = ckpt.root["state"]["model"]["0.bias"]
+    assert bias.shape == (2,)
+    assert sorted(s.offsets for s in bias.shards) == [(0,), (1,)]
+    everything = ckpttool.load(dist_runs.three / "ep0-ba1-rank*.pt", select="all")
+    full = dist_reference["three"]
+    assert_identical(everything["state"]["model"], full["model"], exact_types=False)
+    assert_identical(
+        everything["state"]["optimizers"]["Adam"], full["optim"], ordered=False, exact_types=False
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", ["per-rank", "dcp", "dcp-safetensors"])
+def test_2d_mesh_dtensors_and_a_submesh(dist_runs, given):
+    """4 ranks on a (dp=2, tp=2) mesh: a weight sharded over both dims (uneven rows), a
+    bias sharded over dp and replicated over tp, an embedding on the dp submesh (whose
+    coordinate cannot be told from the rank number), a replicated scalar. Saved per rank,
+    with dcp.save, and with dcp.save's safetensors serialization format (every chunk's
+    span points at the file's safetensors blob; its header says where the bytes are)."""
+    run = dist_runs.mesh
+    path = str(run / "model-rank*.pt") if given == "per-rank" else run / given
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == ("per-rank" if given == "per-rank" else "dcp")
+    assert ckpt.world_size == 4
+    full = torch.load(run / "full.pt", weights_only=True)
+    everything = ckpttool.load(path, select="all")
+    assert everything["epoch"] == 2
+    assert_identical(everything["model"], full["model"])
+    assert_identical(ckpttool.load(path), full["model"])
+
+
+@pytest.mark.slow
+def test_dtensors_on_a_mesh_with_a_size_1_dimension(dist_runs):
+    """HSDP with one replica, a (1, 2, 2) mesh: the layout torch >= 2.9 pickles records
+    the size-1 dimension as an empty shape; it still counts as a mesh dimension."""
+    run = dist_runs.mesh
+    ckpt = ckpttool.read(run / "hsdp-rank0.pt")
+    assert (ckpt.format, ckpt.world_size) == ("per-rank", 4)
+    full = torch.load(run / "full.pt", weights_only=True)["model"]
+    assert_identical(ckpttool.load(run / "hsdp-rank*.pt"),
+                {k: full[k] for k in ("lin.weight", "lin.bias")})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_fsdp2_over_tensor_parallel_strided_shards_merge(dist_runs, tmp_path):
+    """FSDP2 over TP: column-parallel weights are _StridedShard(0) on dp then Shard(0)
+    on tp, so rank (dp=1, tp=0) holds rows 2-3, not 4-5; uneven at both levels."""
+    run = dist_runs.mesh
+    full = torch.load(run / "tp-fsdp-full.pt", weights_only=True)
+    ckpt = ckpttool.read(run / "tp-fsdp-rank2.pt")
+    assert (ckpt.format, ckpt.world_size) == ("per-rank", 4)
+    head = ckpt.root["2.weight"]
+    assert sorted((s.rank, s.offsets, s.sizes) for s in head.shards) == [
+        (0, (0, 0), (2, 6)), (1, (4, 0), (2, 6)), (2, (2, 0), (2, 6)), (3, (6, 0), (1, 6))
+    ]  # fmt: skip
+    out = tmp_path / "model.safetensors"
+    proc = run_cli("convert", run / "tp-fsdp-rank*.pt", "--to", "safetensors", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert_identical(load_file(out), full, exact_types=False)
+
+
+@pytest.mark.slow
+def test_missing_rank_file_is_named(dist_runs, tmp_path):
+    for r in (0, 2):
+        shutil.copy(dist_runs.three / f"ep0-ba1-rank{r}.pt", tmp_path)
+    expected = str(tmp_path / "ep0-ba1-rank1.pt")
+    line = check_error(
+        run_cli("inspect", tmp_path / "ep0-ba1-rank0.pt", tmp_path / "ep0-ba1-rank2.pt"),
+        2,
+        expected,
+    )
+    assert "Traceback" not in line
+    check_error(run_cli("inspect", tmp_path / "ep0-ba1-rank2.pt"), 2, expected)
+    with pytest.raises(ckpttool.CkptError, match="ep0-ba1-rank1.pt"):
+        ckpttool.load(str(tmp_path / "ep0-ba1-rank*.pt"))
+
+
+@pytest.mark.slow
+def test_lone_rank_file_without_siblings(dist_runs, tmp_path):
+    shutil.copy(dist_runs.two / "ep0-ba1-rank1.pt", tmp_path)
+    check_error(run_cli("inspect", tmp_path / "ep0-ba1-rank1.pt"), 2, "ep0-ba1-rank0.pt")
+
+
+def test_committed_fsdp_uneven_fixture():
+    path = fixture_path("fsdp_uneven/model-rank0.pt")
+    ckpt = ckpttool.read(path)
+    assert ckpt.format == "per-rank"
+    assert ckpt.world_size == 3
+    sd = ckpttool.load(path)
+    assert all(t.device.type == "cpu" for t in sd.values())
