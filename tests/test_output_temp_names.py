@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_dist import tree_files
+from helpers import tree_files
 
 from ckpttool.convert import convert
 from ckpttool.output import HF_SHARDS, HOST, TEMP_MARK, atomic_output
