@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import finish, run_cli, start_torchrun
+from helpers import CountingSource, finish, run_cli, start_torchrun
 from payloads import MALICIOUS_KINDS, WRITERS, MaliciousFile, make_payloads
 
 
@@ -121,3 +121,18 @@ def malicious(tmp_path_factory) -> dict[tuple[str, str], MaliciousFile]:
             WRITERS[kind](path, payload.obj)
             out[(kind, name)] = MaliciousFile(kind, path, payload)
     return out
+
+
+@pytest.fixture
+def counting_source():
+    """The ``counting://`` source (helpers.CountingSource), registered for this test."""
+    from ckpttool import sources
+
+    source = CountingSource()
+    sources.register("counting", lambda scheme: source)
+    sources._SOURCES.pop("counting", None)
+    try:
+        yield source
+    finally:
+        sources._FACTORIES.pop("counting", None)
+        sources._SOURCES.pop("counting", None)

@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from ckpttool import sources
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
 
@@ -408,3 +410,57 @@ def parameter_snapshot() -> dict:
             torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), requires_grad=False
         ),
     }
+
+
+# --------------------------------------------------------------------- byte sources
+
+
+class CountingSource(sources.Source):
+    """Local files behind the URL scheme ``counting://`` (``counting:///abs/path``) with
+    no local path: every byte a reader wants goes through :meth:`read_into`, counted.
+
+    A stand-in for a remote source that proves two things: no reader opens a file
+    behind the byte-source interface's back (it would fail on the URL), and what a
+    command reads (``bytes_read``, ``requests``; ``reads``: ``(path, offset, size)``).
+    """
+
+    name = "counting"
+    PREFIX = "counting://"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, int, int]] = []
+
+    def local(self, path: str) -> str:
+        assert path.startswith(self.PREFIX), path
+        return path[len(self.PREFIX) :] or "/"
+
+    def size(self, path: str) -> int:
+        return sources.LOCAL.size(self.local(path))
+
+    def read_into(self, path: str, view: memoryview, offset: int) -> None:
+        self.count(len(view))
+        self.reads.append((path, offset, len(view)))
+        with open(self.local(path), "rb", buffering=0) as f:
+            sources.read_fd_into(f.fileno(), view, offset, path)
+
+    def listdir(self, path: str) -> list[str]:
+        return sources.LOCAL.listdir(self.local(path))
+
+    def isdir(self, path: str) -> bool:
+        return sources.LOCAL.isdir(self.local(path))
+
+    def exists(self, path: str) -> bool:
+        return sources.LOCAL.exists(self.local(path))
+
+    def identity(self, path: str) -> Any:
+        return sources.LOCAL.identity(self.local(path))
+
+    def reset(self) -> None:
+        self.bytes_read = self.requests = 0
+        self.reads.clear()
+
+
+def counting_url(path: Path | str) -> str:
+    """``counting:///abs/path`` for a local path (see :class:`CountingSource`)."""
+    return CountingSource.PREFIX + str(Path(path).resolve())
