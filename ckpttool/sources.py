@@ -227,7 +227,7 @@ LOCAL = LocalSource()
 _FACTORIES: dict[str, Callable[[str], Source]] = {}
 _SOURCES: dict[str, Source] = {}
 # the module that registers the URL schemes (None: no remote support built in yet)
-_REMOTE_MODULE: str | None = None
+_REMOTE_MODULE: str | None = "ckpttool.remote"
 
 
 def register(scheme: str, factory: Callable[[str], Source]) -> None:

@@ -1,0 +1,208 @@
+"""Object stores through fsspec: ``s3://``, ``hf://``, ``gs://``, ``az://`` and the rest.
+
+fsspec is the file-system layer DCP and huggingface_hub already use; each protocol
+lives in its own package (s3fs, huggingface_hub, gcsfs, adlfs), installed with an
+extra (``pip install 'ckpttool[s3]'``). Credentials come from where those packages
+look (environment, profiles, ``huggingface-cli login``); ckpttool never reads or
+shows them. Endpoints and options come from fsspec's configuration, e.g.
+``FSSPEC_S3_ENDPOINT_URL`` for an S3-compatible server.
+
+``s3://`` ranges are GetObject calls with ``IfMatch`` set to the ETag of first
+contact, and their ``ContentRange``, length and ETag are checked as HTTP's are; the
+other protocols read with ``cat_file(path, start, end)``, checked for length (their
+identity is the one ``info`` gives: ETag, generation, blob id). ``hf://`` paths are
+``hf://user/repo[@revision]/path`` (``hf://datasets/user/repo/...`` for datasets), as
+huggingface_hub's ``HfFileSystem`` reads them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+from ..errors import CkptError, InputNotFoundError
+from .base import RemoteSource, Stat, TransientError, check_changed, redact, with_retries
+
+# scheme -> (module fsspec needs for it, the extra or package that installs it)
+PACKAGES: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", "pip install 'ckpttool[s3]'"),
+    "s3a": ("s3fs", "pip install 'ckpttool[s3]'"),
+    "hf": ("huggingface_hub", "pip install 'ckpttool[hf]'"),
+    "gs": ("gcsfs", "pip install gcsfs"),
+    "gcs": ("gcsfs", "pip install gcsfs"),
+    "az": ("adlfs", "pip install adlfs"),
+    "abfs": ("adlfs", "pip install adlfs"),
+    "abfss": ("adlfs", "pip install adlfs"),
+    "oci": ("ocifs", "pip install ocifs"),
+    "oss": ("ossfs", "pip install ossfs"),
+    "webhdfs": ("fsspec", "pip install 'ckpttool[s3]'"),
+    "sftp": ("paramiko", "pip install paramiko"),
+    "ssh": ("paramiko", "pip install paramiko"),
+}
+STORE_SCHEMES = tuple(PACKAGES)
+TAG_KEYS = ("ETag", "etag", "VersionId", "generation", "md5Hash", "blob_id", "last_commit")
+CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+
+
+class StoreSource(RemoteSource):
+    """Files of an fsspec file system, read by ranges (see the module docstring)."""
+
+    name = "store"
+
+    def __init__(self, scheme: str) -> None:
+        super().__init__(scheme)
+        module, install = PACKAGES.get(scheme, ("fsspec", "pip install fsspec"))
+        try:
+            import fsspec
+
+            importlib.import_module(module)
+        except ImportError:
+            raise CkptError(
+                f"reading {scheme}:// paths needs the package {module}",
+                hint=install,
+            ) from None
+        try:
+            self.fs: Any = fsspec.filesystem(scheme)
+        except (ImportError, ValueError) as exc:
+            raise CkptError(f"cannot read {scheme}:// paths ({exc})", hint=install) from None
+        self._listing: dict[str, list[str]] = {}
+
+    # -- paths: fsspec's own (no scheme) and ours (with it) --------------------------
+    def _bare(self, path: str) -> str:
+        return path.split("://", 1)[1].rstrip("/") if "://" in path else path.rstrip("/")
+
+    def _call(self, what: str, path: str, call: Any) -> Any:
+        """An fsspec call with its errors as ours: missing -> exit 2 naming the path,
+        denied -> a hint about credentials, network trouble retried."""
+
+        def attempt() -> Any:
+            try:
+                return call()
+            except FileNotFoundError:
+                raise InputNotFoundError("no such file or folder", path=redact(path)) from None
+            except PermissionError:
+                raise CkptError(
+                    "access denied",
+                    path=redact(path),
+                    hint="check the credentials in the environment or profile",
+                ) from None
+            except CkptError:
+                raise
+            except (ConnectionError, TimeoutError) as exc:
+                raise TransientError(f"{type(exc).__name__} ({exc})") from None
+            except OSError as exc:
+                if _is_changed(exc):
+                    raise CkptError(
+                        "changed while being read (ETag differs from first contact)",
+                        path=redact(path),
+                        hint="read it again once it is written",
+                    ) from None
+                raise CkptError(f"cannot {what} ({_short(exc)})", path=redact(path)) from None
+            except ValueError as exc:
+                raise CkptError(f"cannot {what} ({_short(exc)})", path=redact(path)) from None
+
+        return with_retries(attempt, path, what)
+
+    # -- primitives --------------------------------------------------------------------
+    def _stat(self, path: str) -> Stat:
+        info = self._call("reach it", path, lambda: self.fs.info(self._bare(path)))
+        self.count(0, 1)
+        if info.get("type") == "directory":
+            raise CkptError("is a folder, not a file", path=redact(path))
+        size = info.get("size")
+        if not isinstance(size, int) or size < 0:
+            raise CkptError("the store gives no size for it", path=redact(path))
+        tags = tuple((k.lower(), str(info[k])) for k in TAG_KEYS if info.get(k) is not None)
+        return Stat(size, tags)
+
+    def exists(self, path: str) -> bool:
+        if path.rstrip("/") in self._stats:
+            return True
+        found = self._call("reach it", path, lambda: self.fs.exists(self._bare(path)))
+        self.count(0, 1)
+        return bool(found)
+
+    def isdir(self, path: str) -> bool:
+        if path in self._stats:
+            return False
+        found = self._call("reach it", path, lambda: self.fs.isdir(self._bare(path)))
+        self.count(0, 1)
+        return bool(found)
+
+    def listdir(self, path: str) -> list[str]:
+        key = path.rstrip("/")
+        names = self._listing.get(key)
+        if names is None:
+            entries = self._call(
+                "list the folder", path, lambda: self.fs.ls(self._bare(path), detail=False)
+            )
+            self.count(0, 1)
+            names = self._listing[key] = sorted(
+                {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""}
+            )
+        return list(names)
+
+    def _fetch_into(self, path: str, view: memoryview, offset: int, stat: Stat) -> None:
+        if self.scheme in ("s3", "s3a"):
+            data = self._call("read", path, lambda: self._s3_range(path, offset, len(view), stat))
+        else:
+            data = self._call(
+                "read",
+                path,
+                lambda: self.fs.cat_file(self._bare(path), start=offset, end=offset + len(view)),
+            )
+            self.count(len(data), 1)
+        if len(data) != len(view):
+            raise CkptError(
+                f"asked for {len(view)} bytes at {offset}, the store sent {len(data)}",
+                path=redact(path),
+            )
+        view[:] = data
+
+    def _s3_range(self, path: str, offset: int, size: int, stat: Stat) -> bytes:
+        """One GetObject of bytes ``offset..offset+size-1`` of the version seen first."""
+        from fsspec.asyn import sync
+
+        bucket, key, version = self.fs.split_path(self._bare(path))
+        tags = dict(stat.tag)
+        extra: dict[str, str] = {}
+        if "etag" in tags:
+            extra["IfMatch"] = tags["etag"]
+        if version:
+            extra["VersionId"] = version
+        last = offset + size - 1
+
+        async def get() -> tuple[dict[str, Any], bytes]:
+            response = await self.fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes={offset}-{last}", **extra
+            )
+            try:
+                return response, await response["Body"].read()
+            finally:
+                response["Body"].close()
+
+        response, data = sync(self.fs.loop, get)
+        self.count(len(data), 1)
+        got = response.get("ContentRange") or ""
+        match = CONTENT_RANGE.match(got)
+        now = [("etag", str(response["ETag"]))] if response.get("ETag") else []
+        check_changed(path, stat, Stat(int(match.group(3)) if match else stat.size, tuple(now)))
+        if match is None or (int(match.group(1)), int(match.group(2))) != (offset, last):
+            raise CkptError(
+                f"asked for bytes {offset}-{last}, the store sent ContentRange {got!r}",
+                path=redact(path),
+            )
+        if len(data) < size:
+            raise TransientError(f"the store sent {len(data)} of {size} bytes")
+        return data
+
+
+def _is_changed(exc: OSError) -> bool:
+    text = str(exc)
+    return "PreconditionFailed" in text or "412" in text or "Precondition" in text
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:200] if text else type(exc).__name__

@@ -1,0 +1,191 @@
+"""Servers on 127.0.0.1 for the remote tests: HTTP with Range (and its broken variants), S3.
+
+:class:`RangeServer` serves the files under a root folder at
+``http://127.0.0.1:PORT/<mode>/<path>``; the first part of the URL picks how the
+server behaves, so one server per test module covers every variant:
+
+- ``ok``: correct ranged GETs (206, Content-Range, suffix ranges), HEAD, ETag;
+- ``norange``: ignores Range, answers 200 with the whole body;
+- ``short``: announces the range's length but sends half of it, then closes;
+- ``badrange``: answers 206 with a Content-Range one byte off;
+- ``etag``: the ETag changes after the first GET of each file (a file rewritten mid-read);
+- ``flaky``: the first two requests for each file get 503, then it works;
+- ``gone``: 404 for every file; ``denied``: 403.
+
+``requests`` records ``(method, path, range header)`` of every request for tests that
+count them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+MODES = ("ok", "norange", "short", "badrange", "etag", "flaky", "gone", "denied")
+
+
+class RangeServer:
+    """A threaded HTTP file server on 127.0.0.1 (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.hits: dict[tuple[str, str], int] = {}
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:  # quiet
+                pass
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                server.handle(self, head=True)
+
+            def do_GET(self) -> None:  # noqa: N802
+                server.handle(self, head=False)
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client that hung up on a refused body: expected here
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, relpath: str = "", mode: str = "ok") -> str:
+        return f"http://127.0.0.1:{self.port}/{mode}/{relpath}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.hits.clear()
+
+    # -- the handler -------------------------------------------------------------------
+    def handle(self, req: BaseHTTPRequestHandler, head: bool) -> None:
+        mode, _, rel = req.path.lstrip("/").partition("/")
+        rng = req.headers.get("Range")
+        with self.lock:
+            self.requests.append((req.command, req.path, rng))
+            hit = self.hits[(mode, rel)] = self.hits.get((mode, rel), 0) + 1
+        file = (self.root / rel).resolve()
+        if mode not in MODES or not file.is_relative_to(self.root.resolve()):
+            return self.status(req, 400)
+        if mode == "gone" or not file.is_file():
+            return self.status(req, 404)
+        if mode == "denied":
+            return self.status(req, 403)
+        if mode == "flaky" and hit <= 2:
+            return self.status(req, 503, {"Retry-After": "0"})
+        data = file.read_bytes()
+        size = len(data)
+        etag = f'"{size}-{int(file.stat().st_mtime_ns)}"'
+        if mode == "etag" and not head and hit > 2:
+            etag = '"rewritten"'
+        headers = {"ETag": etag, "Accept-Ranges": "none" if mode == "norange" else "bytes"}
+        match = RANGE.match(rng or "") if rng and mode != "norange" and not head else None
+        if match is None:
+            headers["Content-Length"] = str(size)
+            return self.send(req, 200, headers, b"" if head else data)
+        first, last = match.groups()
+        if first == "":  # suffix range: the last N bytes
+            start, stop = max(0, size - int(last)), size
+        else:
+            start = int(first)
+            stop = min(size, int(last) + 1) if last else size
+        if start >= size or start >= stop:
+            return self.status(req, 416, {"Content-Range": f"bytes */{size}"})
+        body = data[start:stop]
+        shown = (start + 1, stop) if mode == "badrange" else (start, stop - 1)
+        headers["Content-Range"] = f"bytes {shown[0]}-{shown[1]}/{size}"
+        headers["Content-Length"] = str(len(body))
+        if mode == "short":
+            body = body[: len(body) // 2]
+            headers["Connection"] = "close"
+            req.close_connection = True
+        self.send(req, 206, headers, body)
+
+    @staticmethod
+    def send(
+        req: BaseHTTPRequestHandler, status: int, headers: dict[str, str], body: bytes
+    ) -> None:
+        req.send_response(status)
+        for key, value in headers.items():
+            req.send_header(key, value)
+        req.end_headers()
+        try:
+            req.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            req.close_connection = True
+
+    def status(self, req: BaseHTTPRequestHandler, code: int, headers: dict[str, str] | None = None):
+        self.send(req, code, {"Content-Length": "0", **(headers or {})}, b"")
+
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1, with the environment s3fs reads pointed at it.
+
+    The AWS variables are dummies (moto accepts any); ``FSSPEC_S3_ENDPOINT_URL`` is
+    fsspec's documented way to give s3fs an endpoint (``FSSPEC_<PROTOCOL>_<OPTION>``),
+    so subprocesses of the CLI tests inherit it.
+    """
+
+    ENV = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.env = {**self.ENV, "FSSPEC_S3_ENDPOINT_URL": self.endpoint}
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+
+    def upload(self, local: str | os.PathLike[str], bucket: str, prefix: str) -> str:
+        """Upload a file or a folder's files under ``s3://bucket/prefix``; that URL."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=bucket)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        local = Path(local)
+        if local.is_file():
+            client.upload_file(str(local), bucket, prefix)
+        else:
+            for file in sorted(local.rglob("*")):
+                if file.is_file():
+                    key = f"{prefix.rstrip('/')}/{file.relative_to(local).as_posix()}"
+                    client.upload_file(str(file), bucket, key)
+        return f"s3://{bucket}/{prefix}"
+
+    def close(self) -> None:
+        self.server.stop()
