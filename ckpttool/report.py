@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from . import sources
 from .dtypes import NO_NUMBERS, DType
 from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
@@ -112,6 +113,13 @@ def inspect_report(
         "unverified": list(ckpt.unverified),
         "dangerous": list(ckpt.dangerous),
     }
+
+
+def transfer_entry(before: tuple[int, int] = (0, 0)) -> dict[str, int]:
+    """The ``transfer`` field: bytes and requests read through the byte sources since
+    ``before`` (a :func:`sources.transferred` taken when the command started)."""
+    nbytes, requests = sources.transferred()
+    return {"bytes": nbytes - before[0], "requests": requests - before[1]}
 
 
 def tensor_entry(path: KeyPath, ref: Leaf) -> dict[str, Any]:

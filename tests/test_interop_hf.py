@@ -5,7 +5,7 @@ dict (``module.`` keys, ``lm_head.weight`` tied to ``transformer.wte.weight``) s
 ``torch.save`` and converted to HF safetensors shards. ``from_pretrained`` must load them
 with no missing or unexpected keys and give bitwise the same logits.
 
-Needs the ``hf`` extra (``pip install -e .[hf]``); skipped cleanly without it.
+Needs the ``interop`` extra (``pip install -e .[interop]``); skipped cleanly without it.
 """
 
 from __future__ import annotations

@@ -66,18 +66,21 @@ def inspect(
     unsafe: Unsafe = False,
 ) -> None:
     """Show format, model, size, values and security first, then tensors and structure."""
+    from .. import sources
     from ..api import read
     from ..errors import UsageError
-    from ..report import inspect_report
+    from ..report import inspect_report, transfer_entry
     from ..tree import iter_tensors
 
     if limit < 0:
         raise UsageError("--limit must be >= 0 (0: no limit)")
+    before = sources.transferred()  # what this command reads, local or remote
     ckpt = read(paths, unsafe=unsafe)
     total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
     enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
     with byte_progress(total, "reading tensors", enabled) as advance:
         report = inspect_report(ckpt, filter=filter, stats=stats, progress=advance)
+    report["transfer"] = transfer_entry(before)
     if json_output:
         write(dumps_json(report) + "\n")
         return

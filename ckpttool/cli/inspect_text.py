@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..sources import is_url
 from .collapse import Row, collapse
 from .structure import structure_lines
 from .text import (
@@ -78,6 +79,10 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
     more = f" … ({len(files)} files; --full lists them)" if len(shown) < len(files) else ""
     lines.append(label("files" if len(files) > 1 else "file", ", ".join(map(printable, shown))))
     lines[-1] += more
+    if any(is_url(f) for f in files) and "transfer" in report:
+        read = report["transfer"]
+        text = f"{human_bytes(read['bytes'])} in {plural(read['requests'], 'request')}"
+        lines.append(label("transfer", text))
 
     model_key = tuple(report["model_key"]) if report["model_key"] is not None else None
     if model_key is None:
