@@ -49,6 +49,7 @@ def inspect_report(
     filter: str | None = None,
     stats: bool = False,
     progress: Progress | None = None,
+    since: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
     """Build the ``inspect --json`` object for a checkpoint.
 
@@ -57,6 +58,8 @@ def inspect_report(
         filter: A regular expression; only tensors and values whose dotted key matches.
         stats: Read every tensor and add min/max/mean/std and NaN/Inf counts.
         progress: Called with the bytes of each tensor read for ``stats``.
+        since: :func:`sources.transferred` when the command started: ``transfer``
+            counts from there (from the start of the process by default).
     """
     try:
         pattern = re.compile(filter) if filter else None
@@ -112,6 +115,7 @@ def inspect_report(
         "globals": list(ckpt.globals),
         "unverified": list(ckpt.unverified),
         "dangerous": list(ckpt.dangerous),
+        "transfer": transfer_entry(since),
     }
 
 

@@ -29,6 +29,7 @@ TOP_KEYS = {
     "globals": list,
     "dangerous": list,
     "unverified": list,
+    "transfer": dict,
 }
 TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded", "file"}
 FORMATS = {
@@ -58,6 +59,8 @@ def check_schema(report: dict) -> None:
     assert report["format"] in FORMATS
     assert all(isinstance(f, str) for f in report["files"])
     assert report["num_tensors"] == len(report["tensors"])
+    assert set(report["transfer"]) == {"bytes", "requests"}
+    assert all(isinstance(n, int) and n >= 0 for n in report["transfer"].values())
     assert report["nbytes"] == sum(t["nbytes"] for t in report["tensors"])
     for t in report["tensors"]:
         extra = {"shards"} if t["sharded"] else set()
@@ -98,6 +101,7 @@ def snapshot(tmp_path_factory):
 
 def test_json_matches_the_contract_example(snapshot):
     report = inspect_json(snapshot)
+    del report["transfer"]  # how many bytes a local read counts is the readers' business
     assert report == {
         "format": "torch-zip",
         "files": [str(snapshot)],

@@ -69,7 +69,7 @@ def inspect(
     from .. import sources
     from ..api import read
     from ..errors import UsageError
-    from ..report import inspect_report, transfer_entry
+    from ..report import inspect_report
     from ..tree import iter_tensors
 
     if limit < 0:
@@ -79,8 +79,7 @@ def inspect(
     total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
     enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
     with byte_progress(total, "reading tensors", enabled) as advance:
-        report = inspect_report(ckpt, filter=filter, stats=stats, progress=advance)
-    report["transfer"] = transfer_entry(before)
+        report = inspect_report(ckpt, filter=filter, stats=stats, progress=advance, since=before)
     if json_output:
         write(dumps_json(report) + "\n")
         return
