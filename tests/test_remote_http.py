@@ -1,0 +1,223 @@
+"""The https:// byte source against a loopback server: exact bytes, few requests, and one
+clear error for each way a server can go wrong (tests/servers.py has the variants)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from servers import RangeServer
+
+from ckpttool import sources
+from ckpttool.errors import CkptError, InputNotFoundError
+from ckpttool.remote import base, http
+from ckpttool.remote.http import HttpSource
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("www")
+    rng = __import__("random").Random(0)
+    (root / "small.bin").write_bytes(rng.randbytes(200_000))
+    (root / "big.bin").write_bytes(rng.randbytes(3_000_000))
+    for name in ("a", "b", "c", "d", "e", "f"):  # one file per stateful test
+        (root / f"{name}.bin").write_bytes(rng.randbytes(1_500_000))
+    srv = RangeServer(root)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def source(monkeypatch):
+    monkeypatch.setattr(base, "BACKOFF", 0.0)
+    monkeypatch.setattr(base, "RETRIES", 3)
+    src = HttpSource("http")
+    yield src
+    src.close()
+
+
+def data(server, name: str) -> bytes:
+    return (server.root / name).read_bytes()
+
+
+def test_reads_exact_bytes_and_coalesces_small_reads(server, source):
+    url = server.url("big.bin")
+    want = data(server, "big.bin")
+    server.reset()
+    assert source.size(url) == len(want)
+    # what a zip reader does: the end record, the directory before it, then the pickle
+    tail = source.read(url, len(want) - 22, 22)
+    directory = source.read(url, len(want) - 40_000, 39_978)
+    head = b"".join(bytes(source.read(url, at, 100)) for at in range(0, 100_000, 100))
+    assert bytes(tail) == want[-22:]
+    assert bytes(directory) == want[-40_000:-22]
+    assert head == want[:100_000]
+    # one HEAD, one window at the end, one at the start: 1000 small reads, 3 requests
+    assert [m for m, _, _ in server.requests] == ["HEAD", "GET", "GET"]
+    assert source.requests == 3
+    tail_window = len(want) - (len(want) - base.FIRST_WINDOW) // base.BLOCK * base.BLOCK
+    assert source.bytes_read == base.FIRST_WINDOW + tail_window
+    assert source.local_path(url) is None
+
+
+def test_large_reads_go_straight_and_spans_in_parallel(server, source, monkeypatch):
+    monkeypatch.setattr(base, "PART", 256 << 10)
+    monkeypatch.setattr(base, "MAX_WINDOW", 128 << 10)
+    url = server.url("big.bin")
+    want = data(server, "big.bin")
+    buf = bytearray(len(want))
+    view = memoryview(buf)
+    server.reset()
+    source.read_spans(
+        url, [(view[:10], 0), (view[10:2_000_000], 10), (view[2_000_000:], 2_000_000)]
+    )
+    assert buf == want
+    gets = [r for m, _, r in server.requests if m == "GET"]
+    # the small span through the cache, the large ones in 256 KiB parts, each once
+    assert len(gets) == 1 + -(-1_999_990 // (256 << 10)) + -(-1_000_000 // (256 << 10))
+    assert source.bytes_read == base.FIRST_WINDOW + len(want) - 10
+
+
+def test_whole_file_read(server, source):
+    url = server.url("small.bin")
+    assert bytes(source.read(url)) == data(server, "small.bin")
+    assert source.identity(url) == source.identity(url)
+
+
+def test_server_without_range_small_file_read_once(server, source):
+    url = server.url("small.bin", "norange")
+    want = data(server, "small.bin")
+    server.reset()
+    assert bytes(source.read(url, 5, 10)) == want[5:15]
+    assert bytes(source.read(url, 150_000, 40_000)) == want[150_000:190_000]
+    assert [m for m, _, _ in server.requests] == ["HEAD", "GET"]  # read whole, once
+
+
+def test_server_without_range_large_file_refused(server, source):
+    url = server.url("big.bin", "norange")
+    with pytest.raises(CkptError, match="ignores Range requests") as info:
+        source.read(url, 1000, 10)
+    assert "200" in str(info.value)
+    # the body was not read: far fewer bytes than the file were counted
+    assert source.bytes_read == 0
+
+
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("short", r"cannot read after 3 attempts: the server sent 131072 of 262144 bytes"),
+        ("badrange", r"asked for bytes 0-262143, the server sent Content-Range 'bytes 1-262144/"),
+        ("etag", r"changed while being read \(etag .* -> \"rewritten\"\)"),
+        ("gone", r"no such file \(HTTP 404\)"),
+        ("denied", r"access denied \(HTTP 403\)"),
+    ],
+)
+def test_bad_servers_are_one_line_errors(server, source, mode, message):
+    url = server.url("a.bin", mode)
+    with pytest.raises(CkptError, match=message) as info:
+        source.read(url, 0, 10)
+        source.read(url, 1_000_000, 10)  # the etag variant changes on this request
+    assert "\n" not in str(info.value)
+    assert info.value.exit_code == 2
+    if mode == "gone":
+        assert isinstance(info.value, InputNotFoundError)
+
+
+def test_transient_errors_are_retried(server, source):
+    url = server.url("b.bin", "flaky")
+    server.reset()
+    assert bytes(source.read(url, 0, 10)) == data(server, "b.bin")[:10]
+    assert [m for m, _, _ in server.requests] == ["HEAD", "HEAD", "HEAD", "GET"]
+
+
+def test_retries_are_bounded(server, source, monkeypatch):
+    monkeypatch.setattr(base, "RETRIES", 2)
+    with pytest.raises(CkptError, match=r"cannot reach it after 2 attempts: HTTP 503"):
+        source.size(server.url("c.bin", "flaky"))
+
+
+def test_no_connection_is_a_one_line_error(source):
+    with pytest.raises(CkptError, match=r"cannot reach it after 3 attempts: ConnectionRefused"):
+        source.size("http://127.0.0.1:1/x.pt")
+
+
+def test_credentials_and_signatures_are_never_shown(server, source):
+    url = server.url("gone.bin", "gone").replace("http://", "http://user:s3cret@")
+    with pytest.raises(CkptError) as info:
+        source.size(url + "?X-Amz-Signature=deadbeef&token=t0ken")
+    text = str(info.value)
+    assert "s3cret" not in text and "deadbeef" not in text and "t0ken" not in text
+    assert text.startswith(f"http://127.0.0.1:{server.port}/gone/gone.bin: ")
+
+
+def test_folders_need_an_index(server, source):
+    folder = server.url("", "ok")
+    assert source.isdir(folder) and not source.isdir(server.url("a.bin"))
+    with pytest.raises(CkptError, match=r"HTTP cannot list a folder .*index\.json"):
+        source.listdir(folder)
+    assert source.exists(server.url("a.bin")) and not source.exists(server.url("nope.bin"))
+
+
+@pytest.mark.parametrize("name", ["../secret.pt", "/etc/passwd", "s3://other/x.pt", "a/../../x"])
+def test_names_from_a_file_stay_in_the_folder(source, name):
+    with pytest.raises(CkptError, match="leaves the checkpoint's folder"):
+        source.join("http://127.0.0.1/ok/ckpt", name)
+    assert source.join("http://h/ok/ckpt", "sub/x.pt") == "http://h/ok/ckpt/sub/x.pt"
+
+
+def test_registered_for_http_urls(server):
+    url = server.url("small.bin")
+    assert isinstance(sources.source_for(url), HttpSource)
+    assert isinstance(sources.source_for("https://example.invalid/x"), HttpSource)
+    assert sources.getsize(url) == 200_000
+
+
+def test_header_of_exactly_100000_bytes(tmp_path, server, source):
+    """huggingface_hub read a safetensors header of exactly 100,000 bytes wrong
+    (hf_hub#4602): the first window must not be mistaken for the whole header."""
+    import json
+    import struct
+
+    header = {"w": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]}}
+    text = json.dumps(header).encode()
+    text += b" " * (100_000 - len(text))
+    path = server.root / "boundary.safetensors"
+    path.write_bytes(struct.pack("<Q", 100_000) + text + bytes(range(16)))
+    url = server.url("boundary.safetensors")
+    (n,) = struct.unpack("<Q", bytes(source.read(url, 0, 8)))
+    assert n == 100_000
+    assert bytes(source.read(url, 8, n)) == text
+    assert bytes(source.read(url, 8 + n, 16)) == bytes(range(16))
+
+
+def test_local_commands_never_import_the_remote_code():
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['ckpttool', 'inspect', 'fixtures/ddp/ep0-rank0.pt']\n"
+        "try:\n    runpy.run_module('ckpttool', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('fsspec', 's3fs', 'huggingface_hub') or m == 'ckpttool.remote'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # import s3fs -> ImportError
+    monkeypatch.delitem(sources._SOURCES, "s3", raising=False)
+    with pytest.raises(CkptError, match=r"needs the package s3fs \(pip install 'ckpttool\[s3\]'\)"):
+        sources.getsize("s3://bucket/x.pt")
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    with pytest.raises(CkptError, match=r"pip install gcsfs"):
+        sources.source_for("gs://bucket/x.pt")
+    with pytest.raises(CkptError, match=r"cannot read nosuch:// paths"):
+        sources.source_for("nosuch://bucket/x.pt")
+    assert http.WHOLE_BODY_LIMIT == 1 << 20
