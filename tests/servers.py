@@ -151,8 +151,11 @@ class S3Server:
     }
 
     def __init__(self) -> None:
+        import logging
+
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
         host, port = self.server.get_host_and_port()
@@ -186,6 +189,30 @@ class S3Server:
                     key = f"{prefix.rstrip('/')}/{file.relative_to(local).as_posix()}"
                     client.upload_file(str(file), bucket, key)
         return f"s3://{bucket}/{prefix}"
+
+    def configure(self) -> Any:
+        """Point this process at the server (env for subprocesses, fsspec's config for
+        this one: fsspec reads ``FSSPEC_*`` variables once, when it is imported); returns
+        an undo callable."""
+        import fsspec.config
+
+        saved_env = {k: os.environ.get(k) for k in self.env}
+        saved_conf = fsspec.config.conf.get("s3")
+        os.environ.update(self.env)
+        fsspec.config.conf["s3"] = {**(saved_conf or {}), "endpoint_url": self.endpoint}
+
+        def undo() -> None:
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            if saved_conf is None:
+                fsspec.config.conf.pop("s3", None)
+            else:
+                fsspec.config.conf["s3"] = saved_conf
+
+        return undo
 
     def close(self) -> None:
         self.server.stop()

@@ -200,7 +200,9 @@ class StoreSource(RemoteSource):
 
 def _is_changed(exc: OSError) -> bool:
     text = str(exc)
-    return "PreconditionFailed" in text or "412" in text or "Precondition" in text
+    # s3fs turns a failed IfMatch (412 PreconditionFailed) into an OSError whose text
+    # is the service's: "At least one of the pre-conditions you specified did not hold"
+    return any(m in text for m in ("PreconditionFailed", "412", "pre-condition", "Precondition"))
 
 
 def _short(exc: BaseException) -> str:
