@@ -75,6 +75,8 @@ class RangeServer:
 
     # -- the handler -------------------------------------------------------------------
     def handle(self, req: BaseHTTPRequestHandler, head: bool) -> None:
+        if req.path.startswith("/api/") or "/resolve/" in req.path:
+            return self.hub(req, head)
         mode, _, rel = req.path.lstrip("/").partition("/")
         rng = req.headers.get("Range")
         with self.lock:
@@ -116,6 +118,53 @@ class RangeServer:
             headers["Connection"] = "close"
             req.close_connection = True
         self.send(req, 206, headers, body)
+
+    # -- a Hugging Face Hub, as much of it as HfFileSystem reads ----------------------
+    def hub(self, req: BaseHTTPRequestHandler, head: bool) -> None:
+        """The Hub's routes over the files under ``root/hub/<user>/<repo>/``:
+        ``/api/models/<repo>/revision/<rev>``, ``/api/models/<repo>/tree/<rev>/<path>``
+        and ``/<repo>/resolve/<rev>/<path>`` (ranged, as the ``ok`` mode)."""
+        import json
+        import urllib.parse
+
+        path = urllib.parse.unquote(urllib.parse.urlsplit(req.path).path)
+        hub = (self.root / "hub").resolve()
+        match = re.match(
+            r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)/(revision|tree)/([^/]+)/?(.*)$", path
+        )
+        if match:
+            with self.lock:
+                self.requests.append((req.command, req.path, None))
+            repo_type, repo, kind, _rev, rel = match.groups()
+            if repo_type != "models":  # hub/datasets/<user>/<repo>
+                repo = f"{repo_type}/{repo}"
+            folder = (hub / repo / rel).resolve()
+            if not (hub / repo).is_dir() or not folder.is_relative_to(hub):
+                return self.status(req, 404, {"X-Error-Code": "RepoNotFound"})
+            if kind == "revision":
+                body = {"id": repo, "sha": "0" * 40, "private": False, "siblings": []}
+            elif not folder.is_dir():
+                return self.status(req, 404, {"X-Error-Code": "EntryNotFound"})
+            else:
+                body = [
+                    {
+                        "type": "directory" if f.is_dir() else "file",
+                        "oid": "1" * 40,
+                        "path": f.relative_to(hub / repo).as_posix(),
+                        **({} if f.is_dir() else {"size": f.stat().st_size}),
+                    }
+                    for f in sorted(folder.iterdir())
+                ]
+            raw = json.dumps(body).encode()
+            return self.send(
+                req, 200, {"Content-Type": "application/json", "Content-Length": str(len(raw))}, raw
+            )
+        match = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
+        if not match:
+            return self.status(req, 404)
+        repo, _rev, rel = match.groups()
+        req.path = f"/ok/hub/{repo}/{rel}"
+        return self.handle(req, head)
 
     @staticmethod
     def send(

@@ -47,6 +47,10 @@ class HttpSource(RemoteSource):
         self._local = threading.local()  # per thread: {(scheme, host, port): connection}
         self._whole: dict[str, bytes] = {}  # files of servers that ignore Range
 
+    def headers_for(self, parts: urllib.parse.SplitResult) -> dict[str, str]:
+        """Headers to send to this host (credentials go to their own host only)."""
+        return {}
+
     # -- connections -------------------------------------------------------------------
     def _connection(self, parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
         pool = getattr(self._local, "pool", None)
@@ -87,7 +91,7 @@ class HttpSource(RemoteSource):
         """
         for _ in range(MAX_REDIRECTS + 1):
             parts = urllib.parse.urlsplit(url)
-            send = {"User-Agent": USER_AGENT, **headers}
+            send = {"User-Agent": USER_AGENT, **self.headers_for(parts), **headers}
             if parts.username is not None:
                 # credentials in the URL: sent as Basic auth, never shown (see redact)
                 user = urllib.parse.unquote(parts.username)

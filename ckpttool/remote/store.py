@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import importlib
 import re
+import urllib.parse
 from typing import Any
 
 from ..errors import CkptError, InputNotFoundError
 from .base import RemoteSource, Stat, TransientError, check_changed, redact, with_retries
+from .http import HttpSource
 
 # scheme -> (module fsspec needs for it, the extra or package that installs it)
 PACKAGES: dict[str, tuple[str, str]] = {
@@ -67,6 +69,10 @@ class StoreSource(RemoteSource):
         except (ImportError, ValueError) as exc:
             raise CkptError(f"cannot read {scheme}:// paths ({exc})", hint=install) from None
         self._listing: dict[str, list[str]] = {}
+        # hf://: file bytes by validated ranged GETs of the file's resolve URL (HfFileSystem's
+        # own files read ahead in blocks of megabytes; inspect needs a few KB)
+        self._http = _HubHttp(self) if scheme == "hf" else None
+        self._urls: dict[str, str] = {}
 
     # -- paths: fsspec's own (no scheme) and ours (with it) --------------------------
     def _bare(self, path: str) -> str:
@@ -92,7 +98,20 @@ class StoreSource(RemoteSource):
             except (ConnectionError, TimeoutError) as exc:
                 raise TransientError(f"{type(exc).__name__} ({exc})") from None
             except OSError as exc:
-                if _is_changed(exc):
+                status = getattr(getattr(exc, "response", None), "status_code", None)
+                if status == 404:
+                    raise InputNotFoundError(
+                        "no such file, folder or repository", path=redact(path)
+                    ) from None
+                if status in (401, 403):
+                    raise CkptError(
+                        f"access denied or no such repository (HTTP {status})",
+                        path=redact(path),
+                        hint="check the name and the token (HF_TOKEN, huggingface-cli login)",
+                    ) from None
+                if status in (429, 500, 502, 503, 504):
+                    raise TransientError(f"HTTP {status}") from None
+                if self.scheme in ("s3", "s3a") and _is_changed(exc):
                     raise CkptError(
                         "changed while being read (ETag differs from first contact)",
                         path=redact(path),
@@ -144,6 +163,16 @@ class StoreSource(RemoteSource):
         return list(names)
 
     def _fetch_into(self, path: str, view: memoryview, offset: int, stat: Stat) -> None:
+        if self._http is not None:
+            url = self._urls.get(path)
+            if url is None:
+                url = self._urls[path] = self.fs.url(self._bare(path))
+            self._http._stats.setdefault(url, Stat(stat.size))
+            try:
+                self._http._fetch_into(url, view, offset, self._http._stats[url])
+            except CkptError as exc:  # shown with the hf:// path, not the resolve URL
+                raise CkptError(exc.message, path=redact(path), hint=exc.hint) from None
+            return
         if self.scheme in ("s3", "s3a"):
             data = self._call("read", path, lambda: self._s3_range(path, offset, len(view), stat))
         else:
@@ -198,11 +227,31 @@ class StoreSource(RemoteSource):
         return data
 
 
+class _HubHttp(HttpSource):
+    """The ranged GETs of an ``hf://`` source: the Hub's headers (the token) go to the
+    Hub's own host only, never to the storage a resolve URL redirects to."""
+
+    def __init__(self, owner: StoreSource) -> None:
+        super().__init__("https")
+        self.owner = owner
+        self.host = urllib.parse.urlsplit(owner.fs.endpoint).netloc
+
+    def count(self, nbytes: int, requests: int = 1) -> None:
+        self.owner.count(nbytes, requests)
+
+    def headers_for(self, parts: urllib.parse.SplitResult) -> dict[str, str]:
+        if parts.netloc != self.host:
+            return {}
+        from huggingface_hub.utils import build_hf_headers
+
+        return dict(build_hf_headers(token=self.owner.fs.token))
+
+
 def _is_changed(exc: OSError) -> bool:
     text = str(exc)
     # s3fs turns a failed IfMatch (412 PreconditionFailed) into an OSError whose text
     # is the service's: "At least one of the pre-conditions you specified did not hold"
-    return any(m in text for m in ("PreconditionFailed", "412", "pre-condition", "Precondition"))
+    return any(m in text for m in ("PreconditionFailed", "pre-conditions you specified"))
 
 
 def _short(exc: BaseException) -> str:
