@@ -34,6 +34,8 @@ FILES = [
     ("safetensors_sharded/model.safetensors.index.json", "safetensors-sharded"),
     ("snapshots/custom_objects.pt", "torch-zip"),
     ("gpu_saved.pt", "torch-zip"),
+    ("dcp/__0_0.distcp", "dcp"),  # one .distcp: its folder's .metadata names the rest
+    ("megatron/gpt/metadata.json", "megatron"),
 ]
 # folders, and a rank's file whose siblings are found by listing: S3 only (HTTP has
 # no listing)

@@ -157,7 +157,9 @@ def test_credentials_and_signatures_are_never_shown(server, source):
 def test_folders_need_an_index(server, source):
     folder = server.url("", "ok")
     assert source.isdir(folder) and not source.isdir(server.url("a.bin"))
-    with pytest.raises(CkptError, match=r"HTTP cannot list a folder .*index\.json"):
+    with pytest.raises(
+        CkptError, match=r"HTTP cannot list a folder .*index\.json, one of a DCP folder's \.distcp"
+    ):
         source.listdir(folder)
     assert source.exists(server.url("a.bin")) and not source.exists(server.url("nope.bin"))
 
