@@ -91,8 +91,7 @@ class RangeServer:
             return self.status(req, 403)
         if mode == "flaky" and hit <= 2:
             return self.status(req, 503, {"Retry-After": "0"})
-        data = file.read_bytes()
-        size = len(data)
+        size = file.stat().st_size
         etag = f'"{size}-{int(file.stat().st_mtime_ns)}"'
         if mode == "etag" and not head and hit > 2:
             etag = '"rewritten"'
@@ -100,7 +99,7 @@ class RangeServer:
         match = RANGE.match(rng or "") if rng and mode != "norange" and not head else None
         if match is None:
             headers["Content-Length"] = str(size)
-            return self.send(req, 200, headers, b"" if head else data)
+            return self.send(req, 200, headers, b"" if head else file.read_bytes())
         first, last = match.groups()
         if first == "":  # suffix range: the last N bytes
             start, stop = max(0, size - int(last)), size
@@ -109,7 +108,9 @@ class RangeServer:
             stop = min(size, int(last) + 1) if last else size
         if start >= size or start >= stop:
             return self.status(req, 416, {"Content-Range": f"bytes */{size}"})
-        body = data[start:stop]
+        with open(file, "rb") as f:
+            f.seek(start)
+            body = f.read(stop - start)
         shown = (start + 1, stop) if mode == "badrange" else (start, stop - 1)
         headers["Content-Range"] = f"bytes {shown[0]}-{shown[1]}/{size}"
         headers["Content-Length"] = str(len(body))

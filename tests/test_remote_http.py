@@ -223,3 +223,24 @@ def test_missing_package_names_the_extra(monkeypatch):
     with pytest.raises(CkptError, match=r"cannot read nosuch:// paths"):
         sources.source_for("nosuch://bucket/x.pt")
     assert http.WHOLE_BODY_LIMIT == 1 << 20
+
+
+def test_a_forked_child_uses_its_own_connections(server, source):
+    """The readers' prescan forks: parent and child on one socket would read each
+    other's responses."""
+    want_e, want_f = data(server, "e.bin"), data(server, "f.bin")
+    e, f = server.url("e.bin"), server.url("f.bin")
+    assert bytes(source.read(e, 0, 10)) == want_e[:10]  # a connection now exists
+    pid = os.fork()
+    if pid == 0:  # the child: read f while the parent reads e
+        ok = all(
+            bytes(source.read(f, at, 1000)) == want_f[at : at + 1000]
+            for at in range(0, 1_400_000, 350_000)
+        )
+        os._exit(0 if ok else 1)
+    ok = all(
+        bytes(source.read(e, at, 1000)) == want_e[at : at + 1000]
+        for at in range(300_000, 1_400_000, 350_000)
+    )
+    _, status = os.waitpid(pid, 0)
+    assert ok and os.waitstatus_to_exitcode(status) == 0

@@ -46,6 +46,7 @@ class HttpSource(RemoteSource):
         super().__init__(scheme)
         self._local = threading.local()  # per thread: {(scheme, host, port): connection}
         self._whole: dict[str, bytes] = {}  # files of servers that ignore Range
+        self._pid = os.getpid()
 
     def headers_for(self, parts: urllib.parse.SplitResult) -> dict[str, str]:
         """Headers to send to this host (credentials go to their own host only)."""
@@ -53,6 +54,11 @@ class HttpSource(RemoteSource):
 
     # -- connections -------------------------------------------------------------------
     def _connection(self, parts: urllib.parse.SplitResult) -> http.client.HTTPConnection:
+        if self._pid != os.getpid():
+            # a forked child (the readers' prescan) must not talk on its parent's
+            # sockets: the two would read each other's responses
+            self._local = threading.local()
+            self._pid = os.getpid()
         pool = getattr(self._local, "pool", None)
         if pool is None:
             pool = self._local.pool = {}

@@ -18,6 +18,7 @@ huggingface_hub's ``HfFileSystem`` reads them.
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import urllib.parse
 from typing import Any
@@ -56,23 +57,38 @@ class StoreSource(RemoteSource):
         super().__init__(scheme)
         module, install = PACKAGES.get(scheme, ("fsspec", "pip install fsspec"))
         try:
-            import fsspec
-
+            importlib.import_module("fsspec")
             importlib.import_module(module)
         except ImportError:
             raise CkptError(
                 f"reading {scheme}:// paths needs the package {module}",
                 hint=install,
             ) from None
-        try:
-            self.fs: Any = fsspec.filesystem(scheme)
-        except (ImportError, ValueError) as exc:
-            raise CkptError(f"cannot read {scheme}:// paths ({exc})", hint=install) from None
+        self._install = install
+        self._fs: Any = None
+        self._pid = -1
+        self.fs  # noqa: B018  (made now: a protocol that cannot be set up fails here)
         self._listing: dict[str, list[str]] = {}
         # hf://: file bytes by validated ranged GETs of the file's resolve URL (HfFileSystem's
         # own files read ahead in blocks of megabytes; inspect needs a few KB)
         self._http = _HubHttp(self) if scheme == "hf" else None
         self._urls: dict[str, str] = {}
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec file system, made again in a forked child (the readers' prescan):
+        async file systems (s3fs) refuse to be used across a fork."""
+        if self._pid != os.getpid():
+            import fsspec
+
+            try:
+                self._fs = fsspec.filesystem(self.scheme, skip_instance_cache=self._pid != -1)
+            except (ImportError, ValueError) as exc:
+                raise CkptError(
+                    f"cannot read {self.scheme}:// paths ({exc})", hint=self._install
+                ) from None
+            self._pid = os.getpid()
+        return self._fs
 
     # -- paths: fsspec's own (no scheme) and ours (with it) --------------------------
     def _bare(self, path: str) -> str:
