@@ -77,9 +77,23 @@ def test_large_reads_go_straight_and_spans_in_parallel(server, source, monkeypat
     )
     assert buf == want
     gets = [r for m, _, r in server.requests if m == "GET"]
-    # the small span through the cache, the large ones in 256 KiB parts, each once
+    # the small span alone, the large ones in 256 KiB parts, each byte once
     assert len(gets) == 1 + -(-1_999_990 // (256 << 10)) + -(-1_000_000 // (256 << 10))
-    assert source.bytes_read == base.FIRST_WINDOW + len(want) - 10
+    assert source.bytes_read == len(want)
+
+
+def test_scattered_small_spans_cost_their_bytes_and_neighbours_share(server, source):
+    url = server.url("big.bin")
+    want = data(server, "big.bin")
+    bufs = [bytearray(30) for _ in range(20)]
+    # 10 local headers far apart, and 10 neighbours 100 bytes apart (one request)
+    offsets = [i * 290_000 for i in range(10)] + [2_900_000 + i * 130 for i in range(10)]
+    source.size(url)
+    server.reset()
+    source.read_spans(url, [(memoryview(b), at) for b, at in zip(bufs, offsets, strict=True)])
+    assert [bytes(b) for b in bufs] == [want[at : at + 30] for at in offsets]
+    assert len(server.requests) == 11
+    assert source.bytes_read == 10 * 30 + 9 * 130 + 30
 
 
 def test_whole_file_read(server, source):

@@ -12,6 +12,7 @@ into its slice of the caller's view: memory stays what the caller allocated.
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import random
@@ -33,7 +34,8 @@ BLOCK = 64 << 10  # cache granularity
 FIRST_WINDOW = 256 << 10  # bytes fetched on a file's first small read
 MAX_WINDOW = 4 << 20  # the window doubles up to this while a file is read in order
 CACHE_BYTES = 32 << 20  # least recently used blocks are dropped beyond this
-PART = 8 << 20  # read_spans splits large spans into parts of this size
+PART = 8 << 20  # read_spans: at most this many bytes per request
+GAP = BLOCK  # read_spans: spans this close share a request
 THREADS = 8  # parallel requests of one read_spans call
 
 RETRIES = int(os.environ.get("CKPTTOOL_REMOTE_RETRIES", "4"))  # attempts per request
@@ -184,26 +186,70 @@ class RemoteSource(sources.Source):
         self._read_cached(path, view, offset, stat)
 
     def read_spans(self, path: str, spans: Sequence[tuple[memoryview, int]]) -> None:
-        """Fill each ``(view, offset)``: small ones through the cache, large ones in
-        parts of ``PART`` bytes fetched in parallel by at most ``THREADS`` requests."""
+        """Fill each ``(view, offset)``, the spans side by side on at most ``THREADS``
+        requests: spans the cache holds are copied from it; the others, in file order,
+        are grouped when at most ``GAP`` apart (one request of at most ``PART`` bytes for
+        many small neighbours, into a scratch buffer) and a span larger than ``PART`` is
+        fetched in parts straight into its view. Nothing is read ahead: a caller asking
+        for many scattered small spans (a zip's local headers) pays for their bytes only.
+        """
         stat = self.stat(path)
-        parts: list[tuple[memoryview, int]] = []
+        todo: list[tuple[int, memoryview]] = []
         for view, offset in spans:
             if offset < 0 or offset + len(view) > stat.size:
                 missing = offset + len(view) - stat.size
                 raise CkptError(f"file ends {missing} bytes early (truncated?)", path=redact(path))
-            if len(view) <= MAX_WINDOW:
-                self._read_cached(path, view, offset, stat) if len(view) else None
-                continue
-            for start in range(0, len(view), PART):
-                parts.append((view[start : start + PART], offset + start))
-        if len(parts) == 1:
-            self._fetch_into(path, parts[0][0], parts[0][1], stat)
-        elif parts:
-            with ThreadPoolExecutor(min(THREADS, len(parts))) as pool:
-                # map consumes results in order: the first failure is raised
-                for _ in pool.map(lambda p: self._fetch_into(path, p[0], p[1], stat), parts):
+            if len(view) and not self._from_cache(path, view, offset):
+                todo.append((offset, view))
+        todo.sort(key=lambda item: item[0])
+        groups: list[list[tuple[int, memoryview]]] = []
+        for offset, view in todo:
+            if groups:
+                first, last = groups[-1][0], groups[-1][-1]
+                near = offset - (last[0] + len(last[1])) <= GAP
+                if near and offset + len(view) - first[0] <= PART:
+                    groups[-1].append((offset, view))
+                    continue
+            groups.append([(offset, view)])
+        jobs: list[Callable[[], None]] = []
+        for group in groups:
+            if len(group) == 1:  # straight into the view, in parts
+                offset, view = group[0]
+                for at in range(0, len(view), PART):
+                    part = view[at : at + PART]
+                    jobs.append(functools.partial(self._fetch_into, path, part, offset + at, stat))
+            else:
+                jobs.append(functools.partial(self._fetch_group, path, group, stat))
+        if len(jobs) == 1:
+            jobs[0]()
+        elif jobs:
+            with ThreadPoolExecutor(min(THREADS, len(jobs))) as pool:
+                # consumed in order: the first failure is raised
+                for _ in pool.map(lambda job: job(), jobs):
                     pass
+
+    def _fetch_group(self, path: str, group: list[tuple[int, memoryview]], stat: Stat) -> None:
+        """One request for neighbouring spans (at most ``PART`` bytes), then copied out."""
+        start = group[0][0]
+        end = max(offset + len(view) for offset, view in group)
+        buf = bytearray(end - start)
+        self._fetch_into(path, memoryview(buf), start, stat)
+        for offset, view in group:
+            view[:] = buf[offset - start : offset - start + len(view)]
+
+    def _from_cache(self, path: str, view: memoryview, offset: int) -> bool:
+        """Copy a span from cached blocks if the cache holds all of it."""
+        end = offset + len(view)
+        blocks = []
+        for index in range(offset // BLOCK, (end - 1) // BLOCK + 1):
+            block = self._cache.get(path, index)
+            if block is None:
+                return False
+            blocks.append((index, block))
+        for index, block in blocks:
+            lo, hi = max(offset, index * BLOCK), min(end, index * BLOCK + len(block))
+            view[lo - offset : hi - offset] = block[lo - index * BLOCK : hi - index * BLOCK]
+        return True
 
     # -- the block cache -----------------------------------------------------------------
     def _read_cached(self, path: str, view: memoryview, offset: int, stat: Stat) -> None:
