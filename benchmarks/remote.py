@@ -13,7 +13,8 @@ HTTP file server and moto's S3 server. Cases and targets:
 - ``convert --select all --to safetensors`` of the snapshot from S3 to a local file:
   wall at most 1.5x fsspec's ``get`` of the same object alone, peak RSS at most 512 MiB.
 
-moto keeps objects in memory: at scale 1 this process holds the 4 GB object.
+moto keeps objects in memory: at scale 1 this process holds the 4 GB object (twice:
+see ``serve_ranges_in_place``, which makes a ranged GET cost its range, as on S3).
 """
 
 from __future__ import annotations
@@ -45,6 +46,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", type=Path, help="write the raw samples here")
     return parser.parse_args(argv)
+
+
+def serve_ranges_in_place() -> None:
+    """Make moto's ranged GETs cost their range, as on S3.
+
+    moto answers every GetObject by reading the whole object out of its spooled temporary
+    file (a copy of 0.5-4 GB per request) and only then slicing the range: a benchmark of
+    range reads would measure that. The object's bytes are kept once instead (dropped
+    when the object is written); what a request sends is unchanged.
+    """
+    from moto.s3.models import FakeKey
+
+    plain = FakeKey.value
+
+    def get(self):
+        cached = self.__dict__.get("_bench_value")
+        if cached is None:
+            cached = self.__dict__["_bench_value"] = plain.fget(self)
+        return cached
+
+    def put(self, new_value):
+        self.__dict__.pop("_bench_value", None)
+        plain.fset(self, new_value)
+
+    FakeKey.value = property(get, put)
 
 
 def transfer_of(stdout: bytes) -> dict:
@@ -118,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         http.close()
 
     # -- convert from S3 ----------------------------------------------------------------
+    serve_ranges_in_place()
     s3 = S3Server()
     try:
         env.update(s3.env)

@@ -24,6 +24,7 @@ def server(tmp_path_factory):
     rng = __import__("random").Random(0)
     (root / "small.bin").write_bytes(rng.randbytes(200_000))
     (root / "big.bin").write_bytes(rng.randbytes(3_000_000))
+    (root / "long.bin").write_bytes(rng.randbytes(10_000_000))
     for name in ("a", "b", "c", "d", "e", "f"):  # one file per stateful test
         (root / f"{name}.bin").write_bytes(rng.randbytes(1_500_000))
     srv = RangeServer(root)
@@ -258,3 +259,23 @@ def test_a_forked_child_uses_its_own_connections(server, source):
     )
     _, status = os.waitpid(pid, 0)
     assert ok and os.waitstatus_to_exitcode(status) == 0
+
+
+def test_reading_in_order_reads_ahead_in_large_chunks(server, source, monkeypatch):
+    from ckpttool.remote import stream
+
+    monkeypatch.setattr(stream, "STREAM_CHUNK", 2 << 20)
+    monkeypatch.setattr(stream, "STREAM_AFTER", 1 << 20)
+    url = server.url("long.bin")
+    want = data(server, "long.bin")
+    got = bytearray(len(want))
+    view = memoryview(got)
+    source.size(url)
+    server.reset()
+    step = 300_000  # a writer copying tensors one after the other
+    for at in range(0, len(want), step):
+        source.read_spans(url, [(view[at : at + step], at)])
+    assert got == want
+    # 4 reads of their own, then 2 MiB chunks (the next one fetched in the background)
+    assert len(server.requests) <= 4 + -(-len(want) // (2 << 20)) + 1
+    assert source.bytes_read <= len(want) + (2 << 20)

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from .. import sources
 from ..errors import CkptError
+from .stream import Streams
 
 T = TypeVar("T")
 
@@ -35,7 +36,7 @@ FIRST_WINDOW = 256 << 10  # bytes fetched on a file's first small read
 MAX_WINDOW = 4 << 20  # the window doubles up to this while a file is read in order
 CACHE_BYTES = 32 << 20  # least recently used blocks are dropped beyond this
 PART = 8 << 20  # read_spans: at most this many bytes per request
-GAP = BLOCK  # read_spans: spans this close share a request
+GAP = 8 << 10  # read_spans: spans this close share a request
 THREADS = 8  # parallel requests of one read_spans call
 
 RETRIES = int(os.environ.get("CKPTTOOL_REMOTE_RETRIES", "4"))  # attempts per request
@@ -141,6 +142,7 @@ class RemoteSource(sources.Source):
         self._stats: dict[str, Stat] = {}
         self._cache = BlockCache()
         self._window: dict[str, tuple[int, int]] = {}  # path -> (end of last fetch, size)
+        self._streams = Streams(self._fetch_bytes)
         self._lock = threading.Lock()
 
     def count(self, nbytes: int, requests: int = 1) -> None:
@@ -180,6 +182,8 @@ class RemoteSource(sources.Source):
             raise CkptError(f"file ends {missing} bytes early (truncated?)", path=redact(path))
         if not size:
             return
+        if self._streams.read(path, view, offset, stat.size):
+            return
         if size > MAX_WINDOW:
             self._fetch_into(path, view, offset, stat)
             return
@@ -199,7 +203,9 @@ class RemoteSource(sources.Source):
             if offset < 0 or offset + len(view) > stat.size:
                 missing = offset + len(view) - stat.size
                 raise CkptError(f"file ends {missing} bytes early (truncated?)", path=redact(path))
-            if len(view) and not self._from_cache(path, view, offset):
+            if not len(view) or self._from_cache(path, view, offset):
+                continue
+            if not self._streams.read(path, view, offset, stat.size):
                 todo.append((offset, view))
         todo.sort(key=lambda item: item[0])
         groups: list[list[tuple[int, memoryview]]] = []
@@ -227,6 +233,12 @@ class RemoteSource(sources.Source):
                 # consumed in order: the first failure is raised
                 for _ in pool.map(lambda job: job(), jobs):
                     pass
+
+    def _fetch_bytes(self, path: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` in one request (the read-ahead's chunks)."""
+        buf = bytearray(size)
+        self._fetch_into(path, memoryview(buf), offset, self.stat(path))
+        return buf
 
     def _fetch_group(self, path: str, group: list[tuple[int, memoryview]], stat: Stat) -> None:
         """One request for neighbouring spans (at most ``PART`` bytes), then copied out."""
@@ -290,6 +302,7 @@ class RemoteSource(sources.Source):
             self._stats.pop(p, None)
             self._window.pop(p, None)
             self._cache.drop(p)
+            self._streams.forget(p)
 
     # -- paths -------------------------------------------------------------------------
     def join(self, folder: str, *names: str) -> str:
