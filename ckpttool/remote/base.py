@@ -32,11 +32,11 @@ from .stream import Streams
 T = TypeVar("T")
 
 BLOCK = 64 << 10  # cache granularity
-FIRST_WINDOW = 256 << 10  # bytes fetched on a file's first small read
+FIRST_WINDOW = 128 << 10  # bytes fetched on a file's first small read
 MAX_WINDOW = 4 << 20  # the window doubles up to this while a file is read in order
 CACHE_BYTES = 32 << 20  # least recently used blocks are dropped beyond this
 PART = 8 << 20  # read_spans: at most this many bytes per request
-GAP = 8 << 10  # read_spans: spans this close share a request
+GAP = 4 << 10  # read_spans: spans this close share a request
 THREADS = 8  # parallel requests of one read_spans call
 
 RETRIES = int(os.environ.get("CKPTTOOL_REMOTE_RETRIES", "4"))  # attempts per request
