@@ -19,7 +19,7 @@ from typing import Any
 from . import sources
 from .errors import CkptError
 from .sources import OpenFiles
-from .spans import local_fd, read_span_into
+from .spans import open_fd, read_span_into
 from .tree import ByteSource
 
 
@@ -80,19 +80,19 @@ def map_span(
     own = files is None
     fds = OpenFiles() if files is None else files
     try:
-        fd = local_fd(source.path, fds)
+        fd = open_fd(fds, local, source.path)
         source.resolve(fds)
         begin = source.offset + start
         if begin % itemsize:
             return None
         end = begin + size
-        file_size = os.fstat(fd).st_size  # type: ignore[arg-type]
+        file_size = os.fstat(fd).st_size
         if end > file_size:
             raise CkptError(
                 f"tensor data runs {end - file_size} bytes past the end of the file (truncated?)",
                 path=source.path,
             )
-        storage = _file_map(fd, local, maps)[begin:end]  # type: ignore[arg-type]
+        storage = _file_map(fd, local, maps)[begin:end]
     finally:
         if own:
             fds.close()

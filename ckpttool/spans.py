@@ -10,6 +10,7 @@ Both count what they transfer on the path's source. No torch here.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from . import sources
@@ -20,21 +21,30 @@ if TYPE_CHECKING:
     from .tree import ByteSource
 
 
-def local_fd(path: str, files: OpenFiles) -> int | None:
-    """An open descriptor of ``path`` from ``files`` when it is a local file, else None.
+def open_fd(files: OpenFiles, local: str, path: str) -> int:
+    """The descriptor of the local file ``local`` (the file ``path`` names), from ``files``.
 
     Raises:
-        CkptError: A local file that cannot be opened.
+        InputNotFoundError: No such file.
+        CkptError: It cannot be opened.
     """
-    local = sources.local_path(path)
-    if local is None:
-        return None
     try:
         return files.fd(local)
     except FileNotFoundError:
         raise InputNotFoundError("no such file or directory", path=path) from None
     except OSError as exc:
         raise CkptError(f"cannot read ({exc.strerror or exc})", path=path) from None
+
+
+def local_fd(path: str, files: OpenFiles) -> int | None:
+    """An open descriptor of ``path`` from ``files`` when it is a local file, else None
+    (a URL: its bytes come through its source).
+
+    Raises:
+        CkptError: A local file that cannot be opened.
+    """
+    local = sources.local_path(path)
+    return None if local is None else open_fd(files, local, path)
 
 
 def read_at(path: str, offset: int, view: memoryview, files: OpenFiles | None = None) -> None:
@@ -51,18 +61,22 @@ def read_at(path: str, offset: int, view: memoryview, files: OpenFiles | None = 
         CkptError: The file ends before ``offset + len(view)`` (truncated), or cannot be
             read.
     """
-    if not len(view):
+    size = len(view)
+    if not size:
         return
-    source = sources.source_for(path)
-    fd = local_fd(path, files) if files is not None else None
-    if fd is None:  # remote bytes, or a one-off local read (the source opens and counts)
+    # a path without "://" is local (no URL scheme): spare the lookup on the fast path
+    source = sources.LOCAL if "://" not in path else sources.source_for(path)
+    if files is None or (local := source.local_path(path)) is None:
+        # remote bytes, or a one-off local read (the source opens the file and counts)
         source.read_into(path, view, offset)
         return
+    fd = open_fd(files, local, path)
     try:
-        sources.read_fd_into(fd, view, offset, path)
+        if os.preadv(fd, [view], offset) != size:  # short (a signal, or the end): go on
+            sources.read_fd_into(fd, view, offset, path)
     except OSError as exc:
         raise CkptError(f"cannot read ({exc.strerror or exc})", path=path) from None
-    source.count(len(view))
+    source.count(size)
 
 
 def read_span_into(
