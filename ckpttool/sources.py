@@ -15,10 +15,12 @@ from __future__ import annotations
 import fnmatch
 import glob as globlib
 import importlib
+import io
 import os
 import posixpath
 import re
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from .errors import CkptError, InputNotFoundError
 
@@ -362,3 +364,148 @@ def dirname(path: str) -> str:
 
 def basename(path: str) -> str:
     return split(path)[1]
+
+
+# -- names a file gives for other files of its checkpoint ----------------------------
+
+
+def child(folder: str, name: str, *, what: str = "file name", path: str | None = None) -> str:
+    """``folder`` joined with a relative ``name`` that a file (an index, ``.metadata``, a
+    ``latest`` tag) gives, refused when it could lead out of the folder.
+
+    The check is on the string, never ``os.path.realpath`` (which would break a URL):
+    no absolute path, no ``..`` or ``.`` part, no empty part, no scheme, no backslash,
+    no NUL. Sub-folders (``zero/fc.weight/fp32.pt``) are allowed.
+
+    Raises:
+        CkptError: The name leaves the folder (exit 2); ``path`` is the file naming it.
+    """
+    if not is_contained(name):
+        raise CkptError(f"{what} {name!r} leaves the checkpoint's folder", path=path or folder)
+    return join(folder, name)
+
+
+def is_contained(name: str) -> bool:
+    """True for a relative name that stays inside its folder (see :func:`child`)."""
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        return False
+    if name.startswith("/") or "://" in name or re.match(r"^[A-Za-z]:", name):
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+# -- a file object over a source's bytes, for zipfile and the unpickler ----------------
+
+
+class SourceFile(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of a file from ``start``, read
+    through the file's source (``zipfile`` and the unpickler need a file object).
+
+    A local file is read with ``preadv`` on one descriptor; any other source through
+    :meth:`Source.read_into`. ``zipfile`` reads an archive in many small pieces (its
+    end record and directory from the end, each entry's header and the pickle from the
+    start), so the first and last ``edge`` bytes of the span are read once, on first
+    need, and those small reads served from memory: a remote zip costs a few requests.
+
+    Args:
+        path: The file (a local path or a URL).
+        start, length: The span; the whole file (from ``start``) when ``length`` is None.
+        edge: Bytes cached at each end of the span (0: none).
+
+    Raises:
+        CkptError: The span runs past the end of the file.
+    """
+
+    def __init__(self, path: str, start: int = 0, length: int | None = None, edge: int = 4096):
+        super().__init__()
+        self.path = path
+        self._source = source_for(path)
+        size = self._source.size(path)
+        length = size - start if length is None else length
+        if start < 0 or length < 0 or start + length > size:
+            raise CkptError(
+                f"span of {length} bytes at {start} runs past the end of the file (truncated?)",
+                path=path,
+            )
+        self._start = start
+        self._length = length
+        self._pos = 0
+        self._edge = min(edge, length)
+        self._head: bytes | None = None
+        self._tail: bytes | None = None
+        self._tail_at = length - self._edge
+        local = self._source.local_path(path)
+        self._fd: int | None = None
+        if local is not None:
+            try:
+                self._fd = os.open(local, os.O_RDONLY)
+            except OSError as exc:
+                raise CkptError(f"cannot read ({exc.strerror or exc})", path=path) from None
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def _pread(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` from ``offset`` of the span."""
+        if self._fd is not None:
+            self._source.count(len(view))
+            read_fd_into(self._fd, view, self._start + offset, self.path)
+        else:
+            self._source.read_into(self.path, view, self._start + offset)
+
+    def _edge_bytes(self, at: int) -> bytes:
+        buf = bytearray(self._edge)
+        if buf:
+            self._pread(memoryview(buf), at)
+        return bytes(buf)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        pos, end = self._pos, self._pos + n
+        view = memoryview(buffer).cast("B")[:n]
+        if n and end <= self._edge:
+            if self._head is None:
+                self._head = self._edge_bytes(0)
+            view[:] = self._head[pos:end]
+        elif n and pos >= self._tail_at:
+            if self._tail is None:
+                self._tail = self._edge_bytes(self._tail_at)
+            view[:] = self._tail[pos - self._tail_at : end - self._tail_at]
+        elif n:
+            self._pread(view, pos)
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        super().close()
+
+
+def open_input(path: str, buffer_size: int = 1 << 16) -> io.BufferedReader:
+    """A buffered, seekable binary file over an input (``open(path, "rb")`` locally)."""
+    local = local_path(path)
+    if local is not None:
+        try:
+            return open(local, "rb")
+        except FileNotFoundError:
+            raise InputNotFoundError("no such file or directory", path=path) from None
+        except OSError as exc:
+            raise CkptError(f"cannot read ({exc.strerror or exc})", path=path) from None
+    return io.BufferedReader(SourceFile(path, edge=0), buffer_size)

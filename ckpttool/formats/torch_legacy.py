@@ -7,9 +7,9 @@ as an int64 element count followed by its raw bytes, in that order.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..torch_values import Device, check_storage_reference
 from ..tree import ByteSource, Checkpoint, Opaque, StorageRef, opaque_class
@@ -40,8 +40,8 @@ def detect(path: str, head: bytes) -> bool:
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     seen: set[str] = set()
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = sources.getsize(path)
+    with sources.open_input(path) as f:
         magic = load_pickle(f, path=path, seen=seen)
         if magic != MAGIC_NUMBER:
             raise CkptError(
@@ -90,12 +90,15 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if not isinstance(keys, list):
             raise CkptError("corrupt legacy checkpoint: no storage key list", path=path)
         pos = f.tell()
+        # each storage's element count, 8 bytes before its data: read unbuffered, or
+        # every count would fetch a buffer's worth of tensor bytes after it
+        raw = f.raw
         for key in keys:
             ref = storages.get(str(key))
             if ref is None:
                 raise CkptError(f"corrupt legacy checkpoint: unknown storage {key!r}", path=path)
-            f.seek(pos)
-            count = f.read(8)
+            raw.seek(pos)
+            count = raw.read(8) or b""
             if len(count) < 8:
                 raise CkptError("file ends early (truncated)", path=path)
             numel = int.from_bytes(count, "little" if little else "big", signed=True)

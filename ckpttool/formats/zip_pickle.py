@@ -8,11 +8,11 @@ a span of a file too.
 
 from __future__ import annotations
 
-import os
 import zipfile
 import zlib
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..torch_values import Device, check_storage_reference
 from ..tree import ByteSource, StorageRef
@@ -64,7 +64,7 @@ class ZipPickle:
     def __init__(self, path: str, start: int = 0, length: int | None = None):
         self.path = path
         self.start = start
-        size = os.path.getsize(path)
+        size = sources.getsize(path)
         self.length = size - start if length is None else length
         if start < 0 or self.length < 0 or start + self.length > size:  # a DCP span, say
             raise CkptError(
@@ -72,11 +72,17 @@ class ZipPickle:
                 "(truncated?)",
                 path=path,
             )
-        stream: Any = FileSpan(path, start, self.length) if (start or length is not None) else path
+        # a local file is opened by zipfile itself (buffered); a span of one (DCP chunks)
+        # or a remote file is read through the byte source, its edges cached
+        local = sources.local_path(path) if not start and length is None else None
+        self._stream: FileSpan | None = None if local else FileSpan(path, start, self.length)
+        stream: Any = local if local else self._stream
         try:
             self.zip = zipfile.ZipFile(stream)
             infos = self.zip.infolist()
         except ZIP_ERRORS as exc:
+            if self._stream is not None:
+                self._stream.close()
             raise CkptError(f"truncated or corrupt zip archive ({exc})", path=path) from None
         self.infos = {info.filename: info for info in infos}
         if len(self.infos) != len(infos):
@@ -305,6 +311,8 @@ class ZipPickle:
 
     def close(self) -> None:
         self.zip.close()
+        if self._stream is not None:  # zipfile leaves a file object it was given open
+            self._stream.close()
 
     def __enter__(self) -> ZipPickle:
         return self
