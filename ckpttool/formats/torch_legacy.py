@@ -7,6 +7,7 @@ as an int64 element count followed by its raw bytes, in that order.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .. import sources
@@ -92,13 +93,12 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         pos = f.tell()
         # each storage's element count, 8 bytes before its data: read unbuffered, or
         # every count would fetch a buffer's worth of tensor bytes after it
-        raw = f.raw
+        read_at = _reader_at(f)
         for key in keys:
             ref = storages.get(str(key))
             if ref is None:
                 raise CkptError(f"corrupt legacy checkpoint: unknown storage {key!r}", path=path)
-            raw.seek(pos)
-            count = raw.read(8) or b""
+            count = read_at(pos, 8)
             if len(count) < 8:
                 raise CkptError("file ends early (truncated)", path=path)
             numel = int.from_bytes(count, "little" if little else "big", signed=True)
@@ -118,6 +118,15 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if ref.source is None:
             raise CkptError(f"corrupt legacy checkpoint: storage {key} has no data", path=path)
     return checkpoint(FORMAT, [path], root, seen)
+
+
+def _reader_at(f: Any) -> Any:
+    """``(offset, size) -> bytes`` on the file under ``f``, past its buffer and caches."""
+    raw = f.raw
+    if isinstance(raw, sources.SourceFile):
+        return raw.pread
+    fd = raw.fileno()
+    return lambda offset, size: os.pread(fd, size, offset)
 
 
 def _view(view: Any, base_numel: int, path: str) -> tuple[Any, int, int]:
