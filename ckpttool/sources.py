@@ -452,6 +452,7 @@ class SourceFile(io.RawIOBase):
         # cached ranges: offset in the span -> bytes (the edges, then blocks, oldest first)
         self._edges: dict[int, bytes] = {}
         self._blocks: dict[int, bytes] = {}
+        self._known: list[tuple[int, bytes]] = []  # what the caller read already
         local = self._source.local_path(path)
         self._fd: int | None = None
         if local is not None:
@@ -471,6 +472,11 @@ class SourceFile(io.RawIOBase):
         if size:
             self._fetch(memoryview(buf), offset)
         return bytes(buf)
+
+    def preload(self, offset: int, data: bytes) -> None:
+        """Serve reads of ``data``'s range from it (bytes of the span read before)."""
+        if 0 <= offset and offset + len(data) <= self._length:
+            self._known.append((offset, data))
 
     def _fetch(self, view: memoryview, offset: int) -> None:
         """Fill ``view`` from ``offset`` of the span: one read of the source."""
@@ -530,6 +536,9 @@ class SourceFile(io.RawIOBase):
 
     def _cached(self, pos: int, n: int) -> tuple[int, bytes] | None:
         """A cached range holding ``pos`` (loading an edge it should come from), or None."""
+        for at, data in self._known:
+            if at <= pos < at + len(data):
+                return at, data
         if self._edge:
             if pos + n <= self._edge:
                 if 0 not in self._edges:

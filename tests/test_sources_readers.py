@@ -313,5 +313,26 @@ def test_source_file_reads_spans_the_same_both_ways(tmp_path, counting_source):
             sources.SourceFile(where, 100, len(data))
 
 
+def test_outputs_named_after_url_inputs_are_local(tmp_path, counting_source):
+    """An output is local: named after a URL input, it goes to the current folder; a
+    remote input is never taken for the output's path."""
+    from ckpttool.convert import default_output, output_stem
+    from ckpttool.output import check_output
+
+    (tmp_path / "ep3").mkdir()
+    (tmp_path / "ep0-rank0.pt").write_bytes(b"x")
+    folder_url = counting_url(tmp_path / "ep3") + "/"
+    assert output_stem([folder_url]) == ("", "ep3")
+    assert output_stem([counting_url(tmp_path / "ep0-rank0.pt")]) == ("", "ep0")
+    assert default_output([folder_url], "safetensors", False) == "ep3.safetensors"
+    assert default_output([folder_url], "pt", False) == "ep3.pt"
+    assert default_output([folder_url], "dcp", False, folder=str(tmp_path)) == str(
+        tmp_path / "ep3-dcp"
+    )
+    check_output(str(tmp_path / "ep3.pt"), [folder_url], force=False)
+    with pytest.raises(ckpttool.CkptError, match="overwrite the input"):  # as before, locally
+        check_output(str(tmp_path / "ep3" / "x.pt"), [str(tmp_path / "ep3")], force=False)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

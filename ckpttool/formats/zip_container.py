@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zipfile
 import zlib
+from collections.abc import Hashable
 
 from .. import sources
 from ..errors import CkptError
@@ -52,6 +53,39 @@ def central_directory(path: str) -> bytes:
     directory where it is not inside what was read. Empty when the file has no
     readable end record; the real read then says why.
     """
+    return _directory(path)[1]
+
+
+def directory_reads(path: str) -> list[tuple[int, bytes]]:
+    """What :func:`central_directory` read of a remote file, as (offset, bytes): the
+    archive's reader serves its own reads of the end and directory from them."""
+    return [] if sources.local_path(path) is not None else _directory(path)[0]
+
+
+# remote files whose end and directory were read last: (path, identity) -> what
+# _central_directory returns; only small directories are kept
+_RECENT: dict[tuple[str, Hashable], tuple[list[tuple[int, bytes]], bytes]] = {}
+RECENT_FILES = 8
+RECENT_MAX_BYTES = 1 << 20
+
+
+def _directory(path: str) -> tuple[list[tuple[int, bytes]], bytes]:
+    if sources.local_path(path) is not None:  # a local read costs less than the lookup
+        return _central_directory(path)
+    key = (path, sources.identity(path))
+    found = _RECENT.pop(key, None)
+    if found is None:
+        found = _central_directory(path)
+        if sum(len(data) for _, data in found[0]) > RECENT_MAX_BYTES:
+            return found
+    _RECENT[key] = found  # the most recent last
+    while len(_RECENT) > RECENT_FILES:
+        del _RECENT[next(iter(_RECENT))]
+    return found
+
+
+def _central_directory(path: str) -> tuple[list[tuple[int, bytes]], bytes]:
+    """(the ranges read, the raw central directory) of a zip (see central_directory)."""
     size = sources.getsize(path)
     tail_start = max(0, size - TAIL_BYTES)
     tail = bytes(sources.read(path, tail_start, size - tail_start))
@@ -60,19 +94,22 @@ def central_directory(path: str) -> bytes:
         tail_start = max(0, size - _END.size - 0xFFFF)
         tail = bytes(sources.read(path, tail_start, size - tail_start))
         at = tail.rfind(b"PK\x05\x06")
+    reads: list[tuple[int, bytes]] = [(tail_start, tail)]
     if at < 0 or at + _END.size > len(tail):
-        return b""
+        return reads, b""
     cd_size, cd_offset = _END.unpack_from(tail, at)[5:7]
     locator = at - _ZIP64_LOCATOR.size
     if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
         record_offset = _ZIP64_LOCATOR.unpack_from(tail, locator)[2]
         if record_offset + _ZIP64_END.size <= size:  # else damaged: the real read says so
             record = _read(path, record_offset, _ZIP64_END.size, tail, tail_start)
+            reads.append((record_offset, record))
             if record[:4] == b"PK\x06\x06":
                 cd_size, cd_offset = _ZIP64_END.unpack(record)[8:10]
     if cd_offset + cd_size > size or cd_size > MAX_DIRECTORY_BYTES:
-        return b""
-    return _read(path, cd_offset, cd_size, tail, tail_start)
+        return reads, b""
+    directory = _read(path, cd_offset, cd_size, tail, tail_start)
+    return [*reads, (cd_offset, directory)], directory
 
 
 def _read(path: str, offset: int, size: int, tail: bytes, tail_start: int) -> bytes:

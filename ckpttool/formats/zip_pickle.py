@@ -25,6 +25,7 @@ from .zip_container import (
     central_directory,
     check_flags,
     check_local_header,
+    directory_reads,
     raw_name,
 )
 
@@ -77,6 +78,10 @@ class ZipPickle:
         local = sources.local_path(path) if not start and length is None else None
         self._stream: FileSpan | None = None if local else FileSpan(path, start, self.length)
         stream: Any = local if local else self._stream
+        if self._stream is not None and not start and length is None:
+            for offset, data in directory_reads(path):  # what detection read already
+                self._stream.preload(offset, data)
+        self._headers: dict[str, bytes] = {}
         try:
             self.zip = zipfile.ZipFile(stream)
             infos = self.zip.infolist()
@@ -96,6 +101,8 @@ class ZipPickle:
             for info in infos:
                 self._check_entry(info)
             self.prefix = self._find_prefix(infos)
+            if self._stream is not None:
+                self._prefetch_headers(infos)
             for entry in SMALL_ENTRIES:  # read or not, none of them may be a bomb
                 small = self.infos.get(f"{self.prefix or ''}{entry}")
                 if small is not None and small.file_size > SMALL_ENTRY_BYTES:
@@ -191,10 +198,29 @@ class ZipPickle:
             raise CkptError("zip entry ends early (truncated?)", path=self.path)
         return data
 
+    def _prefetch_headers(self, infos: list[zipfile.ZipInfo]) -> None:
+        """Read the local headers of every storage entry at once (a remote source
+        fetches them in parallel): each is checked when its storage is referenced, and
+        one request per storage would make a remote inspect as slow as its round trips."""
+        spans, wanted = [], []
+        for info in infos:
+            size = LOCAL_HEADER.size + len(raw_name(info))
+            if info.filename.startswith(f"{self.prefix}data/") and (
+                info.header_offset + size <= self.length
+            ):
+                buf = bytearray(size)
+                spans.append((memoryview(buf), self.start + info.header_offset))
+                wanted.append((info.filename, buf))
+        if len(spans) > 1:
+            sources.source_for(self.path).read_spans(self.path, spans)
+            self._headers = {name: bytes(buf) for name, buf in wanted}
+
     def _data_offset(self, info: zipfile.ZipInfo) -> int:
         """Where an entry's bytes start in the span, from its checked local header."""
         name = raw_name(info)
-        header = self._read_at(info.header_offset, LOCAL_HEADER.size + len(name))
+        header = self._headers.get(info.filename)
+        if header is None:
+            header = self._read_at(info.header_offset, LOCAL_HEADER.size + len(name))
         return info.header_offset + check_local_header(header, info, name, self.path)
 
     def _inflate(self, info: zipfile.ZipInfo, at: int) -> bytearray:
