@@ -212,7 +212,7 @@ def is_checkpoint_file(path: str) -> bool:
         if is_safetensors(path, head):
             return True
         return head.startswith(ZIP_MAGIC) and b"/data.pkl" in central_directory(path)
-    except OSError:
+    except (OSError, CkptError):  # (central_directory reads through sources: CkptError)
         return False
 
 
