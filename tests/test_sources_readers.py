@@ -311,6 +311,16 @@ def test_source_file_reads_spans_the_same_both_ways(tmp_path, counting_source):
             assert f.seek(0, 2) == 10000 and f.read(5) == b""
         with pytest.raises(ckpttool.CkptError, match="runs past the end"):
             sources.SourceFile(where, 100, len(data))
+        # the block cache: any read, anywhere, in any order, gives the file's bytes
+        import random
+
+        rng = random.Random(0)
+        with sources.SourceFile(where, 7, len(data) - 7, edge=0, block=64) as f:
+            for _ in range(300):
+                at, n = rng.randrange(len(data)), rng.choice([1, 8, 63, 64, 65, 200, 5000])
+                f.seek(at)
+                assert f.read(n) == data[7 + at : 7 + at + n]
+            assert f.pread(len(data) - 10, 8) == data[-3:]
 
 
 def test_outputs_named_after_url_inputs_are_local(tmp_path, counting_source):
