@@ -8,7 +8,6 @@ whose blocks point into every rank's file, and check that they tile the global t
 
 from __future__ import annotations
 
-import glob
 import itertools
 import math
 import os
@@ -16,6 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..sharding import LocalShards, Shard, check_coverage, own_dtensor_block
 from ..tree import Checkpoint, Opaque, ShardedRef, TensorRef, get_path, walk
@@ -30,17 +30,18 @@ def has_local_shards(root: Any) -> bool:
 
 def siblings(path: str) -> list[str]:
     """All files named like ``path`` but for the rank number (``…-rank*.pt``), by rank."""
-    folder, name = os.path.split(path)
+    folder, name = sources.split(path)
     m = RANK_RE.match(name)
     if not m:
         return [path]
     prefix, _, suffix = m.groups()
+    # the folder's names matched literally (no glob: a name may hold "[" or "*")
     pattern = re.compile("^" + re.escape(prefix) + r"(\d+)" + re.escape(suffix) + "$")
     found = []
-    for candidate in glob.glob(os.path.join(glob.escape(folder or "."), glob.escape(prefix) + "*")):
-        mm = pattern.match(os.path.basename(candidate))
+    for candidate in sources.listdir(folder or "."):
+        mm = pattern.match(candidate)
         if mm:
-            found.append((int(mm.group(1)), os.path.join(folder, os.path.basename(candidate))))
+            found.append((int(mm.group(1)), sources.join(folder, candidate)))
     return [p for _, p in sorted(found)]
 
 
@@ -53,7 +54,7 @@ def _content_rank(ckpt: Checkpoint) -> int | None:
 
 
 def _name_rank(path: str) -> int | None:
-    m = RANK_RE.match(os.path.basename(path))
+    m = RANK_RE.match(sources.basename(path))
     return int(m.group(2)) if m else None
 
 
