@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeGuard, Union
 
 from . import sources
 from .dtypes import DType
@@ -28,6 +28,15 @@ from .spans import read_at
 if TYPE_CHECKING:
     from .sharding import Shard
     from .sources import OpenFiles
+
+
+class ZipHeaderCheck(Protocol):
+    """Checks a zip entry's local header (``size`` bytes: the fixed part and the name)
+    against the central directory and returns where the entry's data starts in it."""
+
+    size: int
+
+    def __call__(self, header: bytes) -> int: ...
 
 
 class ByteSource:
@@ -44,12 +53,14 @@ class ByteSource:
         *,
         data: bytes | bytearray | memoryview | None = None,
         zip_header_offset: int | None = None,
+        zip_header_check: ZipHeaderCheck | None = None,
     ):
         self.path = path
         self.offset = offset
         self.length = length if data is None else len(data)
         self.data = data
         self._zip_header_offset = zip_header_offset
+        self._zip_header_check = zip_header_check
 
     def resolve(self, files: OpenFiles | None = None) -> None:
         """Find a zip entry's data offset from its local header (done once, on first use).
@@ -58,18 +69,22 @@ class ByteSource:
         """
         if self._zip_header_offset is None or self.path is None:
             return
-        header = memoryview(bytearray(30))
+        check = self._zip_header_check
+        header = memoryview(bytearray(30 if check is None else check.size))
         try:
             read_at(self.path, self._zip_header_offset, header, files)
         except InputNotFoundError:
             raise
         except CkptError:  # a header cut short is a corrupt entry, whatever the reason
             raise CkptError("corrupt zip entry header", path=self.path) from None
-        if header[:4] != b"PK\x03\x04":
-            raise CkptError("corrupt zip entry header", path=self.path)
-        name_len = int.from_bytes(header[26:28], "little")
-        extra_len = int.from_bytes(header[28:30], "little")
-        self.offset = self._zip_header_offset + 30 + name_len + extra_len
+        if check is not None:  # the entry's own checks against its central directory
+            self.offset = self._zip_header_offset + check(bytes(header))
+        else:
+            if header[:4] != b"PK\x03\x04":
+                raise CkptError("corrupt zip entry header", path=self.path)
+            name_len = int.from_bytes(header[26:28], "little")
+            extra_len = int.from_bytes(header[28:30], "little")
+            self.offset = self._zip_header_offset + 30 + name_len + extra_len
         self._zip_header_offset = None
 
     def read(self, start: int = 0, size: int | None = None) -> bytearray:

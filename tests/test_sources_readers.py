@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,38 @@ def test_dist_run_files_by_counting_url(dist_runs, counting_source):
 
 
 # ------------------------------------------------------------------ refusals
+
+
+def test_remote_zip_inspect_reads_no_local_header(tmp_path, counting_source):
+    """A remote zip's local headers are checked when their bytes are read, not by
+    inspect: 300 storages cost a handful of requests, not one each."""
+    sd = {f"layer{i}.weight": torch.full((64, 64), float(i)) for i in range(300)}
+    torch.save({"model": sd, "epoch": 3}, tmp_path / "many.pt")
+    report = inspect_report(ckpttool.read(counting_url(tmp_path / "many.pt")))
+    assert len(report["tensors"]) == 300
+    assert counting_source.requests <= 8, counting_source.reads
+    assert counting_source.bytes_read < 128 << 10
+    counting_source.reset()
+    loaded = ckpttool.load(counting_url(tmp_path / "many.pt"), mmap=False)
+    assert list(loaded) == list(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+def test_remote_zip_disguised_local_header_is_refused_on_read(tmp_path, counting_source):
+    """The deferred check is the same check: a local header naming another entry than
+    the central directory is refused when the tensor is read, as it is locally."""
+    torch.save({"a": torch.zeros(4), "b": torch.ones(4)}, tmp_path / "ok.pt")
+
+    raw = bytearray((tmp_path / "ok.pt").read_bytes())
+    with zipfile.ZipFile(tmp_path / "ok.pt") as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/1"))
+    name_end = info.header_offset + 30 + len(info.filename)
+    raw[name_end - 1 : name_end] = b"0"  # its local header now names data/0
+    (tmp_path / "disguised.pt").write_bytes(bytes(raw))
+    message = "its local header says 'ok/data/0'"  # (the archive keeps its first name)
+    with pytest.raises(ckpttool.CkptError, match=message):
+        ckpttool.load(tmp_path / "disguised.pt")
+    with pytest.raises(ckpttool.CkptError, match=message):
+        ckpttool.load(counting_url(tmp_path / "disguised.pt"))
 
 
 def test_unregistered_scheme_is_one_line_exit_2(tmp_path):

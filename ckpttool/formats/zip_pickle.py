@@ -49,6 +49,17 @@ SMALL_ENTRY_BYTES = 64
 INFLATE_CHUNK = 1 << 20
 
 
+class LocalHeaderCheck:
+    """A zip entry's local header check, kept with its bytes until they are first read."""
+
+    def __init__(self, info: zipfile.ZipInfo, name: bytes, path: str) -> None:
+        self.info, self.name, self.path = info, name, path
+        self.size = LOCAL_HEADER.size + len(name)
+
+    def __call__(self, header: bytes) -> int:
+        return check_local_header(header, self.info, self.name, self.path)
+
+
 class ZipPickle:
     """An opened torch zip container: its entry names and a way to unpickle from it.
 
@@ -82,6 +93,10 @@ class ZipPickle:
             for offset, data in directory_reads(path):  # what detection read already
                 self._stream.preload(offset, data)
         self._headers: dict[str, bytes] = {}
+        # a remote file's local headers are checked when their bytes are first read (see
+        # source()): one request per storage would make a remote inspect as slow as its
+        # round trips, and a 4 GB file has a thousand storages
+        self._remote = sources.local_path(path) is None
         try:
             self.zip = zipfile.ZipFile(stream)
             infos = self.zip.infolist()
@@ -101,7 +116,7 @@ class ZipPickle:
             for info in infos:
                 self._check_entry(info)
             self.prefix = self._find_prefix(infos)
-            if self._stream is not None:
+            if self._stream is not None and not self._remote:
                 self._prefetch_headers(infos)
             for entry in SMALL_ENTRIES:  # read or not, none of them may be a bomb
                 small = self.infos.get(f"{self.prefix or ''}{entry}")
@@ -199,9 +214,8 @@ class ZipPickle:
         return data
 
     def _prefetch_headers(self, infos: list[zipfile.ZipInfo]) -> None:
-        """Read the local headers of every storage entry at once (a remote source
-        fetches them in parallel): each is checked when its storage is referenced, and
-        one request per storage would make a remote inspect as slow as its round trips."""
+        """Read the local headers of every storage entry of a span of a local file (a
+        DCP chunk) at once: each is checked when its storage is referenced."""
         spans, wanted = [], []
         for info in infos:
             size = LOCAL_HEADER.size + len(raw_name(info))
@@ -269,6 +283,15 @@ class ZipPickle:
                 "(re-zipped?), and inflating one could be a zip bomb",
                 path=self.path,
                 hint="unzip it and zip it again without compression (zip -0)",
+            )
+        if self._remote:
+            # checked on first read instead: inspect of a remote file fetches no header
+            return ByteSource(
+                self.path,
+                0,
+                info.file_size,
+                zip_header_offset=self.start + info.header_offset,
+                zip_header_check=LocalHeaderCheck(info, raw_name(info), self.path),
             )
         # the local header is checked now, not on first read: inspect, which reads no
         # tensor bytes, refuses a disguised entry as convert does
