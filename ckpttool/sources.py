@@ -24,6 +24,9 @@ from typing import Any
 
 from .errors import CkptError, InputNotFoundError
 
+# what format detection reads of a file's start (magic numbers, a JSON index's first keys)
+HEAD_BYTES = 512
+
 # scheme://... (two letters at least, so a Windows drive "C:/" is never a scheme)
 URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
@@ -324,7 +327,7 @@ def read(path: str, offset: int = 0, size: int | None = None) -> bytearray:
     return source_for(path).read(path, offset, size)
 
 
-def read_head(path: str, size: int) -> bytes:
+def read_head(path: str, size: int = HEAD_BYTES) -> bytes:
     """The first ``size`` bytes of a file, or all of it if it is shorter."""
     source = source_for(path)
     return bytes(source.read(path, 0, min(size, source.size(path))))

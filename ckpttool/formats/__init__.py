@@ -65,7 +65,6 @@ FILE_FORMATS = [
 ]
 # Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
 PICKLE_FORMATS = (torch_zip, torch_legacy)
-HEAD_BYTES = 512
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
 # DeepSpeed: a run's folder names its newest tag folder in this file (global_step20,
 # or "checkpoint" inside a Lightning DeepSpeed .ckpt folder), as zero_to_fp32.py reads it
@@ -205,7 +204,7 @@ def _read_one(path: str, unsafe: bool) -> Checkpoint:
             path=path,
         )
     try:
-        head = sources.read_head(path, HEAD_BYTES)
+        head = sources.read_head(path)
     except OSError as exc:
         raise CkptError(f"cannot read ({exc.strerror})", path=path) from None
     if not head:

@@ -20,7 +20,6 @@ from . import safetensors_file, torch_legacy, torch_zip
 FORMAT = "safetensors-sharded"
 INDEX_SUFFIX = ".index.json"
 SAFETENSORS_INDEX_SUFFIX = ".safetensors" + INDEX_SUFFIX
-HEAD_BYTES = 512
 # an index lists every tensor name once: a few MB for the largest models
 MAX_INDEX_BYTES = 256 << 20
 
@@ -139,7 +138,7 @@ class _Shard:
     def __init__(self, path: str, permissive: bool):
         self.path = path
         self.checkpoint: Checkpoint | None = None
-        head = sources.read_head(path, HEAD_BYTES)
+        head = sources.read_head(path)
         if safetensors_file.detect(path, head):
             header, start = safetensors_file.read_header(path)
             data_len = sources.getsize(path) - start
