@@ -2,6 +2,10 @@
 
 Each format module has ``FORMAT`` (the contract's id), ``detect(path, head)`` and
 ``read(path, permissive=...)`` returning a lazy :class:`~ckpttool.tree.Checkpoint`.
+A checkpoint spread over several files of another format (per-rank ``torch.save``
+files) comes from a module of :data:`MULTI_FILE_FORMATS`, which claims the first
+file's tree, names its other files and combines them. Every byte is read through
+:mod:`ckpttool.sources`, so a path may be a URL.
 """
 
 from __future__ import annotations
@@ -63,8 +67,10 @@ FILE_FORMATS = [
     safetensors_file,
     torch_legacy,
 ]
-# Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
-PICKLE_FORMATS = (torch_zip, torch_legacy)
+# Formats of one checkpoint spread over several files of another format (per-rank
+# torch.save files): each claims the tree of the first file read (``claims``), names
+# the files that belong with it (``part_files``) and combines them (``read``).
+MULTI_FILE_FORMATS = [per_rank]
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
 # DeepSpeed: a run's folder names its newest tag folder in this file (global_step20,
 # or "checkpoint" inside a Lightning DeepSpeed .ckpt folder), as zero_to_fp32.py reads it
@@ -120,19 +126,16 @@ def _read_checkpoint(paths: str | Sequence[str], unsafe: bool) -> Checkpoint:
     if len(files) > 1:  # a shell-expanded shard list (hf-model/*.safetensors): its folder
         folder = sharded_index.folder_of_shards(files)
         files = [folder] if folder is not None else files
-    pickle_formats = {m.FORMAT for m in PICKLE_FORMATS}
     # several files are most likely rank files: judge the others while reading the first
     with Prescan(files[1:], lambda p: _scan_one(p, unsafe)) as prescan:
         first = _read_one(files[0], unsafe)
-        if first.format in pickle_formats and per_rank.has_local_shards(first.root):
-            # one path: a rank's file or a folder of them (``first`` read the lowest rank)
-            rank_files = per_rank.siblings(first.files[0]) if len(files) == 1 else files
-            return per_rank.read(
-                first, rank_files, functools.partial(_read_rank, unsafe=unsafe), prescan.scan
-            )
+        for fmt in MULTI_FILE_FORMATS:
+            if fmt.claims(first):
+                read_part = functools.partial(_read_rank, unsafe=unsafe)
+                return fmt.read(first, fmt.part_files(first, files), read_part, prescan.scan)
     if len(files) == 1:
         return first
-    if first.format in pickle_formats:
+    if first.format in per_rank.PART_FORMATS:
         raise CkptError(
             "these files hold no sharded tensors (each is a full copy)",
             path=first.files[0],

@@ -19,13 +19,30 @@ from .. import sources
 from ..errors import CkptError
 from ..sharding import LocalShards, Shard, check_coverage, own_dtensor_block
 from ..tree import Checkpoint, Opaque, ShardedRef, TensorRef, get_path, walk
+from . import torch_legacy, torch_zip
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")
 
 
+# the formats of the files a per-rank checkpoint is made of
+PART_FORMATS = (torch_zip.FORMAT, torch_legacy.FORMAT)
+
+
 def has_local_shards(root: Any) -> bool:
     return any(isinstance(v, LocalShards) for _, v in walk(root))
+
+
+def claims(first: Checkpoint) -> bool:
+    """Whether a file just read is one rank's part of a per-rank checkpoint: a torch.save
+    file whose tree holds local shards (ShardedTensor / DTensor leaves)."""
+    return first.format in PART_FORMATS and has_local_shards(first.root)
+
+
+def part_files(first: Checkpoint, given: list[str]) -> list[str]:
+    """The rank files of the checkpoint ``first`` belongs to: those given, or for one
+    path (a rank's file, or a folder whose lowest rank ``first`` read) its siblings."""
+    return siblings(first.files[0]) if len(given) == 1 else given
 
 
 def siblings(path: str) -> list[str]:
