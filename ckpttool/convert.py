@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+from . import sources
 from .api import flatten_tensors, read, select_node
 from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
@@ -50,16 +51,29 @@ def parse_size(text: str | int) -> int:
 def output_stem(inputs: Sequence[str]) -> tuple[str, str]:
     """(folder, stem) of the input an output is named after: ``/d/ep0-rank0.pt`` ->
     (``/d``, ``ep0``). Per-rank inputs drop their rank: one output for all ranks."""
-    first = os.path.normpath(inputs[0])
-    folder, name = os.path.split(first)
-    stem = name.split(".", 1)[0] if not os.path.isdir(first) else name
+    first = sources.strip_file_scheme(inputs[0])
+    if sources.is_url(first):  # the output is local: in the current folder
+        folder, name = "", sources.basename(first.rstrip("/"))
+    else:
+        first = os.path.normpath(first)
+        folder, name = os.path.split(first)
+    stem = name.split(".", 1)[0] if not sources.isdir(first) else name
     return folder, re.sub(r"[-_]?rank\*?\d*$", "", stem) or stem
+
+
+def _input_name(path: str) -> str:
+    """The last part of an input's path (``ep3`` of ``s3://bucket/run/ep3/``)."""
+    if sources.is_url(path):
+        return sources.basename(path.rstrip("/"))
+    return os.path.basename(os.path.normpath(path))
 
 
 def unused_name(folder: str, stem: str, suffix: str, inputs: Sequence[str]) -> str:
     """``folder/stem.pt``, or ``folder/stem-suffix.pt`` where that is an input."""
     candidate = os.path.join(folder, f"{stem}.pt")
-    if os.path.realpath(candidate) not in map(os.path.realpath, inputs):
+    local_inputs = [sources.strip_file_scheme(p) for p in inputs]
+    real_inputs = {os.path.realpath(p) for p in local_inputs if not sources.is_url(p)}
+    if os.path.realpath(candidate) not in real_inputs:
         return candidate
     return os.path.join(folder, f"{stem}-{suffix}.pt")
 
@@ -150,15 +164,16 @@ def convert(
             "the selection holds no tensors", hint="see `ckpttool inspect`, then --select"
         )
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
-    if ckpt.format == "dcp" and os.path.isfile(inputs[0]):  # one data file stood for its folder
-        named_after = [os.path.dirname(os.path.abspath(inputs[0]))]
+    first = sources.strip_file_scheme(inputs[0])
+    if ckpt.format == "dcp" and sources.isfile(first):  # one data file stood for its folder
+        named_after = [sources.dirname(first if sources.is_url(first) else os.path.abspath(first))]
     else:
         named_after = inputs
     options = WriteOptions(
         cast=cast,
         location=map_location or "cpu",
         max_shard_size=shard_limit,
-        metadata={"source": os.path.basename(os.path.normpath(inputs[0]))},
+        metadata={"source": _input_name(first)},
     )
     layout = writer.layout(options)
     if out is None:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 from collections.abc import Iterator
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
 from .dtypes import NO_NUMBERS
-from .errors import CkptError, UsageError, translate_errors
+from .errors import UsageError, translate_errors
 from .layout import model_key
 from .progress import ProgressFactory
 from .sharding import raw_parts
 from .sources import OpenFiles
+from .spans import read_span_into
 from .tree import SparseRef, TensorRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
@@ -40,12 +40,9 @@ class RawReader:
         self.files = OpenFiles()
 
     def spans(self, parts: list[Any]) -> Iterator[tuple[Any, int, int]]:
-        """(source, start, nbytes) of each part, zip entries resolved."""
+        """(source, start, nbytes) of each part: its bytes within its ByteSource."""
         for ref in parts:
-            source = ref.storage.source
-            if source.data is None:
-                source.resolve(self.files.fd(source.path))
-            yield source, ref.offset * ref.dtype.itemsize, ref.nbytes
+            yield ref.storage.source, ref.offset * ref.dtype.itemsize, ref.nbytes
 
     def blocks(self, parts: list[Any]) -> Iterator[int]:
         """Fill the buffer again and again with the parts' bytes; yield how much is in it."""
@@ -54,14 +51,7 @@ class RawReader:
             done = 0
             while done < nbytes:
                 n = min(nbytes - done, len(view) - filled)
-                target = view[filled : filled + n]
-                if source.data is not None:
-                    target[:] = memoryview(source.data).cast("B")[start + done : start + done + n]
-                else:
-                    fd = self.files.fd(source.path)
-                    n = os.preadv(fd, [target], source.offset + start + done)
-                    if n == 0:
-                        raise CkptError("file ends early (truncated?)", path=source.path)
+                read_span_into(source, start + done, view[filled : filled + n], self.files)
                 done, filled = done + n, filled + n
                 if filled == len(view):
                     yield filled

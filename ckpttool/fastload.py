@@ -1,9 +1,10 @@
 """Tensors read straight into their final memory: a model's parameters, a GPU, a merged tensor.
 
 Used inside a load session (:func:`ckpttool.mapped.loading`). A CPU destination gets
-the bytes with ``preadv`` straight from the page cache; a CUDA one through a few
-pinned buffers, the next buffer being read while the last one is copied to the
-device (as ``safetensors.torch.load_file(device="cuda")`` overlaps them).
+the bytes with ``preadv`` straight from the page cache (or, for a URL, from its
+source's ranged reads; see :mod:`ckpttool.spans`); a CUDA one through a few pinned
+buffers, the next buffer being read while the last one is copied to the device (as
+``safetensors.torch.load_file(device="cuda")`` overlaps them).
 """
 
 from __future__ import annotations

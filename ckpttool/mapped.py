@@ -16,8 +16,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from . import sources
 from .errors import CkptError
 from .sources import OpenFiles
+from .spans import open_fd, read_span_into
 from .tree import ByteSource
 
 
@@ -45,15 +47,22 @@ def _file_map(fd: int, path: str, maps: dict[tuple, Any]) -> Any:
 
 
 def map_span(
-    source: ByteSource, start: int, size: int, itemsize: int, maps: dict[tuple, Any]
+    source: ByteSource,
+    start: int,
+    size: int,
+    itemsize: int,
+    maps: dict[tuple, Any],
+    files: OpenFiles | None = None,
 ) -> Any | None:
     """A copy-on-write view of ``size`` bytes at ``start`` of ``source``: a flat uint8
     CPU tensor whose memory is the file's pages, each read when first touched.
 
-    Returns None where mapping does not apply: bytes held in memory, nothing to map,
-    or a file offset that is not a multiple of ``itemsize`` (legacy files store
-    tensors at any byte; a misaligned tensor would be slow or refused by kernels).
-    ``maps`` holds the maps made so far (one per file), for the views to share.
+    Returns None where mapping does not apply: bytes held in memory or in a file with
+    no local path (a URL: the caller reads them instead), nothing to map, or a file
+    offset that is not a multiple of ``itemsize`` (legacy files store tensors at any
+    byte; a misaligned tensor would be slow or refused by kernels). ``maps`` holds the
+    maps made so far (one per file), for the views to share; ``files`` the open
+    descriptors of a session (None: the file is opened for this call).
 
     Raises:
         CkptError: The span lies outside the stored bytes or past the end of the file
@@ -65,12 +74,14 @@ def map_span(
         return None
     if start < 0 or start + size > source.length:
         raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+    local = sources.local_path(source.path)
+    if local is None:
+        return None
+    own = files is None
+    fds = OpenFiles() if files is None else files
     try:
-        fd = os.open(source.path, os.O_RDONLY)
-    except OSError as exc:
-        raise CkptError(f"cannot read ({exc.strerror})", path=source.path) from None
-    try:
-        source.resolve(fd)
+        fd = open_fd(fds, local, source.path)
+        source.resolve(fds)
         begin = source.offset + start
         if begin % itemsize:
             return None
@@ -81,9 +92,13 @@ def map_span(
                 f"tensor data runs {end - file_size} bytes past the end of the file (truncated?)",
                 path=source.path,
             )
-        storage = _file_map(fd, source.path, maps)[begin:end]
+        storage = _file_map(fd, local, maps)[begin:end]
     finally:
-        os.close(fd)
+        if own:
+            fds.close()
+    # the pages are read through the map: count them as read (torch.load(mmap=True)
+    # touches every one of them too)
+    sources.source_for(source.path).count(size)
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
@@ -91,37 +106,19 @@ class Reader:
     """Reads spans of many sources into caller-owned buffers, files kept open meanwhile.
 
     Used where the destination exists already (a model's parameter, a pinned staging
-    buffer): the bytes go from the page cache into it, with no buffer in between.
+    buffer): the bytes go from the page cache (or a remote source) into it, with no
+    buffer in between.
     """
 
     def __init__(self) -> None:
-        self._files = OpenFiles()
+        self.files = OpenFiles()
 
     def read_into(self, source: ByteSource, start: int, view: Any) -> None:
         """Fill the writable buffer ``view`` with the bytes of ``source`` from ``start``."""
-        view = memoryview(view).cast("B")
-        size = len(view)
-        if start < 0 or start + size > source.length:
-            raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
-        if source.data is not None:
-            view[:] = memoryview(source.data)[start : start + size]
-            return
-        try:
-            fd = self._files.fd(source.path)  # type: ignore[arg-type]
-        except OSError as exc:
-            raise CkptError(f"cannot read ({exc.strerror})", path=source.path) from None
-        source.resolve(fd)
-        done = 0
-        while done < size:
-            n = os.preadv(fd, [view[done:]], source.offset + start + done)
-            if n <= 0:
-                raise CkptError(
-                    f"file ends {size - done} bytes early (truncated?)", path=source.path
-                )
-            done += n
+        read_span_into(source, start, memoryview(view).cast("B"), self.files)
 
     def close(self) -> None:
-        self._files.close()
+        self.files.close()
 
     def __enter__(self) -> Reader:
         return self

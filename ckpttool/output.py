@@ -23,6 +23,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from . import sources
 from .errors import CkptError, OutputExistsError
 
 
@@ -119,6 +120,9 @@ def check_output(
 def _check_inputs(out: str, inputs: Sequence[str], layout: FolderLayout | None) -> None:
     real_out = os.path.realpath(out)
     for path in inputs:
+        path = sources.strip_file_scheme(path)
+        if sources.is_url(path):  # remote: never where a local output is written
+            continue
         real_in = os.path.realpath(path)
         touched = real_out == real_in or _inside(real_out, real_in)  # written into an input
         if layout is None or not os.path.isdir(out):
@@ -208,7 +212,7 @@ def is_checkpoint_file(path: str) -> bool:
         if is_safetensors(path, head):
             return True
         return head.startswith(ZIP_MAGIC) and b"/data.pkl" in central_directory(path)
-    except OSError:
+    except (OSError, CkptError):  # (central_directory reads through sources: CkptError)
         return False
 
 

@@ -97,15 +97,17 @@ def storage_bytes(storage: StorageRef, start: int, size: int) -> torch.Tensor:
     """``size`` bytes of a storage from ``start``, as a flat uint8 CPU tensor.
 
     Inside a ``load`` session with ``mmap`` on, a copy-on-write view of the mapped file
-    where the bytes allow it (little-endian, aligned, in a file); else one read into
-    a buffer of its own.
+    where the bytes allow it (little-endian, aligned, in a local file); else one read
+    into a buffer of its own (through the file's source: a URL is read by range).
     """
     source = storage.source
     if source is None:
         raise CkptError("tensor has no stored data (saved on the meta device)")
     session = current_session()
     if session is not None and session.mmap and not storage.big_endian:
-        view = map_span(source, start, size, storage.dtype.itemsize, session.maps)
+        view = map_span(
+            source, start, size, storage.dtype.itemsize, session.maps, session.reader.files
+        )
         if view is not None:
             return view
     return torch.frombuffer(source.read(start, size), dtype=torch.uint8)

@@ -16,15 +16,27 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeGuard, Union
 
+from . import sources
 from .dtypes import DType
-from .errors import CkptError
+from .errors import CkptError, InputNotFoundError
 from .guard import note_call
 from .sealed import Sealed
+from .spans import read_at
 
 if TYPE_CHECKING:
     from .sharding import Shard
+    from .sources import OpenFiles
+
+
+class ZipHeaderCheck(Protocol):
+    """Checks a zip entry's local header (``size`` bytes: the fixed part and the name)
+    against the central directory and returns where the entry's data starts in it."""
+
+    size: int
+
+    def __call__(self, header: bytes) -> int: ...
 
 
 class ByteSource:
@@ -41,26 +53,38 @@ class ByteSource:
         *,
         data: bytes | bytearray | memoryview | None = None,
         zip_header_offset: int | None = None,
+        zip_header_check: ZipHeaderCheck | None = None,
     ):
         self.path = path
         self.offset = offset
         self.length = length if data is None else len(data)
         self.data = data
         self._zip_header_offset = zip_header_offset
+        self._zip_header_check = zip_header_check
 
-    def resolve(self, fd: int) -> None:
+    def resolve(self, files: OpenFiles | None = None) -> None:
         """Find a zip entry's data offset from its local header (done once, on first use).
 
-        ``fd``: the file, open (readers of many entries keep it open).
+        ``files``: descriptors kept open by readers of many entries (local files).
         """
-        if self._zip_header_offset is None:
+        if self._zip_header_offset is None or self.path is None:
             return
-        header = os.pread(fd, 30, self._zip_header_offset)
-        if len(header) < 30 or header[:4] != b"PK\x03\x04":
-            raise CkptError("corrupt zip entry header", path=self.path)
-        name_len = int.from_bytes(header[26:28], "little")
-        extra_len = int.from_bytes(header[28:30], "little")
-        self.offset = self._zip_header_offset + 30 + name_len + extra_len
+        check = self._zip_header_check
+        header = memoryview(bytearray(30 if check is None else check.size))
+        try:
+            read_at(self.path, self._zip_header_offset, header, files)
+        except InputNotFoundError:
+            raise
+        except CkptError:  # a header cut short is a corrupt entry, whatever the reason
+            raise CkptError("corrupt zip entry header", path=self.path) from None
+        if check is not None:  # the entry's own checks against its central directory
+            self.offset = self._zip_header_offset + check(bytes(header))
+        else:
+            if header[:4] != b"PK\x03\x04":
+                raise CkptError("corrupt zip entry header", path=self.path)
+            name_len = int.from_bytes(header[26:28], "little")
+            extra_len = int.from_bytes(header[28:30], "little")
+            self.offset = self._zip_header_offset + 30 + name_len + extra_len
         self._zip_header_offset = None
 
     def read(self, start: int = 0, size: int | None = None) -> bytearray:
@@ -70,24 +94,12 @@ class ByteSource:
             raise CkptError("read outside of the stored bytes (truncated file?)", path=self.path)
         if self.data is not None:
             return bytearray(self.data[start : start + size])
-        with open(self.path, "rb", buffering=0) as f:  # type: ignore[arg-type]
-            self.resolve(f.fileno())
-            # never allocate what a file only declares: check the bytes are there first
-            missing = self.offset + start + size - os.fstat(f.fileno()).st_size
-            if missing > 0:
-                raise CkptError(f"file ends {missing} bytes early (truncated?)", path=self.path)
-            buf = bytearray(size)
-            f.seek(self.offset + start)
-            view = memoryview(buf)
-            done = 0
-            while done < size:
-                n = f.readinto(view[done:])
-                if not n:
-                    raise CkptError(
-                        f"file ends {size - done} bytes early (truncated?)", path=self.path
-                    )
-                done += n
-        return buf
+        if self.path is None:
+            raise CkptError("tensor bytes have no file")
+        self.resolve()
+        # checked against the file's size before the buffer is allocated: never
+        # allocate what a file only declares
+        return sources.read(self.path, self.offset + start, size)
 
 
 @dataclass(eq=False)

@@ -2,6 +2,10 @@
 
 Each format module has ``FORMAT`` (the contract's id), ``detect(path, head)`` and
 ``read(path, permissive=...)`` returning a lazy :class:`~ckpttool.tree.Checkpoint`.
+A checkpoint spread over several files of another format (per-rank ``torch.save``
+files) comes from a module of :data:`MULTI_FILE_FORMATS`, which claims the first
+file's tree, names its other files and combines them. Every byte is read through
+:mod:`ckpttool.sources`, so a path may be a URL.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError, InputNotFoundError, UnsafeError, translate_errors
 from ..tree import Checkpoint
 from ..unpickler import split_seen
@@ -62,13 +67,15 @@ FILE_FORMATS = [
     safetensors_file,
     torch_legacy,
 ]
-# Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
-PICKLE_FORMATS = (torch_zip, torch_legacy)
-HEAD_BYTES = 512
+# Formats of one checkpoint spread over several files of another format (per-rank
+# torch.save files): each claims the tree of the first file read (``claims``), names
+# the files that belong with it (``part_files``) and combines them (``read``).
+MULTI_FILE_FORMATS = [per_rank]
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
 # DeepSpeed: a run's folder names its newest tag folder in this file (global_step20,
 # or "checkpoint" inside a Lightning DeepSpeed .ckpt folder), as zero_to_fp32.py reads it
 DEEPSPEED_LATEST = "latest"
+MAX_LATEST_BYTES = 4096
 # A tag folder's model states, one per model-parallel rank (ZeRO-3: per data-parallel
 # rank too), beside zero_pp_rank_*_optim_states.pt
 DEEPSPEED_MODEL_STATES = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_(\d+)_model_states\.pt$")
@@ -85,9 +92,9 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     """Expand quoted globs; keep existing paths as they are."""
     out: list[str] = []
     for path in paths:
-        path = os.fspath(path)
-        if not os.path.exists(path) and glob.has_magic(path):
-            matches = sorted(glob.glob(path))
+        path = sources.strip_file_scheme(os.fspath(path))
+        if not sources.exists(path) and glob.has_magic(path):
+            matches = sources.glob(path)
             if not matches:
                 raise InputNotFoundError("no file matches this pattern", path=path)
             out.extend(matches)
@@ -119,19 +126,16 @@ def _read_checkpoint(paths: str | Sequence[str], unsafe: bool) -> Checkpoint:
     if len(files) > 1:  # a shell-expanded shard list (hf-model/*.safetensors): its folder
         folder = sharded_index.folder_of_shards(files)
         files = [folder] if folder is not None else files
-    pickle_formats = {m.FORMAT for m in PICKLE_FORMATS}
     # several files are most likely rank files: judge the others while reading the first
     with Prescan(files[1:], lambda p: _scan_one(p, unsafe)) as prescan:
         first = _read_one(files[0], unsafe)
-        if first.format in pickle_formats and per_rank.has_local_shards(first.root):
-            # one path: a rank's file or a folder of them (``first`` read the lowest rank)
-            rank_files = per_rank.siblings(first.files[0]) if len(files) == 1 else files
-            return per_rank.read(
-                first, rank_files, functools.partial(_read_rank, unsafe=unsafe), prescan.scan
-            )
+        for fmt in MULTI_FILE_FORMATS:
+            if fmt.claims(first):
+                read_part = functools.partial(_read_rank, unsafe=unsafe)
+                return fmt.read(first, fmt.part_files(first, files), read_part, prescan.scan)
     if len(files) == 1:
         return first
-    if first.format in pickle_formats:
+    if first.format in per_rank.PART_FORMATS:
         raise CkptError(
             "these files hold no sharded tensors (each is a full copy)",
             path=first.files[0],
@@ -165,9 +169,9 @@ def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str], list[str]]
     """(globals, dangerous, unverified) of a torch zip's pickle, judged without rebuilding."""
     from .zip_pickle import ZIP_MAGIC, ZipPickle
 
-    with open(path, "rb") as f:
-        is_zip = f.read(4) == ZIP_MAGIC
-    if not is_zip:  # legacy rank files: rare, read them in full
+    if (
+        sources.read_head(path, len(ZIP_MAGIC)) != ZIP_MAGIC
+    ):  # legacy rank files: rare, read them in full
         ckpt = _read_one(path, unsafe)
         return ckpt.globals, ckpt.dangerous, ckpt.unverified
     seen: set[str] = set()
@@ -183,9 +187,9 @@ def _read_rank(path: str, unsafe: bool) -> Checkpoint:
 
 
 def _read_one(path: str, unsafe: bool) -> Checkpoint:
-    if not os.path.exists(path):
+    if not sources.exists(path):
         raise InputNotFoundError("no such file or directory", path=path)
-    if os.path.isdir(path):
+    if sources.isdir(path):
         rule = run_folders.find_rule(path)  # a framework's run folder: its model by rule
         if rule is not None:
             return run_folders.read(
@@ -203,8 +207,7 @@ def _read_one(path: str, unsafe: bool) -> Checkpoint:
             path=path,
         )
     try:
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
+        head = sources.read_head(path)
     except OSError as exc:
         raise CkptError(f"cannot read ({exc.strerror})", path=path) from None
     if not head:
@@ -236,13 +239,13 @@ def _single_checkpoint_file(folder: str) -> str | None:
         CkptError: The rank files of several checkpoints (a trainer's snapshot folder),
             or DeepSpeed model states split over model-parallel ranks.
     """
-    names = sorted(n for n in os.listdir(folder) if n.endswith(CHECKPOINT_SUFFIXES))
+    names = sorted(n for n in sources.listdir(folder) if n.endswith(CHECKPOINT_SUFFIXES))
     if not names:  # (a pytorch_model.bin that zero_to_fp32.py wrote beside it comes first)
         return _deepspeed_latest(folder)
     safetensors_names = [n for n in names if n.endswith(".safetensors")]
     for candidates in (names, safetensors_names):
         if len(candidates) == 1:
-            return os.path.join(folder, candidates[0])
+            return sources.join(folder, candidates[0])
     model_states = [m for n in names if (m := DEEPSPEED_MODEL_STATES.match(n))]
     if model_states:
         if len({m.group(1) for m in model_states}) > 1:
@@ -252,10 +255,10 @@ def _single_checkpoint_file(folder: str) -> str | None:
                 path=folder,
                 hint="pass one mp_rank_XX_model_states.pt to read it alone",
             )
-        return os.path.join(folder, model_states[0].string)  # the lowest data-parallel rank
+        return sources.join(folder, model_states[0].string)  # the lowest data-parallel rank
     for name in HF_WEIGHT_FILES:  # a Trainer's checkpoint-N/: weights beside optimizer.pt...
         if name in names:
-            return os.path.join(folder, name)
+            return sources.join(folder, name)
     ranks = [m for n in names if (m := per_rank.RANK_RE.match(n))]
     if not names or len(ranks) != len(names):
         return None
@@ -267,20 +270,22 @@ def _single_checkpoint_file(folder: str) -> str | None:
             hint="pass one of them as a quoted glob",
         )
     lowest = min(ranks, key=lambda m: int(m.group(2)))
-    return os.path.join(folder, lowest.string)
+    return sources.join(folder, lowest.string)
 
 
 def _deepspeed_latest(folder: str) -> str | None:
     """The tag folder a DeepSpeed run's ``latest`` file names, if it names one here."""
-    pointer = os.path.join(folder, DEEPSPEED_LATEST)
-    if not os.path.isfile(pointer) or os.path.getsize(pointer) > 4096:
+    pointer = sources.join(folder, DEEPSPEED_LATEST)
+    raw = sources.read_small(pointer, MAX_LATEST_BYTES)
+    if raw is None:
         return None
-    with open(pointer, "rb") as f:
-        tag = f.read().decode("utf-8", "replace").strip()
-    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag:
+    tag = raw.decode("utf-8", "replace").strip()
+    # a tag is one folder name beside it: "../other_run" or "s3://..." is not followed
+    # (the folder then holds no checkpoint, and the error says so)
+    if "/" in tag or not sources.is_contained(tag):
         return None
-    target = os.path.join(folder, tag)
-    return target if os.path.isdir(target) else None
+    target = sources.join(folder, tag)
+    return target if sources.isdir(target) else None
 
 
 def _read(fmt, path: str, unsafe: bool) -> Checkpoint:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
+from collections.abc import Hashable
 from typing import Any
 
+from .. import sources
 from ..dtypes import DType
 from ..errors import CkptError
 from ..policy import MAX_NESTING
@@ -42,9 +43,9 @@ def detect(path: str, head: bytes) -> bool:
 
 
 def _folder(path: str) -> str | None:
-    if path.endswith(".distcp") and not os.path.isdir(path):
-        return os.path.dirname(path) or "."  # read names a missing .metadata
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE)):
+    if path.endswith(".distcp") and not sources.isdir(path):
+        return sources.dirname(path) or "."  # read names a missing .metadata
+    if sources.isdir(path) and sources.isfile(sources.join(path, METADATA_FILE)):
         return path
     return None
 
@@ -84,11 +85,10 @@ class DcpChunk:
                 f"chunk stored with transforms {list(self.transforms)} is not supported",
                 path=self.path,
             )
-        if not os.path.isfile(self.path):
+        if not sources.isfile(self.path):
             raise CkptError("missing .distcp file", path=self.path)
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            head = f.read(4)
+        size = sources.getsize(self.path)
+        head = bytes(sources.read(self.path, self.offset, max(0, min(4, size - self.offset))))
         if head == ZIP_MAGIC:
             with ZipPickle(self.path, self.offset, self.length) as archive:
                 ref = archive.load()
@@ -132,21 +132,21 @@ def _safetensors_blob(path: str, offset: int) -> tuple[dict, int, int] | None:
     chunk of a file points at the same blob: its header is parsed once per version
     of the file (size and mtime are part of the cache key).
     """
-    stat = os.stat(path)
-    return _parse_safetensors_blob(path, offset, stat.st_size, stat.st_mtime_ns)
+    return _parse_safetensors_blob(path, offset, sources.identity(path))
 
 
 @functools.lru_cache(maxsize=64)
 def _parse_safetensors_blob(
-    path: str, offset: int, size: int, mtime_ns: int
+    path: str, offset: int, identity: Hashable
 ) -> tuple[dict, int, int] | None:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        head = f.read(9)
-        n = int.from_bytes(head[:8], "little")
-        if len(head) < 9 or head[8:9] != b"{" or not 2 <= n <= MAX_HEADER or offset + 8 + n > size:
-            return None
-        raw = f.read(n - 1)
+    size = sources.getsize(path)
+    if not 0 <= offset <= size - 9:
+        return None
+    head = bytes(sources.read(path, offset, 9))
+    n = int.from_bytes(head[:8], "little")
+    if head[8:9] != b"{" or not 2 <= n <= MAX_HEADER or offset + 8 + n > size:
+        return None
+    raw = bytes(sources.read(path, offset + 9, n - 1))
     try:
         header = json.loads(b"{" + raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -159,16 +159,16 @@ def _parse_safetensors_blob(
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     path = _folder(path) or path
-    meta_path = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(meta_path):
+    meta_path = sources.join(path, METADATA_FILE)
+    if not sources.isfile(meta_path):
         raise CkptError(
             "a DCP data file, but its folder has no .metadata (incomplete checkpoint)",
             path=path,
         )
     seen: set[str] = set()
-    with open(meta_path, "rb") as f:
-        from ..unpickler import load_pickle
+    from ..unpickler import load_pickle
 
+    with sources.open_input(meta_path) as f:
         metadata = load_pickle(f, path=meta_path, permissive=permissive, seen=seen)
     meta = _attrs(metadata)
     entries = meta.get("state_dict_metadata")
@@ -186,7 +186,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if (m := RANK_FILE_RE.match(str(i.get("relative_path", ""))))
     }
     world_size = len(ranks) or None
-    files = sorted({os.path.join(path, str(i.get("relative_path"))) for i in spans.values()})
+    files = sorted({_data_file(path, i, meta_path) for i in spans.values()})
 
     root: Any = {}
     for fqn, entry in entries.items():
@@ -215,15 +215,20 @@ def _span(folder: str, fqn: str, offset: tuple | None, spans: dict) -> tuple[str
     info = spans.get((fqn, offset))
     if info is None:
         raise CkptError(f"no stored data for {fqn!r} (incomplete checkpoint)", path=folder)
-    rel = str(info.get("relative_path"))
-    if os.path.basename(rel) != rel:
-        raise CkptError(f"storage path {rel!r} leaves the folder", path=folder)
     return (
-        os.path.join(folder, rel),
+        _data_file(folder, info, folder),
         int(info["offset"]),
         int(info["length"]),
         info.get("transform_descriptors"),
     )
+
+
+def _data_file(folder: str, info: dict, named_in: str) -> str:
+    """The data file a storage entry names, inside the checkpoint's folder."""
+    rel = str(info.get("relative_path"))
+    if "/" in rel or not sources.is_contained(rel):
+        raise CkptError(f"storage path {rel!r} leaves the folder", path=named_in)
+    return sources.join(folder, rel)
 
 
 def _tensor(folder: str, fqn: str, entry: dict, spans: dict, world_size: int | None) -> ShardedRef:
@@ -265,7 +270,7 @@ def _bytes_value(folder: str, fqn: str, spans: dict, permissive: bool, seen: set
     file, start, length, transforms = _span(folder, fqn, None, spans)
     if transforms:
         raise CkptError(f"value {fqn!r} stored with transforms is not supported", path=folder)
-    if not os.path.isfile(file):
+    if not sources.isfile(file):
         raise CkptError(f"missing .distcp file (it holds the value {fqn!r})", path=file)
     with ZipPickle(file, start, length) as archive:
         value = archive.load(permissive=permissive, seen=seen)

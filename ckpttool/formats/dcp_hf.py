@@ -10,9 +10,9 @@ folder is read: a block alone is not the tensor.
 
 from __future__ import annotations
 
-import os
 import re
 
+from .. import sources
 from ..errors import CkptError
 from ..sharding import Shard, check_coverage
 from ..tree import Checkpoint, ShardedRef
@@ -32,23 +32,23 @@ SHARD_FILE_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 
 def detect(path: str, head: bytes) -> bool:
     """A folder whose safetensors files are all DCP shard files, or one of those files."""
-    if os.path.isdir(path):
-        names = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    if sources.isdir(path):
+        names = [n for n in sources.listdir(path) if n.endswith(".safetensors")]
         shards = _shard_files(path)
         return bool(names) and len(shards) == len(names) and _written_by_dcp(shards)
-    if not SHARD_FILE_RE.match(os.path.basename(path)) or not is_safetensors(path, head):
+    if not SHARD_FILE_RE.match(sources.basename(path)) or not is_safetensors(path, head):
         return False
     # its own metadata may be the damaged part: a sibling DCP wrote says what it is
-    return _written_by_dcp([path]) or _written_by_dcp(_shard_files(os.path.dirname(path) or "."))
+    return _written_by_dcp([path]) or _written_by_dcp(_shard_files(sources.dirname(path) or "."))
 
 
 def _shard_files(folder: str) -> list[str]:
     """The folder's files named as DCP names its shard files."""
-    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if SHARD_FILE_RE.match(n)]
+    return [sources.join(folder, n) for n in sources.listdir(folder) if SHARD_FILE_RE.match(n)]
 
 
 def _shard_index(path: str) -> int:
-    return int(SHARD_FILE_RE.match(os.path.basename(path)).group(1))
+    return int(SHARD_FILE_RE.match(sources.basename(path)).group(1))
 
 
 def _written_by_dcp(paths: list[str]) -> bool:
@@ -62,12 +62,12 @@ def _written_by_dcp(paths: list[str]) -> bool:
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
-    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    folder = path if sources.isdir(path) else sources.dirname(path) or "."
     files = _shard_files(folder)
     blocks: dict[str, list[Shard]] = {}
     for file in files:
         header, data_start = read_header(file)
-        data_len = os.path.getsize(file) - data_start
+        data_len = sources.getsize(file) - data_start
         offsets = dcp_saved_offsets(header, file)
         if offsets is None:
             raise CkptError(

@@ -20,11 +20,11 @@ and every rebuilt tensor is a lazy view of the partitions (see :mod:`.deepspeed_
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError, UnsafeError
 from ..torch_values import check_shape
 from ..tree import Checkpoint, TensorRef, is_tensor
@@ -41,9 +41,9 @@ UNIVERSAL_DIR = "zero"  # ds_to_universal's zero/<param name>/fp32.pt, exp_avg.p
 def detect(path: str, head: bytes) -> bool:
     """A tag folder (ZeRO optimizer states, or stage 0's model states alone), or a
     universal checkpoint folder."""
-    if not os.path.isdir(path):
+    if not sources.isdir(path):
         return False
-    return any(OPTIM_STATES.match(n) or MODEL_STATES.match(n) for n in os.listdir(path))
+    return any(OPTIM_STATES.match(n) or MODEL_STATES.match(n) for n in sources.listdir(path))
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
@@ -68,7 +68,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
 
 
 def _read(path: str, permissive: bool) -> Checkpoint:
-    names = os.listdir(path)
+    names = sources.listdir(path)
     model_files = {}
     for name in names:
         if m := MODEL_STATES.match(name):
@@ -87,7 +87,7 @@ def _read(path: str, permissive: bool) -> Checkpoint:
     reader = Reader(path, permissive)
     if optim_files:
         return reader.read_zero(model_files, optim_files)
-    if os.path.isdir(os.path.join(path, UNIVERSAL_DIR)):
+    if sources.isdir(sources.join(path, UNIVERSAL_DIR)):
         from .deepspeed_universal import read_universal
 
         return read_universal(reader, model_files)
@@ -110,13 +110,11 @@ class Reader:
         from .torch_legacy import read as read_legacy
         from .zip_pickle import ZIP_MAGIC, ZipPickle
 
-        path = os.path.join(self.folder, name)
-        if not os.path.isfile(path):
+        path = sources.child(self.folder, name, path=self.folder)
+        if not sources.isfile(path):
             raise CkptError(f"missing: {what} (incomplete checkpoint?)", path=path)
         self.files.append(path)
-        with open(path, "rb") as f:
-            is_zip = f.read(4) == ZIP_MAGIC
-        if not is_zip:
+        if sources.read_head(path, len(ZIP_MAGIC)) != ZIP_MAGIC:
             ckpt = read_legacy(path, permissive=self.permissive)
             self.seen.update(ckpt.globals)  # in split_seen's notation:
             self.seen.update("!" + g for g in ckpt.dangerous)
@@ -127,7 +125,7 @@ class Reader:
 
     def checkpoint(self, root: Any, world_size: int | None) -> Checkpoint:
         # the model states first: what a reader of one file would be pointed at
-        files = sorted(self.files, key=lambda p: not MODEL_STATES.match(os.path.basename(p)))
+        files = sorted(self.files, key=lambda p: not MODEL_STATES.match(sources.basename(p)))
         return torch_zip.checkpoint(FORMAT, files, root, self.seen, world_size)
 
     def model_states(self, model_files: dict, rank: int, stage: int | None) -> tuple[str, Any]:
@@ -152,12 +150,12 @@ class Reader:
             raise CkptError(
                 f"optimizer states of rank {extra[0]}, but partition_count says {world} ranks "
                 "(files of another run mixed in?)",
-                path=os.path.join(self.folder, optim_files[(extra[0], 0)]),
+                path=sources.join(self.folder, optim_files[(extra[0], 0)]),
             )
         dicts = [_optimizer_dict(o, f"rank {r}") for r, o in enumerate(optim)]
         name, states = self.model_states(model_files, 0, stage)
         if not isinstance(states, Mapping):
-            raise CkptError("model states are not a dict", path=os.path.join(self.folder, name))
+            raise CkptError("model states are not a dict", path=sources.join(self.folder, name))
         zero = ZeroLayout(stage, world, dicts, _param_shapes(states))
         module, optimizer = zero.rebuild()
         frozen = self.frozen(states, model_files, stage, world)

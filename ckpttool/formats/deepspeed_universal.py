@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..tree import Checkpoint, TensorRef, contiguous_stride
 from .deepspeed import UNIVERSAL_DIR, Reader, _param_shapes, _shape, _untracked, assemble, mapping
@@ -42,7 +43,7 @@ def read_universal(reader: Reader, model_files: dict) -> Checkpoint:
         raise CkptError("model states are not a dict", path=reader.files[0])
     groups = _param_shapes(states)
     optimizer_state = reader.load(
-        os.path.join(UNIVERSAL_DIR, OPTIMIZER_FILE), "the universal checkpoint's optimizer state"
+        f"{UNIVERSAL_DIR}/{OPTIMIZER_FILE}", "the universal checkpoint's optimizer state"
     )
     if not isinstance(optimizer_state, Mapping):
         raise CkptError("corrupt optimizer_state.pt (not a dict)", path=reader.files[-1])
@@ -53,18 +54,18 @@ def read_universal(reader: Reader, model_files: dict) -> Checkpoint:
             params[name] = _param_file(reader, name, "fp32", shape)
             state[name] = {key: _param_file(reader, name, key, shape) for key in MOMENTS}
             step = param_file(name, "step")
-            if os.path.isfile(os.path.join(reader.folder, step)):
+            if sources.isfile(sources.join(reader.folder, step)):
                 state[name] = {"step": _value(reader.load(step, "")), **state[name]}
     frozen = {} if stage == 3 else _untracked(states, params)
     world = int_value(states.get("dp_world_size")) or len(model_files)
     frozen_shapes = mapping(states.get("frozen_param_shapes"))
     stored = {str(name): param_file(str(name), "fp32") for name in frozen_shapes}
-    if any(not os.path.isfile(os.path.join(reader.folder, p)) for p in stored.values()):
+    if any(not sources.isfile(sources.join(reader.folder, p)) for p in stored.values()):
         # ds_to_universal writes frozen parameters only with --inject_missing_state: the
         # model states hold them (ZeRO-3: a fragment in each rank's model states)
         frozen.update(reader.frozen(states, model_files, stage or 2, world))
     for name, rel in stored.items():
-        if os.path.isfile(os.path.join(reader.folder, rel)):
+        if sources.isfile(sources.join(reader.folder, rel)):
             frozen[name] = _param_file(reader, name, "fp32", _shape(name, frozen_shapes[name]))
     param_groups = optimizer_state.get("param_groups")
     out_groups = []
@@ -86,9 +87,9 @@ def read_universal(reader: Reader, model_files: dict) -> Checkpoint:
 
 def param_file(name: str, key: str) -> str:
     """``zero/<name>/<key>.pt``; a name that would lead outside ``zero/`` is refused."""
-    if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
+    if "/" in name or os.sep in name or not sources.is_contained(name):
         raise CkptError(f"parameter name {name!r} cannot name a folder of zero/")
-    return os.path.join(UNIVERSAL_DIR, name, f"{key}.pt")
+    return f"{UNIVERSAL_DIR}/{name}/{key}.pt"
 
 
 def _value(root: Any) -> Any:
@@ -100,7 +101,7 @@ def _param_file(reader: Reader, name: str, key: str, shape: tuple) -> TensorRef:
     """``zero/<name>/<key>.pt`` as a tensor of the parameter's shape (ZeRO-3 stores it flat)."""
     rel = param_file(name, key)
     value = _value(reader.load(rel, f"{key} of parameter {name!r}"))
-    path = os.path.join(reader.folder, rel)
+    path = sources.join(reader.folder, rel)
     if not isinstance(value, TensorRef):
         raise CkptError(f"holds no tensor for parameter {name!r}", path=path)
     if value.numel != math.prod(shape) or not value.is_contiguous():

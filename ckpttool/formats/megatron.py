@@ -21,9 +21,9 @@ the dict of its attributes, so the run's config shows as plain values.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..policy import MAX_NESTING
 from ..tree import Checkpoint, Opaque, verdicts
@@ -53,15 +53,15 @@ def detect(path: str, head: bytes) -> bool:
 
 
 def _folder(path: str) -> str | None:
-    if not os.path.isdir(path):
-        name = os.path.basename(path)
+    if not sources.isdir(path):
+        name = sources.basename(path)
         if not (name.endswith(".distcp") or name == METADATA_JSON):
             return None
-        path = os.path.dirname(path) or "."
+        path = sources.dirname(path) or "."
     if _backend(path) is not None:
         return path
-    weights = os.path.join(path, NEMO_WEIGHTS)
-    if os.path.isdir(os.path.join(path, NEMO_CONTEXT)) and _backend(weights) is not None:
+    weights = sources.join(path, NEMO_WEIGHTS)
+    if sources.isdir(sources.join(path, NEMO_CONTEXT)) and _backend(weights) is not None:
         return weights
     return None
 
@@ -74,13 +74,13 @@ def _backend(folder: str) -> str | None:
 
 
 def _metadata(folder: str) -> dict | None:
-    path = os.path.join(folder, METADATA_JSON)
+    path = sources.join(folder, METADATA_JSON)
     try:
-        if not os.path.isfile(path) or os.path.getsize(path) > MAX_METADATA_JSON:
+        raw = sources.read_small(path, MAX_METADATA_JSON)
+        if raw is None:
             return None
-        with open(path, "rb") as f:
-            meta = json.loads(f.read())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = json.loads(raw)
+    except (OSError, CkptError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return meta if isinstance(meta, dict) else None
 
@@ -100,29 +100,28 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         raise CkptError(
             f"Megatron checkpoint with the {backend!r} backend: ckpttool reads only "
             f"{SHARDED_BACKEND!r}",
-            path=os.path.join(folder, METADATA_JSON),
+            path=sources.join(folder, METADATA_JSON),
             hint="convert it with Megatron's dist_checkpointing (torch_dist save strategy)",
         )
     for name in (COMMON_FILE, dcp.METADATA_FILE):
-        if not os.path.isfile(os.path.join(folder, name)):
+        if not sources.isfile(sources.join(folder, name)):
             raise CkptError(
                 f"Megatron torch_dist checkpoint without its {name} (incomplete checkpoint)",
-                path=os.path.join(folder, name),
+                path=sources.join(folder, name),
             )
-    common_path = os.path.join(folder, COMMON_FILE)
+    common_path = sources.join(folder, COMMON_FILE)
     common = torch_zip.read(common_path, permissive=permissive)
     sharded = dcp.read(folder, permissive=permissive)
     if not isinstance(common.root, dict):
         raise CkptError("corrupt common.pt: not a dict", path=common_path)
-    nemo = os.path.basename(os.path.normpath(folder)) == NEMO_WEIGHTS and os.path.isdir(
-        os.path.join(os.path.dirname(os.path.normpath(folder)), NEMO_CONTEXT)
-    )
+    parent, name = sources.split(folder.rstrip("/") or folder)
+    nemo = name == NEMO_WEIGHTS and sources.isdir(sources.join(parent or ".", NEMO_CONTEXT))
     model_key = NEMO_MODEL_KEY if nemo else MODEL_KEY
     root = _namespaces_as_dicts(common.root, 0)
     _place(root, sharded.root, model_key, common_path)
     return Checkpoint(
         format=FORMAT,
-        files=[os.path.join(folder, METADATA_JSON), common_path, *sharded.files],
+        files=[sources.join(folder, METADATA_JSON), common_path, *sharded.files],
         root=root,
         world_size=sharded.world_size,
         **verdicts(common, sharded),

@@ -8,7 +8,6 @@ whose blocks point into every rank's file, and check that they tile the global t
 
 from __future__ import annotations
 
-import glob
 import itertools
 import math
 import os
@@ -16,31 +15,50 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..sharding import LocalShards, Shard, check_coverage, own_dtensor_block
 from ..tree import Checkpoint, Opaque, ShardedRef, TensorRef, get_path, walk
+from . import torch_legacy, torch_zip
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")
+
+
+# the formats of the files a per-rank checkpoint is made of
+PART_FORMATS = (torch_zip.FORMAT, torch_legacy.FORMAT)
 
 
 def has_local_shards(root: Any) -> bool:
     return any(isinstance(v, LocalShards) for _, v in walk(root))
 
 
+def claims(first: Checkpoint) -> bool:
+    """Whether a file just read is one rank's part of a per-rank checkpoint: a torch.save
+    file whose tree holds local shards (ShardedTensor / DTensor leaves)."""
+    return first.format in PART_FORMATS and has_local_shards(first.root)
+
+
+def part_files(first: Checkpoint, given: list[str]) -> list[str]:
+    """The rank files of the checkpoint ``first`` belongs to: those given, or for one
+    path (a rank's file, or a folder whose lowest rank ``first`` read) its siblings."""
+    return siblings(first.files[0]) if len(given) == 1 else given
+
+
 def siblings(path: str) -> list[str]:
     """All files named like ``path`` but for the rank number (``…-rank*.pt``), by rank."""
-    folder, name = os.path.split(path)
+    folder, name = sources.split(path)
     m = RANK_RE.match(name)
     if not m:
         return [path]
     prefix, _, suffix = m.groups()
+    # the folder's names matched literally (no glob: a name may hold "[" or "*")
     pattern = re.compile("^" + re.escape(prefix) + r"(\d+)" + re.escape(suffix) + "$")
     found = []
-    for candidate in glob.glob(os.path.join(glob.escape(folder or "."), glob.escape(prefix) + "*")):
-        mm = pattern.match(os.path.basename(candidate))
+    for candidate in sources.listdir(folder or "."):
+        mm = pattern.match(candidate)
         if mm:
-            found.append((int(mm.group(1)), os.path.join(folder, os.path.basename(candidate))))
+            found.append((int(mm.group(1)), sources.join(folder, candidate)))
     return [p for _, p in sorted(found)]
 
 
@@ -53,7 +71,7 @@ def _content_rank(ckpt: Checkpoint) -> int | None:
 
 
 def _name_rank(path: str) -> int | None:
-    m = RANK_RE.match(os.path.basename(path))
+    m = RANK_RE.match(sources.basename(path))
     return int(m.group(2)) if m else None
 
 

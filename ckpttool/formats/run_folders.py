@@ -33,12 +33,12 @@ The checkpoint is reported with its model part's format id.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..layout import model_key
 from ..tree import Checkpoint, verdicts
@@ -85,7 +85,7 @@ class Rule:
 
 def find_rule(folder: str) -> Rule | None:
     """The rule whose marker ``folder`` has, or None for a folder of no known framework."""
-    names = sorted(os.listdir(folder))
+    names = sources.listdir(folder)
     return next((rule for rule in RULES if rule.marker(folder, names)), None)
 
 
@@ -102,7 +102,7 @@ def read(folder: str, rule: Rule, read_part: ReadPart, *, unsafe: bool = False) 
         CkptError: The model is not exactly one of the rule's candidates.
         UnsafeError: A part's pickle references dangerous globals.
     """
-    return rule.read(folder, sorted(os.listdir(folder)), read_part, unsafe)
+    return rule.read(folder, sources.listdir(folder), read_part, unsafe)
 
 
 def _part_name(entry: str) -> str:
@@ -160,10 +160,10 @@ def _read_accelerate(
         models,
         "pytorch_model_fsdp_0/, pytorch_model_fsdp.bin, model.safetensors, pytorch_model.bin",
     )
-    parts = {_part_name(model): read_part(os.path.join(folder, model))}
+    parts = {_part_name(model): read_part(sources.join(folder, model))}
     for name in names:
         if ACCELERATE_PARTS.match(name):
-            parts[_part_name(name)] = read_part(os.path.join(folder, name))
+            parts[_part_name(name)] = read_part(sources.join(folder, name))
     return _combine(folder, _part_name(model), parts)
 
 
@@ -179,10 +179,10 @@ def _read_trainer_fsdp(
 ) -> Checkpoint:
     models = [n for n in names if TRAINER_FSDP_MODEL.match(n)]
     model = _pick_model(folder, "Trainer checkpoint", models, "pytorch_model_fsdp_0/")
-    parts = {model: read_part(os.path.join(folder, model))}
+    parts = {model: read_part(sources.join(folder, model))}
     for name in names:
         if TRAINER_PARTS.match(name):
-            parts[_part_name(name)] = read_part(os.path.join(folder, name))
+            parts[_part_name(name)] = read_part(sources.join(folder, name))
     return _combine(folder, model, parts)
 
 
@@ -197,7 +197,7 @@ def _read_lightning_sharded(
     folder: str, names: list[str], read_part: ReadPart, unsafe: bool
 ) -> Checkpoint:
     sharded = dcp.read(folder, permissive=unsafe)  # (read_part would find this rule again)
-    meta = read_part(os.path.join(folder, LIGHTNING_META))
+    meta = read_part(sources.join(folder, LIGHTNING_META))
     if not isinstance(sharded.root, dict) or not isinstance(meta.root, dict):
         raise CkptError("Lightning sharded checkpoint: not a dict", path=folder)
     # lightning.fabric.utilities.load._load_distributed_checkpoint, then
@@ -256,7 +256,7 @@ def _read_verl(folder: str, names: list[str], read_part: ReadPart, unsafe: bool)
             first = next(r for r in range(world_size) if r not in by_rank)
             name = f"{kind}_world_size_{world_size}_rank_{first}.pt"
             raise CkptError(f"rank file missing: {name}", path=folder)
-        files = [os.path.join(folder, by_rank[r]) for r in range(world_size)]
+        files = [sources.join(folder, by_rank[r]) for r in range(world_size)]
         if kind == "extra_state":  # each rank's own scheduler and RNG state, no shards
             for r, path in enumerate(files):
                 parts[f"extra_state_rank_{r}"] = read_part(path)
@@ -271,18 +271,20 @@ def _read_verl(folder: str, names: list[str], read_part: ReadPart, unsafe: bool)
 
 
 def _is_torchtune(folder: str, names: list[str]) -> bool:
-    epochs = [n for n in names if TORCHTUNE_EPOCH.match(n) and os.path.isdir(f"{folder}/{n}")]
-    return bool(epochs) or os.path.isdir(os.path.join(folder, TORCHTUNE_RECIPE_STATE))
+    epochs = [
+        n for n in names if TORCHTUNE_EPOCH.match(n) and sources.isdir(sources.join(folder, n))
+    ]
+    return bool(epochs) or sources.isdir(sources.join(folder, TORCHTUNE_RECIPE_STATE))
 
 
 def _read_torchtune(folder: str, names: list[str], read_part: ReadPart, unsafe: bool) -> Checkpoint:
     epochs = [
-        n for n in names if TORCHTUNE_EPOCH.match(n) and os.path.isdir(os.path.join(folder, n))
+        n for n in names if TORCHTUNE_EPOCH.match(n) and sources.isdir(sources.join(folder, n))
     ]
     epoch = _pick_model(folder, "torchtune output", epochs, "epoch_N/")
-    parts = {epoch: read_part(os.path.join(folder, epoch))}
-    recipe = os.path.join(folder, TORCHTUNE_RECIPE_STATE, "recipe_state.pt")
-    if os.path.isfile(recipe):
+    parts = {epoch: read_part(sources.join(folder, epoch))}
+    recipe = sources.join(folder, TORCHTUNE_RECIPE_STATE, "recipe_state.pt")
+    if sources.isfile(recipe):
         parts[TORCHTUNE_RECIPE_STATE] = read_part(recipe)
     return _combine(folder, epoch, parts)
 

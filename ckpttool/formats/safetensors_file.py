@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 from typing import Any
 
+from .. import sources
 from ..dtypes import SAFETENSORS_DTYPES
 from ..errors import CkptError
 from ..tree import ByteSource, Checkpoint, StorageRef, TensorRef, contiguous_stride
@@ -32,19 +32,17 @@ def detect(path: str, head: bytes) -> bool:
 
 def read_header(path: str) -> tuple[dict[str, Any], int]:
     """Return (header dict, offset of the data section), validated."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CkptError("truncated safetensors file (no header length)", path=path)
-        n = int.from_bytes(head, "little")
-        if n > MAX_HEADER or n + 8 > size:
-            raise CkptError(
-                f"safetensors header length {n} exceeds the file size {size} "
-                "(truncated or corrupt)",
-                path=path,
-            )
-        raw = f.read(n)
+    size = sources.getsize(path)
+    head = sources.read_head(path, 8)
+    if len(head) < 8:
+        raise CkptError("truncated safetensors file (no header length)", path=path)
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER or n + 8 > size:
+        raise CkptError(
+            f"safetensors header length {n} exceeds the file size {size} (truncated or corrupt)",
+            path=path,
+        )
+    raw = bytes(sources.read(path, 8, n))
     # counted in C before anything is parsed: a header of a million empty tensors is a
     # few dozen MB of JSON but gigabytes of Python objects and report entries
     entries = raw.count(b'"data_offsets"')
@@ -144,7 +142,7 @@ def dcp_saved_offsets(header: dict, path: str) -> dict[str, tuple[int, ...]] | N
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     header, data_start = read_header(path)
-    data_len = os.path.getsize(path) - data_start
+    data_len = sources.getsize(path) - data_start
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise CkptError("corrupt safetensors header (__metadata__ is not an object)", path=path)

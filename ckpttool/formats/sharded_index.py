@@ -8,11 +8,11 @@ safety rules, and the checkpoint takes their format id (``torch-zip``, ``torch-l
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..tree import Checkpoint, TensorRef, verdicts
 from . import safetensors_file, torch_legacy, torch_zip
@@ -20,11 +20,12 @@ from . import safetensors_file, torch_legacy, torch_zip
 FORMAT = "safetensors-sharded"
 INDEX_SUFFIX = ".index.json"
 SAFETENSORS_INDEX_SUFFIX = ".safetensors" + INDEX_SUFFIX
-HEAD_BYTES = 512
+# an index lists every tensor name once: a few MB for the largest models
+MAX_INDEX_BYTES = 256 << 20
 
 
 def detect(path: str, head: bytes) -> bool:
-    if os.path.isdir(path):
+    if sources.isdir(path):
         return bool(_indexes(path))
     return path.endswith(".json") and head.lstrip()[:1] == b"{" and b"weight_map" in head
 
@@ -36,7 +37,11 @@ def _indexes(folder: str) -> list[str]:
     ``pytorch_model.bin.index.json`` for the same weights; like ``from_pretrained``,
     prefer safetensors.
     """
-    found = sorted(glob.glob(os.path.join(glob.escape(folder), "*" + INDEX_SUFFIX)))
+    found = [
+        sources.join(folder, n)
+        for n in sources.listdir(folder)
+        if n.endswith(INDEX_SUFFIX) and not n.startswith(".")  # as a glob "*" matches
+    ]
     safetensors_indexes = [p for p in found if p.endswith(SAFETENSORS_INDEX_SUFFIX)]
     return safetensors_indexes or found
 
@@ -48,7 +53,7 @@ def folder_of_shards(files: list[str]) -> str | None:
     Raises:
         CkptError: Some, not all, of a folder's shards: naming the folder is the fix.
     """
-    folders = {os.path.dirname(os.path.abspath(f)) for f in files}
+    folders = {_absolute_folder(f) for f in files}
     if len(folders) != 1 or not all(f.endswith(".safetensors") for f in files):
         return None
     folder = folders.pop()
@@ -59,36 +64,42 @@ def folder_of_shards(files: list[str]) -> str | None:
         shard_names = {str(v) for v in _read_index(found[0])["weight_map"].values()}
     except CkptError:
         return None
-    names = {os.path.basename(f) for f in files}
+    names = {sources.basename(f) for f in files}
     if names == shard_names:
-        return os.path.dirname(files[0]) or "."
+        return sources.dirname(files[0]) or "."
     if names < shard_names:
         raise CkptError(
             f"{len(names)} of the {len(shard_names)} shards of {folder}",
-            hint=f"pass the folder: ckpttool ... {os.path.dirname(files[0]) or '.'}/",
+            hint=f"pass the folder: ckpttool ... {sources.dirname(files[0]) or '.'}/",
         )
     return None
 
 
+def _absolute_folder(path: str) -> str:
+    """The folder of a file, absolute for a local path (a URL is absolute already)."""
+    folder = sources.dirname(path)
+    return folder if sources.is_url(path) else os.path.abspath(folder or ".")
+
+
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     index_path = path
-    if os.path.isdir(path):
+    if sources.isdir(path):
         found = _indexes(path)
         if len(found) > 1:
-            names = ", ".join(os.path.basename(p) for p in found)
+            names = ", ".join(sources.basename(p) for p in found)
             raise CkptError(f"several index files: {names}", path=path, hint="pass one")
         index_path = found[0]
     index = _read_index(index_path)
-    folder = os.path.dirname(index_path)
+    folder = sources.dirname(index_path)
     shards: dict[str, _Shard] = {}
     root = {}
     for name, shard_name in index["weight_map"].items():
         shard_name = str(shard_name)
-        if os.path.basename(shard_name) != shard_name or shard_name in ("", ".", ".."):
+        if "/" in shard_name or not sources.is_contained(shard_name):
             raise CkptError(f"shard name {shard_name!r} leaves the folder", path=index_path)
-        shard_path = os.path.join(folder, shard_name)
+        shard_path = sources.join(folder, shard_name)
         if shard_path not in shards:
-            if not os.path.isfile(shard_path):
+            if not sources.isfile(shard_path):
                 raise CkptError(f"missing shard {shard_name}", path=index_path)
             shards[shard_path] = _Shard(shard_path, permissive)
         ref = shards[shard_path].tensor(name)
@@ -108,8 +119,10 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
 
 def _read_index(index_path: str) -> dict[str, Any]:
     try:
-        with open(index_path, encoding="utf-8") as f:
-            index = json.load(f)
+        raw = sources.read_small(index_path, MAX_INDEX_BYTES)
+        if raw is None:
+            raise TypeError
+        index = json.loads(raw.decode("utf-8"))
         if not isinstance(index, dict) or not isinstance(index["weight_map"], dict):
             raise TypeError
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
@@ -125,11 +138,10 @@ class _Shard:
     def __init__(self, path: str, permissive: bool):
         self.path = path
         self.checkpoint: Checkpoint | None = None
-        with open(path, "rb") as f:
-            head = f.read(HEAD_BYTES)
+        head = sources.read_head(path)
         if safetensors_file.detect(path, head):
             header, start = safetensors_file.read_header(path)
-            data_len = os.path.getsize(path) - start
+            data_len = sources.getsize(path) - start
             header.pop("__metadata__", None)
             self.refs = {
                 name: safetensors_file.tensor_ref(path, name, info, start, data_len)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..torch_values import Device, check_storage_reference
 from ..tree import ByteSource, Checkpoint, Opaque, StorageRef, opaque_class
@@ -40,8 +41,8 @@ def detect(path: str, head: bytes) -> bool:
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     seen: set[str] = set()
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = sources.getsize(path)
+    with sources.open_input(path) as f:
         magic = load_pickle(f, path=path, seen=seen)
         if magic != MAGIC_NUMBER:
             raise CkptError(
@@ -90,19 +91,21 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if not isinstance(keys, list):
             raise CkptError("corrupt legacy checkpoint: no storage key list", path=path)
         pos = f.tell()
+        layout = []  # (key, storage, where its count is): each storage's data follows it
         for key in keys:
             ref = storages.get(str(key))
             if ref is None:
                 raise CkptError(f"corrupt legacy checkpoint: unknown storage {key!r}", path=path)
-            f.seek(pos)
-            count = f.read(8)
+            layout.append((key, ref, pos))
+            pos += 8 + ref.nbytes
+        counts = _read_counts(f, [at for _, _, at in layout], size)
+        for (key, ref, at), count in zip(layout, counts, strict=True):
             if len(count) < 8:
                 raise CkptError("file ends early (truncated)", path=path)
             numel = int.from_bytes(count, "little" if little else "big", signed=True)
             if numel != ref.numel:
                 raise CkptError(f"corrupt storage {key}: size does not match", path=path)
-            ref.source = ByteSource(path, pos + 8, ref.nbytes)
-            pos += 8 + ref.nbytes
+            ref.source = ByteSource(path, at + 8, ref.nbytes)
         if pos > size:
             raise CkptError(f"file ends {pos - size} bytes early (truncated)", path=path)
     for ref, base_key, offset in views:
@@ -115,6 +118,20 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if ref.source is None:
             raise CkptError(f"corrupt legacy checkpoint: storage {key} has no data", path=path)
     return checkpoint(FORMAT, [path], root, seen)
+
+
+def _read_counts(f: Any, positions: list[int], size: int) -> list[bytes]:
+    """The 8-byte element count at each position of the file under ``f`` (past its
+    buffer: each is followed by megabytes of data), empty where the file ends first.
+    A remote file's are fetched together (:meth:`Source.read_spans`)."""
+    raw = f.raw
+    if not isinstance(raw, sources.SourceFile):
+        fd = raw.fileno()
+        return [os.pread(fd, 8, at) if at + 8 <= size else b"" for at in positions]
+    counts = [bytearray(8 if at + 8 <= size else 0) for at in positions]
+    spans = [(memoryview(c), at) for c, at in zip(counts, positions, strict=True) if c]
+    sources.source_for(raw.path).read_spans(raw.path, spans)
+    return [bytes(c) for c in counts]
 
 
 def _view(view: Any, base_numel: int, path: str) -> tuple[Any, int, int]:

@@ -8,12 +8,11 @@ uses). Anything that lets the two disagree, or that needs a password, is refused
 
 from __future__ import annotations
 
-import io
-import os
 import zipfile
 import zlib
-from typing import Any
+from collections.abc import Hashable
 
+from .. import sources
 from ..errors import CkptError
 from ..zip_records import END as _END
 from ..zip_records import LOCAL_HEADER, ZIP_MAGIC
@@ -22,6 +21,8 @@ from ..zip_records import ZIP64_LOCATOR as _ZIP64_LOCATOR
 
 # a central directory larger than this is not a checkpoint's (a few KB per thousand entries)
 MAX_DIRECTORY_BYTES = 1 << 30
+# the end of a zip read first: its end record (and zip64 records), and a small directory
+TAIL_BYTES = 4096
 # general-purpose flag bits that change how an entry's bytes must be read; torch writes
 # bit 3 (sizes in a data descriptor, also in the central directory) and bit 11 (UTF-8)
 REFUSED_FLAGS = {
@@ -46,33 +47,79 @@ ZIP_ERRORS = (
 def central_directory(path: str) -> bytes:
     """The raw central directory of a zip file (every entry's name), not parsed.
 
-    For a cheap look at the names (is it TorchScript?) before the real read parses it.
-    Empty when the file has no readable end record; the real read then says why.
+    For a cheap look at the names (is it TorchScript?) before the real read parses it:
+    the last ``TAIL_BYTES`` (the end record, when the archive has no comment), all of
+    the end record's reach (64 KiB of comment) only where that is not enough, then the
+    directory where it is not inside what was read. Empty when the file has no
+    readable end record; the real read then says why.
     """
-    with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        tail_start = max(0, size - _END.size - 0xFFFF)  # the end record, then a comment
-        f.seek(tail_start)
-        tail = f.read()
+    return _directory(path)[1]
+
+
+def directory_reads(path: str) -> list[tuple[int, bytes]]:
+    """What :func:`central_directory` read of a remote file, as (offset, bytes): the
+    archive's reader serves its own reads of the end and directory from them."""
+    return [] if sources.local_path(path) is not None else _directory(path)[0]
+
+
+# remote files whose end and directory were read last: (path, identity) -> what
+# _central_directory returns; only small directories are kept
+_RECENT: dict[tuple[str, Hashable], tuple[list[tuple[int, bytes]], bytes]] = {}
+RECENT_FILES = 8
+RECENT_MAX_BYTES = 1 << 20
+
+
+def _directory(path: str) -> tuple[list[tuple[int, bytes]], bytes]:
+    if sources.local_path(path) is not None:  # a local read costs less than the lookup
+        return _central_directory(path)
+    key = (path, sources.identity(path))
+    found = _RECENT.pop(key, None)
+    if found is None:
+        found = _central_directory(path)
+        if sum(len(data) for _, data in found[0]) > RECENT_MAX_BYTES:
+            return found
+    _RECENT[key] = found  # the most recent last
+    while len(_RECENT) > RECENT_FILES:
+        del _RECENT[next(iter(_RECENT))]
+    return found
+
+
+def _central_directory(path: str) -> tuple[list[tuple[int, bytes]], bytes]:
+    """(the ranges read, the raw central directory) of a zip (see central_directory)."""
+    size = sources.getsize(path)
+    tail_start = max(0, size - TAIL_BYTES)
+    tail = bytes(sources.read(path, tail_start, size - tail_start))
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 and tail_start > 0:  # a comment after the end record
+        tail_start = max(0, size - _END.size - 0xFFFF)
+        tail = bytes(sources.read(path, tail_start, size - tail_start))
         at = tail.rfind(b"PK\x05\x06")
-        if at < 0 or at + _END.size > len(tail):
-            return b""
-        cd_size, cd_offset = _END.unpack_from(tail, at)[5:7]
-        locator = at - _ZIP64_LOCATOR.size
-        if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
-            record_offset = _ZIP64_LOCATOR.unpack_from(tail, locator)[2]
-            if record_offset + _ZIP64_END.size <= size:  # else damaged: the real read says so
-                f.seek(record_offset)
-                record = f.read(_ZIP64_END.size)
-                if record[:4] == b"PK\x06\x06":
-                    cd_size, cd_offset = _ZIP64_END.unpack(record)[8:10]
-        if cd_offset + cd_size > size or cd_size > MAX_DIRECTORY_BYTES:
-            return b""
-        f.seek(cd_offset)
-        return f.read(cd_size)
+    reads: list[tuple[int, bytes]] = [(tail_start, tail)]
+    if at < 0 or at + _END.size > len(tail):
+        return reads, b""
+    cd_size, cd_offset = _END.unpack_from(tail, at)[5:7]
+    locator = at - _ZIP64_LOCATOR.size
+    if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
+        record_offset = _ZIP64_LOCATOR.unpack_from(tail, locator)[2]
+        if record_offset + _ZIP64_END.size <= size:  # else damaged: the real read says so
+            record = _read(path, record_offset, _ZIP64_END.size, tail, tail_start)
+            reads.append((record_offset, record))
+            if record[:4] == b"PK\x06\x06":
+                cd_size, cd_offset = _ZIP64_END.unpack(record)[8:10]
+    if cd_offset + cd_size > size or cd_size > MAX_DIRECTORY_BYTES:
+        return reads, b""
+    directory = _read(path, cd_offset, cd_size, tail, tail_start)
+    return [*reads, (cd_offset, directory)], directory
 
 
-class FileSpan(io.RawIOBase):
+def _read(path: str, offset: int, size: int, tail: bytes, tail_start: int) -> bytes:
+    """``size`` bytes at ``offset``: from the tail already read where it holds them."""
+    if offset >= tail_start and offset + size <= tail_start + len(tail):
+        return tail[offset - tail_start : offset - tail_start + size]
+    return bytes(sources.read(path, offset, size))
+
+
+class FileSpan(sources.SourceFile):
     """A read-only, seekable view of ``length`` bytes of a file from ``start``.
 
     zipfile reads an archive in many small pieces: its directory from the end, each
@@ -83,48 +130,8 @@ class FileSpan(io.RawIOBase):
 
     EDGE_BYTES = 4096
 
-    def __init__(self, path: str, start: int, length: int):
-        self._file = open(path, "rb", buffering=0)
-        self._start = start
-        self._length = length
-        self._pos = 0
-        edge = min(self.EDGE_BYTES, length)
-        fd = self._file.fileno()
-        self._head = os.pread(fd, edge, start)
-        self._tail_at = length - edge
-        self._tail = os.pread(fd, edge, start + self._tail_at)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self._length - self._pos))
-        pos, end = self._pos, self._pos + n
-        if end <= len(self._head):
-            got = n
-            buffer[:n] = self._head[pos:end]
-        elif pos >= self._tail_at and end - self._tail_at <= len(self._tail):
-            got = n
-            buffer[:n] = self._tail[pos - self._tail_at : end - self._tail_at]
-        else:
-            got = os.preadv(self._file.fileno(), [memoryview(buffer)[:n]], self._start + pos)
-        self._pos += got
-        return got
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
+    def __init__(self, path: str, start: int = 0, length: int | None = None):
+        super().__init__(path, start, length, edge=self.EDGE_BYTES)
 
 
 def raw_name(info: zipfile.ZipInfo) -> bytes:

@@ -8,11 +8,11 @@ a span of a file too.
 
 from __future__ import annotations
 
-import os
 import zipfile
 import zlib
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..torch_values import Device, check_storage_reference
 from ..tree import ByteSource, StorageRef
@@ -25,6 +25,7 @@ from .zip_container import (
     central_directory,
     check_flags,
     check_local_header,
+    directory_reads,
     raw_name,
 )
 
@@ -48,6 +49,17 @@ SMALL_ENTRY_BYTES = 64
 INFLATE_CHUNK = 1 << 20
 
 
+class LocalHeaderCheck:
+    """A zip entry's local header check, kept with its bytes until they are first read."""
+
+    def __init__(self, info: zipfile.ZipInfo, name: bytes, path: str) -> None:
+        self.info, self.name, self.path = info, name, path
+        self.size = LOCAL_HEADER.size + len(name)
+
+    def __call__(self, header: bytes) -> int:
+        return check_local_header(header, self.info, self.name, self.path)
+
+
 class ZipPickle:
     """An opened torch zip container: its entry names and a way to unpickle from it.
 
@@ -64,7 +76,7 @@ class ZipPickle:
     def __init__(self, path: str, start: int = 0, length: int | None = None):
         self.path = path
         self.start = start
-        size = os.path.getsize(path)
+        size = sources.getsize(path)
         self.length = size - start if length is None else length
         if start < 0 or self.length < 0 or start + self.length > size:  # a DCP span, say
             raise CkptError(
@@ -72,11 +84,25 @@ class ZipPickle:
                 "(truncated?)",
                 path=path,
             )
-        stream: Any = FileSpan(path, start, self.length) if (start or length is not None) else path
+        # a local file is opened by zipfile itself (buffered); a span of one (DCP chunks)
+        # or a remote file is read through the byte source, its edges cached
+        local = sources.local_path(path) if not start and length is None else None
+        self._stream: FileSpan | None = None if local else FileSpan(path, start, self.length)
+        stream: Any = local if local else self._stream
+        if self._stream is not None and not start and length is None:
+            for offset, data in directory_reads(path):  # what detection read already
+                self._stream.preload(offset, data)
+        self._headers: dict[str, bytes] = {}
+        # a remote file's local headers are checked when their bytes are first read (see
+        # source()): one request per storage would make a remote inspect as slow as its
+        # round trips, and a 4 GB file has a thousand storages
+        self._remote = sources.local_path(path) is None
         try:
             self.zip = zipfile.ZipFile(stream)
             infos = self.zip.infolist()
         except ZIP_ERRORS as exc:
+            if self._stream is not None:
+                self._stream.close()
             raise CkptError(f"truncated or corrupt zip archive ({exc})", path=path) from None
         self.infos = {info.filename: info for info in infos}
         if len(self.infos) != len(infos):
@@ -90,6 +116,8 @@ class ZipPickle:
             for info in infos:
                 self._check_entry(info)
             self.prefix = self._find_prefix(infos)
+            if self._stream is not None and not self._remote:
+                self._prefetch_headers(infos)
             for entry in SMALL_ENTRIES:  # read or not, none of them may be a bomb
                 small = self.infos.get(f"{self.prefix or ''}{entry}")
                 if small is not None and small.file_size > SMALL_ENTRY_BYTES:
@@ -185,10 +213,28 @@ class ZipPickle:
             raise CkptError("zip entry ends early (truncated?)", path=self.path)
         return data
 
+    def _prefetch_headers(self, infos: list[zipfile.ZipInfo]) -> None:
+        """Read the local headers of every storage entry of a span of a local file (a
+        DCP chunk) at once: each is checked when its storage is referenced."""
+        spans, wanted = [], []
+        for info in infos:
+            size = LOCAL_HEADER.size + len(raw_name(info))
+            if info.filename.startswith(f"{self.prefix}data/") and (
+                info.header_offset + size <= self.length
+            ):
+                buf = bytearray(size)
+                spans.append((memoryview(buf), self.start + info.header_offset))
+                wanted.append((info.filename, buf))
+        if len(spans) > 1:
+            sources.source_for(self.path).read_spans(self.path, spans)
+            self._headers = {name: bytes(buf) for name, buf in wanted}
+
     def _data_offset(self, info: zipfile.ZipInfo) -> int:
         """Where an entry's bytes start in the span, from its checked local header."""
         name = raw_name(info)
-        header = self._read_at(info.header_offset, LOCAL_HEADER.size + len(name))
+        header = self._headers.get(info.filename)
+        if header is None:
+            header = self._read_at(info.header_offset, LOCAL_HEADER.size + len(name))
         return info.header_offset + check_local_header(header, info, name, self.path)
 
     def _inflate(self, info: zipfile.ZipInfo, at: int) -> bytearray:
@@ -237,6 +283,15 @@ class ZipPickle:
                 "(re-zipped?), and inflating one could be a zip bomb",
                 path=self.path,
                 hint="unzip it and zip it again without compression (zip -0)",
+            )
+        if self._remote:
+            # checked on first read instead: inspect of a remote file fetches no header
+            return ByteSource(
+                self.path,
+                0,
+                info.file_size,
+                zip_header_offset=self.start + info.header_offset,
+                zip_header_check=LocalHeaderCheck(info, raw_name(info), self.path),
             )
         # the local header is checked now, not on first read: inspect, which reads no
         # tensor bytes, refuses a disguised entry as convert does
@@ -305,6 +360,8 @@ class ZipPickle:
 
     def close(self) -> None:
         self.zip.close()
+        if self._stream is not None:  # zipfile leaves a file object it was given open
+            self._stream.close()
 
     def __enter__(self) -> ZipPickle:
         return self

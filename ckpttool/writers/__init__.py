@@ -149,9 +149,11 @@ def write_leaf(
 def _copy_raw(out: OutputFile, ref: TensorRef, progress: Progress | None) -> None:
     source = ref.storage.source
     if source.data is None:
-        source.resolve(out.inputs.fd(source.path))
-        start = source.offset + ref.offset * ref.dtype.itemsize
-        out.copy_from(source.path, start, ref.nbytes, progress)
+        start = ref.offset * ref.dtype.itemsize
+        if start < 0 or start + ref.nbytes > source.length:
+            raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+        source.resolve(out.inputs)
+        out.copy_from(source.path, source.offset + start, ref.nbytes, progress)
         return
     for chunk in _raw_chunks(ref):
         out.write(chunk)

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..formats.dcp import METADATA_FILE
 from ..output import DCP_FILES, FolderLayout
 from ..tensors import torch_dtype
 from . import output_dtype, refuse_sparse
@@ -31,7 +32,6 @@ __all__ = ["TO", "layout", "plan", "write"]
 
 TO = "dcp"
 DATA_FILE = "__0_0.distcp"
-METADATA_FILE = ".metadata"
 
 
 def layout(options: WriteOptions) -> FolderLayout | None:

@@ -39,15 +39,19 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from .. import sources
 from ..errors import CkptError
 from ..progress import Progress
 from ..sources import OpenFiles
+from ..spans import local_fd
 
 BUFFER_BYTES = 16 << 20  # one staging buffer
 BUFFERS = 4  # one being filled, up to three being written: a disk takes several at once
 ALIGNMENT = 4096  # O_DIRECT offsets and sizes: a multiple of any disk's logical block
 WRITEBACK_BYTES = 64 << 20  # without O_DIRECT: start writeback this often
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# a remote input fills one staging buffer with this many ranges, fetched side by side
+SPANS_PER_BUFFER = 4
 
 
 class OutputFile:
@@ -119,12 +123,21 @@ class OutputFile:
             view = view[len(target) :]
 
     def copy_from(self, path: str, offset: int, nbytes: int, progress: Progress | None) -> None:
-        """Append ``nbytes`` at ``offset`` of ``path``, read straight into the buffers."""
-        src, done = self.inputs.fd(path), 0
+        """Append ``nbytes`` at ``offset`` of ``path``, read straight into the buffers.
+
+        A local file is read with ``preadv`` into each staging buffer; any other (a URL)
+        through its source's ``read_spans``, a buffer's worth of ranges at a time, so a
+        remote source fetches them side by side while memory stays the staging ring's.
+        """
+        fd = local_fd(path, self.inputs)
+        if fd is None:
+            self._copy_spans(path, offset, nbytes, progress)
+            return
+        done = 0
         while done < nbytes:
             target = self._room(nbytes - done)
             try:
-                n = os.preadv(src, [target], offset + done)
+                n = os.preadv(fd, [target], offset + done)
             except OSError as exc:  # the input's fault, not the output's
                 raise CkptError(f"cannot read the input ({exc.strerror})", path=path) from None
             if n == 0:
@@ -133,6 +146,21 @@ class OutputFile:
             done += n
             if progress:
                 progress(n)
+        sources.source_for(path).count(nbytes)
+
+    def _copy_spans(self, path: str, offset: int, nbytes: int, progress: Progress | None) -> None:
+        source, done = sources.source_for(path), 0
+        while done < nbytes:
+            target = self._room(nbytes - done)
+            step = max(1, -(-len(target) // SPANS_PER_BUFFER))
+            spans = [
+                (target[at : at + step], offset + done + at) for at in range(0, len(target), step)
+            ]
+            source.read_spans(path, spans)
+            self._filled(target)
+            done += len(target)
+            if progress:
+                progress(len(target))
 
     def _room(self, nbytes: int) -> memoryview:
         """Where the next bytes go: at most ``nbytes`` of the current buffer's free space."""

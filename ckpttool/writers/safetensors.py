@@ -15,7 +15,7 @@ __all__ = ["TO", "layout", "plan", "write"]
 
 TO = "safetensors"
 SHARD_NAME = "model-{index:05d}-of-{count:05d}.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
+INDEX_NAME = HF_SHARDS.last  # the name is defined once, with the layout --force may replace
 HEADER_ALIGN = 8  # safetensors pads the header so tensor data starts 8-byte aligned
 
 
