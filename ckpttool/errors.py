@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import errno
 import functools
+import re
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+# a URL's user:password@ and its ?query (pre-signed signatures, tokens): never shown
+URL_SECRETS = re.compile(
+    r"\b([A-Za-z][A-Za-z0-9+.-]+://)([^/\s@]*@)?([^\s?#]*)(\?[^\s#]*?)?(#\S*?)?(?=[:,;)]?(?:\s|$))"
+)
 
 
 class CkptError(Exception):
@@ -32,7 +39,7 @@ class CkptError(Exception):
         text = f"{self.path}: {self.message}" if self.path else self.message
         if self.hint:
             text += f" ({self.hint})"
-        return " ".join(text.split())
+        return URL_SECRETS.sub(r"\1\3", " ".join(text.split()))
 
 
 class InputNotFoundError(CkptError, FileNotFoundError):

@@ -77,7 +77,7 @@ class RangeServer:
     def handle(self, req: BaseHTTPRequestHandler, head: bool) -> None:
         if req.path.startswith("/api/") or "/resolve/" in req.path:
             return self.hub(req, head)
-        mode, _, rel = req.path.lstrip("/").partition("/")
+        mode, _, rel = req.path.split("?", 1)[0].lstrip("/").partition("/")
         rng = req.headers.get("Range")
         with self.lock:
             self.requests.append((req.command, req.path, rng))

@@ -148,6 +148,32 @@ def test_inspect_reports_its_transfer(copies):
     assert "transfer:" not in local_text.stdout
 
 
+def test_merge_and_diff_cli_on_s3(copies, tmp_path):
+    local, _, s3_prefix = copies
+    outputs = []
+    for name, source in (("remote", s3_prefix), ("local", str(local) + "/")):
+        out = tmp_path / f"{name}.pt"
+        proc = run_cli("merge", source + "composer/ep0-ba4-rank*.pt", "-o", out)
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]
+    proc = run_cli("diff", s3_prefix + "dcp", local / "dcp")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("diff", s3_prefix + "ddp/ep0-rank0.pt", local / "ddp" / "ep0-rank1.pt")
+    assert proc.returncode in (0, 1), proc.stderr
+
+
+def test_load_into_from_s3(copies):
+    import torch
+
+    local, _, s3_prefix = copies
+    want = ckpttool.load(str(local / "dcp"))
+    model = {k: torch.zeros_like(v) for k, v in want.items()}
+    result = ckpttool.load_into(model, s3_prefix + "dcp")
+    assert not result.missing_keys and not result.unexpected_keys
+    assert_identical(model, want, ordered=False)
+
+
 def test_convert_from_s3_glob_cli(copies, tmp_path):
     local, _, s3_prefix = copies
     out_remote, out_local = tmp_path / "r.safetensors", tmp_path / "l.safetensors"
@@ -198,3 +224,21 @@ def test_missing_extra_cli(copies, tmp_path):
     finally:
         os.environ["PYTHONPATH"] = env_path
     check_error(proc, 2, "needs the package s3fs", "pip install 'ckpttool[s3]'")
+
+
+def test_secrets_in_urls_are_never_shown(copies):
+    _, http_prefix, _ = copies
+    url = http_prefix.replace("http://", "http://user:s3cret@").replace("/ok/", "/gone/")
+    proc = run_cli("inspect", url + "ddp/ep0-rank0.pt?X-Amz-Signature=deadbeef")
+    line = check_error(proc, 2)
+    assert "s3cret" not in line and "deadbeef" not in line
+    assert http_prefix.replace("/ok/", "/gone/") + "ddp/ep0-rank0.pt: " in line
+
+
+def test_a_url_with_a_query_is_no_pattern(copies):
+    """A pre-signed URL (its signature in the query) is read as it is."""
+    local, http_prefix, _ = copies
+    got = ckpttool.read(http_prefix + "ddp/ep0-rank0.pt?X-Amz-Signature=deadbeef")
+    assert got.format == "torch-zip"
+    with pytest.raises(ckpttool.CkptError, match="HTTP cannot expand a pattern"):
+        ckpttool.read(http_prefix + "composer/ep0-ba4-rank*.pt")

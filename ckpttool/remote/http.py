@@ -192,6 +192,18 @@ class HttpSource(RemoteSource):
             "of a DCP folder's .distcp files, Megatron's metadata.json) or list the files",
         )
 
+    def glob(self, pattern: str) -> list[str]:
+        """HTTP has no listing: a URL whose only ``?`` starts its query (a pre-signed
+        URL) is no pattern, and matches itself if it exists; a real pattern is refused."""
+        parts = urllib.parse.urlsplit(pattern)
+        if not any(c in parts.path for c in "*?["):
+            return [pattern] if self.exists(pattern) else []
+        raise CkptError(
+            "HTTP cannot expand a pattern (no listing)",
+            path=redact(pattern),
+            hint="list the files, or read the folder from s3:// or hf://",
+        )
+
     def _fetch_into(self, path: str, view: memoryview, offset: int, stat: Stat) -> None:
         whole = self._whole.get(path)
         if whole is not None:
