@@ -234,7 +234,7 @@ class RemoteSource(sources.Source):
                 for _ in pool.map(lambda job: job(), jobs):
                     pass
 
-    def _fetch_bytes(self, path: str, offset: int, size: int) -> bytes:
+    def _fetch_bytes(self, path: str, offset: int, size: int) -> bytearray:
         """``size`` bytes at ``offset`` in one request (the read-ahead's chunks)."""
         buf = bytearray(size)
         self._fetch_into(path, memoryview(buf), offset, self.stat(path))

@@ -27,7 +27,7 @@ MAX_STREAMS = 2
 @dataclass
 class _Stream:
     start: int
-    data: bytes
+    data: bytes | bytearray
     next_start: int = 0
     next: Future | None = None
 
@@ -35,7 +35,7 @@ class _Stream:
 class Streams:
     """Sequential read-ahead over ``fetch(path, offset, size) -> bytes``."""
 
-    def __init__(self, fetch: Callable[[str, int, int], bytes]) -> None:
+    def __init__(self, fetch: Callable[[str, int, int], bytes | bytearray]) -> None:
         self._fetch = fetch
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self._runs: dict[str, tuple[int, int]] = {}  # path -> (end of last read, bytes in order)
