@@ -14,7 +14,7 @@ import importlib
 import os
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .. import sources
 from ..errors import CkptError, InputNotFoundError, UnsafeError, translate_errors
@@ -32,6 +32,16 @@ from . import (
     torchscript,
 )
 from .prescan import Prescan
+
+
+class Reader(Protocol):
+    """What every format module has: its id, a content check and a lazy read."""
+
+    FORMAT: str
+
+    def detect(self, path: str, head: bytes) -> bool: ...
+
+    def read(self, path: str, *, permissive: bool = False) -> Checkpoint: ...
 
 
 class _OnFirstUse:
@@ -52,8 +62,8 @@ run_folders = _OnFirstUse("run_folders")
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
 # a DCP folder's data files are read as their folder, so DCP comes first; a Megatron
 # torch_dist folder is a DCP folder with more beside it, so it comes before DCP.
-FOLDER_FORMATS = [megatron, dcp, sharded_index, dcp_hf, deepspeed]
-FILE_FORMATS = [
+FOLDER_FORMATS: list[Reader] = [megatron, dcp, sharded_index, dcp_hf, deepspeed]
+FILE_FORMATS: list[Reader] = [
     megatron,
     dcp,
     torchscript,
@@ -64,7 +74,7 @@ FILE_FORMATS = [
     torch_legacy,
 ]
 # Readers whose files may hold per-rank shards (ShardedTensor / DTensor leaves).
-PICKLE_FORMATS = (torch_zip, torch_legacy)
+PICKLE_FORMATS: tuple[Reader, ...] = (torch_zip, torch_legacy)
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
 # DeepSpeed: a run's folder names its newest tag folder in this file (global_step20,
 # or "checkpoint" inside a Lightning DeepSpeed .ckpt folder), as zero_to_fp32.py reads it
@@ -285,7 +295,7 @@ def _deepspeed_latest(folder: str) -> str | None:
     return target if sources.isdir(target) else None
 
 
-def _read(fmt, path: str, unsafe: bool) -> Checkpoint:
+def _read(fmt: Reader, path: str, unsafe: bool) -> Checkpoint:
     try:
         return fmt.read(path, permissive=unsafe)
     except (CkptError, UnsafeError):
