@@ -194,7 +194,6 @@ def _read_ranges(ref: Any, ranges: Ranges) -> Any:
     """The elements of ``ref`` at ``ranges`` (one per dim), read as little as possible."""
     import torch
 
-    from .fastload import _shard_ref
     from .tensors import storage_bytes, torch_dtype
 
     out_shape = [len(r) for r in ranges]
@@ -222,7 +221,7 @@ def _read_ranges(ref: Any, ranges: Ranges) -> Any:
                 local.append(range(r[lo] - o, r[hi - 1] - o + 1, r.step))
                 placed.append(slice(lo, hi))
             else:
-                inner = _shard_ref(shard) or shard.tensor
+                inner = shard.tensor.tensor_ref()
                 if tuple(inner.shape) != tuple(shard.sizes):
                     raise CkptError(
                         f"shard at offsets {list(shard.offsets)} has shape "

@@ -554,9 +554,9 @@ class SourceFile(io.RawIOBase):
                 return tail_at, self._edges[tail_at]
         if self._block:
             at = pos - pos % self._block
-            data = self._blocks.get(at)
-            if data is not None:
-                return at, data
+            block = self._blocks.get(at)
+            if block is not None:
+                return at, block
         return None
 
     def close(self) -> None:

@@ -93,16 +93,17 @@ def _read_elements(ref: TensorRef, dt: torch.dtype) -> torch.Tensor:
     return tensor
 
 
-def storage_bytes(storage: StorageRef, start: int, size: int) -> torch.Tensor:
-    """``size`` bytes of a storage from ``start``, as a flat uint8 CPU tensor.
+def storage_bytes(storage: StorageRef | None, start: int, size: int) -> torch.Tensor:
+    """``size`` bytes of a storage from ``start``, as a flat uint8 CPU tensor (CkptError
+    for a storage whose bytes were never saved).
 
     Inside a ``load`` session with ``mmap`` on, a copy-on-write view of the mapped file
     where the bytes allow it (little-endian, aligned, in a local file); else one read
     into a buffer of its own (through the file's source: a URL is read by range).
     """
-    source = storage.source
-    if source is None:
+    if storage is None or storage.source is None:
         raise CkptError("tensor has no stored data (saved on the meta device)")
+    source = storage.source
     session = current_session()
     if session is not None and session.mmap and not storage.big_endian:
         view = map_span(

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict, TypeGuard, Union
 
 from . import sources
 from .dtypes import DType
@@ -546,7 +546,15 @@ class Checkpoint(Mapping):
 MAX_REPR_KEYS = 6
 
 
-def verdicts(*parts: Checkpoint) -> dict[str, list[str]]:
+class Verdicts(TypedDict):
+    """The keyword arguments of :class:`Checkpoint` that judge its pickles' globals."""
+
+    globals: list[str]
+    dangerous: list[str]
+    unverified: list[str]
+
+
+def verdicts(*parts: Checkpoint) -> Verdicts:
     """``globals``, ``dangerous`` and ``unverified`` of several checkpoints read as one
     (keyword arguments for :class:`Checkpoint`)."""
     dangerous = {g for part in parts for g in part.dangerous}

@@ -224,7 +224,7 @@ def _quiet_buffer_errors() -> Iterator[None]:
 
 
 def load_pickle(
-    data: bytes | IO[bytes],
+    data: bytes | bytearray | memoryview | IO[bytes],
     persistent_load: Callable[[Any], Any] | None = None,
     *,
     path: object = None,

@@ -18,7 +18,7 @@ import importlib
 import os
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .. import sources
 from ..errors import CkptError, InputNotFoundError, UnsafeError, translate_errors
@@ -36,6 +36,16 @@ from . import (
     torchscript,
 )
 from .prescan import Prescan
+
+
+class Reader(Protocol):
+    """What every format module has: its id, a content check and a lazy read."""
+
+    FORMAT: str
+
+    def detect(self, path: str, head: bytes) -> bool: ...
+
+    def read(self, path: str, *, permissive: bool = False) -> Checkpoint: ...
 
 
 class _OnFirstUse:
@@ -56,8 +66,8 @@ run_folders = _OnFirstUse("run_folders")
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
 # a DCP folder's data files are read as their folder, so DCP comes first; a Megatron
 # torch_dist folder is a DCP folder with more beside it, so it comes before DCP.
-FOLDER_FORMATS = [megatron, dcp, sharded_index, dcp_hf, deepspeed]
-FILE_FORMATS = [
+FOLDER_FORMATS: list[Reader] = [megatron, dcp, sharded_index, dcp_hf, deepspeed]
+FILE_FORMATS: list[Reader] = [
     megatron,
     dcp,
     torchscript,
@@ -288,7 +298,7 @@ def _deepspeed_latest(folder: str) -> str | None:
     return target if sources.isdir(target) else None
 
 
-def _read(fmt, path: str, unsafe: bool) -> Checkpoint:
+def _read(fmt: Reader, path: str, unsafe: bool) -> Checkpoint:
     try:
         return fmt.read(path, permissive=unsafe)
     except (CkptError, UnsafeError):

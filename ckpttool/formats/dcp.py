@@ -179,7 +179,8 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         key = _attrs(index)
         offset = key.get("offset")
         spans[(key.get("fqn"), tuple(offset) if offset is not None else None)] = _attrs(info)
-    planner = meta.get("planner_data") if isinstance(meta.get("planner_data"), dict) else {}
+    planner_data = meta.get("planner_data")
+    planner = planner_data if isinstance(planner_data, dict) else {}
     ranks = {
         m.group(1)
         for i in spans.values()

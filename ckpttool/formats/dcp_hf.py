@@ -35,20 +35,24 @@ def detect(path: str, head: bytes) -> bool:
     if sources.isdir(path):
         names = [n for n in sources.listdir(path) if n.endswith(".safetensors")]
         shards = _shard_files(path)
-        return bool(names) and len(shards) == len(names) and _written_by_dcp(shards)
+        return bool(names) and len(shards) == len(names) and _written_by_dcp(list(shards))
     if not SHARD_FILE_RE.match(sources.basename(path)) or not is_safetensors(path, head):
         return False
     # its own metadata may be the damaged part: a sibling DCP wrote says what it is
-    return _written_by_dcp([path]) or _written_by_dcp(_shard_files(sources.dirname(path) or "."))
+    return _written_by_dcp([path]) or _written_by_dcp(
+        list(_shard_files(sources.dirname(path) or "."))
+    )
 
 
-def _shard_files(folder: str) -> list[str]:
-    """The folder's files named as DCP names its shard files."""
-    return [sources.join(folder, n) for n in sources.listdir(folder) if SHARD_FILE_RE.match(n)]
-
-
-def _shard_index(path: str) -> int:
-    return int(SHARD_FILE_RE.match(sources.basename(path)).group(1))
+def _shard_files(folder: str) -> dict[str, int]:
+    """The folder's files named as DCP names its shard files, with the number each name
+    gives (from 1)."""
+    found: dict[str, int] = {}
+    for name in sources.listdir(folder):
+        m = SHARD_FILE_RE.match(name)
+        if m:
+            found[sources.join(folder, name)] = int(m.group(1))
+    return found
 
 
 def _written_by_dcp(paths: list[str]) -> bool:
@@ -63,7 +67,8 @@ def _written_by_dcp(paths: list[str]) -> bool:
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     folder = path if sources.isdir(path) else sources.dirname(path) or "."
-    files = _shard_files(folder)
+    numbers = _shard_files(folder)
+    files = list(numbers)
     blocks: dict[str, list[Shard]] = {}
     for file in files:
         header, data_start = read_header(file)
@@ -73,7 +78,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             raise CkptError(
                 f"no {DCP_SHARDING_KEY} in its metadata: its blocks cannot be placed", path=file
             )
-        rank = _shard_index(file) - 1  # DCP numbers its shard files from 1
+        rank = numbers[file] - 1  # DCP numbers its shard files from 1
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -85,17 +90,18 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
                     path=file,
                 )
             blocks.setdefault(name, []).append(Shard(where, ref.shape, ref, rank))
-    world_size = max(map(_shard_index, files))
+    world_size = max(numbers.values())
     root = {name: _global(name, shards, world_size) for name, shards in blocks.items()}
     return Checkpoint(format=FORMAT, files=files, root=root, world_size=world_size)
 
 
 def _global(name: str, shards: list[Shard], world_size: int) -> ShardedRef:
-    dtypes = {s.tensor.dtype.name for s in shards}
+    dtypes = {s.tensor.tensor_ref().dtype.name for s in shards}  # blocks are stored tensors
     if len(dtypes) > 1:
         raise CkptError(f"tensor {name!r}: its blocks have different dtypes {sorted(dtypes)}")
     shape = tuple(
         max(s.offsets[d] + s.sizes[d] for s in shards) for d in range(len(shards[0].sizes))
     )
     check_coverage(name, shape, shards)
-    return ShardedRef(shards[0].tensor.dtype, shape, shards, kind="dcp", world_size=world_size)
+    dtype = shards[0].tensor.tensor_ref().dtype
+    return ShardedRef(dtype, shape, shards, kind="dcp", world_size=world_size)

@@ -27,7 +27,7 @@ from typing import Any
 from .. import sources
 from ..errors import CkptError, UnsafeError
 from ..torch_values import check_shape
-from ..tree import Checkpoint, TensorRef, is_tensor
+from ..tree import Checkpoint, ShardedRef, TensorRef, is_tensor
 from . import torch_zip
 from .deepspeed_flat import Piece, as_float32, rebuild
 from .deepspeed_zero import OPTIMIZER_STATE_DICT, PARTITIONED_GROUPS, ZeroLayout, int_value
@@ -176,20 +176,21 @@ class Reader:
         if stage == 3 and shapes:
             others = [self.model_states(model_files, r, 3)[1] for r in range(1, world)]
             fragments += [mapping(mapping(s).get("frozen_param_fragments")) for s in others]
-        out = {}
+        out: dict[str, TensorRef | ShardedRef] = {}
         for name, shape in shapes.items():
             shape = _shape(name, shape)
             frags = [f.get(name) for f in fragments]
-            if not all(isinstance(f, TensorRef) for f in frags):
+            refs = [f for f in frags if isinstance(f, TensorRef)]
+            if len(refs) != len(frags):
                 raise CkptError(f"frozen parameter {name!r}: no fragment in the model states")
             if stage != 3:
-                if tuple(frags[0].shape) != shape:
-                    raise CkptError(f"frozen parameter {name!r}: shape {list(frags[0].shape)}")
-                out[name] = frags[0]
+                if tuple(refs[0].shape) != shape:
+                    raise CkptError(f"frozen parameter {name!r}: shape {list(refs[0].shape)}")
+                out[name] = refs[0]
                 continue
             numel, part = math.prod(shape), math.ceil(math.prod(shape) / world)
             pieces = [
-                Piece(r, f, 0, max(0, min(part, numel - r * part))) for r, f in enumerate(frags)
+                Piece(r, f, 0, max(0, min(part, numel - r * part))) for r, f in enumerate(refs)
             ]
             out[name] = rebuild(name, shape, pieces, world)
         return out
@@ -224,10 +225,11 @@ def _stage(osd: Mapping) -> int:
 
 def _world_size(count: Any, where: str) -> int:
     # ZeRO-2 records a count per group (expert groups may differ): the largest is the world
-    counts = [int_value(c) for c in (count if isinstance(count, (list, tuple)) else [count])]
-    if not counts or any(c is None or c < 1 for c in counts) or max(counts) > 1 << 20:
+    values = [int_value(c) for c in (count if isinstance(count, (list, tuple)) else [count])]
+    counts = [c for c in values if c is not None and c >= 1]
+    if not counts or len(counts) != len(values) or max(counts) > 1 << 20:
         raise CkptError(f"{where}: corrupt partition_count {count!r}")
-    return max(counts)  # type: ignore[type-var]
+    return max(counts)
 
 
 def mapping(value: Any) -> Mapping:

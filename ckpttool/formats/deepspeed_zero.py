@@ -52,7 +52,9 @@ class ZeroLayout:
     def rebuild(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(fp32 parameters by name, the optimizer state by parameter name)."""
         places = self._places_z3() if self.stage == 3 else self._places_z12()
-        params, state, members = {}, {}, [[] for _ in self.flats[0]]
+        params: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        members: list[list[str]] = [[] for _ in self.flats[0]]  # parameter names per group
         for name, (shape, group, pieces) in places.items():
             params[name] = rebuild(name, shape, pieces(self.flats), self.world)
             members[group].append(name)

@@ -207,8 +207,8 @@ def read(
             element of a tensor exactly once.
     """
     loaded: dict[int, Checkpoint] = {}
-    named = [_name_rank(p) for p in paths]
-    if None in named or len(set(named)) != len(named):  # no rank in the names: ask the content
+    named = [rank for rank in map(_name_rank, paths) if rank is not None]
+    if len(named) != len(paths) or len(set(named)) != len(named):  # ask the content
         by_rank: dict[int, str] = {}
         for position, path in enumerate(paths):
             ckpt = first if path == first.files[0] else read_file(path)
@@ -219,7 +219,9 @@ def read(
             by_rank[rank], loaded[rank] = path, ckpt
     else:
         by_rank = dict(zip(named, paths, strict=True))
-        loaded[_name_rank(first.files[0])] = first
+        first_rank = _name_rank(first.files[0])
+        if first_rank is not None:  # always: ``first`` is one of ``paths``
+            loaded[first_rank] = first
     base_rank = min(by_rank)
     base = loaded.get(base_rank) or read_file(by_rank[base_rank])
     loaded[base_rank] = base

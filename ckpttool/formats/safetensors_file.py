@@ -83,7 +83,10 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
     return obj
 
 

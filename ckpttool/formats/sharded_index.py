@@ -107,13 +107,13 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             raise CkptError(f"tensor {name!r} is not in {shard_name}", path=index_path)
         root[name] = ref
     pickled = [s.checkpoint for s in shards.values() if s.checkpoint is not None]
-    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
+    metadata = index.get("metadata")
     return Checkpoint(
         format=pickled[0].format if pickled else FORMAT,
         files=[index_path, *shards],
         root=root,
         **verdicts(*pickled),
-        metadata=dict(metadata),
+        metadata=dict(metadata) if isinstance(metadata, dict) else {},
     )
 
 

@@ -177,6 +177,7 @@ class ZipPickle:
                 path=self.path,
             )
         at = self._data_offset(info)
+        data: bytes | bytearray
         if info.compress_type == zipfile.ZIP_STORED:
             data = self._read_at(at, info.file_size)
         elif info.compress_type == zipfile.ZIP_DEFLATED:

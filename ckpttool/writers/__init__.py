@@ -26,7 +26,7 @@ from .. import sharding
 from ..dtypes import DType
 from ..errors import CkptError, UsageError
 from ..progress import Progress
-from ..tree import SparseRef, TensorRef
+from ..tree import ByteSource, SparseRef, TensorRef
 from .output_file import OutputFile
 
 __all__ = [
@@ -110,8 +110,15 @@ def tensor_bytes(tensor: Any) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
 
 
+def _stored_bytes(ref: TensorRef) -> ByteSource:
+    """Where a raw part's bytes lie (:func:`raw_parts` gives only tensors that have them)."""
+    if ref.storage is None or ref.storage.source is None:
+        raise CkptError("tensor has no stored data (saved on the meta device)")
+    return ref.storage.source
+
+
 def _raw_chunks(ref: TensorRef) -> Iterator[memoryview]:
-    source, base = ref.storage.source, ref.offset * ref.dtype.itemsize
+    source, base = _stored_bytes(ref), ref.offset * ref.dtype.itemsize
     for at in range(0, ref.nbytes, CHUNK_BYTES):
         yield memoryview(source.read(base + at, min(CHUNK_BYTES, ref.nbytes - at)))
 
@@ -147,11 +154,13 @@ def write_leaf(
 
 
 def _copy_raw(out: OutputFile, ref: TensorRef, progress: Progress | None) -> None:
-    source = ref.storage.source
+    source = _stored_bytes(ref)
     if source.data is None:
         start = ref.offset * ref.dtype.itemsize
         if start < 0 or start + ref.nbytes > source.length:
             raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+        if source.path is None:  # as ByteSource.read says
+            raise CkptError("tensor bytes have no file")
         source.resolve(out.inputs)
         out.copy_from(source.path, source.offset + start, ref.nbytes, progress)
         return

@@ -19,7 +19,7 @@ import io
 import pickle
 import struct
 import zlib
-from typing import Any
+from typing import Any, SupportsIndex
 
 from ..dtypes import DTYPES, STORAGE_CLASSES, DType, check_dtype
 from ..errors import CkptError
@@ -132,7 +132,7 @@ class _Reduced:
     def __init__(self, func: _TorchGlobal, args: tuple[Any, ...]):
         self.func, self.args = func, args
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         return (self.func, self.args)
 
 
@@ -145,17 +145,19 @@ class _Storage:
 def _tensor(storage: _Storage, shape: tuple[int, ...], requires_grad: bool = False) -> _Reduced:
     """``_rebuild_tensor_v2(storage, 0, size, stride, requires_grad, {})``, as torch
     pickles a tensor."""
-    stride, acc = [], 1
+    stride: list[int] = []
+    acc = 1
     for n in reversed(shape):
         stride.append(acc)
         acc *= max(n, 1)
+    backward_hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
     args = (
         storage,
         0,
         pickle_value(TorchSize(shape)),
         tuple(reversed(stride)),
         requires_grad,
-        collections.OrderedDict(),
+        backward_hooks,
     )
     if storage.dtype.name in _STORAGE_FOR_DTYPE:
         return _Reduced(torch_global("torch._utils", "_rebuild_tensor_v2"), args)
@@ -179,14 +181,23 @@ def pickle_value(value: TorchValue) -> Any:
 
 
 class _Pickler(pickle._Pickler):  # the Python pickler: its dispatch table can be extended
+    """The pure-Python pickler with torch's globals written by name and every other
+    global checked.
+
+    It uses ``pickle._Pickler``'s undocumented internals, which typeshed leaves out or
+    types wrongly (hence the ``type: ignore``): ``write`` and ``memoize`` (set and
+    defined by ``_Pickler`` itself), ``save`` and ``save_global`` (its methods), and
+    ``dispatch``, whose functions take the pickler (typeshed says an Unpickler).
+    """
+
     dispatch = pickle._Pickler.dispatch.copy()
 
     def save_torch_global(self, obj: _TorchGlobal) -> None:
         check_writable(obj.module, obj.name)
-        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-        self.memoize(obj)
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())  # type: ignore[attr-defined]
+        self.memoize(obj)  # type: ignore[attr-defined]
 
-    dispatch[_TorchGlobal] = save_torch_global
+    dispatch[_TorchGlobal] = save_torch_global  # type: ignore[assignment]
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         # every other GLOBAL the Python pickler would write (OrderedDict, _codecs.encode
@@ -196,13 +207,13 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its dispatch table can b
         if not isinstance(module, str) or not isinstance(qualname, str):
             raise CkptError(f"cannot write a {type(obj).__name__} (unusual input)")
         check_writable(module, qualname)
-        super().save_global(obj, name)
+        super().save_global(obj, name)  # type: ignore[misc]
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         allowed = type(obj) in _PICKLABLE or any(obj is g for g in _PICKLED_GLOBALS)
         if not allowed and self.persistent_id(obj) is None:
             raise CkptError(f"cannot write a {type(obj).__name__} (unusual input)")
-        super().save(obj, save_persistent_id)
+        super().save(obj, save_persistent_id)  # type: ignore[misc]
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
@@ -390,7 +401,8 @@ class _Planner:
         else:
             reduced = self._dense(leaf, grad and not parameter)
         if parameter:
-            args = (reduced, grad, collections.OrderedDict())
+            backward_hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+            args = (reduced, grad, backward_hooks)
             return _Reduced(torch_global("torch._utils", "_rebuild_parameter"), args)
         return reduced
 
