@@ -79,7 +79,7 @@ class StoreSource(RemoteSource):
         """The fsspec file system, made again in a forked child (the readers' prescan):
         async file systems (s3fs) refuse to be used across a fork."""
         if self._pid != os.getpid():
-            import fsspec  # type: ignore[import-untyped]
+            import fsspec
 
             try:
                 self._fs = fsspec.filesystem(self.scheme, skip_instance_cache=self._pid != -1)
@@ -207,7 +207,7 @@ class StoreSource(RemoteSource):
 
     def _s3_range(self, path: str, offset: int, size: int, stat: Stat) -> bytes:
         """One GetObject of bytes ``offset..offset+size-1`` of the version seen first."""
-        from fsspec.asyn import sync  # type: ignore[import-untyped]
+        from fsspec.asyn import sync
 
         bucket, key, version = self.fs.split_path(self._bare(path))
         tags = dict(stat.tag)
