@@ -36,6 +36,7 @@ FILES = [
     ("gpu_saved.pt", "torch-zip"),
     ("dcp/__0_0.distcp", "dcp"),  # one .distcp: its folder's .metadata names the rest
     ("megatron/gpt/metadata.json", "megatron"),
+    ("boundary.safetensors", "safetensors"),  # a header of exactly 100,000 bytes
 ]
 # folders, and a rank's file whose siblings are found by listing: S3 only (HTTP has
 # no listing)
@@ -67,6 +68,7 @@ def copies(tmp_path_factory):
     # larger than the first read window (two ranged GETs) and than what a server
     # without Range support may send whole
     torch.save({"w": torch.arange(400_000, dtype=torch.float32)}, local / "big.pt")
+    write_boundary_safetensors(local / "boundary.safetensors")
     http = RangeServer(local)
     s3 = S3Server()
     undo = s3.configure()
@@ -77,6 +79,22 @@ def copies(tmp_path_factory):
     undo()
     s3.close()
     http.close()
+
+
+def write_boundary_safetensors(path: Path) -> None:
+    """A safetensors file whose JSON header is exactly 100,000 bytes, the size
+    huggingface_hub's remote header read got wrong (hf_hub#4602)."""
+    import struct
+
+    header = {
+        "__metadata__": {"format": "pt"},
+        "a": {"dtype": "F32", "shape": [4, 5], "data_offsets": [0, 80]},
+        "b": {"dtype": "I64", "shape": [3], "data_offsets": [80, 104]},
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (100_000 - len(text))
+    data = bytes(range(104))
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
 def targets(names, prefix: str) -> list[str] | str:

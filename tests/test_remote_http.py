@@ -139,6 +139,8 @@ def test_bad_servers_are_one_line_errors(server, source, mode, message):
         source.read(url, 1_000_000, 10)  # the etag variant changes on this request
     assert "\n" not in str(info.value)
     assert info.value.exit_code == 2
+    if mode in ("gone", "denied"):  # a 4xx is never retried
+        assert server.hits[(mode, "a.bin")] == 1
     if mode == "gone":
         assert isinstance(info.value, InputNotFoundError)
 
