@@ -185,7 +185,7 @@ class RemoteSource(sources.Source):
         if self._streams.read(path, view, offset, stat.size):
             return
         if size > MAX_WINDOW:
-            self._fetch_into(path, view, offset, stat)
+            self._fetch_parts(path, view, offset, stat)
             return
         self._read_cached(path, view, offset, stat)
 
@@ -221,17 +221,31 @@ class RemoteSource(sources.Source):
         for group in groups:
             if len(group) == 1:  # straight into the view, in parts
                 offset, view = group[0]
-                for at in range(0, len(view), PART):
-                    part = view[at : at + PART]
-                    jobs.append(functools.partial(self._fetch_into, path, part, offset + at, stat))
+                jobs += self._parts(path, view, offset, stat)
             else:
                 jobs.append(functools.partial(self._fetch_group, path, group, stat))
+        self._run(jobs)
+
+    def _parts(
+        self, path: str, view: memoryview, offset: int, stat: Stat
+    ) -> list[Callable[[], None]]:
+        """Fetches of ``view`` in parts of at most ``PART`` bytes, each into its slice."""
+        return [
+            functools.partial(self._fetch_into, path, view[at : at + PART], offset + at, stat)
+            for at in range(0, len(view), PART)
+        ]
+
+    def _fetch_parts(self, path: str, view: memoryview, offset: int, stat: Stat) -> None:
+        self._run(self._parts(path, view, offset, stat))
+
+    @staticmethod
+    def _run(jobs: list[Callable[[], None]]) -> None:
+        """Run fetches on at most ``THREADS`` threads; the first failure is raised."""
         if len(jobs) == 1:
             jobs[0]()
         elif jobs:
             with ThreadPoolExecutor(min(THREADS, len(jobs))) as pool:
-                # consumed in order: the first failure is raised
-                for _ in pool.map(lambda job: job(), jobs):
+                for _ in pool.map(lambda job: job(), jobs):  # consumed in order
                     pass
 
     def _fetch_bytes(self, path: str, offset: int, size: int) -> bytearray:
