@@ -12,6 +12,7 @@ remote source has none and callers fall back to :meth:`Source.read_into`.
 
 from __future__ import annotations
 
+import abc
 import fnmatch
 import glob as globlib
 import importlib
@@ -31,7 +32,7 @@ HEAD_BYTES = 512
 URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
-class Source:
+class Source(abc.ABC):
     """A file system holding checkpoint files, addressed by path strings.
 
     Subclasses implement the primitives (``size``, ``read_into``, ``listdir``,
@@ -52,10 +53,11 @@ class Source:
         self.requests += requests
 
     # -- primitives -------------------------------------------------------------------
+    @abc.abstractmethod
     def size(self, path: str) -> int:
         """The file's size in bytes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_into(self, path: str, view: memoryview, offset: int) -> None:
         """Fill ``view`` exactly with the file's bytes from ``offset``.
 
@@ -63,21 +65,22 @@ class Source:
             CkptError: The file ends before ``offset + len(view)`` (truncated), or the
                 bytes cannot be read.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of a folder's entries, sorted."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def isdir(self, path: str) -> bool:
-        raise NotImplementedError
+        """Whether ``path`` is a folder (an object-store prefix holding objects)."""
 
+    @abc.abstractmethod
     def exists(self, path: str) -> bool:
-        raise NotImplementedError
+        """Whether ``path`` is a file or a folder."""
 
+    @abc.abstractmethod
     def identity(self, path: str) -> Hashable:
         """A value that changes when the file does (size and mtime; ETag or version)."""
-        raise NotImplementedError
 
     # -- built on the primitives -----------------------------------------------------
     def isfile(self, path: str) -> bool:
@@ -125,7 +128,7 @@ class Source:
     def split(self, path: str) -> tuple[str, str]:
         return posixpath.split(path)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: most sources hold nothing open)
         """Release what the source keeps open (descriptors, connections)."""
 
 

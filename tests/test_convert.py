@@ -464,3 +464,19 @@ def test_quantized_tensors_keep_their_quantizer(tmp_path: Path, to):
         assert torch.equal(again["pc"].q_per_channel_scales(), sd["pc"].q_per_channel_scales())
         assert again["pt"].q_scale() == 0.1 and again["pt"].q_zero_point() == 3
     assert run_cli("diff", tmp_path / "q.pt", out).returncode == 0
+
+
+@pytest.mark.parametrize("to", ["safetensors", "pt"])
+def test_empty_views_past_their_storage_end_convert(tmp_path: Path, to):
+    """torch lets an empty view sit past its storage's end (a strided slice of a 1x1
+    tensor); it has no bytes to copy, so it is no truncated input."""
+    base = torch.arange(1.0).reshape(1, 1)
+    past_end = base[1:1:2, 1:1:2]
+    assert past_end.storage_offset() > base.numel()
+    torch.save({"empty": past_end, "w": torch.ones(2)}, tmp_path / "in.pt")
+    out = tmp_path / f"out.{'pt' if to == 'pt' else 'safetensors'}"
+    convert([str(tmp_path / "in.pt")], to=to, out=str(out))
+    got = load_file(out) if to == "safetensors" else torch.load(out, weights_only=True)
+    assert sorted(got) == ["empty", "w"]
+    assert got["empty"].shape == (0, 0) and torch.equal(got["w"], torch.ones(2))
+    assert ckpttool.load(tmp_path / "in.pt")["empty"].shape == (0, 0)
