@@ -30,7 +30,7 @@ from helpers import (
 from helpers_deepspeed import write_zero_tag
 
 import ckpttool
-from ckpttool import sources
+from ckpttool import source_file, sources
 from ckpttool.report import inspect_report
 
 # what a reader may fetch of one file for its metadata: a zip's head and tail and its
@@ -335,7 +335,7 @@ def test_source_file_reads_spans_the_same_both_ways(tmp_path, counting_source):
     path = tmp_path / "blob"
     path.write_bytes(data)
     for where in (str(path), counting_url(path)):
-        with sources.SourceFile(where, 100, 10000, edge=512) as f:
+        with source_file.SourceFile(where, 100, 10000, edge=512) as f:
             assert f.read(10) == data[100:110]
             f.seek(-20, 2)
             assert f.read() == data[10080:10100]
@@ -343,12 +343,12 @@ def test_source_file_reads_spans_the_same_both_ways(tmp_path, counting_source):
             assert f.read(5000) == data[3100:8100]
             assert f.seek(0, 2) == 10000 and f.read(5) == b""
         with pytest.raises(ckpttool.CkptError, match="runs past the end"):
-            sources.SourceFile(where, 100, len(data))
+            source_file.SourceFile(where, 100, len(data))
         # the block cache: any read, anywhere, in any order, gives the file's bytes
         import random
 
         rng = random.Random(0)
-        with sources.SourceFile(where, 7, len(data) - 7, edge=0, block=64) as f:
+        with source_file.SourceFile(where, 7, len(data) - 7, edge=0, block=64) as f:
             for _ in range(300):
                 at, n = rng.randrange(len(data)), rng.choice([1, 8, 63, 64, 65, 200, 5000])
                 f.seek(at)

@@ -19,7 +19,7 @@ import re
 from collections.abc import Hashable
 from typing import Any
 
-from .. import sources
+from .. import source_file, sources
 from ..dtypes import DType
 from ..errors import CkptError
 from ..policy import MAX_NESTING
@@ -168,7 +168,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     seen: set[str] = set()
     from ..unpickler import load_pickle
 
-    with sources.open_input(meta_path) as f:
+    with source_file.open_input(meta_path) as f:
         metadata = load_pickle(f, path=meta_path, permissive=permissive, seen=seen)
     meta = _attrs(metadata)
     entries = meta.get("state_dict_metadata")

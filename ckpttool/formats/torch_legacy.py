@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import sources
+from .. import source_file, sources
 from ..errors import CkptError
 from ..torch_values import Device, check_storage_reference
 from ..tree import ByteSource, Checkpoint, Opaque, StorageRef, opaque_class
@@ -42,7 +42,7 @@ def detect(path: str, head: bytes) -> bool:
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     seen: set[str] = set()
     size = sources.getsize(path)
-    with sources.open_input(path) as f:
+    with source_file.open_input(path) as f:
         magic = load_pickle(f, path=path, seen=seen)
         if magic != MAGIC_NUMBER:
             raise CkptError(
@@ -125,7 +125,7 @@ def _read_counts(f: Any, positions: list[int], size: int) -> list[bytes]:
     buffer: each is followed by megabytes of data), empty where the file ends first.
     A remote file's are fetched together (:meth:`Source.read_spans`)."""
     raw = f.raw
-    if not isinstance(raw, sources.SourceFile):
+    if not isinstance(raw, source_file.SourceFile):
         fd = raw.fileno()
         return [os.pread(fd, 8, at) if at + 8 <= size else b"" for at in positions]
     counts = [bytearray(8 if at + 8 <= size else 0) for at in positions]

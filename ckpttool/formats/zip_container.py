@@ -12,7 +12,7 @@ import zipfile
 import zlib
 from collections.abc import Hashable
 
-from .. import sources
+from .. import source_file, sources
 from ..errors import CkptError
 from ..zip_records import END as _END
 from ..zip_records import LOCAL_HEADER, ZIP_MAGIC
@@ -119,7 +119,7 @@ def _read(path: str, offset: int, size: int, tail: bytes, tail_start: int) -> by
     return bytes(sources.read(path, offset, size))
 
 
-class FileSpan(sources.SourceFile):
+class FileSpan(source_file.SourceFile):
     """A read-only, seekable view of ``length`` bytes of a file from ``start``.
 
     zipfile reads an archive in many small pieces: its directory from the end, each
