@@ -136,3 +136,33 @@ def counting_source():
     finally:
         sources._FACTORIES.pop("counting", None)
         sources._SOURCES.pop("counting", None)
+
+
+@pytest.fixture
+def small_buffers(monkeypatch):
+    """OutputFile with three 8 KiB staging buffers: a few KB written or copied cross
+    buffers (and O_DIRECT blocks) and start writes, a copy spans several ranges each."""
+    from ckpttool.writers import output_file
+
+    monkeypatch.setattr(output_file, "BUFFER_BYTES", 8192)
+    monkeypatch.setattr(output_file, "BUFFERS", 3)
+
+
+@pytest.fixture(params=["direct", "page cache"])
+def mode(request, monkeypatch, tmp_path: Path) -> str:
+    """OutputFile's two I/O modes: O_DIRECT (skipped where the file system refuses it)
+    and the page cache."""
+    import os
+
+    from ckpttool.writers import output_file
+
+    if request.param == "page cache":
+        monkeypatch.setattr(output_file, "_O_DIRECT", 0)
+    else:
+        probe = str(tmp_path / "probe")
+        fd, direct = output_file._open_output(probe)
+        os.close(fd)
+        os.remove(probe)
+        if not direct:
+            pytest.skip("this file system refuses O_DIRECT")
+    return request.param

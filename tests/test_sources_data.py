@@ -27,7 +27,7 @@ from ckpttool.mapped import Reader, map_span
 from ckpttool.sharding import raw_parts
 from ckpttool.spans import read_span_into
 from ckpttool.tree import ByteSource, ShardedRef, TensorRef, iter_tensors
-from ckpttool.writers import output_file, write_leaf
+from ckpttool.writers import write_leaf
 from ckpttool.writers.output_file import OutputFile
 from tests.helpers import counting_url, write_dcp
 
@@ -347,27 +347,6 @@ def test_diff_finds_a_changed_value_through_urls(counting_source, safetensors_fi
 
 
 # ---------------------------------------------------------------- writers
-
-
-@pytest.fixture
-def small_buffers(monkeypatch):
-    """Three 8 KiB buffers: a copy spans several buffers and several ranges per buffer."""
-    monkeypatch.setattr(output_file, "BUFFER_BYTES", 8192)
-    monkeypatch.setattr(output_file, "BUFFERS", 3)
-
-
-@pytest.fixture(params=["direct", "page cache"])
-def mode(request, monkeypatch, tmp_path: Path) -> str:
-    if request.param == "page cache":
-        monkeypatch.setattr(output_file, "_O_DIRECT", 0)
-    else:
-        probe = str(tmp_path / "probe")
-        fd, direct = output_file._open_output(probe)
-        os.close(fd)
-        os.remove(probe)
-        if not direct:
-            pytest.skip("this file system refuses O_DIRECT")
-    return request.param
 
 
 def test_copy_from_a_url_writes_what_the_local_copy_writes(

@@ -26,27 +26,6 @@ from ckpttool.writers.output_file import OutputFile
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
-@pytest.fixture
-def small_buffers(monkeypatch):
-    """Three 8 KiB buffers: every few KB written crosses a buffer and starts a write."""
-    monkeypatch.setattr(output_file, "BUFFER_BYTES", 8192)
-    monkeypatch.setattr(output_file, "BUFFERS", 3)
-
-
-@pytest.fixture(params=["direct", "page cache"])
-def mode(request, monkeypatch, tmp_path: Path) -> str:
-    if request.param == "page cache":
-        monkeypatch.setattr(output_file, "_O_DIRECT", 0)
-    else:
-        probe = str(tmp_path / "probe")
-        fd, direct = output_file._open_output(probe)
-        os.close(fd)
-        os.remove(probe)
-        if not direct:
-            pytest.skip("this file system refuses O_DIRECT")
-    return request.param
-
-
 def _write_mixed(out: OutputFile, source: Path, rng: random.Random) -> tuple[bytearray, list]:
     """Appends, file copies and CRC ranges of random sizes; returns the expected bytes."""
     source_bytes = source.read_bytes()

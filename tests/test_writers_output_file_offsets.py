@@ -15,25 +15,8 @@ from ckpttool.writers.output_file import OutputFile
 BLOCK = output_file.ALIGNMENT
 
 
-@pytest.fixture(autouse=True)
-def small_buffers(monkeypatch):
-    """Three 8 KiB buffers: a part of a few KB crosses buffers and blocks."""
-    monkeypatch.setattr(output_file, "BUFFER_BYTES", 8192)
-    monkeypatch.setattr(output_file, "BUFFERS", 3)
-
-
-@pytest.fixture(params=["direct", "page cache"])
-def mode(request, monkeypatch, tmp_path: Path) -> str:
-    if request.param == "page cache":
-        monkeypatch.setattr(output_file, "_O_DIRECT", 0)
-    else:
-        probe = str(tmp_path / "probe")
-        fd, direct = output_file._open_output(probe)
-        os.close(fd)
-        os.remove(probe)
-        if not direct:
-            pytest.skip("this file system refuses O_DIRECT")
-    return request.param
+# every part crosses buffers and blocks (conftest: three 8 KiB buffers)
+pytestmark = pytest.mark.usefixtures("small_buffers")
 
 
 def _cuts(size: int, rng: random.Random) -> list[int]:

@@ -26,7 +26,7 @@ from ..errors import CkptError
 from ..output import FolderLayout
 from ..plain import TorchValue, to_plain
 from ..torch_values import TORCH_LAYOUTS, Device, TorchName, TorchSize
-from ..tree import SparseRef, StorageRef, TensorRef
+from ..tree import SparseRef, StorageRef, TensorRef, contiguous_stride
 from ..zip_records import (
     CENTRAL_HEADER,
     CENTRAL_HEADER_SIGNATURE,
@@ -145,17 +145,12 @@ class _Storage:
 def _tensor(storage: _Storage, shape: tuple[int, ...], requires_grad: bool = False) -> _Reduced:
     """``_rebuild_tensor_v2(storage, 0, size, stride, requires_grad, {})``, as torch
     pickles a tensor."""
-    stride: list[int] = []
-    acc = 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
     backward_hooks: collections.OrderedDict[Any, Any] = collections.OrderedDict()
     args = (
         storage,
         0,
         pickle_value(TorchSize(shape)),
-        tuple(reversed(stride)),
+        contiguous_stride(shape),
         requires_grad,
         backward_hooks,
     )
