@@ -169,6 +169,8 @@ def write(part: Part, out: OutputFile, progress: Progress | None = None) -> Writ
         raise CkptError(f"internal error: part at {part.offset} written at {out.pos}")
     written = Written()
     crcs = written.crcs
+    # pieces written as zeros until the CRCs they need are known: offset -> (needs, build)
+    waiting: dict[int, tuple[tuple[int, ...], Callable[[Crcs], bytes]]] = {}
     for piece in part.pieces:
         if piece.data is not None:
             out.write(piece.data)
@@ -176,7 +178,7 @@ def write(part: Part, out: OutputFile, progress: Progress | None = None) -> Writ
             ready = all(n in crcs for n in piece.needs)
             out.write(piece.build(crcs) if ready else bytes(piece.nbytes))
             if not ready:
-                written.pending.append(piece.offset)
+                waiting[piece.offset] = (piece.needs, piece.build)
         else:
             if piece.check is not None:
                 piece.check.load("cpu")  # torch.load would refuse an invalid sparse tensor
@@ -185,11 +187,19 @@ def write(part: Part, out: OutputFile, progress: Progress | None = None) -> Writ
             write_leaf(out, piece.leaf, piece.cast, progress)
             if piece.crc:
                 crcs[piece.offset] = out.end_crc32()
+                # a zip entry's header waits for its data's CRC: patched now, in the
+                # staging buffer while it is still there (free), else after the last
+                # write; left for complete() only when its CRCs are in other parts
+                for offset, (needs, build) in list(waiting.items()):
+                    if all(n in crcs for n in needs):
+                        out.patch(offset, build(crcs))
+                        del waiting[offset]
         if out.pos != piece.end:
             raise CkptError(
                 f"internal error: {out.pos - piece.offset} bytes written at {piece.offset}, "
                 f"{piece.nbytes} planned"
             )
+    written.pending = list(waiting)
     return written
 
 
