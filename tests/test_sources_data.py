@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import counting_url, write_dcp
 from safetensors.torch import load_file, save_file
 
 import ckpttool
@@ -29,7 +30,6 @@ from ckpttool.spans import read_span_into
 from ckpttool.tree import ByteSource, ShardedRef, TensorRef, iter_tensors
 from ckpttool.writers import write_leaf
 from ckpttool.writers.output_file import OutputFile
-from tests.helpers import counting_url, write_dcp
 
 # ---------------------------------------------------------------- checkpoints
 
