@@ -12,6 +12,7 @@ into its slice of the caller's view: memory stays what the caller allocated.
 
 from __future__ import annotations
 
+import abc
 import functools
 import os
 import posixpath
@@ -150,12 +151,13 @@ class RemoteSource(sources.Source):
             super().count(nbytes, requests)
 
     # -- for subclasses ----------------------------------------------------------------
+    @abc.abstractmethod
     def _stat(self, path: str) -> Stat:
-        raise NotImplementedError
+        """First contact: the object's size and identity tags."""
 
+    @abc.abstractmethod
     def _fetch_into(self, path: str, view: memoryview, offset: int, stat: Stat) -> None:
         """Fill ``view`` from ``offset`` with one (retried) ranged request, checked."""
-        raise NotImplementedError
 
     # -- primitives --------------------------------------------------------------------
     def stat(self, path: str) -> Stat:
