@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from . import sources
-from .errors import CkptError, OutputExistsError
+from .errors import CkptError, OutputExistsError, UsageError
 
 
 def _host_name() -> str:
@@ -77,7 +77,18 @@ def output_path(out: str, default_name: str, *, folder_output: bool) -> str:
     ``OUT/`` (a trailing slash) or an existing folder means "into this folder": a
     single-file output gets ``default_name`` inside it; a folder output (shards, DCP)
     is written into OUT itself.
+
+    Raises:
+        UsageError: OUT is a URL: inputs may be remote, outputs are written locally
+            (``file://`` paths are local).
     """
+    if sources.is_url(out):
+        raise UsageError(
+            "the output must be a local path: ckpttool reads from URLs but writes locally",
+            path=out,
+            hint="write it to a local -o, then upload it",
+        )
+    out = sources.strip_file_scheme(out)
     into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
     if folder_output:
         return out.rstrip(os.sep + (os.altsep or "")) or out

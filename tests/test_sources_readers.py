@@ -379,3 +379,33 @@ def test_outputs_named_after_url_inputs_are_local(tmp_path, counting_source):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize(
+    "out, shown",
+    [
+        ("s3://bucket/out", "s3://bucket/out"),
+        # credentials and a pre-signed query never reach the message
+        ("https://user:secret@host/out", "https://host/out"),
+    ],
+)
+def test_url_outputs_are_refused_and_nothing_is_written(tmp_path, out, shown):
+    """Inputs may be URLs, outputs are local: a URL -o is exit 2, not a local folder
+    named ``s3:`` that the message would call the bucket."""
+    source = fixture_path("ddp/ep0-rank0.pt")
+    query = "?X-Amz-Signature=abc" if "secret" in out else ""
+    for command, suffix in (("convert", ".safetensors"), ("merge", ".pt")):
+        args = ["--to", "safetensors"] if command == "convert" else []
+        proc = run_cli(command, source, *args, "-o", out + suffix + query, cwd=tmp_path)
+        line = check_error(proc, 2, f"{shown}{suffix}: the output must be a local path")
+        assert "secret" not in line and "Signature" not in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_url_output_is_a_local_path(tmp_path):
+    source = fixture_path("ddp/ep0-rank0.pt")
+    proc = run_cli(
+        "convert", source, "--to", "safetensors", "-o", f"file://{tmp_path}/o.safetensors"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(ckpttool.load(tmp_path / "o.safetensors")) == sorted(ckpttool.load(source))
