@@ -404,8 +404,7 @@ def test_url_outputs_are_refused_and_nothing_is_written(tmp_path, out, shown):
 
 def test_file_url_output_is_a_local_path(tmp_path):
     source = fixture_path("ddp/ep0-rank0.pt")
-    proc = run_cli(
-        "convert", source, "--to", "safetensors", "-o", f"file://{tmp_path}/o.safetensors"
-    )
+    out = f"file://{tmp_path}/o.safetensors"
+    proc = run_cli("convert", source, "--to", "safetensors", "-o", out, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert sorted(ckpttool.load(tmp_path / "o.safetensors")) == sorted(ckpttool.load(source))
