@@ -3,9 +3,13 @@ clear error for each way a server can go wrong (tests/servers.py has the variant
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from servers import RangeServer
@@ -282,3 +286,111 @@ def test_reading_in_order_reads_ahead_in_large_chunks(server, source, monkeypatc
     # 4 reads of their own, then 2 MiB chunks (the next one fetched in the background)
     assert len(server.requests) <= 4 + -(-len(want) // (2 << 20)) + 1
     assert source.bytes_read <= len(want) + (2 << 20)
+
+
+# one way (or none) each answer to a ranged GET is wrong; "ok" most often
+ANSWERS = ["ok"] * 4 + [
+    "status", "content_range", "content_length", "short", "long", "etag",
+    "junk_range", "huge_total", "negative_length", "no_headers", "whole_body",
+]  # fmt: skip
+
+
+class _HostileHandler(BaseHTTPRequestHandler):
+    """Answers HEAD truthfully, then each ranged GET in a way drawn from ``ANSWERS``."""
+
+    protocol_version = "HTTP/1.1"
+    data = b""
+    rng = random.Random(0)
+    lock = threading.Lock()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.data)))
+        self.send_header("ETag", '"a"')
+        self.end_headers()
+
+    def do_GET(self) -> None:  # noqa: N802
+        with self.lock:
+            kind = self.rng.choice(ANSWERS)
+            jitter = [self.rng.randint(-3, 3) for _ in range(3)]
+            status_code = self.rng.choice([200, 204, 301, 400, 416, 429, 500, 503])
+        first, last = map(int, self.headers["Range"][len("bytes=") :].split("-"))
+        body, status, etag = self.data[first : last + 1], 206, '"a"'
+        content_range = f"bytes {first}-{last}/{len(self.data)}"
+        length = len(body)
+        if kind == "status":
+            status = status_code
+        elif kind == "content_range":
+            content_range = (
+                f"bytes {first + jitter[0]}-{last + jitter[1]}/{len(self.data) + jitter[2]}"
+            )
+        elif kind == "content_length":
+            length += jitter[0] or 1
+        elif kind == "short":
+            body = body[: len(body) // 2]
+        elif kind == "long":
+            body += b"x" * 10
+        elif kind == "etag":
+            etag = '"b"'
+        elif kind == "junk_range":
+            content_range = ["", "bytes */*", "bytes x-y/z", "items 0-1/2"][jitter[0] % 4]
+        elif kind == "huge_total":
+            content_range = f"bytes {first}-{last}/{10**30}"
+        elif kind == "negative_length":
+            length = -5
+        elif kind == "whole_body":
+            status, body, content_range, length = 200, self.data, "", len(self.data)
+        self.send_response(status)
+        if kind != "no_headers":
+            if content_range:
+                self.send_header("Content-Range", content_range)
+            self.send_header("Content-Length", str(length))
+            self.send_header("ETag", etag)
+            if status == 301:
+                self.send_header("Location", self.path)
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            self.wfile.write(body)
+        if kind in ("short", "long", "no_headers", "content_length", "negative_length"):
+            self.close_connection = True
+
+
+def test_hostile_answers_give_the_right_bytes_or_one_clear_error(monkeypatch):
+    """Seeded: whatever way a server's answer is wrong, a read gives exactly the file's
+    bytes or a CkptError, never other bytes, another exception, or a hang."""
+    monkeypatch.setattr(base, "BACKOFF", 0.0)
+    monkeypatch.setattr(http, "TIMEOUT", 5.0)
+    _HostileHandler.data = random.Random(1).randbytes(300_000)
+    _HostileHandler.rng = random.Random(2)
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request: object, client_address: object) -> None:
+            pass  # the client hung up on a refused answer
+
+    server = Server(("127.0.0.1", 0), _HostileHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    src = HttpSource("http")
+    rng = random.Random(3)
+    outcomes = {"right": 0, "refused": 0}
+    try:
+        for i in range(200):
+            url = f"http://127.0.0.1:{server.server_address[1]}/f{i}.bin"  # fresh state
+            offset = rng.randrange(len(_HostileHandler.data))
+            view = memoryview(bytearray(rng.randint(1, len(_HostileHandler.data) - offset)))
+            try:
+                src.read_into(url, view, offset)
+            except CkptError:
+                outcomes["refused"] += 1
+                continue
+            assert bytes(view) == _HostileHandler.data[offset : offset + len(view)], i
+            outcomes["right"] += 1
+    finally:
+        src.close()
+        server.shutdown()
+        server.server_close()
+    assert outcomes["right"] > 20 and outcomes["refused"] > 20, outcomes
