@@ -179,9 +179,8 @@ def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str], list[str]]
     """(globals, dangerous, unverified) of a torch zip's pickle, judged without rebuilding."""
     from .zip_pickle import ZIP_MAGIC, ZipPickle
 
-    if (
-        sources.read_head(path, len(ZIP_MAGIC)) != ZIP_MAGIC
-    ):  # legacy rank files: rare, read them in full
+    if sources.read_head(path, len(ZIP_MAGIC)) != ZIP_MAGIC:
+        # legacy rank files: rare, read them in full
         ckpt = _read_one(path, unsafe)
         return ckpt.globals, ckpt.dangerous, ckpt.unverified
     seen: set[str] = set()
