@@ -52,20 +52,11 @@ def output_stem(inputs: Sequence[str]) -> tuple[str, str]:
     """(folder, stem) of the input an output is named after: ``/d/ep0-rank0.pt`` ->
     (``/d``, ``ep0``). Per-rank inputs drop their rank: one output for all ranks."""
     first = sources.strip_file_scheme(inputs[0])
-    if sources.is_url(first):  # the output is local: in the current folder
-        folder, name = "", sources.basename(first.rstrip("/"))
-    else:
-        first = os.path.normpath(first)
-        folder, name = os.path.split(first)
+    # the output is local: a URL input's goes in the current folder
+    folder = "" if sources.is_url(first) else os.path.dirname(os.path.normpath(first))
+    name = sources.input_name(first)
     stem = name.split(".", 1)[0] if not sources.isdir(first) else name
     return folder, re.sub(r"[-_]?rank\*?\d*$", "", stem) or stem
-
-
-def _input_name(path: str) -> str:
-    """The last part of an input's path (``ep3`` of ``s3://bucket/run/ep3/``)."""
-    if sources.is_url(path):
-        return sources.basename(path.rstrip("/"))
-    return os.path.basename(os.path.normpath(path))
 
 
 def unused_name(folder: str, stem: str, suffix: str, inputs: Sequence[str]) -> str:
@@ -173,7 +164,7 @@ def convert(
         cast=cast,
         location=map_location or "cpu",
         max_shard_size=shard_limit,
-        metadata={"source": _input_name(first)},
+        metadata={"source": sources.input_name(first)},
     )
     layout = writer.layout(options)
     if out is None:

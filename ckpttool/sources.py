@@ -19,6 +19,7 @@ import importlib
 import os
 import posixpath
 import re
+import urllib.parse
 from collections.abc import Callable, Hashable, Sequence
 
 from .errors import CkptError, InputNotFoundError
@@ -368,6 +369,16 @@ def dirname(path: str) -> str:
 
 def basename(path: str) -> str:
     return split(path)[1]
+
+
+def input_name(path: str) -> str:
+    """The last part of an input's path, to name outputs after (``ep3`` of
+    ``s3://bucket/run/ep3/``, ``model.pt`` of ``https://host/model.pt?X-Amz-Signature=..``):
+    never a URL's query or fragment, which may hold a signature."""
+    path = strip_file_scheme(path)
+    if is_url(path):
+        path = urllib.parse.urlsplit(path).path
+    return posixpath.basename(posixpath.normpath(path)) if path else ""
 
 
 # -- names a file gives for other files of its checkpoint ----------------------------

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, assert_identical, check_error, run_cli
+from helpers import ROOT, assert_identical, check_error, run_cli, safetensors_header
 from servers import RangeServer, S3Server
 
 import ckpttool
@@ -260,3 +260,18 @@ def test_a_url_with_a_query_is_no_pattern(copies):
     assert got.format == "torch-zip"
     with pytest.raises(ckpttool.CkptError, match="HTTP cannot expand a pattern"):
         ckpttool.read(http_prefix + "composer/ep0-ba4-rank*.pt")
+
+
+def test_outputs_named_after_a_presigned_url_carry_no_signature(copies, tmp_path):
+    """An output named after a URL input takes the last part of its path: a pre-signed
+    URL's signature goes neither into the file name nor into the safetensors metadata."""
+    _, http_prefix, _ = copies
+    url = http_prefix + "safetensors/model.safetensors?X-Amz-Signature=deadbeef"
+    proc = run_cli("convert", url, "--to", "safetensors", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+    assert safetensors_header(tmp_path / "model.safetensors")["__metadata__"] == {
+        "format": "pt",
+        "source": "model.safetensors",
+    }
+    assert "deadbeef" not in proc.stdout + proc.stderr
