@@ -79,7 +79,8 @@ def inspect_report(
         if pattern and not pattern.search(dotted(path)):
             continue
         entry = tensor_entry(path, ref)
-        entry["file"] = single_file or tensor_file(ref)
+        file = single_file or tensor_file(ref)
+        entry["file"] = None if file is None else sources.shown(file)
         if stats:
             entry["stats"] = tensor_stats(ref)
             if progress:
@@ -101,7 +102,7 @@ def inspect_report(
     ]
     return {
         "format": ckpt.format,
-        "files": list(ckpt.files),
+        "files": [sources.shown(f) for f in ckpt.files],  # (a URL's secrets never shown)
         "world_size": ckpt.world_size,
         "prefix": prefix,
         "model_key": None if model_path is None else json_key(model_path),

@@ -371,6 +371,21 @@ def basename(path: str) -> str:
     return split(path)[1]
 
 
+def shown(path: str) -> str:
+    """A path as ckpttool shows it (reports, messages): a URL without its user, password,
+    query or fragment (pre-signed signatures, tokens); anything else as it is."""
+    if not is_url(path):
+        return path
+    try:
+        parts = urllib.parse.urlsplit(path)
+    except ValueError:
+        return "<url>"
+    # user:password@ dropped (not with .hostname: it lowercases hf://User/...); in hf://
+    # an @ marks a revision (hf://gpt2@main/...), and its token never is in the URL
+    host = parts.netloc if parts.scheme == "hf" else parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"  # (urlunsplit drops an empty host's //)
+
+
 def input_name(path: str) -> str:
     """The last part of an input's path, to name outputs after (``ep3`` of
     ``s3://bucket/run/ep3/``, ``model.pt`` of ``https://host/model.pt?X-Amz-Signature=..``):

@@ -275,3 +275,20 @@ def test_outputs_named_after_a_presigned_url_carry_no_signature(copies, tmp_path
         "source": "model.safetensors",
     }
     assert "deadbeef" not in proc.stdout + proc.stderr
+
+
+def test_secrets_in_urls_are_not_in_reports(copies):
+    """inspect's own output (--json files and tensor files, the text view) shows a URL
+    without its user, password and query, as error messages do."""
+    _, http_prefix, _ = copies
+    url = http_prefix.replace("http://", "http://user:s3cret@") + "ddp/ep0-rank0.pt"
+    signed = url + "?X-Amz-Signature=deadbeef"
+    as_json = run_cli("inspect", "--json", signed)
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)
+    assert report["files"] == [http_prefix + "ddp/ep0-rank0.pt"]
+    assert {t["file"] for t in report["tensors"]} == {http_prefix + "ddp/ep0-rank0.pt"}
+    as_text = run_cli("inspect", "--full", signed, columns=200)
+    assert as_text.returncode == 0, as_text.stderr
+    for out in (as_json.stdout, as_text.stdout):
+        assert "s3cret" not in out and "deadbeef" not in out and "user:" not in out

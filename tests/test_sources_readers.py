@@ -408,3 +408,18 @@ def test_file_url_output_is_a_local_path(tmp_path):
     proc = run_cli("convert", source, "--to", "safetensors", "-o", out, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert sorted(ckpttool.load(tmp_path / "o.safetensors")) == sorted(ckpttool.load(source))
+
+
+@pytest.mark.parametrize(
+    "path, want",
+    [
+        ("/data/run/ep3-rank0.pt", "/data/run/ep3-rank0.pt"),
+        ("https://user:pw@host:8080/run/x.pt?X-Amz-Signature=abc#f", "https://host:8080/run/x.pt"),
+        ("s3://bucket/run/ep3/", "s3://bucket/run/ep3/"),
+        ("hf://Qwen/Qwen2-7B@main/model.safetensors", "hf://Qwen/Qwen2-7B@main/model.safetensors"),
+        ("hf://gpt2@main/model.safetensors", "hf://gpt2@main/model.safetensors"),
+        ("counting:///tmp/x.pt", "counting:///tmp/x.pt"),
+    ],
+)
+def test_shown_paths_drop_url_secrets_only(path, want):
+    assert sources.shown(path) == want

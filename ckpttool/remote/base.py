@@ -19,7 +19,6 @@ import posixpath
 import random
 import threading
 import time
-import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,16 +52,8 @@ class TransientError(Exception):
         self.retry_after = retry_after
 
 
-def redact(url: str) -> str:
-    """A URL as it may be shown: no user, password, query (signatures) or fragment."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return "<url>"
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+# a URL as it may be shown (no user, password, query or fragment): defined once, in sources
+redact = sources.shown
 
 
 def with_retries(call: Callable[[], T], url: str, what: str = "read") -> T:
