@@ -415,6 +415,12 @@ def child(folder: str, name: str, *, what: str = "file name", path: str | None =
     return join(folder, name)
 
 
+def is_file_name(name: str) -> bool:
+    """True for one name of a file in its folder (a shard, a rank's data file, a tag):
+    contained (see :func:`is_contained`) and no sub-folder either."""
+    return is_contained(name) and "/" not in name
+
+
 def is_contained(name: str) -> bool:
     """True for a relative name that stays inside its folder (see :func:`child`)."""
     if not isinstance(name, str) or not name or "\\" in name or "\0" in name:

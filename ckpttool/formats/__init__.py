@@ -291,7 +291,7 @@ def _deepspeed_latest(folder: str) -> str | None:
     tag = raw.decode("utf-8", "replace").strip()
     # a tag is one folder name beside it: "../other_run" or "s3://..." is not followed
     # (the folder then holds no checkpoint, and the error says so)
-    if "/" in tag or not sources.is_contained(tag):
+    if not sources.is_file_name(tag):
         return None
     target = sources.join(folder, tag)
     return target if sources.isdir(target) else None

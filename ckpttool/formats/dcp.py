@@ -227,7 +227,7 @@ def _span(folder: str, fqn: str, offset: tuple | None, spans: dict) -> tuple[str
 def _data_file(folder: str, info: dict, named_in: str) -> str:
     """The data file a storage entry names, inside the checkpoint's folder."""
     rel = str(info.get("relative_path"))
-    if "/" in rel or not sources.is_contained(rel):
+    if not sources.is_file_name(rel):
         raise CkptError(f"storage path {rel!r} leaves the folder", path=named_in)
     return sources.join(folder, rel)
 

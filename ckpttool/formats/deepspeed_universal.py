@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,7 +86,7 @@ def read_universal(reader: Reader, model_files: dict) -> Checkpoint:
 
 def param_file(name: str, key: str) -> str:
     """``zero/<name>/<key>.pt``; a name that would lead outside ``zero/`` is refused."""
-    if "/" in name or os.sep in name or not sources.is_contained(name):
+    if not sources.is_file_name(name):
         raise CkptError(f"parameter name {name!r} cannot name a folder of zero/")
     return f"{UNIVERSAL_DIR}/{name}/{key}.pt"
 

@@ -95,7 +95,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     root = {}
     for name, shard_name in index["weight_map"].items():
         shard_name = str(shard_name)
-        if "/" in shard_name or not sources.is_contained(shard_name):
+        if not sources.is_file_name(shard_name):
             raise CkptError(f"shard name {shard_name!r} leaves the folder", path=index_path)
         shard_path = sources.join(folder, shard_name)
         if shard_path not in shards:
