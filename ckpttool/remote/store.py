@@ -39,7 +39,7 @@ PACKAGES: dict[str, tuple[str, str]] = {
     "abfss": ("adlfs", "pip install adlfs"),
     "oci": ("ocifs", "pip install ocifs"),
     "oss": ("ossfs", "pip install ossfs"),
-    "webhdfs": ("fsspec", "pip install 'ckpttool[s3]'"),
+    "webhdfs": ("fsspec", "pip install fsspec"),
     "sftp": ("paramiko", "pip install paramiko"),
     "ssh": ("paramiko", "pip install paramiko"),
 }
