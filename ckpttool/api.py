@@ -7,7 +7,7 @@ from os import PathLike
 from typing import Any, BinaryIO
 
 from .errors import CkptError, translate_errors
-from .formats import read_checkpoint
+from .formats import gc_paused, read_checkpoint
 from .inputs import FileInput, is_file_like
 from .layout import (
     check_not_partitioned,
@@ -161,7 +161,7 @@ def materialize(node: Any, map_location: Any = "cpu", *, mmap: bool = False) -> 
             loaded[id(ref)] = as_saved(ref.load(map_location), ref)
         return loaded[id(ref)]
 
-    with loading(mmap):
+    with gc_paused(), loading(mmap):
         by_storage: dict[int, list[TensorRef]] = {}
         for _, ref in iter_tensors(node):
             if isinstance(ref, TensorRef) and ref.storage is not None:

@@ -17,8 +17,8 @@ import torch
 
 from .dtypes import DType
 from .errors import CkptError
-from .mapped import LoadSession, current_session
-from .tensors import as_saved, place, target_device, torch_dtype
+from .mapped import LoadSession, current_session, map_storage
+from .tensors import as_saved, place, storage_bytes, target_device, torch_dtype
 from .tree import ShardedRef, StorageRef, TensorRef
 
 STAGING_BUFFERS = 4
@@ -192,39 +192,52 @@ def shared_storage_tensors(refs: list[TensorRef], map_location: Any) -> dict[int
     storage = first.storage
     if storage is None or storage.source is None or storage.big_endian:
         return None
-    if any(r.kind != "tensor" or r.conj or r.neg or r.dtype != first.dtype for r in refs):
-        return None
     if callable(map_location) and not isinstance(map_location, (str, torch.device, dict)):
         return None
-    devices = {str(target_device(r.device, map_location)) for r in refs}
-    if len(devices) != 1:
+    dtype = first.dtype  # one shared object per dtype
+    device = str(target_device(first.device, map_location))
+    # [low, high): the elements of the storage the tensors cover
+    low, high = -1, -1
+    for r in refs:
+        if r.kind != "tensor" or r.conj or r.neg or r.dtype is not dtype:
+            return None
+        if r is not first and str(target_device(r.device, map_location)) != device:
+            return None
+        if 0 not in r.shape:
+            end = r.offset + 1 + sum((n - 1) * s for n, s in zip(r.shape, r.stride, strict=True))
+            low = r.offset if low < 0 else min(low, r.offset)
+            high = max(high, end)
+    if high < 0:
         return None
-    device = devices.pop()
-    itemsize = first.dtype.itemsize
-    spans = [
-        (r.offset, r.offset + 1 + sum((n - 1) * s for n, s in zip(r.shape, r.stride, strict=True)))
-        for r in refs
-        if r.numel
-    ]
-    if not spans:
-        return None
-    low, high = min(s for s, _ in spans), max(e for _, e in spans)
-    dt = torch_dtype(first.dtype)
+    itemsize = dtype.itemsize
+    dt = torch_dtype(dtype)
     session = current_session()
+    mapped = None
     if device.startswith("cuda") and session is not None:
-        base = empty_on((high - low,), first.dtype, device)
+        base = empty_on((high - low,), dtype, device)
         _stager(session, base.device).fill(flat_bytes(base), session, storage, low * itemsize)
     else:
-        from .tensors import storage_bytes
-
-        base = place(
-            storage_bytes(storage, low * itemsize, (high - low) * itemsize).view(dt), device
-        )
+        if device == "cpu" and session is not None and session.mmap:
+            mapped = map_storage(
+                storage.source,
+                low * itemsize,
+                (high - low) * itemsize,
+                storage.dtype.itemsize,
+                session.maps,
+                session.reader.files,
+            )
+        if mapped is None:
+            base = place(
+                storage_bytes(storage, low * itemsize, (high - low) * itemsize).view(dt), device
+            )
+    where = torch.device("cpu") if mapped is not None else base.device
     out = {}
     for r in refs:
-        if r.numel:
-            t = base.as_strided(r.shape, r.stride, r.offset - low)
+        if 0 in r.shape:
+            t = torch.empty(r.shape, dtype=dt, device=where)
+        elif mapped is not None:  # the tensor straight on the mapped storage (one call)
+            t = torch.empty(0, dtype=dt).set_(mapped, r.offset - low, r.shape, r.stride)
         else:
-            t = torch.empty(r.shape, dtype=dt, device=base.device)
+            t = base.as_strided(r.shape, r.stride, r.offset - low)
         out[id(r)] = as_saved(t, r)
     return out

@@ -23,39 +23,43 @@ from .spans import open_fd, read_span_into
 from .tree import ByteSource
 
 
-def _file_map(fd: int, path: str, maps: dict[tuple, Any]) -> Any:
-    # One map per version of a file (device, inode, size, mtime) and per load: writes
-    # to the tensors of one load (private pages) must not show in another's.
-    import torch
-
-    st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    found = maps.get(key)
+def _file_map(
+    local: str, path: str, fds: OpenFiles, maps: dict[str, tuple[int, Any]]
+) -> tuple[int, Any]:
+    """(size, map) of the local file ``local``: mapped on its first tensor of a load,
+    the same map for the rest (a private map per load: writes to the tensors of one
+    load must not show in another's)."""
+    found = maps.get(local)
     if found is None:
+        import torch
+
+        fd = open_fd(fds, local, path)
+        size = os.fstat(fd).st_size
         # torch's own map (what torch.load(mmap=True) uses): MAP_PRIVATE, and unlike
         # Python's mmap it keeps no descriptor open while tensors use it. Mapped
         # through our descriptor, so it is the file whose size was just checked.
         proc = f"/proc/self/fd/{fd}"
         try:
-            found = torch.UntypedStorage.from_file(
-                proc if os.path.exists(proc) else path, shared=False, nbytes=st.st_size
+            storage = torch.UntypedStorage.from_file(
+                proc if os.path.exists(proc) else local, shared=False, nbytes=size
             )
         except (OSError, RuntimeError) as exc:
             raise CkptError(f"cannot map the file ({exc})", path=path) from None
-        maps[key] = found
+        found = maps[local] = (size, storage)
     return found
 
 
-def map_span(
+def map_storage(
     source: ByteSource,
     start: int,
     size: int,
     itemsize: int,
-    maps: dict[tuple, Any],
+    maps: dict[str, tuple[int, Any]],
     files: OpenFiles | None = None,
 ) -> Any | None:
-    """A copy-on-write view of ``size`` bytes at ``start`` of ``source``: a flat uint8
-    CPU tensor whose memory is the file's pages, each read when first touched.
+    """A copy-on-write ``torch.UntypedStorage`` of ``size`` bytes at ``start`` of
+    ``source``: its memory is the file's pages, each read when first touched (a slice
+    of the file's one map, as ``torch.load(mmap=True)`` gives each saved storage).
 
     Returns None where mapping does not apply: bytes held in memory or in a file with
     no local path (a URL: the caller reads them instead), nothing to map, or a file
@@ -68,38 +72,50 @@ def map_span(
         CkptError: The span lies outside the stored bytes or past the end of the file
             (it is checked against the file's size before anything is mapped).
     """
-    import torch
-
     if source.data is not None or source.path is None or size <= 0:
         return None
     if start < 0 or start + size > source.length:
         raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
-    local = sources.local_path(source.path)
+    reader = sources.source_for(source.path)
+    local = reader.local_path(source.path)
     if local is None:
         return None
     own = files is None
     fds = OpenFiles() if files is None else files
     try:
-        fd = open_fd(fds, local, source.path)
         source.resolve(fds)
         begin = source.offset + start
         if begin % itemsize:
             return None
         end = begin + size
-        file_size = os.fstat(fd).st_size
-        if end > file_size:
-            raise CkptError(
-                f"tensor data runs {end - file_size} bytes past the end of the file (truncated?)",
-                path=source.path,
-            )
-        storage = _file_map(fd, local, maps)[begin:end]
+        file_size, whole = _file_map(local, source.path, fds, maps)
     finally:
         if own:
             fds.close()
+    if end > file_size:
+        raise CkptError(
+            f"tensor data runs {end - file_size} bytes past the end of the file (truncated?)",
+            path=source.path,
+        )
     # the pages are read through the map: count them as read (torch.load(mmap=True)
     # touches every one of them too)
-    sources.source_for(source.path).count(size)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    reader.count(size)
+    return whole[begin:end]
+
+
+def map_span(
+    source: ByteSource,
+    start: int,
+    size: int,
+    itemsize: int,
+    maps: dict[str, tuple[int, Any]],
+    files: OpenFiles | None = None,
+) -> Any | None:
+    """:func:`map_storage` as a flat uint8 CPU tensor (None where it gives None)."""
+    import torch
+
+    storage = map_storage(source, start, size, itemsize, maps, files)
+    return None if storage is None else torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 class Reader:
@@ -140,7 +156,7 @@ class LoadSession:
         self.mmap = mmap
         self.reader = Reader()
         self.stagers: dict[str, Any] = {}
-        self.maps: dict[tuple, Any] = {}  # file maps; the tensors keep them alive after close
+        self.maps: dict[str, tuple[int, Any]] = {}  # (size, map) per file; tensors keep maps alive
 
     def settle(self) -> None:
         """Wait until every device copy in flight has landed (tensors handed out are whole)."""

@@ -16,6 +16,9 @@ from .errors import CkptError
 from .torch_values import Device, TorchName, TorchSize, global_name
 from .tree import Opaque, StorageRef, TensorRef, is_tensor, walk
 
+# Values that are plain data as they are (exact types: a subclass may be a stand-in)
+SCALARS = frozenset({str, int, float, bool, type(None), bytes, complex})
+
 TorchValue = Device | DType | TorchName | TorchSize
 
 
@@ -85,6 +88,8 @@ def to_plain(
         return built
 
     def build(value: Any) -> Any:
+        if type(value) in SCALARS:  # most keys and leaves: nothing to build
+            return value
         if is_tensor(value):
             return leaf(value)
         if id(value) in memo:

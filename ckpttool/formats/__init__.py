@@ -159,11 +159,11 @@ def _read_checkpoint(paths: str | Sequence[str], unsafe: bool) -> Checkpoint:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a tree is built.
+    """No cyclic garbage collection while a tree is built (or its tensors made).
 
     Unpickling a real checkpoint creates many thousands of containers, no cycles: each
     allocation-triggered collection would walk the young ones again for nothing
-    (about a tenth of a per-rank inspect). Reference counting still frees what is
+    (about a tenth of a per-rank inspect, 5% of loading 5,000 tensors). Reference counting still frees what is
     dropped, and the collector runs once when it is switched back on.
     """
     was_enabled = gc.isenabled()
