@@ -301,6 +301,21 @@ def test_load_maps_tensor_bytes_copy_on_write(tmp_path, kind):
     assert all(torch.equal(again[k], v) for k, v in sd.items())
 
 
+@pytest.mark.parametrize("kind", MAPPED_KINDS)
+def test_a_mapped_tensor_holds_its_own_storage_not_the_file(tmp_path, kind):
+    """Each tensor's storage is the bytes saved for it, as ``torch.load(mmap=True)`` gives:
+    saving one loaded tensor writes that tensor, not the whole mapped file."""
+    sd = {"big": torch.randn(256, 256), "small": torch.arange(4, dtype=torch.int64)}
+    path, data_file = _write(kind, tmp_path, sd)
+    loaded = ckpttool.load(path)
+    assert mapped_from(loaded["big"], data_file) or kind == "dcp"
+    assert loaded["small"].untyped_storage().nbytes() == 4 * 8
+    assert loaded["big"].untyped_storage().nbytes() == 256 * 256 * 4
+    torch.save(loaded["small"], tmp_path / "one.pt")
+    assert (tmp_path / "one.pt").stat().st_size < 4096
+    assert torch.equal(torch.load(tmp_path / "one.pt", weights_only=True), sd["small"])
+
+
 def test_mapped_tensors_hold_no_file_descriptors(tmp_path):
     """A thousand live loads must not use up the process's descriptors."""
     import os
@@ -389,6 +404,7 @@ def test_load_is_bitwise_torch_load(sd, legacy, mmap):
     for name, tensor in expected.items():
         assert same_bits(got[name], tensor), name
         assert got[name].stride() == tensor.stride() or tensor.numel() <= 1, name
+
     # what shares a storage in torch.load's result shares one in ours
     def sharing(d):
         ptr = {k: t.untyped_storage().data_ptr() for k, t in d.items() if t.numel()}
