@@ -195,16 +195,25 @@ def judge(module: str, name: str) -> str:
         return KNOWN
     if is_dangerous(module, name):
         return DANGEROUS
-    if full in KNOWN_CLASSES or module.startswith("pathlib") or module == "builtins":
+    if full in KNOWN_CLASSES or module == "builtins":
         return KNOWN  # (builtins left here are data types and exceptions)
-    if module.split(".", 1)[0] == "__torch__":
+    root = module.split(".", 1)[0]
+    if root == "__torch__":
         return KNOWN  # TorchScript's own type names: nothing Python can import
-    if module == "torch._utils" and name.startswith("_rebuild_"):
-        return KNOWN  # torch's own tensor rebuilders, all on weights_only's list
-    if module.startswith("numpy.random") and name.startswith("__pyx_unpickle_"):
-        return KNOWN  # Cython's unpicklers of numpy's RNG classes (a Generator's seed)
-    last = name.rsplit(".", 1)[-1]
-    if module == "typing" or (_is_class_name(last) and full.startswith(KNOWN_CLASS_PACKAGES)):
+    # The rules by family name a global itself, never an attribute of one: a dotted
+    # name reaches a method (``pathlib.Path.touch``, ``symlink_to``), which the
+    # family's rule does not vouch for.
+    chain = name.split(".")
+    if len(chain) == 1 and (
+        (module == "torch._utils" and name.startswith("_rebuild_"))  # torch's tensor rebuilders
+        # Cython's unpicklers of numpy's RNG classes (a Generator's seed)
+        or (module.startswith("numpy.random") and name.startswith("__pyx_unpickle_"))
+        or (root == "pathlib" and _is_class_name(name))
+    ):
+        return KNOWN
+    # a class, or a class nested in one (ShardedTensor.ProcessGroupState)
+    classes = all(_is_class_name(part) for part in chain)
+    if module == "typing" or (classes and full.startswith(KNOWN_CLASS_PACKAGES)):
         return KNOWN
     return UNVERIFIED
 

@@ -311,6 +311,34 @@ CASES = [
         ("logging.FileHandler",),
         live=True,
     ),
+    # --- known globals that call what they are given, and methods of known classes
+    Case(
+        "pathlib-method-creates-file",  # the pathlib family is classes, not their methods
+        lambda m: checkpoint(
+            ("x", call(glob("pathlib", "Path.touch"), call(glob("pathlib", "Path"), text(m)))),
+            proto=PROTO4,
+        ),
+        3,
+        ("pathlib.Path.touch",),
+        live=True,
+    ),
+    Case(
+        "pathlib-method-links-a-file",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("pathlib", "Path.symlink_to"),
+                    call(glob("pathlib", "Path"), text(m)),
+                    text("/etc/hostname"),
+                ),
+            ),
+            proto=PROTO4,
+        ),
+        3,
+        ("pathlib.Path.symlink_to",),
+        live=True,
+    ),
     Case(
         "torch-save-creates-file",
         lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),
