@@ -120,11 +120,56 @@ def _constructor(ctor: Any) -> Any:
     return build
 
 
+def calls(target: Any) -> None:
+    """The real function calls ``target``: judged as if the pickle called it.
+
+    A stand-in class on no allow-list (``FileHandler``) or an object (a partial) is
+    noted by its own call, and the file is refused; a class on an allow-list, or one
+    of our own stand-in functions, is fine. Values that are no callable stand-in are
+    left alone: the real call would fail on them.
+    """
+    if isinstance(target, Opaque) or (isinstance(target, type) and issubclass(target, Opaque)):
+        target()
+
+
 def _reconstructor(cls, base, state=None):
-    # copyreg._reconstructor(cls, object, None) == object.__new__(cls)
+    # copyreg._reconstructor(cls, base, state) runs base.__new__(cls, state) and, where
+    # base has its own __init__, base.__init__(obj, state): a call of base
+    # (object, or dict for a dict subclass, in real files)
+    calls(base)
     if isinstance(cls, type) and issubclass(cls, Opaque):
         return cls.make()  # object.__new__(cls): creates, calls nothing
     return opaque_class("copyreg", "_reconstructor").make(cls, base, state)
+
+
+def _calling_argument(full: str) -> Any:
+    """The known function ``full`` that calls its argument at ``CALLS_ARGUMENT[full]``:
+    that call is judged (:func:`calls`), the result is an inert object of its class."""
+    module, name = full.rsplit(".", 1)
+    position = CALLS_ARGUMENT[full]
+    cls = opaque_class(module, name, known=True)
+
+    def stand_in(*args: Any, **kwargs: Any) -> Opaque:
+        if len(args) > position:
+            calls(args[position])
+        return cls.make(*args, **kwargs)
+
+    stand_in.__name__ = name
+    return stand_in
+
+
+# Known functions that call one of their arguments (position): numpy's RNG
+# constructors call the constructor they are given (``__bit_generator_ctor`` in real
+# files); torch's subclass rebuilders call the rebuild function; copyreg's
+# reconstructor its base. A globals scan judges these calls as a full read does.
+CALLS_ARGUMENT = {
+    "copyreg._reconstructor": 1,
+    "torch._tensor._rebuild_from_type": 0,
+    "torch._tensor._rebuild_from_type_v2": 0,
+    "numpy.random._pickle.__randomstate_ctor": 1,
+    "numpy.random._pickle.__generator_ctor": 1,
+    "numpy.random._pickle.__bit_generator_ctor": 0,
+}
 
 
 def _newobj(cls, *args):
@@ -179,4 +224,9 @@ SAFE_GLOBALS: dict[str, Any] = {
     "torch.jit._pickle.build_boollist": _identity,
     "torch.jit._pickle.build_tensor_from_id": _identity,
     "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: value,
+    **{
+        full: _calling_argument(full)
+        for full in CALLS_ARGUMENT
+        if full.startswith("numpy.random._pickle.")
+    },
 }

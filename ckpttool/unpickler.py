@@ -27,7 +27,7 @@ from .dtypes import DTYPES, STORAGE_CLASSES
 from .errors import CkptError, UnsafeError
 from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
-from .stand_ins import SAFE_GLOBALS
+from .stand_ins import CALLS_ARGUMENT, SAFE_GLOBALS
 from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
 from .tree import Opaque, opaque_class
 
@@ -156,6 +156,9 @@ class GlobalsScanner(SafeUnpickler):
         value = super().find_class(module, name)
         if value == self._getattr:
             return value
+        position = CALLS_ARGUMENT.get(".".join(python3_name(module, name)))
+        if position is not None:
+            return _absorb_calling(position)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
             # getattr may look into it; calling it is judged as in a full read
             return _named_absorb(value.module, value.qualname, value.known)
@@ -172,6 +175,19 @@ class GlobalsScanner(SafeUnpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return _ABSORB
+
+
+def _absorb_calling(position: int) -> Callable[..., _Sink]:
+    """What a scan hands out for a known function that calls its argument at ``position``
+    (:data:`~ckpttool.stand_ins.CALLS_ARGUMENT`): that call is judged as a full read
+    judges it (a global on no allow-list, or an object, is noted)."""
+
+    def absorb(*args: Any, **kwargs: Any) -> _Sink:
+        if len(args) > position and isinstance(args[position], (_AbsorbClass, _Sink)):
+            args[position]()
+        return _ABSORB
+
+    return absorb
 
 
 class _AbsorbClass(type):

@@ -340,6 +340,73 @@ CASES = [
         live=True,
     ),
     Case(
+        "reconstructor-runs-its-base",  # base.__init__(obj, state) runs FileHandler(path)
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("copyreg", "_reconstructor"),
+                    glob("logging", "FileHandler"),
+                    glob("logging", "FileHandler"),
+                    text(m),
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "numpy-randomstate-ctor-calls-its-argument",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("numpy.random._pickle", "__randomstate_ctor"),
+                    text(m),
+                    glob("logging", "FileHandler"),
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "numpy-generator-ctor-calls-its-argument",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("numpy.random._pickle", "__generator_ctor"),
+                    text(m),
+                    glob("logging", "FileHandler"),
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "rebuild-from-type-calls-its-function",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch._tensor", "_rebuild_from_type_v2"),
+                    glob("logging", "FileHandler"),
+                    glob("torch", "Tensor"),
+                    tup(text(m)),
+                    EMPTY_DICT,
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
         "torch-save-creates-file",
         lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),
         3,
