@@ -88,17 +88,19 @@ DANGEROUS_NAMES = frozenset(
     numpy.savez_compressed numpy.loadtxt numpy.savetxt numpy.genfromtxt numpy.fromfile
     numpy.memmap numpy.fromregex numpy.core.memmap numpy._core.memmap typing.ForwardRef
     typing._eval_type typing.get_type_hints typing._type_check typing.evaluate_forward_ref
-    uuid._get_command_stdout functools.reduce torch.distributed.FileStore
-    torch.distributed.TCPStore torch.distributed.HashStore torch.distributed.PrefixStore
-    torch.distributed.distributed_c10d.FileStore torch.distributed.distributed_c10d.TCPStore
-    """.split()
+    uuid._get_command_stdout functools.reduce""".split()
 )
 # Names refused as any part of an attribute chain: reaching ``torch.os`` or
 # ``numpy.sys`` is reaching os, and these reach code, files or the interpreter.
 DANGEROUS_ATTRS = frozenset(
     """eval exec compile __import__ __builtins__ system popen open execv execve execl
     execlp execvp spawnv spawnl spawnve spawnlp fork forkpty attrgetter methodcaller getattr
-    setattr delattr globals locals vars breakpoint input""".split()
+    setattr delattr globals locals vars breakpoint input"""
+    # torch.distributed's stores open files and sockets (a TCPStore listens or connects
+    # when made), and modules of benign packages re-export them
+    # (torch.distributed.checkpoint._async_process_executor.TCPStore): refused by name
+    # under any module
+    """ FileStore TCPStore HashStore PrefixStore""".split()
 )
 # Words in a function's name that say it loads, saves, runs or reaches files and
 # processes (``torch_save_to_dcp``, ``run_string``, ``from_file``): a function named

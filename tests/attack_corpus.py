@@ -407,6 +407,23 @@ CASES = [
         live=True,
     ),
     Case(
+        "tcpstore-re-exported-by-a-known-package",  # listens on a port when made
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch.distributed.checkpoint._async_process_executor", "TCPStore"),
+                    text("127.0.0.1"),
+                    integer(29999),
+                    integer(1),
+                    NEWTRUE,
+                ),
+            ),
+        ),
+        3,
+        ("torch.distributed.checkpoint._async_process_executor.TCPStore",),
+    ),
+    Case(
         "torch-save-creates-file",
         lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),
         3,
