@@ -29,7 +29,7 @@ from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
 from .stand_ins import CALLS_ARGUMENT, SAFE_GLOBALS
 from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
-from .tree import Opaque, opaque_class
+from .tree import HOLDS_CALLABLES, Opaque, handed_callables, opaque_class
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -132,6 +132,7 @@ class _Sink:
 
 
 _ABSORB = _Sink()
+_HELD = _Sink()  # an object of a class that holds a callable (a partial), in a scan
 
 
 class _Absorb:
@@ -167,7 +168,7 @@ class GlobalsScanner(SafeUnpickler):
     def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
         if isinstance(obj, _AbsorbClass):
             # the same rule as a full read, on the class the absorbing one stands for
-            obj = opaque_class(obj.module, obj.qualname)
+            obj = opaque_class(obj.module, obj.qualname, known=obj.known)
         value = super()._getattr(obj, name, *default)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
             return _named_absorb(value.module, value.qualname, value.known)
@@ -199,9 +200,24 @@ class _AbsorbClass(type):
     known: bool
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        name = f"{cls.module}.{cls.qualname}"
         if not cls.known:
-            note_call(f"{cls.module}.{cls.qualname}")
+            note_call(name)
+        elif name in HOLDS_CALLABLES:
+            return _HELD  # told apart when handed to another constructor
+        else:
+            for called in handed_callables(args, kwargs, _absorbed_callable):
+                note_call(called)
         return _ABSORB
+
+
+def _absorbed_callable(item: Any) -> str | None:
+    """:func:`~ckpttool.tree.handed_callables`'s test, on what a scan builds."""
+    if item is _HELD:
+        return "functools.partial()"
+    if isinstance(item, _AbsorbClass) and not item.known:
+        return f"{item.module}.{item.qualname}"
+    return None
 
 
 _NAMED_ABSORB: dict[tuple[str, str, bool], type] = {}

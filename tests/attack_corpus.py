@@ -424,6 +424,34 @@ CASES = [
         ("torch.distributed.checkpoint._async_process_executor.TCPStore",),
     ),
     Case(
+        "known-class-handed-a-partial",  # LambdaLR calls its lambda as it is made
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch.optim.lr_scheduler", "LambdaLR"),
+                    call(
+                        glob("torch.optim", "SGD"),
+                        EMPTY_LIST + MARK + tensor() + APPENDS,
+                        b"G" + struct.pack(">d", 0.1),
+                    ),
+                    EMPTY_LIST
+                    + MARK
+                    + call(
+                        glob("functools", "partial"),
+                        glob("pathlib", "Path.touch"),
+                        call(glob("pathlib", "Path"), text(m)),
+                    )
+                    + APPENDS,
+                ),
+            ),
+            proto=PROTO4,
+        ),
+        3,
+        ("functools.partial()",),
+        live=True,
+    ),
+    Case(
         "torch-save-creates-file",
         lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),
         3,
