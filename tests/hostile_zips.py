@@ -379,6 +379,18 @@ def duplicate_safetensors_key() -> bytes:
     return len(raw).to_bytes(8, "little") + raw + bytes(8)
 
 
+def header_entry(entry: str, metadata: str = "") -> Callable[[], bytes]:
+    """A header of one 16-byte tensor ``w`` given as raw JSON ``entry`` (and
+    ``__metadata__``): what the safetensors library refuses that ``int()`` would take."""
+
+    def build() -> bytes:
+        raw = ("{" + metadata + '"w":' + entry + "}").encode()
+        raw += b" " * (-len(raw) % 8)
+        return len(raw).to_bytes(8, "little") + raw + bytes(16)
+
+    return build
+
+
 def deeply_nested_header() -> bytes:
     """A 200 KB header nested 100000 levels deep: json recurses once per level."""
     raw = b'{"w":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -444,6 +456,48 @@ CASES: dict[str, Case] = {
     "overlapping_tensors": Case(overlapping_tensors, 2, "overlap", ".safetensors"),
     "duplicate_safetensors_key": Case(duplicate_safetensors_key, 2, "'w'", ".safetensors"),
     "deeply_nested_header": Case(deeply_nested_header, 2, "nested too deep", ".safetensors"),
+    # sizes the library refuses (usize): int() takes true, 4.0, "4" and 4.5 (as 4)
+    "shape_of_true": Case(
+        header_entry('{"dtype":"F32","shape":[true,4],"data_offsets":[0,16]}'),
+        2,
+        "entry 'w'",
+        ".safetensors",
+    ),
+    "shape_of_floats": Case(
+        header_entry('{"dtype":"F32","shape":[4.5],"data_offsets":[0,16]}'),
+        2,
+        "entry 'w'",
+        ".safetensors",
+    ),
+    "offsets_as_text": Case(
+        header_entry('{"dtype":"F32","shape":[4],"data_offsets":["0","16"]}'),
+        2,
+        "entry 'w'",
+        ".safetensors",
+    ),
+    "offset_of_5000_digits": Case(
+        header_entry('{"dtype":"F32","shape":[4],"data_offsets":[0,1' + "0" * 5000 + "]}"),
+        2,
+        "corrupt safetensors header",
+        ".safetensors",
+    ),
+    "metadata_not_text": Case(
+        header_entry(
+            '{"dtype":"F32","shape":[4],"data_offsets":[0,16]}', '"__metadata__":{"n":1},'
+        ),
+        2,
+        "__metadata__ values must be strings",
+        ".safetensors",
+    ),
+    "name_with_a_lone_surrogate": Case(  # an escape no UTF-8 text holds; outputs broke
+        header_entry(
+            '{"dtype":"F32","shape":[4],"data_offsets":[0,16]},'
+            '"\\ud800":{"dtype":"F32","shape":[0],"data_offsets":[16,16]}'
+        ),
+        2,
+        "not valid Unicode",
+        ".safetensors",
+    ),
     "deeply_nested_index": Case(
         deeply_nested_index, 2, "nested too deep", ".safetensors.index.json"
     ),
