@@ -149,6 +149,45 @@ def torch_entries(
     ]
 
 
+def overlapping_entries(count: int = 300, shared: int = 1 << 20) -> bytes:
+    """``count`` storages whose stored data all run to the end of one ``shared`` block:
+    each entry's bytes hold the local headers after it, then the block. A 1 MB file
+    read as 300 MB of tensors (torch.load reads them too); it grows with count squared."""
+    names = [f"archive/data/{i}" for i in range(count)]
+    block_end = sum(30 + len(name) for name in names) + shared
+    records = []  # (name, stored bytes or None for a storage, declared size, offset)
+    offset = 0
+    for name in names:
+        size = (block_end - offset - 30 - len(name)) // 4 * 4
+        records.append((name, None, size, offset))
+        offset += 30 + len(name)
+    offset = block_end
+    tensors = {f"w{i}": ((str(i), "cpu", r[2] // 4), r[2] // 4) for i, r in enumerate(records)}
+    for name, data in [
+        ("archive/data.pkl", tensor_pickle(tensors)),
+        ("archive/byteorder", b"little"),
+        ("archive/version", b"3\n"),
+    ]:
+        records.append((name, data, len(data), offset))
+        offset += 30 + len(name) + len(data)
+    body, directory = b"", b""
+    for name, data, size, at in records:
+        crc = zlib.crc32(data) if data is not None else 0
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, crc, size, size,
+                           len(name), 0)  # fmt: skip
+        body += head + name.encode() + (data or b"")
+        if data is None and name == names[-1]:
+            body += bytes(shared)
+        directory += struct.pack(
+            "<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21,
+            crc, size, size, len(name), 0, 0, 0, 0, 0, at,
+        ) + name.encode()  # fmt: skip
+    end = struct.pack(
+        "<IHHHHIIH", 0x06054B50, 0, 0, len(records), len(records), len(directory), len(body), 0
+    )
+    return body + directory + end
+
+
 def _replace(entries: list[Entry], suffix: str, **changes) -> list[Entry]:
     for e in entries:
         if e.name.endswith(suffix):
@@ -447,6 +486,7 @@ CASES: dict[str, Case] = {
     "pickle_outside_the_archive": Case(pickle_outside_the_archive, 2, "'other/model.pkl'"),
     "pickle_inside_the_archive": Case(pickle_inside_the_archive, 0, ""),
     "duplicate_entry": Case(duplicate_entry, 2, "archive/data.pkl"),
+    "overlapping_entries": Case(overlapping_entries, 2, "overlaps the next one"),
     "legacy_valid": Case(legacy_valid, 0, ""),
     "legacy_view_past_base": Case(legacy_view(1 << 28, 1 << 28), 2, "view"),
     "legacy_view_negative": Case(legacy_view(-8, 4), 2, "view"),
