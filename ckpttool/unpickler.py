@@ -103,6 +103,7 @@ class SafeUnpickler(pickle.Unpickler):
             and isinstance(name, str)
             and name.isidentifier()
             and name[:1].isupper()  # a nested class (CapWords), never a method
+            and judge(obj.module, f"{obj.qualname}.{name}") != DANGEROUS  # (FileStore)
         ):
             qualname = f"{obj.qualname}.{name}"
             self.seen.add(f"{obj.module}.{qualname}")

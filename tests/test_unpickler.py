@@ -198,6 +198,10 @@ def test_getattr_reaches_nested_torch_classes_only():
     private = data.replace(b"ProcessGroupState", b"__reduce__")
     with pytest.raises(UnsafeError, match="builtins.getattr"):
         load_pickle(private)
+    # judged as the same name spelled as a global would be (a store opens files, sockets)
+    store = data.replace(b"ProcessGroupState", b"TCPStore")
+    with pytest.raises(UnsafeError, match="builtins.getattr"):
+        load_pickle(store)
 
 
 def test_python2_names_of_safe_builtins_load():
