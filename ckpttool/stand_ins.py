@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import CkptError
-from .guard import charge
+from .guard import charge, note_call
 from .numpy_values import NumpyArrayRef, numpy_frombuffer, numpy_scalar
 from .rebuild import (
     rebuild_from_type_v2,
@@ -106,6 +106,18 @@ def _constructor(ctor: Any) -> Any:
     def build(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise CkptError(f"corrupt pickle: {ctor.__name__}() with keyword arguments")
+        # list(x), str(x), int(x)... run x's own methods (__iter__, __str__, __index__):
+        # an object of a class on no allow-list runs its code (list(starmap(FileHandler,
+        # [(path,)])) makes the file); --unsafe keeps the result inert
+        unverified = [
+            type(arg).class_name()
+            for arg in args
+            if isinstance(arg, Opaque) and not (type(arg).known or type(arg).dangerous)
+        ]
+        if unverified:
+            for name in unverified:
+                note_call(f"builtins.{ctor.__name__}({name})")
+            return opaque_class("builtins", ctor.__name__, known=True).make(*args)
         if args:
             if ctor in (bytes, bytearray) and type(args[0]) is int:
                 if args[0] > MAX_BYTES_CONSTRUCTOR:

@@ -28,7 +28,14 @@ from .errors import CkptError, UnsafeError
 from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
 from .stand_ins import CALLS_ARGUMENT, SAFE_GLOBALS
-from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
+from .torch_values import (
+    BUILTIN_TYPES,
+    TORCH_LAYOUTS,
+    TORCH_MEMORY_FORMATS,
+    NamedGlobal,
+    StorageType,
+    TorchName,
+)
 from .tree import HOLDS_CALLABLES, Opaque, handed_callables, opaque_class
 
 
@@ -134,6 +141,12 @@ class _Sink:
 
 _ABSORB = _Sink()
 _HELD = _Sink()  # an object of a class that holds a callable (a partial), in a scan
+_UNVERIFIED = _Sink()  # an object of a class on no allow-list, in a scan
+
+
+def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
+    """NEWOBJ of a class on no allow-list, in a scan: told apart from other objects."""
+    return _UNVERIFIED
 
 
 class _Absorb:
@@ -158,9 +171,12 @@ class GlobalsScanner(SafeUnpickler):
         value = super().find_class(module, name)
         if value == self._getattr:
             return value
-        position = CALLS_ARGUMENT.get(".".join(python3_name(module, name)))
+        full = ".".join(python3_name(module, name))
+        position = CALLS_ARGUMENT.get(full)
         if position is not None:
             return _absorb_calling(position)
+        if full in BUILTIN_TYPES:
+            return _absorb_constructor(full)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
             # getattr may look into it; calling it is judged as in a full read
             return _named_absorb(value.module, value.qualname, value.known)
@@ -187,6 +203,21 @@ def _absorb_calling(position: int) -> Callable[..., _Sink]:
     def absorb(*args: Any, **kwargs: Any) -> _Sink:
         if len(args) > position and isinstance(args[position], (_AbsorbClass, _Sink)):
             args[position]()
+        if args and isinstance(args[0], _AbsorbClass) and not args[0].known:
+            return _UNVERIFIED  # copyreg._reconstructor(cls, ...): an object of cls
+        return _ABSORB
+
+    return absorb
+
+
+def _absorb_constructor(full: str) -> Callable[..., _Sink]:
+    """What a scan hands out for a data constructor (``list``, ``str``...): given an
+    object of a class on no allow-list, it runs that object's methods, as a full read
+    judges (see :mod:`ckpttool.stand_ins`)."""
+
+    def absorb(*args: Any, **kwargs: Any) -> _Sink:
+        if any(arg is _UNVERIFIED for arg in args):
+            note_call(f"{full}(<an object>)")
         return _ABSORB
 
     return absorb
@@ -228,7 +259,9 @@ def _named_absorb(module: str, qualname: str, known: bool = False) -> type:
     """An absorbing class that remembers which global it stands for."""
     cls = _NAMED_ABSORB.get((module, qualname, known))
     if cls is None:
-        attrs = {"module": module, "qualname": qualname, "known": known}
+        attrs: dict[str, Any] = {"module": module, "qualname": qualname, "known": known}
+        if not known:
+            attrs["__new__"] = _new_unverified
         cls = _AbsorbClass("Absorb", (_Absorb,), attrs)
         _NAMED_ABSORB[(module, qualname, known)] = cls
     return cls

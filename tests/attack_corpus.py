@@ -452,6 +452,25 @@ CASES = [
         live=True,
     ),
     Case(
+        "data-constructor-iterates-an-unknown-object",  # list() runs starmap's __next__
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("builtins", "list"),
+                    glob("itertools", "starmap")
+                    + tup(
+                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
+                    )
+                    + NEWOBJ,
+                ),
+            ),
+        ),
+        3,
+        ("builtins.list(itertools.starmap)",),
+        live=True,
+    ),
+    Case(
         "torch-save-creates-file",
         lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),
         3,

@@ -389,6 +389,7 @@ def test_load_is_bitwise_torch_load(sd, legacy, mmap):
     for name, tensor in expected.items():
         assert same_bits(got[name], tensor), name
         assert got[name].stride() == tensor.stride() or tensor.numel() <= 1, name
+
     # what shares a storage in torch.load's result shares one in ours
     def sharing(d):
         ptr = {k: t.untyped_storage().data_ptr() for k, t in d.items() if t.numel()}
