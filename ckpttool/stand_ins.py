@@ -106,18 +106,6 @@ def _constructor(ctor: Any) -> Any:
     def build(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise CkptError(f"corrupt pickle: {ctor.__name__}() with keyword arguments")
-        # list(x), str(x), int(x)... run x's own methods (__iter__, __str__, __index__):
-        # an object of a class on no allow-list runs its code (list(starmap(FileHandler,
-        # [(path,)])) makes the file); --unsafe keeps the result inert
-        unverified = [
-            type(arg).class_name()
-            for arg in args
-            if isinstance(arg, Opaque) and not (type(arg).known or type(arg).dangerous)
-        ]
-        if unverified:
-            for name in unverified:
-                note_call(f"builtins.{ctor.__name__}({name})")
-            return opaque_class("builtins", ctor.__name__, known=True).make(*args)
         if args:
             if ctor in (bytes, bytearray) and type(args[0]) is int:
                 if args[0] > MAX_BYTES_CONSTRUCTOR:
@@ -200,7 +188,36 @@ def _identity(value: Any) -> Any:
     return value
 
 
-SAFE_GLOBALS: dict[str, Any] = {
+def _judging_objects(full: str, function: Any) -> Any:
+    """``function`` (the stand-in for the global ``full``), refusing an object of a class
+    on no allow-list among its arguments: the real function iterates or converts what
+    it is given (``list(x)``, ``str(x)``, a tensor's ``size``), which runs the object's
+    own methods (``list(starmap(FileHandler, [(path,)]))`` makes the file). Judged as
+    calling it; --unsafe keeps the result inert."""
+    module, name = full.rsplit(".", 1)
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        unverified = [
+            type(arg).class_name()
+            for arg in (*args, *kwargs.values())
+            if isinstance(arg, Opaque) and not (type(arg).known or type(arg).dangerous)
+        ]
+        if not unverified:
+            return function(*args, **kwargs)
+        for what in unverified:
+            note_call(f"{full}({what})")
+        return opaque_class(module, name, known=True).make(*args)
+
+    stand_in.__name__ = getattr(function, "__name__", name)
+    return stand_in
+
+
+# Stand-ins that create an object as pickle's NEWOBJ does (``cls.__new__(cls, *args)``,
+# which may be given objects): not judged by their arguments.
+CREATES_OBJECTS = frozenset({"copyreg._reconstructor", "copyreg.__newobj__"})
+
+
+_STAND_INS: dict[str, Any] = {
     **{name: _constructor(ctor) for name, ctor in BUILTIN_TYPES.items()},
     "collections.defaultdict": _defaultdict,
     "builtins.object": opaque_class("builtins", "object", known=True),
@@ -241,4 +258,12 @@ SAFE_GLOBALS: dict[str, Any] = {
         for full in CALLS_ARGUMENT
         if full.startswith("numpy.random._pickle.")
     },
+}
+SAFE_GLOBALS: dict[str, Any] = {
+    full: (
+        value
+        if isinstance(value, type) or value is Ellipsis or full in CREATES_OBJECTS
+        else _judging_objects(full, value)
+    )
+    for full, value in _STAND_INS.items()
 }

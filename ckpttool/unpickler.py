@@ -27,15 +27,8 @@ from .dtypes import DTYPES, STORAGE_CLASSES
 from .errors import CkptError, UnsafeError
 from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
-from .stand_ins import CALLS_ARGUMENT, SAFE_GLOBALS
-from .torch_values import (
-    BUILTIN_TYPES,
-    TORCH_LAYOUTS,
-    TORCH_MEMORY_FORMATS,
-    NamedGlobal,
-    StorageType,
-    TorchName,
-)
+from .stand_ins import CALLS_ARGUMENT, CREATES_OBJECTS, SAFE_GLOBALS
+from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
 from .tree import HOLDS_CALLABLES, Opaque, handed_callables, opaque_class
 
 
@@ -175,8 +168,8 @@ class GlobalsScanner(SafeUnpickler):
         position = CALLS_ARGUMENT.get(full)
         if position is not None:
             return _absorb_calling(position)
-        if full in BUILTIN_TYPES:
-            return _absorb_constructor(full)
+        if full in SAFE_GLOBALS and full not in CREATES_OBJECTS:
+            return _absorb_judging(full)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
             # getattr may look into it; calling it is judged as in a full read
             return _named_absorb(value.module, value.qualname, value.known)
@@ -210,10 +203,13 @@ def _absorb_calling(position: int) -> Callable[..., _Sink]:
     return absorb
 
 
-def _absorb_constructor(full: str) -> Callable[..., _Sink]:
-    """What a scan hands out for a data constructor (``list``, ``str``...): given an
-    object of a class on no allow-list, it runs that object's methods, as a full read
-    judges (see :mod:`ckpttool.stand_ins`)."""
+def _absorb_judging(full: str) -> Callable[..., Any]:
+    """What a scan hands out for a global ckpttool rebuilds (``list``, ``str``, a tensor
+    rebuilder): given an object of a class on no allow-list, the real one runs that
+    object's methods, as a full read judges (see ``stand_ins._judging_objects``)."""
+    value = SAFE_GLOBALS[full]
+    if isinstance(value, type) or value is Ellipsis:
+        return _Absorb
 
     def absorb(*args: Any, **kwargs: Any) -> _Sink:
         if any(arg is _UNVERIFIED for arg in args):

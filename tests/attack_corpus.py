@@ -471,6 +471,25 @@ CASES = [
         live=True,
     ),
     Case(
+        "torch-size-iterates-an-unknown-object",  # any rebuilt global, not only list()
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch", "Size"),
+                    glob("itertools", "starmap")
+                    + tup(
+                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
+                    )
+                    + NEWOBJ,
+                ),
+            ),
+        ),
+        3,
+        ("torch.Size(itertools.starmap)",),
+        live=True,
+    ),
+    Case(
         "torch-save-creates-file",
         lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),
         3,
