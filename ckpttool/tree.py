@@ -317,6 +317,10 @@ class _ReadOnlyClass(type):
         elif cls.known and f"{cls.module}.{cls.qualname}" not in HOLDS_CALLABLES:
             for name in handed_callables(args, kwargs):
                 note_call(name)
+            for value in (*args, *kwargs.values()):
+                # deque(x) iterates x: an object of a class on no allow-list runs its code
+                if isinstance(value, Opaque) and not (type(value).known or type(value).dangerous):
+                    note_call(f"{cls.module}.{cls.qualname}({type(value).class_name()})")
         return cls.__new__(cls, *args, **kwargs)  # type: ignore[arg-type]
 
     def __setattr__(cls, name: str, value: Any) -> None:

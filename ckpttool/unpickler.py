@@ -236,6 +236,8 @@ class _AbsorbClass(type):
         else:
             for called in handed_callables(args, kwargs, _absorbed_callable):
                 note_call(called)
+            if any(arg is _UNVERIFIED for arg in (*args, *kwargs.values())):
+                note_call(f"{name}(<an object>)")
         return _ABSORB
 
 

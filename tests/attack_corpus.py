@@ -490,6 +490,25 @@ CASES = [
         live=True,
     ),
     Case(
+        "known-class-iterates-an-unknown-object",  # deque(x) runs x's __next__
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("collections", "deque"),
+                    glob("itertools", "starmap")
+                    + tup(
+                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
+                    )
+                    + NEWOBJ,
+                ),
+            ),
+        ),
+        3,
+        ("collections.deque(itertools.starmap)",),
+        live=True,
+    ),
+    Case(
         "torch-save-creates-file",
         lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),
         3,
