@@ -88,17 +88,19 @@ DANGEROUS_NAMES = frozenset(
     numpy.savez_compressed numpy.loadtxt numpy.savetxt numpy.genfromtxt numpy.fromfile
     numpy.memmap numpy.fromregex numpy.core.memmap numpy._core.memmap typing.ForwardRef
     typing._eval_type typing.get_type_hints typing._type_check typing.evaluate_forward_ref
-    uuid._get_command_stdout functools.reduce torch.distributed.FileStore
-    torch.distributed.TCPStore torch.distributed.HashStore torch.distributed.PrefixStore
-    torch.distributed.distributed_c10d.FileStore torch.distributed.distributed_c10d.TCPStore
-    """.split()
+    uuid._get_command_stdout functools.reduce""".split()
 )
 # Names refused as any part of an attribute chain: reaching ``torch.os`` or
 # ``numpy.sys`` is reaching os, and these reach code, files or the interpreter.
 DANGEROUS_ATTRS = frozenset(
     """eval exec compile __import__ __builtins__ system popen open execv execve execl
     execlp execvp spawnv spawnl spawnve spawnlp fork forkpty attrgetter methodcaller getattr
-    setattr delattr globals locals vars breakpoint input""".split()
+    setattr delattr globals locals vars breakpoint input"""
+    # torch.distributed's stores open files and sockets (a TCPStore listens or connects
+    # when made), and modules of benign packages re-export them
+    # (torch.distributed.checkpoint._async_process_executor.TCPStore): refused by name
+    # under any module
+    """ FileStore TCPStore HashStore PrefixStore""".split()
 )
 # Words in a function's name that say it loads, saves, runs or reaches files and
 # processes (``torch_save_to_dcp``, ``run_string``, ``from_file``): a function named
@@ -195,16 +197,25 @@ def judge(module: str, name: str) -> str:
         return KNOWN
     if is_dangerous(module, name):
         return DANGEROUS
-    if full in KNOWN_CLASSES or module.startswith("pathlib") or module == "builtins":
+    if full in KNOWN_CLASSES or module == "builtins":
         return KNOWN  # (builtins left here are data types and exceptions)
-    if module.split(".", 1)[0] == "__torch__":
+    root = module.split(".", 1)[0]
+    if root == "__torch__":
         return KNOWN  # TorchScript's own type names: nothing Python can import
-    if module == "torch._utils" and name.startswith("_rebuild_"):
-        return KNOWN  # torch's own tensor rebuilders, all on weights_only's list
-    if module.startswith("numpy.random") and name.startswith("__pyx_unpickle_"):
-        return KNOWN  # Cython's unpicklers of numpy's RNG classes (a Generator's seed)
-    last = name.rsplit(".", 1)[-1]
-    if module == "typing" or (_is_class_name(last) and full.startswith(KNOWN_CLASS_PACKAGES)):
+    # The rules by family name a global itself, never an attribute of one: a dotted
+    # name reaches a method (``pathlib.Path.touch``, ``symlink_to``), which the
+    # family's rule does not vouch for.
+    chain = name.split(".")
+    if len(chain) == 1 and (
+        (module == "torch._utils" and name.startswith("_rebuild_"))  # torch's tensor rebuilders
+        # Cython's unpicklers of numpy's RNG classes (a Generator's seed)
+        or (module.startswith("numpy.random") and name.startswith("__pyx_unpickle_"))
+        or (root == "pathlib" and _is_class_name(name))
+    ):
+        return KNOWN
+    # a class, or a class nested in one (ShardedTensor.ProcessGroupState)
+    classes = all(_is_class_name(part) for part in chain)
+    if module == "typing" or (classes and full.startswith(KNOWN_CLASS_PACKAGES)):
         return KNOWN
     return UNVERIFIED
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import CkptError
-from .guard import charge
+from .guard import charge, note_call
 from .numpy_values import NumpyArrayRef, numpy_frombuffer, numpy_scalar
 from .rebuild import (
     rebuild_from_type_v2,
@@ -120,11 +120,56 @@ def _constructor(ctor: Any) -> Any:
     return build
 
 
+def calls(target: Any) -> None:
+    """The real function calls ``target``: judged as if the pickle called it.
+
+    A stand-in class on no allow-list (``FileHandler``) or an object (a partial) is
+    noted by its own call, and the file is refused; a class on an allow-list, or one
+    of our own stand-in functions, is fine. Values that are no callable stand-in are
+    left alone: the real call would fail on them.
+    """
+    if isinstance(target, Opaque) or (isinstance(target, type) and issubclass(target, Opaque)):
+        target()
+
+
 def _reconstructor(cls, base, state=None):
-    # copyreg._reconstructor(cls, object, None) == object.__new__(cls)
+    # copyreg._reconstructor(cls, base, state) runs base.__new__(cls, state) and, where
+    # base has its own __init__, base.__init__(obj, state): a call of base
+    # (object, or dict for a dict subclass, in real files)
+    calls(base)
     if isinstance(cls, type) and issubclass(cls, Opaque):
         return cls.make()  # object.__new__(cls): creates, calls nothing
     return opaque_class("copyreg", "_reconstructor").make(cls, base, state)
+
+
+def _calling_argument(full: str) -> Any:
+    """The known function ``full`` that calls its argument at ``CALLS_ARGUMENT[full]``:
+    that call is judged (:func:`calls`), the result is an inert object of its class."""
+    module, name = full.rsplit(".", 1)
+    position = CALLS_ARGUMENT[full]
+    cls = opaque_class(module, name, known=True)
+
+    def stand_in(*args: Any, **kwargs: Any) -> Opaque:
+        if len(args) > position:
+            calls(args[position])
+        return cls.make(*args, **kwargs)
+
+    stand_in.__name__ = name
+    return stand_in
+
+
+# Known functions that call one of their arguments (position): numpy's RNG
+# constructors call the constructor they are given (``__bit_generator_ctor`` in real
+# files); torch's subclass rebuilders call the rebuild function; copyreg's
+# reconstructor its base. A globals scan judges these calls as a full read does.
+CALLS_ARGUMENT = {
+    "copyreg._reconstructor": 1,
+    "torch._tensor._rebuild_from_type": 0,
+    "torch._tensor._rebuild_from_type_v2": 0,
+    "numpy.random._pickle.__randomstate_ctor": 1,
+    "numpy.random._pickle.__generator_ctor": 1,
+    "numpy.random._pickle.__bit_generator_ctor": 0,
+}
 
 
 def _newobj(cls, *args):
@@ -143,7 +188,36 @@ def _identity(value: Any) -> Any:
     return value
 
 
-SAFE_GLOBALS: dict[str, Any] = {
+def _judging_objects(full: str, function: Any) -> Any:
+    """``function`` (the stand-in for the global ``full``), refusing an object of a class
+    on no allow-list among its arguments: the real function iterates or converts what
+    it is given (``list(x)``, ``str(x)``, a tensor's ``size``), which runs the object's
+    own methods (``list(starmap(FileHandler, [(path,)]))`` makes the file). Judged as
+    calling it; --unsafe keeps the result inert."""
+    module, name = full.rsplit(".", 1)
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        unverified = [
+            type(arg).class_name()
+            for arg in (*args, *kwargs.values())
+            if isinstance(arg, Opaque) and not (type(arg).known or type(arg).dangerous)
+        ]
+        if not unverified:
+            return function(*args, **kwargs)
+        for what in unverified:
+            note_call(f"{full}({what})")
+        return opaque_class(module, name, known=True).make(*args)
+
+    stand_in.__name__ = getattr(function, "__name__", name)
+    return stand_in
+
+
+# Stand-ins that create an object as pickle's NEWOBJ does (``cls.__new__(cls, *args)``,
+# which may be given objects): not judged by their arguments.
+CREATES_OBJECTS = frozenset({"copyreg._reconstructor", "copyreg.__newobj__"})
+
+
+_STAND_INS: dict[str, Any] = {
     **{name: _constructor(ctor) for name, ctor in BUILTIN_TYPES.items()},
     "collections.defaultdict": _defaultdict,
     "builtins.object": opaque_class("builtins", "object", known=True),
@@ -179,4 +253,17 @@ SAFE_GLOBALS: dict[str, Any] = {
     "torch.jit._pickle.build_boollist": _identity,
     "torch.jit._pickle.build_tensor_from_id": _identity,
     "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: value,
+    **{
+        full: _calling_argument(full)
+        for full in CALLS_ARGUMENT
+        if full.startswith("numpy.random._pickle.")
+    },
+}
+SAFE_GLOBALS: dict[str, Any] = {
+    full: (
+        value
+        if isinstance(value, type) or value is Ellipsis or full in CREATES_OBJECTS
+        else _judging_objects(full, value)
+    )
+    for full, value in _STAND_INS.items()
 }

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict, TypeGuard, Union
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict, TypeGuard
 from . import sources
 from .dtypes import DType
 from .errors import CkptError, InputNotFoundError
-from .guard import note_call
+from .guard import charge, note_call
 from .sealed import Sealed
 from .spans import read_at
 
@@ -262,6 +262,44 @@ class SparseRef(Sealed):
         return load_sparse(self, map_location)
 
 
+# Known classes whose objects exist to hold a callable they are given and call it
+# later, when called themselves: making one calls nothing.
+HOLDS_CALLABLES = frozenset({"functools.partial"})
+
+
+def _callable_name(item: Any) -> str | None:
+    """What calling ``item`` would be named, where it is a callable of note: an object of
+    a class that holds a callable (a partial), or a global on no allow-list."""
+    if isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES:
+        return f"{type(item).class_name()}()"
+    if isinstance(item, _ReadOnlyClass) and not (item.known or item.dangerous):
+        return f"{item.module}.{item.qualname}"
+    return None
+
+
+def handed_callables(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    callable_name: Callable[[Any], str | None] = _callable_name,
+) -> list[str]:
+    """The callables a pickle hands to a constructor, in its arguments or one level into
+    a list, tuple or dict among them (``callable_name``: a partial object, a global on
+    no allow-list). A known class's constructor may call them at once
+    (``LambdaLR(optimizer, partial(...))`` does), so they count as called.
+    """
+    found: list[str] = []
+    for value in (*args, *kwargs.values()):
+        if type(value) in (list, tuple):
+            items: Any = value
+        elif type(value) is dict:
+            items = dict.values(value)
+        else:
+            items = (value,)
+        charge(len(items))  # a shared long list handed to many calls
+        found.extend(name for name in map(callable_name, items) if name is not None)
+    return found
+
+
 class _ReadOnlyClass(type):
     """Stand-in classes are shared by every read: a pickle's BUILD must not change them."""
 
@@ -276,6 +314,13 @@ class _ReadOnlyClass(type):
         # calling a global on no allow-list is what gadgets do (FileHandler(path))
         if not (cls.known or cls.dangerous):
             note_call(f"{cls.module}.{cls.qualname}")
+        elif cls.known and f"{cls.module}.{cls.qualname}" not in HOLDS_CALLABLES:
+            for name in handed_callables(args, kwargs):
+                note_call(name)
+            for value in (*args, *kwargs.values()):
+                # deque(x) iterates x: an object of a class on no allow-list runs its code
+                if isinstance(value, Opaque) and not (type(value).known or type(value).dangerous):
+                    note_call(f"{cls.module}.{cls.qualname}({type(value).class_name()})")
         return cls.__new__(cls, *args, **kwargs)  # type: ignore[arg-type]
 
     def __setattr__(cls, name: str, value: Any) -> None:
@@ -396,12 +441,12 @@ def state_attrs(state: Any) -> dict[str, Any]:
     return dict(state) if isinstance(state, dict) else {}
 
 
-_OPAQUE_CLASSES: dict[tuple[str, str, bool], type] = {}
+_OPAQUE_CLASSES: dict[tuple[str, str, bool, bool], type] = {}
 
 
 def opaque_class(module: str, qualname: str, *, dangerous: bool = False, known: bool = False):
     """The Opaque subclass standing in for ``module.qualname`` (one per name)."""
-    key = (module, qualname, dangerous)
+    key = (module, qualname, dangerous, known)  # (a known one is not the unknown one)
     cls = _OPAQUE_CLASSES.get(key)
     if cls is None:
         name = qualname.rsplit(".", 1)[-1]

@@ -27,9 +27,9 @@ from .dtypes import DTYPES, STORAGE_CLASSES
 from .errors import CkptError, UnsafeError
 from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
-from .stand_ins import SAFE_GLOBALS
+from .stand_ins import CALLS_ARGUMENT, CREATES_OBJECTS, SAFE_GLOBALS
 from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
-from .tree import Opaque, opaque_class
+from .tree import HOLDS_CALLABLES, Opaque, handed_callables, opaque_class
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -103,6 +103,7 @@ class SafeUnpickler(pickle.Unpickler):
             and isinstance(name, str)
             and name.isidentifier()
             and name[:1].isupper()  # a nested class (CapWords), never a method
+            and judge(obj.module, f"{obj.qualname}.{name}") != DANGEROUS  # (FileStore)
         ):
             qualname = f"{obj.qualname}.{name}"
             self.seen.add(f"{obj.module}.{qualname}")
@@ -132,6 +133,13 @@ class _Sink:
 
 
 _ABSORB = _Sink()
+_HELD = _Sink()  # an object of a class that holds a callable (a partial), in a scan
+_UNVERIFIED = _Sink()  # an object of a class on no allow-list, in a scan
+
+
+def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
+    """NEWOBJ of a class on no allow-list, in a scan: told apart from other objects."""
+    return _UNVERIFIED
 
 
 class _Absorb:
@@ -156,6 +164,12 @@ class GlobalsScanner(SafeUnpickler):
         value = super().find_class(module, name)
         if value == self._getattr:
             return value
+        full = ".".join(python3_name(module, name))
+        position = CALLS_ARGUMENT.get(full)
+        if position is not None:
+            return _absorb_calling(position)
+        if full in SAFE_GLOBALS and full not in CREATES_OBJECTS:
+            return _absorb_judging(full)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
             # getattr may look into it; calling it is judged as in a full read
             return _named_absorb(value.module, value.qualname, value.known)
@@ -164,7 +178,7 @@ class GlobalsScanner(SafeUnpickler):
     def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
         if isinstance(obj, _AbsorbClass):
             # the same rule as a full read, on the class the absorbing one stands for
-            obj = opaque_class(obj.module, obj.qualname)
+            obj = opaque_class(obj.module, obj.qualname, known=obj.known)
         value = super()._getattr(obj, name, *default)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
             return _named_absorb(value.module, value.qualname, value.known)
@@ -172,6 +186,37 @@ class GlobalsScanner(SafeUnpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return _ABSORB
+
+
+def _absorb_calling(position: int) -> Callable[..., _Sink]:
+    """What a scan hands out for a known function that calls its argument at ``position``
+    (:data:`~ckpttool.stand_ins.CALLS_ARGUMENT`): that call is judged as a full read
+    judges it (a global on no allow-list, or an object, is noted)."""
+
+    def absorb(*args: Any, **kwargs: Any) -> _Sink:
+        if len(args) > position and isinstance(args[position], (_AbsorbClass, _Sink)):
+            args[position]()
+        if args and isinstance(args[0], _AbsorbClass) and not args[0].known:
+            return _UNVERIFIED  # copyreg._reconstructor(cls, ...): an object of cls
+        return _ABSORB
+
+    return absorb
+
+
+def _absorb_judging(full: str) -> Callable[..., Any]:
+    """What a scan hands out for a global ckpttool rebuilds (``list``, ``str``, a tensor
+    rebuilder): given an object of a class on no allow-list, the real one runs that
+    object's methods, as a full read judges (see ``stand_ins._judging_objects``)."""
+    value = SAFE_GLOBALS[full]
+    if isinstance(value, type) or value is Ellipsis:
+        return _Absorb
+
+    def absorb(*args: Any, **kwargs: Any) -> _Sink:
+        if any(arg is _UNVERIFIED for arg in args):
+            note_call(f"{full}(<an object>)")
+        return _ABSORB
+
+    return absorb
 
 
 class _AbsorbClass(type):
@@ -183,9 +228,26 @@ class _AbsorbClass(type):
     known: bool
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        name = f"{cls.module}.{cls.qualname}"
         if not cls.known:
-            note_call(f"{cls.module}.{cls.qualname}")
+            note_call(name)
+        elif name in HOLDS_CALLABLES:
+            return _HELD  # told apart when handed to another constructor
+        else:
+            for called in handed_callables(args, kwargs, _absorbed_callable):
+                note_call(called)
+            if any(arg is _UNVERIFIED for arg in (*args, *kwargs.values())):
+                note_call(f"{name}(<an object>)")
         return _ABSORB
+
+
+def _absorbed_callable(item: Any) -> str | None:
+    """:func:`~ckpttool.tree.handed_callables`'s test, on what a scan builds."""
+    if item is _HELD:
+        return "functools.partial()"
+    if isinstance(item, _AbsorbClass) and not item.known:
+        return f"{item.module}.{item.qualname}"
+    return None
 
 
 _NAMED_ABSORB: dict[tuple[str, str, bool], type] = {}
@@ -195,7 +257,9 @@ def _named_absorb(module: str, qualname: str, known: bool = False) -> type:
     """An absorbing class that remembers which global it stands for."""
     cls = _NAMED_ABSORB.get((module, qualname, known))
     if cls is None:
-        attrs = {"module": module, "qualname": qualname, "known": known}
+        attrs: dict[str, Any] = {"module": module, "qualname": qualname, "known": known}
+        if not known:
+            attrs["__new__"] = _new_unverified
         cls = _AbsorbClass("Absorb", (_Absorb,), attrs)
         _NAMED_ABSORB[(module, qualname, known)] = cls
     return cls

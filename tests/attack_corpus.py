@@ -311,6 +311,203 @@ CASES = [
         ("logging.FileHandler",),
         live=True,
     ),
+    # --- known globals that call what they are given, and methods of known classes
+    Case(
+        "pathlib-method-creates-file",  # the pathlib family is classes, not their methods
+        lambda m: checkpoint(
+            ("x", call(glob("pathlib", "Path.touch"), call(glob("pathlib", "Path"), text(m)))),
+            proto=PROTO4,
+        ),
+        3,
+        ("pathlib.Path.touch",),
+        live=True,
+    ),
+    Case(
+        "pathlib-method-links-a-file",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("pathlib", "Path.symlink_to"),
+                    call(glob("pathlib", "Path"), text(m)),
+                    text("/etc/hostname"),
+                ),
+            ),
+            proto=PROTO4,
+        ),
+        3,
+        ("pathlib.Path.symlink_to",),
+        live=True,
+    ),
+    Case(
+        "reconstructor-runs-its-base",  # base.__init__(obj, state) runs FileHandler(path)
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("copyreg", "_reconstructor"),
+                    glob("logging", "FileHandler"),
+                    glob("logging", "FileHandler"),
+                    text(m),
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "numpy-randomstate-ctor-calls-its-argument",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("numpy.random._pickle", "__randomstate_ctor"),
+                    text(m),
+                    glob("logging", "FileHandler"),
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "numpy-generator-ctor-calls-its-argument",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("numpy.random._pickle", "__generator_ctor"),
+                    text(m),
+                    glob("logging", "FileHandler"),
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "rebuild-from-type-calls-its-function",
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch._tensor", "_rebuild_from_type_v2"),
+                    glob("logging", "FileHandler"),
+                    glob("torch", "Tensor"),
+                    tup(text(m)),
+                    EMPTY_DICT,
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "tcpstore-re-exported-by-a-known-package",  # listens on a port when made
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch.distributed.checkpoint._async_process_executor", "TCPStore"),
+                    text("127.0.0.1"),
+                    integer(29999),
+                    integer(1),
+                    NEWTRUE,
+                ),
+            ),
+        ),
+        3,
+        ("torch.distributed.checkpoint._async_process_executor.TCPStore",),
+    ),
+    Case(
+        "known-class-handed-a-partial",  # LambdaLR calls its lambda as it is made
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch.optim.lr_scheduler", "LambdaLR"),
+                    call(
+                        glob("torch.optim", "SGD"),
+                        EMPTY_LIST + MARK + tensor() + APPENDS,
+                        b"G" + struct.pack(">d", 0.1),
+                    ),
+                    EMPTY_LIST
+                    + MARK
+                    + call(
+                        glob("functools", "partial"),
+                        glob("pathlib", "Path.touch"),
+                        call(glob("pathlib", "Path"), text(m)),
+                    )
+                    + APPENDS,
+                ),
+            ),
+            proto=PROTO4,
+        ),
+        3,
+        ("functools.partial()",),
+        live=True,
+    ),
+    Case(
+        "data-constructor-iterates-an-unknown-object",  # list() runs starmap's __next__
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("builtins", "list"),
+                    glob("itertools", "starmap")
+                    + tup(
+                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
+                    )
+                    + NEWOBJ,
+                ),
+            ),
+        ),
+        3,
+        ("builtins.list(itertools.starmap)",),
+        live=True,
+    ),
+    Case(
+        "torch-size-iterates-an-unknown-object",  # any rebuilt global, not only list()
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("torch", "Size"),
+                    glob("itertools", "starmap")
+                    + tup(
+                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
+                    )
+                    + NEWOBJ,
+                ),
+            ),
+        ),
+        3,
+        ("torch.Size(itertools.starmap)",),
+        live=True,
+    ),
+    Case(
+        "known-class-iterates-an-unknown-object",  # deque(x) runs x's __next__
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob("collections", "deque"),
+                    glob("itertools", "starmap")
+                    + tup(
+                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
+                    )
+                    + NEWOBJ,
+                ),
+            ),
+        ),
+        3,
+        ("collections.deque(itertools.starmap)",),
+        live=True,
+    ),
     Case(
         "torch-save-creates-file",
         lambda m: checkpoint(("x", call(glob("torch", "save"), EMPTY_DICT, text(m)))),

@@ -149,6 +149,45 @@ def torch_entries(
     ]
 
 
+def overlapping_entries(count: int = 300, shared: int = 1 << 20) -> bytes:
+    """``count`` storages whose stored data all run to the end of one ``shared`` block:
+    each entry's bytes hold the local headers after it, then the block. A 1 MB file
+    read as 300 MB of tensors (torch.load reads them too); it grows with count squared."""
+    names = [f"archive/data/{i}" for i in range(count)]
+    block_end = sum(30 + len(name) for name in names) + shared
+    records = []  # (name, stored bytes or None for a storage, declared size, offset)
+    offset = 0
+    for name in names:
+        size = (block_end - offset - 30 - len(name)) // 4 * 4
+        records.append((name, None, size, offset))
+        offset += 30 + len(name)
+    offset = block_end
+    tensors = {f"w{i}": ((str(i), "cpu", r[2] // 4), r[2] // 4) for i, r in enumerate(records)}
+    for name, data in [
+        ("archive/data.pkl", tensor_pickle(tensors)),
+        ("archive/byteorder", b"little"),
+        ("archive/version", b"3\n"),
+    ]:
+        records.append((name, data, len(data), offset))
+        offset += 30 + len(name) + len(data)
+    body, directory = b"", b""
+    for name, data, size, at in records:
+        crc = zlib.crc32(data) if data is not None else 0
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, crc, size, size,
+                           len(name), 0)  # fmt: skip
+        body += head + name.encode() + (data or b"")
+        if data is None and name == names[-1]:
+            body += bytes(shared)
+        directory += struct.pack(
+            "<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21,
+            crc, size, size, len(name), 0, 0, 0, 0, 0, at,
+        ) + name.encode()  # fmt: skip
+    end = struct.pack(
+        "<IHHHHIIH", 0x06054B50, 0, 0, len(records), len(records), len(directory), len(body), 0
+    )
+    return body + directory + end
+
+
 def _replace(entries: list[Entry], suffix: str, **changes) -> list[Entry]:
     for e in entries:
         if e.name.endswith(suffix):
@@ -379,6 +418,18 @@ def duplicate_safetensors_key() -> bytes:
     return len(raw).to_bytes(8, "little") + raw + bytes(8)
 
 
+def header_entry(entry: str, metadata: str = "") -> Callable[[], bytes]:
+    """A header of one 16-byte tensor ``w`` given as raw JSON ``entry`` (and
+    ``__metadata__``): what the safetensors library refuses that ``int()`` would take."""
+
+    def build() -> bytes:
+        raw = ("{" + metadata + '"w":' + entry + "}").encode()
+        raw += b" " * (-len(raw) % 8)
+        return len(raw).to_bytes(8, "little") + raw + bytes(16)
+
+    return build
+
+
 def deeply_nested_header() -> bytes:
     """A 200 KB header nested 100000 levels deep: json recurses once per level."""
     raw = b'{"w":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -435,6 +486,7 @@ CASES: dict[str, Case] = {
     "pickle_outside_the_archive": Case(pickle_outside_the_archive, 2, "'other/model.pkl'"),
     "pickle_inside_the_archive": Case(pickle_inside_the_archive, 0, ""),
     "duplicate_entry": Case(duplicate_entry, 2, "archive/data.pkl"),
+    "overlapping_entries": Case(overlapping_entries, 2, "overlaps the next one"),
     "legacy_valid": Case(legacy_valid, 0, ""),
     "legacy_view_past_base": Case(legacy_view(1 << 28, 1 << 28), 2, "view"),
     "legacy_view_negative": Case(legacy_view(-8, 4), 2, "view"),
@@ -444,6 +496,48 @@ CASES: dict[str, Case] = {
     "overlapping_tensors": Case(overlapping_tensors, 2, "overlap", ".safetensors"),
     "duplicate_safetensors_key": Case(duplicate_safetensors_key, 2, "'w'", ".safetensors"),
     "deeply_nested_header": Case(deeply_nested_header, 2, "nested too deep", ".safetensors"),
+    # sizes the library refuses (usize): int() takes true, 4.0, "4" and 4.5 (as 4)
+    "shape_of_true": Case(
+        header_entry('{"dtype":"F32","shape":[true,4],"data_offsets":[0,16]}'),
+        2,
+        "entry 'w'",
+        ".safetensors",
+    ),
+    "shape_of_floats": Case(
+        header_entry('{"dtype":"F32","shape":[4.5],"data_offsets":[0,16]}'),
+        2,
+        "entry 'w'",
+        ".safetensors",
+    ),
+    "offsets_as_text": Case(
+        header_entry('{"dtype":"F32","shape":[4],"data_offsets":["0","16"]}'),
+        2,
+        "entry 'w'",
+        ".safetensors",
+    ),
+    "offset_of_5000_digits": Case(
+        header_entry('{"dtype":"F32","shape":[4],"data_offsets":[0,1' + "0" * 5000 + "]}"),
+        2,
+        "corrupt safetensors header",
+        ".safetensors",
+    ),
+    "metadata_not_text": Case(
+        header_entry(
+            '{"dtype":"F32","shape":[4],"data_offsets":[0,16]}', '"__metadata__":{"n":1},'
+        ),
+        2,
+        "__metadata__ values must be strings",
+        ".safetensors",
+    ),
+    "name_with_a_lone_surrogate": Case(  # an escape no UTF-8 text holds; outputs broke
+        header_entry(
+            '{"dtype":"F32","shape":[4],"data_offsets":[0,16]},'
+            '"\\ud800":{"dtype":"F32","shape":[0],"data_offsets":[16,16]}'
+        ),
+        2,
+        "not valid Unicode",
+        ".safetensors",
+    ),
     "deeply_nested_index": Case(
         deeply_nested_index, 2, "nested too deep", ".safetensors.index.json"
     ),

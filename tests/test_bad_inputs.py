@@ -375,6 +375,33 @@ def test_dcp_metadata_whose_chunks_do_not_tile_the_tensor(tmp_path, damage):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("shift", [0, 4])
+def test_dcp_metadata_naming_one_span_for_many_tensors(tmp_path, shift):
+    """A few bytes of .metadata per tensor could name the same stored bytes a thousand
+    times: a 1 MB folder read as gigabytes of tensors. Each chunk has bytes of its own
+    (a span named twice is a safetensors blob, which holds each tensor once)."""
+    import pickle
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "dcp", folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    name = "model.fc1.weight"
+    for copy in range(1000):
+        fqn = f"copy{copy}"
+        meta.state_dict_metadata[fqn] = meta.state_dict_metadata[name]
+        for index in [i for i in meta.storage_data if i.fqn == name]:
+            info = meta.storage_data[index]
+            moved = type(info)(info.relative_path, info.offset + shift, info.length)
+            meta.storage_data[type(index)(fqn, index.offset, index.index)] = moved
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    out = tmp_path / "out.pt"
+    if shift:  # refused from .metadata alone
+        check_error(run_cli("inspect", folder), 2, "the stored bytes of", "overlap")
+    else:  # a torch.save chunk holds one tensor: found when its bytes are read
+        check_error(run_cli("merge", folder, "-o", out), 2, "other chunks name the bytes of")
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_dcp_missing_the_file_with_values_names_it(dist_runs, tmp_path):
     folder = tmp_path / "dcp"

@@ -101,7 +101,8 @@ def test_folder_of_one_checkpoints_rank_files_is_read_as_that_checkpoint(tmp_pat
     assert_identical(
         ckpttool.load(composer, select="all"),
         ckpttool.load(ckpt.files, select="all"),
-        ordered=False, exact_types=False,
+        ordered=False,
+        exact_types=False,
     )
     # DDP rank files are full copies: the folder reads as the lowest rank's file
     ddp = tmp_path / "ddp"

@@ -161,7 +161,6 @@ def test_load_into_from_sharded_checkpoints(dist_runs, dist_reference):
 # ------------------------------------------ CUDA: pinned buffers, overlapped copies
 
 
-
 @pytest.fixture
 def small_staging(monkeypatch):
     """Staging buffers of 1 KiB: every tensor goes through several, each reused."""

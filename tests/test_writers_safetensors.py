@@ -81,6 +81,27 @@ def test_dtype_safetensors_cannot_store_refused_before_writing(tmp_path: Path, k
     assert tree_files(tmp_path) == ["odd.pt"]
 
 
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("__metadata__", "the safetensors header's own entry"),  # it replaced the metadata
+        ("w\ud800", "not valid Unicode"),  # written as an escape no safetensors reader takes
+    ],
+)
+@pytest.mark.parametrize("shard", [False, True])
+def test_names_safetensors_cannot_hold_refused_before_writing(tmp_path: Path, name, needle, shard):
+    """Names come from the input: one a pickle holds may be no safetensors key."""
+    torch.save({"a": torch.ones(2), name: torch.ones(3)}, tmp_path / "odd.pt")
+    sharding = ["--max-shard-size", "1KB"] if shard else []
+    out = tmp_path / "o"
+    proc = run_cli("convert", tmp_path / "odd.pt", "--to", "safetensors", "-o", out, *sharding)
+    check_error(proc, 2, needle)
+    assert tree_files(tmp_path) == ["odd.pt"]
+    proc = run_cli("convert", tmp_path / "odd.pt", "--to", "pt", "-o", tmp_path / "o.pt")
+    assert proc.returncode == 0, proc.stderr  # a torch file holds any name
+    assert list(torch.load(tmp_path / "o.pt", weights_only=True)) == ["a", name]
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.complex64])
 def test_dtypes_safetensors_has_codes_for_round_trip(tmp_path: Path, dtype):
     t = torch.randn(5, dtype=torch.complex64 if dtype.is_complex else torch.float32).to(dtype)

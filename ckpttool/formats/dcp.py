@@ -69,8 +69,10 @@ class DcpChunk:
         transforms: Any,
         fqn: str,
         offsets: tuple,
+        shared: bool = False,
     ):
         self.path = path
+        self.shared = shared  # other chunks name the span: it must be a safetensors blob
         self.offset = offset
         self.length = length
         self.dtype = dtype
@@ -90,6 +92,11 @@ class DcpChunk:
         size = sources.getsize(self.path)
         head = bytes(sources.read(self.path, self.offset, max(0, min(4, size - self.offset))))
         if head == ZIP_MAGIC:
+            if self.shared:  # a zip holds one chunk: several would repeat its bytes
+                raise CkptError(
+                    f"corrupt DCP .metadata: other chunks name the bytes of {self.fqn!r}",
+                    path=self.path,
+                )
             with ZipPickle(self.path, self.offset, self.length) as archive:
                 ref = archive.load()
             if not isinstance(ref, TensorRef):
@@ -179,6 +186,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         key = _attrs(index)
         offset = key.get("offset")
         spans[(key.get("fqn"), tuple(offset) if offset is not None else None)] = _attrs(info)
+    shared = shared_spans(spans, meta_path)
     planner_data = meta.get("planner_data")
     planner = planner_data if isinstance(planner_data, dict) else {}
     ranks = {
@@ -201,9 +209,9 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             )
         kind = type(entry).__name__
         if kind == "TensorStorageMetadata":
-            value = _tensor(path, fqn, _attrs(entry), spans, world_size)
+            value = _tensor(path, fqn, _attrs(entry), spans, world_size, shared)
         elif kind == "BytesStorageMetadata":
-            value = _bytes_value(path, fqn, spans, permissive, seen)
+            value = _bytes_value(path, fqn, spans, permissive, seen, shared)
         else:
             raise CkptError(f"corrupt DCP .metadata entry {fqn!r}", path=meta_path)
         root = set_element(root, obj_path, value)
@@ -212,15 +220,59 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     return ckpt
 
 
-def _span(folder: str, fqn: str, offset: tuple | None, spans: dict) -> tuple[str, int, int, Any]:
+def shared_spans(spans: dict[tuple, dict], meta_path: str) -> set[tuple[str, int]]:
+    """The (file, offset) where several chunks' spans start; there must be a safetensors
+    blob (see :meth:`DcpChunk.tensor_ref`).
+
+    Each chunk has bytes of its own in its data file, as DCP writes them, or names the
+    start of its file's safetensors blob, which holds each tensor once: a few bytes of
+    .metadata could otherwise name one megabyte for a thousand tensors (a 1 MB folder
+    read as gigabytes of tensors).
+
+    Raises:
+        CkptError: A span that is no pair of sizes, or two that overlap in part.
+    """
+    by_file: dict[str, list[tuple[int, int, Any]]] = {}
+    for (fqn, _), info in spans.items():
+        offset, length = info.get("offset"), info.get("length")
+        if type(offset) is not int or type(length) is not int or min(offset, length) < 0:
+            raise CkptError(f"corrupt DCP .metadata: the stored span of {fqn!r}", path=meta_path)
+        file = str(info.get("relative_path"))
+        by_file.setdefault(file, []).append((offset, offset + length, fqn))
+    shared = set()
+    for file, items in by_file.items():
+        items.sort(key=lambda item: item[:2])
+        reach, reaching, group = 0, None, None  # the furthest end so far, whose, its start
+        for start, end, fqn in items:
+            if start == group:  # the blob's start, named by several chunks
+                shared.add((file, start))
+            elif start < reach:
+                raise CkptError(
+                    f"corrupt DCP .metadata: the stored bytes of {reaching!r} and {fqn!r} "
+                    f"overlap in {file}",
+                    path=meta_path,
+                )
+            else:
+                group = start
+            if end > reach:
+                reach, reaching = end, fqn
+    return shared
+
+
+def _span(
+    folder: str, fqn: str, offset: tuple | None, spans: dict, shared: set[tuple[str, int]]
+) -> tuple[str, int, int, Any, bool]:
+    """(data file, offset, length, transforms, whether other chunks name the span too)."""
     info = spans.get((fqn, offset))
     if info is None:
         raise CkptError(f"no stored data for {fqn!r} (incomplete checkpoint)", path=folder)
+    start = int(info["offset"])
     return (
         _data_file(folder, info, folder),
-        int(info["offset"]),
+        start,
         int(info["length"]),
         info.get("transform_descriptors"),
+        (str(info.get("relative_path")), start) in shared,
     )
 
 
@@ -232,7 +284,14 @@ def _data_file(folder: str, info: dict, named_in: str) -> str:
     return sources.join(folder, rel)
 
 
-def _tensor(folder: str, fqn: str, entry: dict, spans: dict, world_size: int | None) -> ShardedRef:
+def _tensor(
+    folder: str,
+    fqn: str,
+    entry: dict,
+    spans: dict,
+    world_size: int | None,
+    shared: set[tuple[str, int]],
+) -> ShardedRef:
     props = _tensor_properties(entry.get("properties"))
     dt = props.get("dtype")
     size = entry.get("size")
@@ -242,8 +301,8 @@ def _tensor(folder: str, fqn: str, entry: dict, spans: dict, world_size: int | N
     for chunk in entry.get("chunks") or []:
         c = _attrs(chunk)
         offsets, sizes = tuple(c.get("offsets") or ()), tuple(c.get("sizes") or ())
-        file, start, length, transforms = _span(folder, fqn, offsets, spans)
-        chunk = DcpChunk(file, start, length, dt, sizes, transforms, fqn, offsets)
+        file, start, length, transforms, many = _span(folder, fqn, offsets, spans, shared)
+        chunk = DcpChunk(file, start, length, dt, sizes, transforms, fqn, offsets, many)
         shards.append(Shard(offsets, sizes, chunk))
     # .metadata alone says which chunks exist: one missing or overlapping another
     # would leave parts of the merged tensor uninitialised
@@ -267,8 +326,19 @@ def _tensor_properties(obj: Any) -> dict:
     return _attrs(obj)
 
 
-def _bytes_value(folder: str, fqn: str, spans: dict, permissive: bool, seen: set[str]) -> Any:
-    file, start, length, transforms = _span(folder, fqn, None, spans)
+def _bytes_value(
+    folder: str,
+    fqn: str,
+    spans: dict,
+    permissive: bool,
+    seen: set[str],
+    shared: set[tuple[str, int]],
+) -> Any:
+    file, start, length, transforms, many = _span(folder, fqn, None, spans, shared)
+    if many:
+        raise CkptError(
+            f"corrupt DCP .metadata: other entries name the bytes of {fqn!r}", path=folder
+        )
     if transforms:
         raise CkptError(f"value {fqn!r} stored with transforms is not supported", path=folder)
     if not sources.isfile(file):

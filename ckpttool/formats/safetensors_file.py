@@ -65,13 +65,39 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
             "(readers disagree on which one counts)",
             path=path,
         ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:  # (also a number of 5,000 digits)
         raise CkptError(f"corrupt safetensors header ({exc})", path=path) from None
     except RecursionError:  # json recurses once per nesting level
         raise CkptError("corrupt safetensors header (nested too deep)", path=path) from None
     if not isinstance(header, dict):
         raise CkptError("corrupt safetensors header (not a JSON object)", path=path)
+    check_header(header, path)
     return header, 8 + n
+
+
+def check_header(header: dict[str, Any], path: str) -> None:
+    """What the safetensors library requires of a header beyond JSON, so that ckpttool
+    reads no file the library refuses: ``__metadata__`` maps strings to strings, and
+    every key is valid Unicode (JSON can escape a lone surrogate, which no UTF-8
+    text holds).
+
+    Raises:
+        CkptError: Saying which rule the header breaks.
+    """
+    metadata = header.get("__metadata__")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise CkptError("corrupt safetensors header (__metadata__ is not an object)", path=path)
+    if metadata and not all(type(v) is str for v in metadata.values()):
+        raise CkptError(
+            "corrupt safetensors header (__metadata__ values must be strings)", path=path
+        )
+    for key in itertools.chain(header, metadata or ()):
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CkptError(
+                f"corrupt safetensors header: key {key!r} is not valid Unicode", path=path
+            ) from None
 
 
 class _DuplicateKey(ValueError):
@@ -146,9 +172,7 @@ def dcp_saved_offsets(header: dict, path: str) -> dict[str, tuple[int, ...]] | N
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     header, data_start = read_header(path)
     data_len = sources.getsize(path) - data_start
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CkptError("corrupt safetensors header (__metadata__ is not an object)", path=path)
+    metadata = header.pop("__metadata__", None) or {}  # (checked by read_header)
     root = {}
     for name, info in header.items():
         root[name] = tensor_ref(path, name, info, data_start, data_len)
@@ -156,12 +180,24 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     return Checkpoint(format=FORMAT, files=[path], root=root, metadata=dict(metadata))
 
 
+def _integers(values: Any) -> tuple[int, ...]:
+    """A JSON list of integers, as the library reads it: ``true``, ``4.0`` or ``"4"`` is
+    no size (``int()`` would take each, and 4.5 as 4).
+
+    Raises:
+        TypeError: Anything else.
+    """
+    if type(values) is not list or not all(type(v) is int for v in values):
+        raise TypeError("not a list of integers")
+    return tuple(values)
+
+
 def tensor_ref(path: str, name: str, info: Any, data_start: int, data_len: int) -> TensorRef:
     """A lazy tensor for one header entry, after checking it against the data section."""
     try:
         dt = SAFETENSORS_DTYPES[info["dtype"]]
-        shape = tuple(int(s) for s in info["shape"])
-        begin, end = (int(x) for x in info["data_offsets"])
+        shape = _integers(info["shape"])
+        begin, end = _integers(info["data_offsets"])
     except (KeyError, TypeError, ValueError):
         raise CkptError(f"corrupt safetensors header entry {name!r}", path=path) from None
     numel = math.prod(shape)

@@ -150,10 +150,34 @@ def check_flags(flags: int, info: zipfile.ZipInfo, path: str, where: str = "") -
             )
 
 
-def check_local_header(header: bytes, info: zipfile.ZipInfo, raw_name: bytes, path: str) -> int:
+def entry_ends(infos: list[zipfile.ZipInfo], end: int, path: str) -> dict[str, int]:
+    """Where each entry must end: where the next one (by offset) begins, or ``end`` (the
+    central directory). Entries may not share bytes: a few dozen bytes of directory per
+    entry could declare the same megabyte as a thousand storages (overlapping entries
+    make the tensors of a small file grow with the square of its entry count).
+
+    Raises:
+        CkptError: Two entries overlap, by the least their local headers can take.
+    """
+    spans = sorted((info.header_offset, info) for info in infos)
+    ends: dict[str, int] = {}
+    for index, (start, info) in enumerate(spans):
+        limit = spans[index + 1][0] if index + 1 < len(spans) else end
+        if start + LOCAL_HEADER.size + len(raw_name(info)) + info.compress_size > limit:
+            raise CkptError(
+                f"zip entry {info.filename!r} overlaps the next one (corrupt archive)", path=path
+            )
+        ends[info.filename] = limit
+    return ends
+
+
+def check_local_header(
+    header: bytes, info: zipfile.ZipInfo, raw_name: bytes, path: str, end: int | None = None
+) -> int:
     """Check an entry's local header against the central directory; return the offset of
     its data from the header. A reader that walks local headers must see the same entry
-    (name, method) as one that reads the directory, and neither may need a password.
+    (name, method) as one that reads the directory, and neither may need a password;
+    its data ends by ``end`` (see :func:`entry_ends`).
 
     Raises:
         CkptError: A header that is missing or says otherwise.
@@ -170,4 +194,9 @@ def check_local_header(header: bytes, info: zipfile.ZipInfo, raw_name: bytes, pa
             f"method {method}: the central directory says otherwise)",
             path=path,
         )
-    return LOCAL_HEADER.size + name_len + extra_len
+    data = LOCAL_HEADER.size + name_len + extra_len
+    if end is not None and info.header_offset + data + info.compress_size > end:
+        raise CkptError(
+            f"zip entry {info.filename!r} overlaps the next one (corrupt archive)", path=path
+        )
+    return data

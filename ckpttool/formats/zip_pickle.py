@@ -26,6 +26,7 @@ from .zip_container import (
     check_flags,
     check_local_header,
     directory_reads,
+    entry_ends,
     raw_name,
 )
 
@@ -52,12 +53,12 @@ INFLATE_CHUNK = 1 << 20
 class LocalHeaderCheck:
     """A zip entry's local header check, kept with its bytes until they are first read."""
 
-    def __init__(self, info: zipfile.ZipInfo, name: bytes, path: str) -> None:
-        self.info, self.name, self.path = info, name, path
+    def __init__(self, info: zipfile.ZipInfo, name: bytes, path: str, end: int) -> None:
+        self.info, self.name, self.path, self.end = info, name, path, end
         self.size = LOCAL_HEADER.size + len(name)
 
     def __call__(self, header: bytes) -> int:
-        return check_local_header(header, self.info, self.name, self.path)
+        return check_local_header(header, self.info, self.name, self.path, self.end)
 
 
 class ZipPickle:
@@ -115,6 +116,7 @@ class ZipPickle:
         try:
             for info in infos:
                 self._check_entry(info)
+            self._ends = entry_ends(infos, getattr(self.zip, "start_dir", self.length), path)
             self.prefix = self._find_prefix(infos)
             if self._stream is not None and not self._remote:
                 self._prefetch_headers(infos)
@@ -236,7 +238,8 @@ class ZipPickle:
         header = self._headers.get(info.filename)
         if header is None:
             header = self._read_at(info.header_offset, LOCAL_HEADER.size + len(name))
-        return info.header_offset + check_local_header(header, info, name, self.path)
+        end = self._ends[info.filename]
+        return info.header_offset + check_local_header(header, info, name, self.path, end)
 
     def _inflate(self, info: zipfile.ZipInfo, at: int) -> bytearray:
         """A deflated entry, inflated a chunk at a time and never past its declared size."""
@@ -292,7 +295,9 @@ class ZipPickle:
                 0,
                 info.file_size,
                 zip_header_offset=self.start + info.header_offset,
-                zip_header_check=LocalHeaderCheck(info, raw_name(info), self.path),
+                zip_header_check=LocalHeaderCheck(
+                    info, raw_name(info), self.path, self._ends[info.filename]
+                ),
             )
         # the local header is checked now, not on first read: inspect, which reads no
         # tensor bytes, refuses a disguised entry as convert does

@@ -8,7 +8,7 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError
 from ..output import HF_SHARDS, FolderLayout
-from . import output_dtype, refuse_sparse
+from . import check_repeats, output_dtype, refuse_sparse
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = ["TO", "layout", "plan", "write"]
@@ -27,6 +27,8 @@ def layout(options: WriteOptions) -> FolderLayout | None:
 def plan(tensors: dict[str, Any], options: WriteOptions) -> Plan:
     """One file, or shards of at most ``options.max_shard_size`` bytes and their index."""
     check_dtypes(tensors, options.cast)
+    check_names(tensors)
+    check_repeats(tensors.values())
     if options.max_shard_size is None:
         return Plan([plan_file("", tensors, options)])
     return plan_sharded(tensors, options)
@@ -47,6 +49,29 @@ def check_dtypes(tensors: dict[str, Any], cast: DType | None) -> None:
                 f"tensor {name!r} has dtype {leaf.dtype.name}, which safetensors cannot store",
                 hint="use --to pt, or --dtype for floating-point tensors",
             )
+
+
+def check_names(tensors: dict[str, Any]) -> None:
+    """Fail before writing anything if a name cannot be a key of a safetensors header.
+
+    The names come from the input: ``__metadata__`` is the header's own entry (a tensor
+    of that name would replace it), and a string with a lone surrogate (a pickle can
+    hold one) is written as an escape that no JSON reader of the format accepts.
+    """
+    for name in tensors:
+        if name == "__metadata__":
+            raise CkptError(
+                "a tensor is named '__metadata__', the safetensors header's own entry",
+                hint="use --to pt, or --select other tensors",
+            )
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CkptError(
+                f"tensor name {name!r} is not valid Unicode (a lone surrogate): "
+                "safetensors cannot hold it",
+                hint="use --to pt, or --select other tensors",
+            ) from None
 
 
 def header_bytes(tensors: dict[str, Any], cast: DType | None, metadata: dict[str, str]) -> bytes:
