@@ -44,7 +44,13 @@ MAX_BYTES_CONSTRUCTOR = 1 << 24
 
 
 def _torch_size(values=()):
-    if not isinstance(values, (tuple, list)) or not INT_ONLY.issuperset(map(type, values)):
+    # torch.Size holds int64s: one made of a bigger int cannot be printed, compared with
+    # another or saved (a merged output holding it would not load)
+    if (
+        not isinstance(values, (tuple, list))
+        or not INT_ONLY.issuperset(map(type, values))
+        or not all(-(2**63) <= n < 2**63 for n in values)
+    ):
         raise CkptError(f"corrupt torch.Size {values!r:.80}")
     return TorchSize(values)
 
