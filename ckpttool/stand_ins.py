@@ -68,6 +68,7 @@ def _torch_device(kind, index=None):
         device_type not in DEVICE_TYPES
         or (":" in (text or "") and not (number.isdigit() and number.isascii()))
         or len(number) > 9
+        or (number.startswith("0") and number != "0")  # torch refuses "cuda:01"
     ):
         raise CkptError(f"corrupt torch.device {kind!r:.80}")
     return Device(text)
