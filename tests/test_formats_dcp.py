@@ -7,7 +7,15 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_identical, check_error, run_cli, small_state_dict, write_dcp
+from helpers import (
+    FIXTURES,
+    assert_identical,
+    check_error,
+    run_cli,
+    sha256,
+    small_state_dict,
+    write_dcp,
+)
 
 import ckpttool
 from ckpttool.report import inspect_report
@@ -100,3 +108,39 @@ def test_dcp_safetensors_blob_that_lacks_a_chunk_is_refused(dist_runs, tmp_path)
         "holds no chunk of 'model.lin.weight' at [0, 0]",
     )
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def _rewrite_metadata(folder, edit) -> None:
+    """``edit(metadata)`` applied to the DCP ``.metadata`` of ``folder``, as torch reads it."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    edit(metadata)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("how", ["shared", "negative", "float"])
+def test_storage_entries_must_have_bytes_of_their_own(tmp_path, how):
+    # one chunk's bytes named by a thousand entries made a 364 KB folder a 256 MiB output
+    folder = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp", folder)
+
+    def edit(metadata):
+        first, second = list(metadata.storage_data)[:2]
+        info = metadata.storage_data[first]
+        if how == "shared":
+            metadata.storage_data[second] = info
+        else:
+            object.__setattr__(info, "offset", -1 if how == "negative" else 0.5)
+
+    _rewrite_metadata(folder, edit)
+    digest = sha256(folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    message = "share the bytes" if how == "shared" else "corrupt DCP .metadata: storage entry"
+    check_error(run_cli("convert", folder, "--to", "pt", "-o", out / "x.pt"), 2, message)
+    assert list(out.iterdir()) == [] and sha256(folder) == digest
+    with pytest.raises(ckpttool.CkptError, match=message):
+        ckpttool.load(folder)

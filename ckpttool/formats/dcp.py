@@ -14,6 +14,7 @@ each chunk's offsets in ``DCP_SHARDING_INFO``) says where the bytes are.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 from collections.abc import Hashable
@@ -179,6 +180,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         key = _attrs(index)
         offset = key.get("offset")
         spans[(key.get("fqn"), tuple(offset) if offset is not None else None)] = _attrs(info)
+    _check_spans_apart(path, spans, meta_path)
     planner_data = meta.get("planner_data")
     planner = planner_data if isinstance(planner_data, dict) else {}
     ranks = {
@@ -212,14 +214,61 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     return ckpt
 
 
+def _check_spans_apart(folder: str, spans: dict[tuple, dict], meta_path: str) -> None:
+    """Each stored chunk has bytes of its own, as DCP writes them: a small checkpoint must
+    not make a huge output by naming the same bytes for a thousand chunks.
+
+    A ``torch.save`` blob holds one chunk; the safetensors serialization points every
+    chunk of a file at its one blob (offset 0, each chunk's tensor found by its name).
+
+    Raises:
+        CkptError: An entry without an int offset and length, entries that overlap, or
+            a blob named twice for one tensor or by a ``torch.save`` blob's chunks.
+    """
+    by_file: dict[str, dict[int, list[tuple[int, Any]]]] = {}
+    for (fqn, _), info in spans.items():
+        offset, length = info.get("offset"), info.get("length")
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise CkptError(
+                f"corrupt DCP .metadata: storage entry at {offset!r:.40} of {length!r:.40} bytes",
+                path=meta_path,
+            )
+        runs = by_file.setdefault(str(info.get("relative_path")), {})
+        runs.setdefault(offset, []).append((length, fqn))
+    for rel, runs in by_file.items():
+        starts = sorted(runs)
+        for start, after in itertools.pairwise(starts):
+            if start + max(n for n, _ in runs[start]) > after:
+                raise CkptError(
+                    f"corrupt DCP .metadata: storage entries overlap at {after} of {rel!r}",
+                    path=meta_path,
+                )
+        for start in starts:
+            names = [fqn for _, fqn in runs[start]]
+            if len(names) > 1 and (len(set(names)) < len(names) or _zip_at(folder, rel, start)):
+                raise CkptError(
+                    f"corrupt DCP .metadata: {len(names)} storage entries share the bytes at "
+                    f"{start} of {rel!r}",
+                    path=meta_path,
+                )
+
+
+def _zip_at(folder: str, rel: str, offset: int) -> bool:
+    """Whether a ``torch.save`` zip starts at ``offset`` of the data file ``rel``."""
+    path = sources.join(folder, rel)
+    if not sources.is_file_name(rel) or not sources.isfile(path):
+        return False  # named when a chunk is read
+    return bytes(sources.read(path, offset, 4)) == ZIP_MAGIC
+
+
 def _span(folder: str, fqn: str, offset: tuple | None, spans: dict) -> tuple[str, int, int, Any]:
     info = spans.get((fqn, offset))
     if info is None:
         raise CkptError(f"no stored data for {fqn!r} (incomplete checkpoint)", path=folder)
     return (
         _data_file(folder, info, folder),
-        int(info["offset"]),
-        int(info["length"]),
+        info["offset"],  # ints, checked by _check_spans_apart
+        info["length"],
         info.get("transform_descriptors"),
     )
 
