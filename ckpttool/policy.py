@@ -16,7 +16,7 @@ import _compat_pickle
 from typing import Any
 
 from .errors import CkptError
-from .tree import Opaque
+from .tree import Opaque, TensorRef
 
 # Modules whose every global is refused: they reach the OS, the network, files, the
 # interpreter, a debugger or profiler, or another deserializer.
@@ -268,6 +268,13 @@ def _is_exception_name(name: str) -> bool:
 MAX_NESTING = 200
 # Entries seen again through containers that are shared (reachable by several paths).
 MAX_SHARED_ENTRIES = 1_000_000
+# The tensors of a pickle, each counted at every path that reaches it (each is written
+# in full), may span this many times the bytes of the storages they view, plus
+# MAX_TENSOR_BYTES_BASE: tied weights name one storage twice, a snapshot may keep its
+# model under "model" and "ema" too; a few bytes of memo naming one stored megabyte a
+# thousand times would make a small file a gigabyte of output.
+TENSOR_BYTES_PER_STORED_BYTE = 16
+MAX_TENSOR_BYTES_BASE = 64 << 20
 
 
 def check_structure(root: Any, path: object = None) -> None:
@@ -283,8 +290,11 @@ def check_structure(root: Any, path: object = None) -> None:
     Raises:
         CkptError: nesting deeper than MAX_NESTING, shared containers that expand to
             more than MAX_SHARED_ENTRIES entries, a dict/list/tuple that holds itself,
-            or a dict whose attributes hide its methods.
+            a dict whose attributes hide its methods, or tensors that name the same
+            stored bytes over and over (see TENSOR_BYTES_PER_STORED_BYTE).
     """
+    tensor_bytes = 0
+    stored: dict[int, int] = {}  # id(storage) -> its bytes
     expanded: set[int] = set()
     ancestors: set[int] = set()
     shared_entries = 0
@@ -317,12 +327,23 @@ def check_structure(root: Any, path: object = None) -> None:
                     f"than {MAX_SHARED_ENTRIES} entries",
                     path=path,
                 )
+        for child in kids:
+            if type(child) is TensorRef and child.storage is not None and child.numel:
+                tensor_bytes += child.nbytes
+                stored[id(child.storage)] = child.storage.nbytes
         expanded.add(id(node))
         ancestors.add(id(node))
         stack.append((node, depth, True))
         # only containers go on the stack (hot: a large DCP .metadata has millions of
         # numbers); tensors and other leaves end a walk
         stack.extend((child, depth + 1, False) for child in kids if isinstance(child, containers))
+    allowed = MAX_TENSOR_BYTES_BASE + TENSOR_BYTES_PER_STORED_BYTE * sum(stored.values())
+    if tensor_bytes > allowed:
+        raise CkptError(
+            f"corrupt pickle: its tensors name the same stored bytes over and over "
+            f"({tensor_bytes} bytes of tensors from {sum(stored.values())} stored)",
+            path=path,
+        )
 
 
 def _check_dict_attributes(node: dict, path: object) -> None:

@@ -154,3 +154,25 @@ def test_torch_size_value_past_int64_is_corrupt(tmp_path):
     assert list(out.iterdir()) == []
     with pytest.raises(ckpttool.CkptError, match="corrupt torch.Size"):
         ckpttool.load(path, select="all")
+
+
+@pytest.mark.parametrize(("names", "code"), [(16, 0), (20_000, 2)])
+def test_one_storage_named_as_thousands_of_tensors_is_refused(tmp_path, names, code):
+    # each name of a tied tensor is written in full: 20,000 memo references (a few bytes
+    # each) to one 5 KB storage made a 300 KB file a 100 MB output
+    from payloads import lazy_tensor, torch_pickle_bytes
+
+    tensor = lazy_tensor("16", (1264,), 1264)  # archive/data/16 of the fixture
+    data = torch_pickle_bytes({f"w{i}": tensor for i in range(names)})
+    path = tmp_path / "tied.pt"
+    source = fixture_path("ddp/ep0-rank0.pt")
+    rewrite_zip(source, path, lambda name, old: data if name.endswith("/data.pkl") else None)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli("convert", path, "--to", "safetensors", "-o", out / "x.safetensors")
+    if code:
+        check_error(proc, 2, "name the same stored bytes over and over")
+        assert list(out.iterdir()) == []
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert len(ckpttool.load(out / "x.safetensors")) == names
