@@ -16,6 +16,7 @@ import _compat_pickle
 from typing import Any
 
 from .errors import CkptError
+from .sharding import LocalShards
 from .tree import Opaque, TensorRef
 
 # Modules whose every global is refused: they reach the OS, the network, files, the
@@ -327,11 +328,12 @@ def check_structure(root: Any, path: object = None) -> None:
                     f"than {MAX_SHARED_ENTRIES} entries",
                     path=path,
                 )
-        if TensorRef in set(map(type, kids)):  # (the scan runs in C: hot, as below)
+        if not _TENSOR_TYPES.isdisjoint(map(type, kids)):  # (a scan in C: hot, as below)
             for child in kids:
-                if type(child) is TensorRef and child.storage is not None and child.numel:
-                    tensor_bytes += child.nbytes
-                    stored[id(child.storage)] = child.storage.nbytes
+                for ref in _stored_tensors(child):
+                    if ref.storage is not None:  # (a meta tensor stores nothing)
+                        tensor_bytes += ref.nbytes
+                        stored[id(ref.storage)] = ref.storage.nbytes
         expanded.add(id(node))
         ancestors.add(id(node))
         stack.append((node, depth, True))
@@ -345,6 +347,18 @@ def check_structure(root: Any, path: object = None) -> None:
             f"({tensor_bytes} bytes of tensors from {sum(stored.values())} stored)",
             path=path,
         )
+
+
+_TENSOR_TYPES = frozenset({TensorRef, LocalShards})
+
+
+def _stored_tensors(value: Any) -> list[TensorRef]:
+    """The stored tensors a leaf is written from: a tensor, a rank's blocks of a sharded one."""
+    if type(value) is LocalShards:
+        value = [getattr(block, "tensor", None) for block in value.shards]
+    else:
+        value = [value]
+    return [t for t in value if type(t) is TensorRef and t.numel]
 
 
 def _check_dict_attributes(node: dict, path: object) -> None:
