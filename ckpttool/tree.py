@@ -186,6 +186,15 @@ class TensorRef(_Sized):
 
     sharded = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # torch holds strides and the offset in int64 too; an empty tensor's are never
+        # checked against its storage, and reading a slice of it passes them to torch
+        if abs(self.offset) > MAX_NUMEL or any(abs(s) > MAX_NUMEL for s in self.stride):
+            raise CkptError(
+                f"corrupt tensor: impossible stride {list(self.stride)[:8]} or offset {self.offset}"
+            )
+
     def tensor_ref(self) -> TensorRef:
         """Itself: a stored tensor is its own :class:`~ckpttool.sharding.Block`."""
         return self
