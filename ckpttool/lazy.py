@@ -131,11 +131,16 @@ class TensorSlice:
         return self.dtype
 
     def __getitem__(self, key: Any) -> Any:
+        ranges, squeeze = normalize_index(key, self.shape)  # IndexError: the caller's key
+        return self._read(ranges, squeeze)
+
+    @translate_errors
+    def _read(self, ranges: Ranges, squeeze: list[bool]) -> Any:
+        """The elements ``ranges`` picks (see :func:`normalize_index`); bytes of the file."""
         import torch
 
         from .tensors import place, target_device
 
-        ranges, squeeze = normalize_index(key, self.shape)
         session = self._owner._session
         try:
             with activated(session):

@@ -78,8 +78,9 @@ def to_plain(
     building: set[int] = set()  # opaque objects whose stand-ins are being built
 
     def key(value: Any) -> Any:
-        """A dict key as plain data; one that became a stand-in dict (an Enum member,
-        a frozenset under ``weights_only``) cannot be a key: its text is."""
+        """A dict key or set element as plain data; one that became a stand-in dict (an
+        Enum member, a path, a frozenset under ``weights_only``) cannot be hashed: its
+        text is kept instead."""
         built = build(value)
         try:
             hash(built)
@@ -114,8 +115,10 @@ def to_plain(
             return out_list
         if isinstance(value, (Device, DType, TorchName, TorchSize)):
             result = torch_value(value)
-        elif isinstance(value, (tuple, set, frozenset)):
-            result = type(value)(build(v) for v in value)
+        elif isinstance(value, tuple):
+            result = tuple(build(v) for v in value)
+        elif isinstance(value, (set, frozenset)):
+            result = type(value)(key(v) for v in value)
         elif isinstance(value, type) and issubclass(value, Opaque):
             result = {"__global__": value.class_name()}
         elif isinstance(value, Opaque) and id(value) in building:

@@ -16,7 +16,8 @@ import _compat_pickle
 from typing import Any
 
 from .errors import CkptError
-from .tree import Opaque
+from .sharding import LocalShards
+from .tree import Opaque, TensorRef
 
 # Modules whose every global is refused: they reach the OS, the network, files, the
 # interpreter, a debugger or profiler, or another deserializer.
@@ -279,6 +280,13 @@ def _is_exception_name(name: str) -> bool:
 MAX_NESTING = 200
 # Entries seen again through containers that are shared (reachable by several paths).
 MAX_SHARED_ENTRIES = 1_000_000
+# The tensors of a pickle, each counted at every path that reaches it (each is written
+# in full), may span this many times the bytes of the storages they view, plus
+# MAX_TENSOR_BYTES_BASE: tied weights name one storage twice, a snapshot may keep its
+# model under "model" and "ema" too; a few bytes of memo naming one stored megabyte a
+# thousand times would make a small file a gigabyte of output.
+TENSOR_BYTES_PER_STORED_BYTE = 16
+MAX_TENSOR_BYTES_BASE = 64 << 20
 
 
 def check_structure(root: Any, path: object = None) -> None:
@@ -294,8 +302,11 @@ def check_structure(root: Any, path: object = None) -> None:
     Raises:
         CkptError: nesting deeper than MAX_NESTING, shared containers that expand to
             more than MAX_SHARED_ENTRIES entries, a dict/list/tuple that holds itself,
-            or a dict whose attributes hide its methods.
+            a dict whose attributes hide its methods, or tensors that name the same
+            stored bytes over and over (see TENSOR_BYTES_PER_STORED_BYTE).
     """
+    tensor_bytes = 0
+    stored: dict[int, int] = {}  # id(storage) -> its bytes
     expanded: set[int] = set()
     ancestors: set[int] = set()
     shared_entries = 0
@@ -328,12 +339,37 @@ def check_structure(root: Any, path: object = None) -> None:
                     f"than {MAX_SHARED_ENTRIES} entries",
                     path=path,
                 )
+        if not _TENSOR_TYPES.isdisjoint(map(type, kids)):  # (a scan in C: hot, as below)
+            for child in kids:
+                for ref in _stored_tensors(child):
+                    if ref.storage is not None:  # (a meta tensor stores nothing)
+                        tensor_bytes += ref.nbytes
+                        stored[id(ref.storage)] = ref.storage.nbytes
         expanded.add(id(node))
         ancestors.add(id(node))
         stack.append((node, depth, True))
         # only containers go on the stack (hot: a large DCP .metadata has millions of
         # numbers); tensors and other leaves end a walk
         stack.extend((child, depth + 1, False) for child in kids if isinstance(child, containers))
+    allowed = MAX_TENSOR_BYTES_BASE + TENSOR_BYTES_PER_STORED_BYTE * sum(stored.values())
+    if tensor_bytes > allowed:
+        raise CkptError(
+            f"corrupt pickle: its tensors name the same stored bytes over and over "
+            f"({tensor_bytes} bytes of tensors from {sum(stored.values())} stored)",
+            path=path,
+        )
+
+
+_TENSOR_TYPES = frozenset({TensorRef, LocalShards})
+
+
+def _stored_tensors(value: Any) -> list[TensorRef]:
+    """The stored tensors a leaf is written from: a tensor, a rank's blocks of a sharded one."""
+    if type(value) is LocalShards:
+        value = [getattr(block, "tensor", None) for block in value.shards]
+    else:
+        value = [value]
+    return [t for t in value if type(t) is TensorRef and t.numel]
 
 
 def _check_dict_attributes(node: dict, path: object) -> None:

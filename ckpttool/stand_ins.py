@@ -44,7 +44,13 @@ MAX_BYTES_CONSTRUCTOR = 1 << 24
 
 
 def _torch_size(values=()):
-    if not isinstance(values, (tuple, list)) or not INT_ONLY.issuperset(map(type, values)):
+    # torch.Size holds int64s: one made of a bigger int cannot be printed, compared with
+    # another or saved (a merged output holding it would not load)
+    if (
+        not isinstance(values, (tuple, list))
+        or not INT_ONLY.issuperset(map(type, values))
+        or not all(-(2**63) <= n < 2**63 for n in values)
+    ):
         raise CkptError(f"corrupt torch.Size {values!r:.80}")
     return TorchSize(values)
 
@@ -62,6 +68,7 @@ def _torch_device(kind, index=None):
         device_type not in DEVICE_TYPES
         or (":" in (text or "") and not (number.isdigit() and number.isascii()))
         or len(number) > 9
+        or (number.startswith("0") and number != "0")  # torch refuses "cuda:01"
     ):
         raise CkptError(f"corrupt torch.device {kind!r:.80}")
     return Device(text)

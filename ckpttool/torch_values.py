@@ -14,7 +14,7 @@ from typing import Any
 from .dtypes import DType
 from .errors import CkptError
 from .sealed import Sealed
-from .tree import Opaque, ShardedRef, SparseRef, TensorRef
+from .tree import Opaque, ShardedRef, SparseRef, TensorRef, check_shape
 
 # Module-level torch objects referenced by real checkpoints that need nothing but a name.
 TORCH_LAYOUTS = frozenset(
@@ -140,23 +140,9 @@ def check_dtype(value: Any) -> DType:
     return check_dtype(value)
 
 
-# torch counts elements in an int64; safetensors and torch refuse a shape past it even
-# where another dimension is 0
-MAX_NUMEL = 2**63 - 1
-
-
 # A view may repeat its storage's elements (stride 0: ``x.expand(n)``); written out, the
 # repeats cost bytes the file does not hold. Past this many extra bytes it is refused.
 MAX_VIEW_GROWTH = 64 << 20
-
-
-def check_shape(shape: tuple[int, ...]) -> None:
-    """Each dimension and the element count of every non-empty part fit torch's int64."""
-    count = 1
-    for n in shape:
-        count *= max(n, 1)
-        if n < 0 or count > MAX_NUMEL:
-            raise CkptError(f"corrupt tensor: impossible shape {list(shape)[:8]}")
 
 
 def check_view(shape: tuple[int, ...], dtype: DType, storage_nbytes: int) -> None:

@@ -121,11 +121,36 @@ class StorageRef(Sealed):
         return self.numel * self.dtype.itemsize
 
 
+# torch counts elements in an int64; safetensors and torch refuse a shape past it even
+# where another dimension is 0
+MAX_NUMEL = 2**63 - 1
+
+
+def check_shape(shape: tuple[int, ...]) -> None:
+    """Each dimension and the element count of every non-empty part fit torch's int64.
+
+    Raises:
+        CkptError: A shape no torch tensor can have (an output would not load).
+    """
+    count = 1
+    for n in shape:
+        count *= max(n, 1)
+        if n < 0 or count > MAX_NUMEL:
+            raise CkptError(f"corrupt tensor: impossible shape {list(shape)[:8]}")
+
+
 class _Sized(Sealed):
-    """numel and nbytes from ``shape`` and ``dtype`` (global sizes for sharded tensors)."""
+    """numel and nbytes from ``shape`` and ``dtype`` (global sizes for sharded tensors).
+
+    Every tensor leaf checks its shape when it is made, whichever format read it: a
+    shape torch cannot hold must not reach an output that then fails to load.
+    """
 
     shape: tuple[int, ...]
     dtype: DType
+
+    def __post_init__(self) -> None:
+        check_shape(self.shape)
 
     @property
     def numel(self) -> int:
@@ -160,6 +185,15 @@ class TensorRef(_Sized):
     quantizer: Any = None
 
     sharded = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # torch holds strides and the offset in int64 too; an empty tensor's are never
+        # checked against its storage, and reading a slice of it passes them to torch
+        if abs(self.offset) > MAX_NUMEL or any(abs(s) > MAX_NUMEL for s in self.stride):
+            raise CkptError(
+                f"corrupt tensor: impossible stride {list(self.stride)[:8]} or offset {self.offset}"
+            )
 
     def tensor_ref(self) -> TensorRef:
         """Itself: a stored tensor is its own :class:`~ckpttool.sharding.Block`."""
@@ -234,6 +268,9 @@ class SparseRef(Sealed):
     parameter: bool = False  # saved as an nn.Parameter
 
     sharded = False
+
+    def __post_init__(self) -> None:
+        check_shape(self.shape)  # the dense shape, as for every tensor leaf (see _Sized)
 
     @property
     def values(self) -> TensorRef:

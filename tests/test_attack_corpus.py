@@ -207,7 +207,9 @@ def test_one_storage_named_by_many_tensors(tmp_path):
     """A pickle names a storage again in a few bytes: 100 tensors of one 1 MiB storage
     (what torch.save writes for them: a 1 MB file) were each read and written in full,
     100 MiB by every command that reads bytes (5,000 of them: a 4.9 GiB output, 90 s of
-    --stats). Tied weights (a few tensors of one storage) are read as before."""
+    --stats). Refused as the file is read, by every command (its tensors would total
+    far more than the file stores); tied weights (a few tensors of one storage) are
+    read as before."""
     import torch
     from helpers import check_error, run_cli, tree_files
 
@@ -216,18 +218,19 @@ def test_one_storage_named_by_many_tensors(tmp_path):
     torch.save({"embed": shared, "head": shared}, tmp_path / "tied.pt")
     before = sha256(tmp_path / "many.pt")
     commands = [
+        ["inspect"],
         ["inspect", "--stats"],
         ["convert", "--to", "safetensors", "-o", tmp_path / "o.safetensors"],
         ["convert", "--to", "pt", "-o", tmp_path / "o.pt"],
         ["convert", "--to", "dcp", "-o", tmp_path / "o"],
         ["merge", "-o", tmp_path / "m.pt"],
     ]
+    message = "name the same stored bytes over and over"
     for command in commands:
-        check_error(run_cli(command[0], tmp_path / "many.pt", *command[1:]), 2, "storage '0'")
-    check_error(run_cli("diff", tmp_path / "many.pt", tmp_path / "many.pt"), 2, "storage '0'")
+        check_error(run_cli(command[0], tmp_path / "many.pt", *command[1:]), 2, message)
+    check_error(run_cli("diff", tmp_path / "many.pt", tmp_path / "many.pt"), 2, message)
     assert tree_files(tmp_path) == ["many.pt", "tied.pt"]
     assert sha256(tmp_path / "many.pt") == before
-    assert run_cli("inspect", tmp_path / "many.pt").returncode == 0  # metadata only
     for command in commands:
         proc = run_cli(command[0], tmp_path / "tied.pt", *command[1:])
         assert proc.returncode == 0, (command, proc.stderr)

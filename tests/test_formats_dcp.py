@@ -7,7 +7,15 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_identical, check_error, run_cli, small_state_dict, write_dcp
+from helpers import (
+    FIXTURES,
+    assert_identical,
+    check_error,
+    run_cli,
+    sha256,
+    small_state_dict,
+    write_dcp,
+)
 
 import ckpttool
 from ckpttool.report import inspect_report
@@ -100,3 +108,59 @@ def test_dcp_safetensors_blob_that_lacks_a_chunk_is_refused(dist_runs, tmp_path)
         "holds no chunk of 'model.lin.weight' at [0, 0]",
     )
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def _rewrite_metadata(folder, edit) -> None:
+    """``edit(metadata)`` applied to the DCP ``.metadata`` of ``folder``, as torch reads it."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    edit(metadata)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("how", ["shared", "negative", "float"])
+def test_storage_entries_must_have_bytes_of_their_own(tmp_path, how):
+    # one chunk's bytes named by a thousand entries made a 364 KB folder a 256 MiB output
+    folder = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp", folder)
+
+    def edit(metadata):
+        first, second = list(metadata.storage_data)[:2]
+        info = metadata.storage_data[first]
+        if how == "shared":
+            metadata.storage_data[second] = info
+        else:
+            object.__setattr__(info, "offset", -1 if how == "negative" else 0.5)
+
+    _rewrite_metadata(folder, edit)
+    digest = sha256(folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    message = (
+        "other entries name the bytes of"
+        if how == "shared"
+        else "corrupt DCP .metadata: the stored span of"
+    )
+    check_error(run_cli("convert", folder, "--to", "pt", "-o", out / "x.pt"), 2, message)
+    assert list(out.iterdir()) == [] and sha256(folder) == digest
+    with pytest.raises(ckpttool.CkptError, match=message):
+        ckpttool.load(folder)
+
+
+def test_list_index_past_the_entries_is_refused(tmp_path):
+    # a key path (optimizer.param_groups.0.lr) whose 0 became 1,000,000: 12 KB of
+    # .metadata made a list of a million holes (14 s and 870 MB for inspect)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "dcp", folder)
+
+    def edit(metadata):
+        fqn, path = next((k, p) for k, p in metadata.planner_data.items() if 0 in p)
+        metadata.planner_data[fqn] = tuple(1_000_000 if part == 0 else part for part in path)
+
+    _rewrite_metadata(folder, edit)
+    check_error(run_cli("inspect", folder), 2, "list index 1000000 in a key path")
+    with pytest.raises(ckpttool.CkptError, match="list index 1000000"):
+        ckpttool.load(folder, select="all")

@@ -190,3 +190,27 @@ def test_committed_fsdp_uneven_fixture():
     assert ckpt.world_size == 3
     sd = ckpttool.load(path)
     assert all(t.device.type == "cpu" for t in sd.values())
+
+
+@pytest.mark.parametrize(("names", "refused"), [(16, False), (1_000, True)])
+def test_one_rank_block_named_as_thousands_of_tensors_is_refused(names, refused):
+    # a rank file's memo can name one ShardedTensor or DTensor under a thousand keys (a
+    # few bytes each, as a 26 KB copy of fixtures/dtensor with 2,000 did): merged, each
+    # is written in full, so its block counts at every path, as a tied tensor's does
+    from ckpttool.dtypes import DTYPES
+    from ckpttool.errors import CkptError
+    from ckpttool.policy import check_structure
+    from ckpttool.sharding import LocalShards, Shard
+    from ckpttool.tree import StorageRef, TensorRef
+
+    f32 = DTYPES["float32"]
+    storage = StorageRef("0", f32, 1 << 20, "cpu")
+    block = TensorRef(f32, (1 << 20,), (1,), 0, storage)
+    local = LocalShards("sharded_tensor", f32, (2 << 20,), "cpu")
+    local.shards.append(Shard((0,), (1 << 20,), block, 0))
+    root = {"model": {f"w{i}": local for i in range(names)}}
+    if refused:
+        with pytest.raises(CkptError, match="name the same stored bytes over and over"):
+            check_structure(root)
+    else:
+        check_structure(root)

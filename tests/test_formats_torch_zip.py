@@ -3,9 +3,18 @@ bitwise, keeping shared storages and views."""
 
 from __future__ import annotations
 
+import pickletools
+
 import pytest
 import torch
-from helpers import assert_identical, fixture_path, run_cli, tricky_tensors
+from helpers import (
+    assert_identical,
+    check_error,
+    fixture_path,
+    rewrite_zip,
+    run_cli,
+    tricky_tensors,
+)
 
 import ckpttool
 from ckpttool.report import inspect_report
@@ -119,3 +128,51 @@ def test_numpy_arrays_read_as_tensors_with_any_pickle_protocol(tmp_path, protoco
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
     report = inspect_report(ckpttool.read(path))
     assert len(report["tensors"]) == len(arrays)
+
+
+def _size_past_int64(name: str, data: bytes) -> bytes | None:
+    """data.pkl with the first int of its first torch.Size made 2**64."""
+    if not name.endswith("/data.pkl"):
+        return None
+    ops = list(pickletools.genops(data))
+    at = next(i for i, (op, arg, _) in enumerate(ops) if "GLOBAL" in op.name and "Size" in arg)
+    op, _, pos = next(o for o in ops[at:] if o[0].name in ("BININT1", "BININT2", "BININT"))
+    width = {"BININT1": 1, "BININT2": 2, "BININT": 4}[op.name]
+    long1 = b"\x8a\x09" + (2**64).to_bytes(9, "little", signed=True)
+    return data[:pos] + long1 + data[pos + 1 + width :]
+
+
+def test_torch_size_value_past_int64_is_corrupt(tmp_path):
+    # DeepSpeed's param_shapes are torch.Size values, not tensor shapes: merged as they
+    # are, one past int64 gave an output torch.load could not read
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    source = fixture_path("deepspeed/zero1/global_step3/mp_rank_00_model_states.pt")
+    rewrite_zip(source, path, _size_past_int64)
+    out = tmp_path / "out"
+    out.mkdir()
+    check_error(run_cli("merge", path, "-o", out / "m.pt"), 2, "corrupt torch.Size")
+    assert list(out.iterdir()) == []
+    with pytest.raises(ckpttool.CkptError, match="corrupt torch.Size"):
+        ckpttool.load(path, select="all")
+
+
+@pytest.mark.parametrize(("names", "code"), [(16, 0), (20_000, 2)])
+def test_one_storage_named_as_thousands_of_tensors_is_refused(tmp_path, names, code):
+    # each name of a tied tensor is written in full: 20,000 memo references (a few bytes
+    # each) to one 5 KB storage made a 300 KB file a 100 MB output
+    from payloads import lazy_tensor, torch_pickle_bytes
+
+    tensor = lazy_tensor("16", (1264,), 1264)  # archive/data/16 of the fixture
+    data = torch_pickle_bytes({f"w{i}": tensor for i in range(names)})
+    path = tmp_path / "tied.pt"
+    source = fixture_path("ddp/ep0-rank0.pt")
+    rewrite_zip(source, path, lambda name, old: data if name.endswith("/data.pkl") else None)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli("convert", path, "--to", "safetensors", "-o", out / "x.safetensors")
+    if code:
+        check_error(proc, 2, "name the same stored bytes over and over")
+        assert list(out.iterdir()) == []
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert len(ckpttool.load(out / "x.safetensors")) == names

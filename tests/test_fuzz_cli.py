@@ -1,10 +1,11 @@
 """A seeded mutation fuzzer over the fixtures, through the real CLI.
 
 Every mutant is converted with ``convert --to pt``: the answer is exit 0, 2 or 3, no
-traceback, no "unexpected" error, nothing left in the output folder after an error, and
-the input unchanged. Mutants of a torch zip's ``data.pkl`` are made inside the entry
-(opcodes, not the zip's CRCs, are what the unpickler sees). Seeded: every run checks
-the same mutants; ``CKPTTOOL_FUZZ_MUTANTS=5000`` runs a longer budget by hand.
+traceback, no "unexpected" error, nothing left in the output folder after an error, an
+output ``torch.load(weights_only=True)`` reads after a success, and the input unchanged.
+Mutants of a torch zip's ``data.pkl`` are made inside the entry (opcodes, not the zip's
+CRCs, are what the unpickler sees). Seeded: every run checks the same mutants;
+``CKPTTOOL_FUZZ_MUTANTS=5000`` runs a longer budget by hand.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
+import torch
 from helpers import FIXTURES, sha256
 from test_attack_corpus import run_many
 from test_mutations import mutate
@@ -29,6 +31,12 @@ SOURCES = [
     "safetensors/model.safetensors",
     "torchscript/model.pt",
     "dtensor/dt-rank0.pt",
+    "composer/ep0-ba4-rank0.pt",  # ShardedTensor ranks
+    "fsdp_uneven/model-rank0.pt",
+    "torch1/plain.pt",  # written by torch 1.13
+    "deepspeed/zero1/global_step3/mp_rank_00_model_states.pt",  # torch.Size values
+    "lightning/ddp/last.ckpt",
+    "verl/ws2/model_world_size_2_rank_0.pt",
 ]
 
 
@@ -67,4 +75,6 @@ def test_mutants_get_a_result_or_one_clear_line(tmp_path: Path):
         if result["code"]:
             assert len(result["stderr"].splitlines()) == 1, where
             assert list(out.iterdir()) == [], where
+        else:  # whatever the file held, the output is one torch reads
+            torch.load(out / "x.pt", weights_only=True)
         assert sha256(target.parent) == digest, where

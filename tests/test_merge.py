@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import collections
 import enum
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -427,6 +428,21 @@ def test_dict_keys_that_become_stand_ins_stay_keys(tmp_path: Path):
     assert merged["by_set"] == {"frozenset({1, 2})": 3}
     report = inspect_report(ckpttool.read(tmp_path / "in.pt", unsafe=True))
     assert [v["key"] for v in report["values"]][:2] == [["stats", steps], ["stats", epoch]]
+
+
+def test_set_elements_that_become_stand_ins_stay_elements(tmp_path: Path):
+    """A set of paths (or of any object read inert): each element's stand-in is a dict,
+    which no set can hold (merge said "corrupt or unsupported input (TypeError:
+    unhashable type: 'dict')"). Each element's text is kept, as for dict keys."""
+    paths = {pathlib.PurePosixPath("/runs/a"), pathlib.PurePosixPath("/runs/b")}
+    torch.save({"w": torch.ones(2), "seen": paths}, tmp_path / "in.pt")
+    texts = {f"<opaque pathlib.PurePosixPath('/', 'runs', {n!r})>" for n in "ab"}
+    assert ckpttool.load(tmp_path / "in.pt", select="all")["seen"] == texts
+    proc = run_cli("merge", tmp_path / "in.pt", "-o", tmp_path / "m.pt")
+    assert proc.returncode == 0, proc.stderr
+    merged = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert merged["seen"] == texts
+    assert_identical(merged["w"], torch.ones(2))
 
 
 @pytest.mark.parametrize("command", ["merge", "convert --to pt --select all"])

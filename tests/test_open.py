@@ -202,3 +202,25 @@ def test_open_reads_every_format_as_load_does(tmp_path, fmt):
             assert torch.equal(f.get_tensor(name), tensor), name
             assert torch.equal(f.get_slice(name)[1:], tensor[1:]), name
             assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("stride", [2**64, 2**63])
+def test_empty_tensor_with_a_stride_torch_cannot_hold_is_corrupt(tmp_path, stride):
+    # an empty shard of fixtures/fsdp_uneven with its stride made 2**64 read fine, but
+    # get_slice(...)[:] raised TypeError from torch.as_strided instead of CkptError
+    import collections
+
+    from helpers import fixture_path, rewrite_zip
+    from payloads import Reduce, _Storage, torch_pickle_bytes
+
+    empty = Reduce(
+        torch._utils._rebuild_tensor_v2,
+        (_Storage("16", 1264), 0, (0,), (stride,), False, collections.OrderedDict()),
+    )
+    data = torch_pickle_bytes({"w": empty})
+    path = tmp_path / "empty.pt"
+    source = fixture_path("ddp/ep0-rank0.pt")
+    rewrite_zip(source, path, lambda name, old: data if name.endswith("/data.pkl") else None)
+    with pytest.raises(ckpttool.CkptError, match="impossible stride"):
+        with ckpttool.open(path) as f:
+            f.get_slice("w")[:]

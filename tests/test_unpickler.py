@@ -6,6 +6,7 @@ import collections
 import pickle
 
 import pytest
+from helpers import check_error, fixture_path, rewrite_zip, run_cli
 from payloads import lazy_tensor, torch_pickle_bytes
 
 import ckpttool
@@ -332,3 +333,38 @@ def test_a_globals_scan_refuses_what_a_full_read_refuses(case):
         load_pickle(data, lambda pid: None, scan_only=True)
     for name in case.names:  # (a scan names an object it calls or converts "<an object>")
         assert name in str(info.value) or "(" in name, (name, str(info.value))
+
+
+class _Call:
+    """Pickles as ``function(*args)``: a torch.device made as a file may make it."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+@pytest.mark.parametrize("text", ["cuda:01", "cuda:00", "cuda:", "cuda:-1", "cuda:1x"])
+def test_device_string_torch_refuses_is_corrupt(tmp_path, text):
+    # a torch.device is written back into merged outputs: one torch cannot parse made
+    # an output torch.load could not read
+    import torch
+
+    with pytest.raises(CkptError, match="corrupt torch.device"):
+        load_pickle(pickle.dumps(_Call(torch.device, text), protocol=2))
+    path = tmp_path / "device.pt"
+    data = pickle.dumps({"model": {}, "device": _Call(torch.device, text)}, protocol=2)
+    source = fixture_path("ddp/ep0-rank0.pt")
+    rewrite_zip(source, path, lambda name, old: data if name.endswith("/data.pkl") else None)
+    out = tmp_path / "out"
+    out.mkdir()
+    check_error(run_cli("merge", path, "-o", out / "m.pt"), 2, "corrupt torch.device")
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("text", ["cuda:0", "cuda:10", "cpu", "meta"])
+def test_device_string_torch_reads_is_kept(text):
+    import torch
+
+    assert load_pickle(pickle.dumps(_Call(torch.device, text), protocol=2)) == text

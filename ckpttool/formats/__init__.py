@@ -163,8 +163,9 @@ def gc_paused() -> Iterator[None]:
 
     Unpickling a real checkpoint creates many thousands of containers, no cycles: each
     allocation-triggered collection would walk the young ones again for nothing
-    (about a tenth of a per-rank inspect, 5% of loading 5,000 tensors). Reference counting still frees what is
-    dropped, and the collector runs once when it is switched back on.
+    (about a tenth of a per-rank inspect, 5% of loading 5,000 tensors). Reference
+    counting still frees what is dropped, and the collector runs once when it is
+    switched back on.
     """
     was_enabled = gc.isenabled()
     gc.disable()

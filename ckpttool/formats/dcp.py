@@ -214,7 +214,10 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             value = _bytes_value(path, fqn, spans, permissive, seen, shared)
         else:
             raise CkptError(f"corrupt DCP .metadata entry {fqn!r}", path=meta_path)
-        root = set_element(root, obj_path, value)
+        try:
+            root = set_element(root, obj_path, value, len(entries))
+        except CkptError as exc:
+            raise CkptError(exc.message, path=meta_path) from None
     ckpt = checkpoint(FORMAT, [meta_path, *files], root, seen)
     ckpt.world_size = world_size
     return ckpt
@@ -348,17 +351,29 @@ def _bytes_value(
     return lone_rank_shards(value, (fqn,))
 
 
-def set_element(root: Any, path: tuple, value: Any) -> Any:
-    """Place ``value`` at ``path``, creating dicts (str keys) and lists (int keys) as DCP does."""
+def set_element(root: Any, path: tuple, value: Any, entries: int) -> Any:
+    """Place ``value`` at ``path``, creating dicts (str keys) and lists (int keys) as DCP does.
+
+    Every element of a saved list is an entry of ``.metadata``: a list index past the
+    ``entries`` it holds would only make a list of millions of holes.
+
+    Raises:
+        CkptError: A list index below 0 or past ``entries``.
+    """
     if not path:
         return value
     key, rest = path[0], path[1:]
     if isinstance(key, int):
+        if not 0 <= key < entries:
+            raise CkptError(
+                f"corrupt DCP .metadata: list index {key} in a key path, "
+                f"past the {entries} entries it holds"
+            )
         root = root if isinstance(root, list) else []
         while len(root) <= key:
             root.append(None)
-        root[key] = set_element(root[key] if root[key] is not None else {}, rest, value)
+        root[key] = set_element(root[key] if root[key] is not None else {}, rest, value, entries)
     else:
         root = root if isinstance(root, dict) else {}
-        root[key] = set_element(root.get(key, {}), rest, value)
+        root[key] = set_element(root.get(key, {}), rest, value, entries)
     return root

@@ -211,7 +211,9 @@ def tensor_ref(path: str, name: str, info: Any, data_start: int, data_len: int) 
             path=path,
         )
     storage = StorageRef(name, dt, numel, "cpu", ByteSource(path, data_start + begin, end - begin))
-    ref = TensorRef(
-        dtype=dt, shape=shape, stride=contiguous_stride(shape), offset=0, storage=storage
-    )
-    return ref
+    try:
+        return TensorRef(
+            dtype=dt, shape=shape, stride=contiguous_stride(shape), offset=0, storage=storage
+        )
+    except CkptError as exc:  # a shape no tensor has (TensorRef checks every one)
+        raise CkptError(f"tensor {name!r}: {exc.message}", path=path) from None
