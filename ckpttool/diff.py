@@ -19,7 +19,6 @@ from .progress import ProgressFactory
 from .sharding import raw_parts
 from .sources import OpenFiles
 from .spans import read_span_into
-from .torch_values import check_repeats
 from .tree import SparseRef, TensorRef, contiguous_stride
 
 # float64 temporaries of a chunk stay around 40 MiB
@@ -212,9 +211,7 @@ def _selected_tensors(ckpt: Any, select: str, strip_prefix: str) -> dict[str, An
     if select == "auto" and model_key(ckpt) is None:
         select = "all"
     path, node = select_node(ckpt, select, strip_prefix)
-    tensors = flatten_tensors(node, str(path[-1]) if path else "")
-    check_repeats(tensors.values())  # each is read
-    return tensors
+    return flatten_tensors(node, str(path[-1]) if path else "")
 
 
 @translate_errors

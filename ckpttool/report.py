@@ -15,7 +15,7 @@ from .dtypes import NO_NUMBERS, DType
 from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
 from .progress import Progress
-from .torch_values import Device, TorchName, TorchSize, check_repeats, global_name
+from .torch_values import Device, TorchName, TorchSize, global_name
 from .tree import (
     Checkpoint,
     KeyPath,
@@ -75,8 +75,6 @@ def inspect_report(
 
     tensors, nbytes = [], 0
     single_file = ckpt.files[0] if len(ckpt.files) == 1 else None
-    if stats:  # every tensor is read
-        check_repeats(ref for _, ref in iter_tensors(ckpt.root))
     for path, ref in iter_tensors(ckpt.root):
         if pattern and not pattern.search(dotted(path)):
             continue

@@ -8,13 +8,12 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .dtypes import DType
 from .errors import CkptError
 from .sealed import Sealed
-from .tree import Opaque, ShardedRef, SparseRef, TensorRef, check_shape
+from .tree import Opaque, check_shape
 
 # Module-level torch objects referenced by real checkpoints that need nothing but a name.
 TORCH_LAYOUTS = frozenset(
@@ -153,51 +152,6 @@ def check_view(shape: tuple[int, ...], dtype: DType, storage_nbytes: int) -> Non
             f"a view of {math.prod(shape)} elements repeats its storage of "
             f"{storage_nbytes} bytes past {MAX_VIEW_GROWTH >> 20} MiB: not supported"
         )
-
-
-# Tensors that share a storage (tied weights, views) are each written (and read for
-# --stats) in full, and a pickle names a storage again in a few bytes: together, the
-# tensors of one storage may read it this many times over (tied embeddings twice, T5's
-# four times), plus what one view may add (MAX_VIEW_GROWTH), never a 1 MB file's
-# storage 5,000 times.
-MAX_STORAGE_REPEATS = 16
-
-
-def check_repeats(leaves: Iterable[Any]) -> None:
-    """Fail before writing or reading anything if the tensors of one storage would read
-    it many times over (see MAX_STORAGE_REPEATS): the output, or the work, would grow
-    past any size the input explains.
-
-    Raises:
-        CkptError: Naming the storage.
-    """
-    written: dict[int, int] = {}
-    for leaf in leaves:
-        for ref in _stored_parts(leaf):
-            storage = ref.storage
-            if storage is None:
-                continue
-            total = written.get(id(storage), 0) + ref.nbytes
-            written[id(storage)] = total
-            if total > MAX_STORAGE_REPEATS * storage.nbytes + MAX_VIEW_GROWTH:
-                raise CkptError(
-                    f"the tensors of storage {storage.key!r} ({storage.nbytes} bytes) repeat "
-                    f"it more than {MAX_STORAGE_REPEATS} times over: its tensors are "
-                    "far larger than the file (corrupt or hostile file)"
-                )
-
-
-def _stored_parts(leaf: Any) -> Iterator[TensorRef]:
-    """The stored tensors an output tensor is written from (the blocks of a sharded one
-    that are stored tensors, the parts of a sparse one)."""
-    if isinstance(leaf, TensorRef):
-        yield leaf
-    elif isinstance(leaf, SparseRef):
-        yield from leaf.parts
-    elif isinstance(leaf, ShardedRef):
-        for shard in leaf.shards:
-            if isinstance(shard.tensor, TensorRef):
-                yield shard.tensor
 
 
 # Builtin types a pickle may name and call; called, each charges the read's budget.

@@ -26,14 +26,12 @@ from .. import sharding
 from ..dtypes import DType
 from ..errors import CkptError, UsageError
 from ..progress import Progress
-from ..torch_values import check_repeats
 from ..tree import ByteSource, SparseRef, TensorRef
 from .output_file import OutputFile
 
 __all__ = [
     "WRITERS",
     "OutputFile",
-    "check_repeats",
     "Progress",
     "output_dtype",
     "output_nbytes",

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..formats.dcp import METADATA_FILE
 from ..output import DCP_FILES, FolderLayout
 from ..tensors import torch_dtype
-from . import check_repeats, output_dtype, refuse_sparse
+from . import output_dtype, refuse_sparse
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 from .torch_zip import plan_zip
 
@@ -42,7 +42,6 @@ def layout(options: WriteOptions) -> FolderLayout | None:
 def plan(tensors: dict[str, Any], options: WriteOptions) -> Plan:
     """The data file (one blob per tensor, in key order), then ``.metadata`` naming them."""
     refuse_sparse(tensors, "DCP")
-    check_repeats(tensors.values())
     entries: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     pieces: list[Piece] = []

@@ -8,7 +8,7 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError
 from ..output import HF_SHARDS, FolderLayout
-from . import check_repeats, output_dtype, refuse_sparse
+from . import output_dtype, refuse_sparse
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = ["TO", "layout", "plan", "write"]
@@ -28,7 +28,6 @@ def plan(tensors: dict[str, Any], options: WriteOptions) -> Plan:
     """One file, or shards of at most ``options.max_shard_size`` bytes and their index."""
     check_dtypes(tensors, options.cast)
     check_names(tensors)
-    check_repeats(tensors.values())
     if options.max_shard_size is None:
         return Plan([plan_file("", tensors, options)])
     return plan_sharded(tensors, options)

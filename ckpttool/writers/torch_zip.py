@@ -26,7 +26,7 @@ from ..errors import CkptError
 from ..output import FolderLayout
 from ..plain import TorchValue, to_plain
 from ..torch_values import TORCH_LAYOUTS, Device, TorchName, TorchSize
-from ..tree import SparseRef, StorageRef, TensorRef, contiguous_stride, iter_tensors
+from ..tree import SparseRef, StorageRef, TensorRef, contiguous_stride
 from ..zip_records import (
     CENTRAL_HEADER,
     CENTRAL_HEADER_SIGNATURE,
@@ -39,7 +39,7 @@ from ..zip_records import (
     ZIP64_LOCATOR,
     ZIP64_LOCATOR_SIGNATURE,
 )
-from . import check_repeats, output_dtype
+from . import output_dtype
 from .plan import Crcs, FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = [
@@ -479,6 +479,5 @@ def layout(options: WriteOptions) -> FolderLayout | None:
 def plan(root: Any, options: WriteOptions) -> Plan:
     """Lay out ``root`` (a nested structure with lazy tensors, or a flat name -> tensor
     dict) as one torch.save file, ``options.location`` recorded as the tensors' device."""
-    check_repeats(leaf for _, leaf in iter_tensors(root))
     pieces, size = plan_zip(root, cast=options.cast, location=options.location or "cpu")
     return Plan([FilePlan("", size, pieces)])
