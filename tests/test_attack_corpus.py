@@ -203,6 +203,28 @@ def test_damaged_sharded_metadata_is_one_ckpt_error(tmp_path, fixture, old, new,
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_many_small_storages_each_expanded_are_refused_together(tmp_path):
+    """Each of 200 one-element storages saved as a 64 MiB stride-0 view (a 56 KB file):
+    no view passes the per-view bound by much, but together they would be 12.5 GiB of
+    output. The budget is the file's, not each storage's."""
+    import torch
+    from helpers import check_error, run_cli
+
+    import ckpttool
+
+    sd = {f"w{i}": torch.full((1,), float(i)).expand(16 << 20) for i in range(200)}
+    torch.save(sd, tmp_path / "expanded.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli("convert", tmp_path / "expanded.pt", "--to", "safetensors", "-o", out / "x")
+    check_error(proc, 2, "name the same stored bytes over and over")
+    assert list(out.iterdir()) == []
+    small = {f"w{i}": torch.full((1,), float(i)).expand(1 << 20) for i in range(3)}
+    torch.save(small, tmp_path / "small.pt")  # a few broadcast views are read as saved
+    loaded = ckpttool.load(tmp_path / "small.pt")
+    assert all(torch.equal(loaded[k], v) for k, v in small.items())
+
+
 def test_one_storage_named_by_many_tensors(tmp_path):
     """A pickle names a storage again in a few bytes: 100 tensors of one 1 MiB storage
     (what torch.save writes for them: a 1 MB file) were each read and written in full,
