@@ -48,6 +48,10 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+# Formats whose checkpoint is a folder, whatever file of it was given
+FOLDER_READ_FORMATS = ("dcp", "megatron", "safetensors-sharded")
+
+
 def output_stem(inputs: Sequence[str]) -> tuple[str, str]:
     """(folder, stem) of the input an output is named after: ``/d/ep0-rank0.pt`` ->
     (``/d``, ``ep0``). Per-rank inputs drop their rank: one output for all ranks."""
@@ -156,7 +160,9 @@ def convert(
         )
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     first = sources.strip_file_scheme(inputs[0])
-    if ckpt.format == "dcp" and sources.isfile(first):  # one data file stood for its folder
+    if ckpt.format in FOLDER_READ_FORMATS and sources.isfile(first):
+        # a file stood for its folder (a DCP data file, an index, shards of one model):
+        # the output goes beside that folder, never into it (the checkpoint is an input)
         named_after = [sources.dirname(first if sources.is_url(first) else os.path.abspath(first))]
     else:
         named_after = inputs

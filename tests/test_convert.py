@@ -315,6 +315,35 @@ def test_default_output_names():
     assert default_output(["/d/ckpt/"], "dcp", False) == "/d/ckpt-dcp"
 
 
+@pytest.mark.parametrize(
+    ("fixture", "given"),
+    [
+        ("safetensors_sharded", "model.safetensors.index.json"),
+        ("dcp", "__0_0.distcp"),
+        ("megatron/gpt", "metadata.json"),
+    ],
+)
+def test_a_file_standing_for_its_folder_names_the_output_beside_the_folder(
+    tmp_path: Path, fixture, given
+):
+    """The checkpoint is the folder: its output goes beside it, named after it, and the
+    folder gains no file (a model.safetensors written into a Hugging Face folder would
+    be what from_pretrained loads next)."""
+    import shutil
+
+    from helpers import FIXTURES
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / fixture, folder)
+    before = tree_files(folder)
+    result = convert([str(folder / given)], "safetensors")
+    assert result.output == str(tmp_path / "ckpt.safetensors")
+    assert tree_files(folder) == before
+    direct = convert([str(folder)], "safetensors", str(tmp_path / "direct.safetensors"))
+    got, want = load_file(result.output), load_file(direct.output)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 # ------------------------------------------------------------------ sharded inputs
 
 
