@@ -103,21 +103,6 @@ def map_storage(
     return whole[begin:end]
 
 
-def map_span(
-    source: ByteSource,
-    start: int,
-    size: int,
-    itemsize: int,
-    maps: dict[str, tuple[int, Any]],
-    files: OpenFiles | None = None,
-) -> Any | None:
-    """:func:`map_storage` as a flat uint8 CPU tensor (None where it gives None)."""
-    import torch
-
-    storage = map_storage(source, start, size, itemsize, maps, files)
-    return None if storage is None else torch.empty(0, dtype=torch.uint8).set_(storage)
-
-
 class Reader:
     """Reads spans of many sources into caller-owned buffers, files kept open meanwhile.
 

@@ -14,7 +14,7 @@ import torch
 
 from .dtypes import DTYPES, DType
 from .errors import CkptError
-from .mapped import current_session, map_span
+from .mapped import current_session, map_storage
 from .plain import TorchValue, to_plain
 from .torch_values import Device, TorchSize
 from .tree import ShardedRef, SparseRef, StorageRef, TensorRef
@@ -106,11 +106,11 @@ def storage_bytes(storage: StorageRef | None, start: int, size: int) -> torch.Te
     source = storage.source
     session = current_session()
     if session is not None and session.mmap and not storage.big_endian:
-        view = map_span(
+        mapped = map_storage(
             source, start, size, storage.dtype.itemsize, session.maps, session.reader.files
         )
-        if view is not None:
-            return view
+        if mapped is not None:
+            return torch.empty(0, dtype=torch.uint8).set_(mapped)
     return torch.frombuffer(source.read(start, size), dtype=torch.uint8)
 
 

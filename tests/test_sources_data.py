@@ -24,7 +24,7 @@ import ckpttool
 from ckpttool import sources
 from ckpttool.diff import RawReader, compare_tensors, diff
 from ckpttool.errors import CkptError
-from ckpttool.mapped import Reader, map_span
+from ckpttool.mapped import Reader, map_storage
 from ckpttool.sharding import raw_parts
 from ckpttool.spans import read_span_into
 from ckpttool.tree import ByteSource, ShardedRef, TensorRef, iter_tensors
@@ -199,14 +199,14 @@ def test_a_huge_declared_span_allocates_nothing(counting_source, tmp_path: Path)
     assert counting_source.bytes_read == 0
 
 
-def test_map_span_maps_local_files_and_declines_urls(counting_source, tmp_path: Path):
+def test_map_storage_maps_local_files_and_declines_urls(counting_source, tmp_path: Path):
     path = tmp_path / "blob.bin"
     data = os.urandom(4096)
     path.write_bytes(data)
     maps: dict = {}
-    local = map_span(ByteSource(str(path), 0, 4096), 64, 256, 4, maps)
-    assert bytes(local.numpy()) == data[64:320]
-    assert map_span(ByteSource(counting_url(path), 0, 4096), 64, 256, 4, maps) is None
+    local = map_storage(ByteSource(str(path), 0, 4096), 64, 256, 4, maps)
+    assert local.nbytes() == 256 and bytes(local) == data[64:320]
+    assert map_storage(ByteSource(counting_url(path), 0, 4096), 64, 256, 4, maps) is None
     assert counting_source.bytes_read == 0
 
 
