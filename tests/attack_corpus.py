@@ -145,6 +145,17 @@ def _touch(marker: str) -> bytes:
     return text(f"touch {marker}")
 
 
+def _iterating(module: str, name: str, marker: str) -> bytes:
+    """``module.name(starmap(FileHandler, [(marker,)]))``: iterating the starmap object
+    (made by NEWOBJ, nothing called) creates the file."""
+    starmap = (
+        glob("itertools", "starmap")
+        + tup(glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(marker)) + APPENDS)
+        + NEWOBJ
+    )
+    return checkpoint(("x", call(glob(module, name), starmap)))
+
+
 CASES = [
     # --- nothing a file controls reaches an output: BUILD on handed-out values
     Case(
@@ -453,57 +464,21 @@ CASES = [
     ),
     Case(
         "data-constructor-iterates-an-unknown-object",  # list() runs starmap's __next__
-        lambda m: checkpoint(
-            (
-                "x",
-                call(
-                    glob("builtins", "list"),
-                    glob("itertools", "starmap")
-                    + tup(
-                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
-                    )
-                    + NEWOBJ,
-                ),
-            ),
-        ),
+        lambda m: _iterating("builtins", "list", m),
         3,
         ("builtins.list(itertools.starmap)",),
         live=True,
     ),
     Case(
         "torch-size-iterates-an-unknown-object",  # any rebuilt global, not only list()
-        lambda m: checkpoint(
-            (
-                "x",
-                call(
-                    glob("torch", "Size"),
-                    glob("itertools", "starmap")
-                    + tup(
-                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
-                    )
-                    + NEWOBJ,
-                ),
-            ),
-        ),
+        lambda m: _iterating("torch", "Size", m),
         3,
         ("torch.Size(itertools.starmap)",),
         live=True,
     ),
     Case(
         "known-class-iterates-an-unknown-object",  # deque(x) runs x's __next__
-        lambda m: checkpoint(
-            (
-                "x",
-                call(
-                    glob("collections", "deque"),
-                    glob("itertools", "starmap")
-                    + tup(
-                        glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(m)) + APPENDS
-                    )
-                    + NEWOBJ,
-                ),
-            ),
-        ),
+        lambda m: _iterating("collections", "deque", m),
         3,
         ("collections.deque(itertools.starmap)",),
         live=True,
