@@ -245,6 +245,7 @@ def commands(inputs: dict[str, Input], out: Path) -> dict[str, Command]:
         "load cuda pt": ["ckpttool-load", mpt, "cuda:0"],
         "load_into cuda st": ["ckpttool-load-into", mst, "cuda:0"],
         "load_file cuda st": ["safetensors", mst, "cuda:0"],
+        "torch mmap cuda pt": ["torch-mmap", mpt, "cuda:0"],
     }.items():
         c[key] = Command([py, LOADERS, *args], ["dcp2" if "dcp2" in key else "model-1g"])
     return c
@@ -331,6 +332,8 @@ def rows(inputs: dict[str, Input]) -> list[Row]:
             "load cuda st", "load_file cuda st", max_ratio=1.0, ratio_text="1.0"),
         Row("load-gpu", f"load {m1} torch-zip map_location=cuda:0 vs load_file(device=cuda:0)",
             "load cuda pt", "load_file cuda st", max_ratio=1.0, ratio_text="1.0"),
+        Row("load-gpu", "  same vs torch.load(mmap, weights_only, map_location=cuda:0)",
+            "load cuda pt", "torch mmap cuda pt"),
         Row("load-gpu", f"load_into a CUDA nn.Module {m1} vs load_file(device=cuda:0)",
             "load_into cuda st", "load_file cuda st", max_ratio=1.0, ratio_text="1.0"),
     ]  # fmt: skip

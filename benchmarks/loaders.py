@@ -3,7 +3,7 @@
     python benchmarks/loaders.py COMMAND PATH [DEVICE]
 
     ckpttool-load            ckpttool.load(PATH, map_location=DEVICE)
-    torch-mmap               torch.load(mmap=True, weights_only=True)
+    torch-mmap               torch.load(mmap=True, weights_only=True, map_location=DEVICE)
     safetensors              safetensors.torch.load_file(device=DEVICE)
     ckpttool-load-into       ckpttool.load_into an nn.Module of its shapes (on DEVICE)
     torch-load-state-dict    model.load_state_dict(torch.load(mmap=True, weights_only=True))
@@ -63,10 +63,11 @@ def ckpttool_load_all(path: str) -> int:
     return 0
 
 
-def torch_mmap(path: str) -> int:
+def torch_mmap(path: str, device: str = "cpu") -> int:
     import torch
 
-    use_every_byte(list(torch.load(path, mmap=True, weights_only=True).values()))
+    loaded = torch.load(path, mmap=True, weights_only=True, map_location=device)
+    use_every_byte(list(loaded.values()))
     return 0
 
 

@@ -9,20 +9,32 @@ buffers, the next buffer being read while the last one is copied to the device (
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
+import os
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from . import sources
 from .dtypes import DType
 from .errors import CkptError
 from .mapped import LoadSession, current_session, map_storage
+from .spans import open_fd
 from .tensors import as_saved, place, storage_bytes, target_device, torch_dtype
 from .tree import ShardedRef, StorageRef, TensorRef
 
-STAGING_BUFFERS = 4
-STAGING_BYTES = 32 << 20
+STAGING_BUFFERS = 8
+STAGING_BYTES = 16 << 20
+# threads reading local files into the staging buffers; 1: the caller's thread alone
+READ_THREADS = 4
+# chunks under this are read by the caller's thread (a thread's hand-off costs more)
+THREAD_MIN_BYTES = 1 << 20
+# chunks queued for the threads at most (each holds a descriptor until it is read)
+MAX_PENDING = 2 * STAGING_BUFFERS
 
 
 def bytes_view(t: torch.Tensor) -> memoryview:
@@ -38,43 +50,117 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class CudaStager:
-    """Host-to-device copies through ``STAGING_BUFFERS`` pinned buffers on a side stream."""
+    """Host-to-device copies through ``STAGING_BUFFERS`` pinned buffers on a side stream.
+
+    A chunk of a local file is read into a free buffer by one of ``READ_THREADS``
+    threads, which then queues its copy to the device: copying out of the page cache
+    is what bounds one thread (a few GB/s), and several overlap each other and the
+    copies. Chunks of URLs and small chunks are read by the caller's thread. A buffer
+    is reused once the copy out of it has landed (its event).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.buffers = [
-            torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-            for _ in range(STAGING_BUFFERS)
-        ]
-        self.events: list[Any] = [None] * STAGING_BUFFERS
-        self.next = 0
+        # (buffer, event of the last copy out of it or None): taken by a reader, put back
+        self.free: queue.SimpleQueue[tuple[torch.Tensor, Any]] = queue.SimpleQueue()
+        for _ in range(STAGING_BUFFERS):
+            self.free.put((torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True), None))
+        self.pool = ThreadPoolExecutor(READ_THREADS, "ckpttool-read") if READ_THREADS > 1 else None
+        self.jobs: collections.deque[Future[None]] = collections.deque()
 
     def fill(self, dest: torch.Tensor, session: LoadSession, storage: StorageRef, start: int):
         """Copy the bytes of ``storage`` from ``start`` into the flat uint8 CUDA ``dest``."""
         # dest was allocated on the current stream: the copies must come after that
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        size, done = dest.numel(), 0
-        while done < size:
-            i = self.next
-            self.next = (i + 1) % STAGING_BUFFERS
-            if self.events[i] is not None:
-                self.events[i].synchronize()  # the copy out of buffer i is done
-            n = min(STAGING_BYTES, size - done)
-            buffer = self.buffers[i][:n]
-            session.reader.read_into(storage.source, start + done, bytes_view(buffer))  # type: ignore[arg-type]
+        dest.record_stream(self.stream)
+        source, size = storage.source, dest.numel()
+        assert source is not None
+        fd = self._local_fd(session, source, start, size)
+        for done in range(0, size, STAGING_BYTES):
+            part = dest[done : done + STAGING_BYTES]
+            if fd is None:  # a URL or bytes in memory: through the session's reader
+                self._stage(part, session.reader.read_into, source, start + done)
+                continue
+            at = source.offset + start + done
+            if self.pool is None or part.numel() < THREAD_MIN_BYTES:
+                self._stage(part, _read_fd, fd, at, source.path)
+                continue
+            while len(self.jobs) >= MAX_PENDING:  # bounded: each holds a descriptor
+                self.jobs.popleft().result()
+            # a descriptor of its own: the session may close its copy (least recently
+            # used) while the read is queued, and the number could then name another file
+            own = os.dup(fd)
+            self.jobs.append(self.pool.submit(self._stage_from_fd, part, own, at, source.path))
+        if fd is not None:
+            sources.LOCAL.count(size)
+
+    def _local_fd(self, session: LoadSession, source: Any, start: int, size: int) -> int | None:
+        """The open descriptor of a local file span (its zip entry's offset resolved, its
+        bounds checked), or None where its bytes come another way (URL, in memory)."""
+        if source.data is not None or source.path is None:
+            return None
+        local = sources.local_path(source.path)
+        if local is None:
+            return None
+        if start < 0 or start + size > source.length:
+            raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+        files = session.reader.files
+        source.resolve(files)
+        return open_fd(files, local, source.path)
+
+    def _stage(self, part: torch.Tensor, read: Any, *where: Any) -> None:
+        """Read ``part``'s bytes into a free buffer (``read(*where, view)``), queue its copy."""
+        buffer, event = self.free.get()
+        try:
+            if event is not None:
+                event.synchronize()  # the last copy out of this buffer is done
+            chunk = buffer[: part.numel()]
+            read(*where, bytes_view(chunk))
             with torch.cuda.stream(self.stream):
-                dest[done : done + n].copy_(buffer, non_blocking=True)
+                part.copy_(chunk, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            self.events[i] = event
-            done += n
-        dest.record_stream(self.stream)
+        finally:
+            self.free.put((buffer, event))
+
+    def _stage_from_fd(self, part: torch.Tensor, fd: int, offset: int, path: str | None) -> None:
+        try:
+            self._stage(part, _read_fd, fd, offset, path)
+        finally:
+            os.close(fd)
 
     def finish(self) -> None:
-        """Wait until every copy landed (the buffers are then free to go)."""
+        """Wait until every read and copy landed (the buffers are then free to go).
+
+        Raises:
+            CkptError: A read failed (the first one; the others are waited for).
+        """
+        failure = None
+        while self.jobs:
+            try:
+                self.jobs.popleft().result()
+            except Exception as exc:  # noqa: BLE001 (re-raised below, once all are done)
+                failure = failure or exc
         self.stream.synchronize()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        """Finish, then stop the reader threads."""
+        try:
+            self.finish()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown()
+
+
+def _read_fd(fd: int, offset: int, path: str | None, view: memoryview) -> None:
+    try:
+        sources.read_fd_into(fd, view, offset, path)
+    except OSError as exc:
+        raise CkptError(f"cannot read ({exc.strerror or exc})", path=path) from None
 
 
 def _stager(session: LoadSession, device: torch.device) -> CudaStager:

@@ -152,7 +152,7 @@ class LoadSession:
         """Wait for copies in flight, free staging buffers, close files."""
         try:
             for stager in self.stagers.values():
-                stager.finish()
+                stager.close()
         finally:
             self.stagers.clear()
             self.maps.clear()

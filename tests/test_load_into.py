@@ -161,12 +161,15 @@ def test_load_into_from_sharded_checkpoints(dist_runs, dist_reference):
 # ------------------------------------------ CUDA: pinned buffers, overlapped copies
 
 
-@pytest.fixture
-def small_staging(monkeypatch):
-    """Staging buffers of 1 KiB: every tensor goes through several, each reused."""
+@pytest.fixture(params=[4, 1], ids=["reader-threads", "caller-reads"])
+def small_staging(monkeypatch, request):
+    """Staging buffers of 1 KiB: every tensor goes through several, each reused; read by
+    the reader threads (every chunk) or by the caller's thread alone."""
     import ckpttool.fastload as fastload
 
     monkeypatch.setattr(fastload, "STAGING_BYTES", 1024)
+    monkeypatch.setattr(fastload, "THREAD_MIN_BYTES", 0)
+    monkeypatch.setattr(fastload, "READ_THREADS", request.param)
 
 
 @pytest.mark.parametrize("fmt", ["torch-zip", "safetensors", "dcp"])

@@ -1,0 +1,117 @@
+"""Loading onto a GPU, timed inside one warm process (no import or CUDA start-up counted).
+
+    python benchmarks/load_gpu_inprocess.py PT SAFETENSORS [--repeat 5]
+
+Complements ``run.py --only load-gpu``, whose fresh processes are mostly ``import torch``
+and CUDA's start-up: here each loader is timed from the call to the last tensor on the
+device (synchronised), files in the page cache, median of ``--repeat`` after one warm-up.
+Also measures the two ceilings of the staged path on this machine (one thread reading the
+file into pinned memory; pinned host-to-device copies) and ckpttool with other staging
+buffer counts and sizes, to show which of the two bounds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from safetensors.torch import load_file
+
+import ckpttool
+import ckpttool.fastload as fastload
+from ckpttool import sources
+
+DEVICE = "cuda:0"
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of ``fn`` (its result dropped before the next run), after a warm-up."""
+    walls = []
+    for i in range(repeat + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        if i:
+            walls.append(time.perf_counter() - start)
+        del result
+    return statistics.median(walls)
+
+
+def read_into_pinned(path: str, pinned: torch.Tensor, threads: int) -> None:
+    """The whole file read into pinned memory by ``threads`` threads, 16 MiB a read."""
+    chunk = 16 << 20
+    view = fastload.bytes_view(pinned)
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(offset: int) -> None:
+        sources.read_fd_into(fd, view[offset : offset + chunk], offset)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(0, len(view), chunk)))
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("pt")
+    parser.add_argument("safetensors")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    pt, st = args.pt, args.safetensors
+    size = os.path.getsize(st)
+    torch.empty(1, device=DEVICE)  # CUDA's start-up, outside every timing
+
+    def model_of_shapes():
+        return {k: torch.empty_like(v, device=DEVICE) for k, v in load_file(st).items()}
+
+    target = model_of_shapes()
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(size, dtype=torch.uint8, device=DEVICE)
+    loaders = {
+        "ceiling: 1 thread preadv file -> pinned": lambda: read_into_pinned(st, pinned, 1),
+        "ceiling: 4 threads preadv file -> pinned": lambda: read_into_pinned(st, pinned, 4),
+        "ceiling: pinned -> device copy": lambda: on_device.copy_(pinned, non_blocking=True),
+        "safetensors load_file(device=cuda:0)": lambda: load_file(st, device=DEVICE),
+        "torch.load(pt, mmap, map_location=cuda:0)": lambda: torch.load(
+            pt, mmap=True, weights_only=True, map_location=DEVICE
+        ),
+        "ckpttool.load(st, cuda:0)": lambda: ckpttool.load(st, map_location=DEVICE),
+        "ckpttool.load(pt, cuda:0)": lambda: ckpttool.load(pt, map_location=DEVICE),
+        "ckpttool.load_into(cuda tensors, st)": lambda: ckpttool.load_into(target, st),
+        "ckpttool.load_into(cuda tensors, pt)": lambda: ckpttool.load_into(target, pt),
+    }
+    rows = []
+    for name, fn in loaders.items():
+        try:
+            rows.append((name, timed(fn, args.repeat)))
+        except Exception as exc:  # noqa: BLE001 (one failing loader must not hide the rest)
+            print(f"{name}: FAILED: {exc!r}")
+            rows.append((name, float("nan")))
+    default = (fastload.READ_THREADS, fastload.STAGING_BUFFERS, fastload.STAGING_BYTES)
+    for threads, buffers, mib in ((1, 4, 32), (2, 8, 16), (8, 8, 16), (4, 16, 8), (8, 16, 16)):
+        fastload.READ_THREADS, fastload.STAGING_BUFFERS = threads, buffers
+        fastload.STAGING_BYTES, fastload.MAX_PENDING = mib << 20, 2 * buffers
+        wall = timed(lambda: ckpttool.load(st, map_location=DEVICE), args.repeat)
+        rows.append((f"  same, {threads} threads, {buffers} x {mib} MiB", wall))
+    fastload.READ_THREADS, fastload.STAGING_BUFFERS, fastload.STAGING_BYTES = default
+    fastload.MAX_PENDING = 2 * fastload.STAGING_BUFFERS
+
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {size / 2**30:.2f} GiB, "
+          f"median of {args.repeat}; default: {default[0]} reader threads, {default[1]} x "
+          f"{default[2] >> 20} MiB staging")  # fmt: skip
+    base = rows[3][1]
+    for name, wall in rows:
+        print(f"{name:<52} {wall * 1000:8.1f} ms  {size / wall / 2**30:6.1f} GiB/s  "
+              f"{wall / base:5.2f}x load_file")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
