@@ -68,7 +68,11 @@ class Row:
         return all(
             limit is None
             for limit in (
-                self.max_wall, self.max_ratio, self.max_rss, self.max_rss_ratio, self.max_rss_extra
+                self.max_wall,
+                self.max_ratio,
+                self.max_rss,
+                self.max_rss_ratio,
+                self.max_rss_extra,
             )
         )
 

@@ -20,11 +20,14 @@ torch.cuda.get_device_name(0), torch.cuda.device_count(), "GPU(s)")'
     echo "$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GiB RAM"
 } 2>&1 | tee "$out/env.txt"
 
+# shellcheck disable=SC2086 (TESTS is a list of files)
 timeout "${TEST_TIMEOUT:-300}" "$py" -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/test_gpu.py tests/test_load_into.py tests/test_trainer.py 2>&1 | tee "$out/tests.txt"
+    ${TESTS:-tests/test_gpu.py tests/test_load_into.py tests/test_trainer.py} 2>&1 |
+    tee "$out/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
-timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/run.py --only load-gpu --repeat 5 --interleave \
+timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/run.py --only load-gpu --repeat "${REPEAT:-5}" \
+    --interleave \
     --workdir "$work" --markdown 2>&1 | tee "$out/run-load-gpu.txt"
 bench_rc=${PIPESTATUS[0]}
 

@@ -5,7 +5,8 @@
 Complements ``run.py --only load-gpu``, whose fresh processes are mostly ``import torch``
 and CUDA's start-up: here each loader is timed from the call to the last tensor on the
 device (synchronised), files in the page cache, median of ``--repeat`` after one warm-up.
-Also measures the two ceilings of the staged path on this machine (one thread reading the
+Then the same load as the first call of a fresh process (after CUDA's start-up). Also
+measures the two ceilings of the staged path on this machine (one thread reading the
 file into pinned memory; pinned host-to-device copies) and ckpttool with other staging
 buffer counts and sizes, to show which of the two bounds it.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +62,54 @@ def read_into_pinned(path: str, pinned: torch.Tensor, threads: int) -> None:
         os.close(fd)
 
 
+# One load as the first call of a fresh process, after torch and CUDA's start-up (what
+# run.py's fresh processes add to those): the loader's imports, thread starts and pinned
+# buffers count here, unlike in the warm loop.
+FIRST_CALL = """
+import sys, time, torch
+kind, path, threads, buffers, mib = sys.argv[1:6]
+torch.empty(1, device="cuda:0")
+torch.cuda.synchronize()
+start = time.perf_counter()
+if kind == "load_file":
+    from safetensors.torch import load_file
+    out = load_file(path, device="cuda:0")
+else:
+    import ckpttool, ckpttool.fastload as fl
+    fl.READ_THREADS, fl.STAGING_BUFFERS = int(threads), int(buffers)
+    fl.STAGING_BYTES = int(mib) << 20
+    fl.MAX_PENDING = 2 * fl.STAGING_BUFFERS
+    out = ckpttool.load(path, map_location="cuda:0")
+torch.cuda.synchronize()
+print(time.perf_counter() - start)
+"""
+
+
+def first_calls(path: str, repeat: int) -> list[tuple[str, float]]:
+    """Median first-call seconds of load_file and of ckpttool with some staging settings."""
+    variants = {
+        "first call: load_file(device=cuda:0)": ("load_file", 0, 0, 0),
+        "first call: ckpttool.load, defaults": (
+            "ckpttool", fastload.READ_THREADS, fastload.STAGING_BUFFERS,
+            fastload.STAGING_BYTES >> 20,
+        ),
+        "first call: ckpttool.load, 4 threads, 8 x 8 MiB": ("ckpttool", 4, 8, 8),
+        "first call: ckpttool.load, 4 threads, 4 x 16 MiB": ("ckpttool", 4, 4, 16),
+        "first call: ckpttool.load, 1 thread, 4 x 32 MiB": ("ckpttool", 1, 4, 32),
+    }  # fmt: skip
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeat):  # interleaved rounds
+        for name, (kind, *config) in variants.items():
+            args = [sys.executable, "-c", FIRST_CALL, kind, path, *map(str, config)]
+            done = subprocess.run(args, capture_output=True, text=True, env=os.environ)
+            if done.returncode:
+                print(f"{name}: FAILED: {done.stderr.strip()[-500:]}")
+                walls[name].append(float("nan"))
+            else:
+                walls[name].append(float(done.stdout.split()[-1]))
+    return [(name, statistics.median(w)) for name, w in walls.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pt")
@@ -95,6 +146,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 (one failing loader must not hide the rest)
             print(f"{name}: FAILED: {exc!r}")
             rows.append((name, float("nan")))
+    rows += first_calls(st, args.repeat)
     default = (fastload.READ_THREADS, fastload.STAGING_BUFFERS, fastload.STAGING_BYTES)
     for threads, buffers, mib in ((1, 4, 32), (2, 8, 16), (8, 8, 16), (4, 16, 8), (8, 16, 16)):
         fastload.READ_THREADS, fastload.STAGING_BUFFERS = threads, buffers

@@ -14,6 +14,7 @@ import ctypes
 import math
 import os
 import queue
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -62,10 +63,12 @@ class CudaStager:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        # (buffer, event of the last copy out of it or None): taken by a reader, put back
+        # (buffer, event of the last copy out of it or None): taken by a reader, put back.
+        # Made when none is free, up to STAGING_BUFFERS: pinning memory costs about as
+        # much as reading it, and a small checkpoint needs one or two.
         self.free: queue.SimpleQueue[tuple[torch.Tensor, Any]] = queue.SimpleQueue()
-        for _ in range(STAGING_BUFFERS):
-            self.free.put((torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True), None))
+        self.made = 0
+        self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(READ_THREADS, "ckpttool-read") if READ_THREADS > 1 else None
         self.jobs: collections.deque[Future[None]] = collections.deque()
 
@@ -111,7 +114,7 @@ class CudaStager:
 
     def _stage(self, part: torch.Tensor, read: Any, *where: Any) -> None:
         """Read ``part``'s bytes into a free buffer (``read(*where, view)``), queue its copy."""
-        buffer, event = self.free.get()
+        buffer, event = self._take()
         try:
             if event is not None:
                 event.synchronize()  # the last copy out of this buffer is done
@@ -123,6 +126,19 @@ class CudaStager:
                 event.record(self.stream)
         finally:
             self.free.put((buffer, event))
+
+    def _take(self) -> tuple[torch.Tensor, Any]:
+        """A free buffer: one put back, a new one while fewer than STAGING_BUFFERS exist,
+        else the next one put back."""
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            with self.lock:
+                make = self.made < STAGING_BUFFERS
+                self.made += make
+            if make:
+                return torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True), None
+            return self.free.get()
 
     def _stage_from_fd(self, part: torch.Tensor, fd: int, offset: int, path: str | None) -> None:
         try:

@@ -87,6 +87,10 @@ DTYPES = [
 ]
 
 
+def on_gpu(tensors: dict) -> dict:
+    return {k: v.to("cuda:0") for k, v in tensors.items()}
+
+
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator):
     """Random bits of ``dtype`` (NaNs and infinities included; bool only 0 and 1)."""
     numel = math.prod(shape)
@@ -169,16 +173,16 @@ def test_tensors_larger_than_all_staging_buffers_together(tmp_path, monkeypatch,
     save_file(sd, tmp_path / "big.safetensors")
     for path in (tmp_path / "big.pt", tmp_path / "big.safetensors"):
         got = ckpttool.load(path, map_location="cuda:0")
-        assert_identical(got, sd, ordered=False, exact_types=False)
+        assert_identical(got, on_gpu(sd), ordered=False, exact_types=False)
         target = {k: torch.full_like(v, 1, device="cuda:0") for k, v in sd.items()}
         assert ckpttool.load_into(target, path) == ([], [])  # type: ignore[comparison-overlap]
-        assert_identical(target, sd, exact_types=False)
+        assert_identical(target, on_gpu(sd), exact_types=False)
 
 
 def test_load_on_a_side_stream_is_ready_on_that_stream(every_dtype):
     """Tensors handed out are whole for work queued on the caller's current stream."""
     path = every_dtype / "sd.safetensors"
-    want = load_file(path)
+    want = load_file(path, device="cuda:0")
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         got = ckpttool.load(path, map_location="cuda:0")
@@ -222,10 +226,10 @@ def test_sharded_checkpoints_onto_cuda(dist_runs, dist_reference):
     full = dist_reference["two"]["model"]
     for source in (dist_runs.two / "dcp", str(dist_runs.two / "ep0-ba1-rank*.pt")):
         got = ckpttool.load(source, map_location="cuda:0")
-        assert_identical(got, full, ordered=False, exact_types=False)
+        assert_identical(got, on_gpu(full), ordered=False, exact_types=False)
         target = {k: torch.zeros_like(v, device="cuda:0") for k, v in full.items()}
         assert ckpttool.load_into(target, source) == ([], [])  # type: ignore[comparison-overlap]
-        assert_identical(target, full, ordered=False, exact_types=False)
+        assert_identical(target, on_gpu(full), ordered=False, exact_types=False)
     name = max(full, key=lambda k: full[k].shape[0] if full[k].dim() else 0)
     rows = full[name].shape[0]
     with ckpttool.open(dist_runs.two / "dcp", map_location="cuda:0") as f:
