@@ -2,9 +2,9 @@
 
 Used inside a load session (:func:`ckpttool.mapped.loading`). A CPU destination gets
 the bytes with ``preadv`` straight from the page cache (or, for a URL, from its
-source's ranged reads; see :mod:`ckpttool.spans`); a CUDA one through a few pinned
-buffers, the next buffer being read while the last one is copied to the device (as
-``safetensors.torch.load_file(device="cuda")`` overlaps them).
+source's ranged reads; see :mod:`ckpttool.spans`); a CUDA one through pinned buffers
+that reader threads fill while the buffers filled before are copied to the device
+(:class:`CudaStager`), never through a CPU copy of the whole tensor.
 """
 
 from __future__ import annotations
