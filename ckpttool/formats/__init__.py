@@ -17,24 +17,14 @@ import glob
 import importlib
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from .. import sources
 from ..errors import CkptError, InputNotFoundError, UnsafeError, translate_errors
 from ..tree import Checkpoint
-from ..unpickler import split_seen
-from . import (
-    dcp,
-    dcp_hf,
-    megatron,
-    per_rank,
-    safetensors_file,
-    sharded_index,
-    torch_legacy,
-    torch_zip,
-    torchscript,
-)
+from ..zip_records import ZIP_MAGIC
+from . import safetensors_file, sharded_index
 from .prescan import Prescan
 
 
@@ -49,17 +39,60 @@ class Reader(Protocol):
 
 
 class _OnFirstUse:
-    """A format module imported when first used: the readers only folders can hold
-    (DeepSpeed, run folders) cost nothing to a command given a file (+15 ms of start-up)."""
+    """A format module imported when first needed, so that reading a file costs the
+    imports of its own reader only: the pickle readers (the unpickler, its policy and
+    tables) cost nothing to a safetensors file, nor DeepSpeed's to any file (~10 ms of
+    start-up each).
 
-    def __init__(self, name: str):
+    ``guards`` map a function of the module to a cheap condition its answer needs (a
+    file's name or first bytes): where that fails, the call answers False unimported.
+    """
+
+    def __init__(self, name: str, **guards: Callable[..., bool]):
         self._name = name
+        self._guards = guards
+
+    def _module(self) -> Any:
+        return importlib.import_module(f".{self._name}", __name__)
 
     def __getattr__(self, attr: str) -> Any:
-        module = importlib.import_module(f".{self._name}", __name__)
-        return getattr(module, attr)
+        guard = self._guards.get(attr)
+        if guard is None:
+            return getattr(self._module(), attr)
+
+        def guarded(*args: Any) -> bool:
+            return guard(*args) and getattr(self._module(), attr)(*args)
+
+        return guarded
+
+    def __repr__(self) -> str:
+        return f"<format module {__name__}.{self._name}, imported on first use>"
 
 
+def _file_named(test: Callable[[str], bool]) -> Callable[[str, bytes], bool]:
+    """A ``detect`` guard: a folder (no ``head``) goes to the reader, a file by its name."""
+    return lambda path, head: not head or test(sources.basename(path))
+
+
+def _zip_file(path: str, head: bytes) -> bool:
+    return not head or head.startswith(ZIP_MAGIC)
+
+
+# Each guard is implied by its module's own ``detect`` (or ``claims``) for a file.
+megatron = _OnFirstUse(
+    "megatron", detect=_file_named(lambda n: n.endswith(".distcp") or n == "metadata.json")
+)
+dcp = _OnFirstUse("dcp", detect=_file_named(lambda n: n.endswith(".distcp")))
+dcp_hf = _OnFirstUse(  # its shard files are named shard-00001-model-00001-of-00001.safetensors
+    "dcp_hf", detect=_file_named(lambda n: n.startswith("shard-") and n.endswith(".safetensors"))
+)
+torchscript = _OnFirstUse("torchscript", detect=_zip_file)
+torch_zip = _OnFirstUse("torch_zip", detect=_zip_file)
+torch_legacy = _OnFirstUse("torch_legacy")
+# rank files are torch.save files (per_rank.PART_FORMATS)
+per_rank = _OnFirstUse(
+    "per_rank", claims=lambda first: first.format in ("torch-zip", "torch-legacy")
+)
 deepspeed = _OnFirstUse("deepspeed")
 run_folders = _OnFirstUse("run_folders")
 
@@ -178,7 +211,8 @@ def gc_paused() -> Iterator[None]:
 
 def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str], list[str]]:
     """(globals, dangerous, unverified) of a torch zip's pickle, judged without rebuilding."""
-    from .zip_pickle import ZIP_MAGIC, ZipPickle
+    from ..unpickler import split_seen
+    from .zip_pickle import ZipPickle
 
     if sources.read_head(path, len(ZIP_MAGIC)) != ZIP_MAGIC:
         # legacy rank files: rare, read them in full

@@ -15,7 +15,7 @@ from typing import Any
 from .. import sources
 from ..errors import CkptError
 from ..tree import Checkpoint, TensorRef, verdicts
-from . import safetensors_file, torch_legacy, torch_zip
+from . import safetensors_file
 
 FORMAT = "safetensors-sharded"
 INDEX_SUFFIX = ".index.json"
@@ -149,6 +149,8 @@ class _Shard:
             }
             safetensors_file.check_layout(self.refs, start, data_len, path)
             return
+        from . import torch_legacy, torch_zip  # pickle readers, for .bin shards only
+
         for fmt in (torch_zip, torch_legacy):
             if fmt.detect(path, head):
                 self.checkpoint = fmt.read(path, permissive=permissive)
