@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers import assert_identical
 from safetensors.torch import load_file, save_file
+from test_properties import DTYPES as PROPERTY_DTYPES
+from test_properties import random_bits
 
 import ckpttool
 
@@ -70,35 +72,17 @@ def test_convert_pt_with_map_location_loads_on_gpu(gpu_saved, tmp_path):
 
 # ------------------------------------------ every dtype, bitwise, against torch's own loaders
 
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.complex64,
-    torch.bool,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-]
-
-
-def on_gpu(tensors: dict) -> dict:
-    return {k: v.to("cuda:0") for k, v in tensors.items()}
+# every dtype the property tests draw from, and a complex one (torch-zip and safetensors)
+DTYPES = [*PROPERTY_DTYPES, torch.complex64]
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator):
     """Random bits of ``dtype`` (NaNs and infinities included; bool only 0 and 1)."""
-    numel = math.prod(shape)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (numel * size,), generator=g, dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)
+    return random_bits(dtype, math.prod(shape), g).reshape(shape)
+
+
+def on_gpu(tensors: dict) -> dict:
+    return {k: v.to("cuda:0") for k, v in tensors.items()}
 
 
 @pytest.fixture(scope="module")
