@@ -158,7 +158,7 @@ def main() -> None:
         fastload.READ_THREADS, fastload.STAGING_BUFFERS = threads, buffers
         fastload.STAGING_BYTES, fastload.MAX_PENDING = mib << 20, 2 * buffers
         wall = timed(lambda: ckpttool.load(st, map_location=DEVICE), args.repeat)
-        rows.append((f"  same, {threads} threads, {buffers} x {mib} MiB", wall))
+        rows.append((f"warm ckpttool.load(st), {threads} threads, {buffers} x {mib} MiB", wall))
     fastload.READ_THREADS, fastload.STAGING_BUFFERS, fastload.STAGING_BYTES = default
     fastload.MAX_PENDING = 2 * fastload.STAGING_BUFFERS
 
