@@ -149,17 +149,18 @@ def torch_entries(
     ]
 
 
-def overlapping_entries(count: int = 300, shared: int = 1 << 20) -> bytes:
+def overlapping_entries(count: int = 300, shared: int = 1 << 20, one_offset: bool = False) -> bytes:
     """``count`` storages whose stored data all run to the end of one ``shared`` block:
     each entry's bytes hold the local headers after it, then the block. A 1 MB file
-    read as 300 MB of tensors (torch.load reads them too); it grows with count squared."""
+    read as 300 MB of tensors (torch.load reads them too); it grows with count squared.
+    ``one_offset``: the central directory names the first local header for every one."""
     names = [f"archive/data/{i}" for i in range(count)]
     block_end = sum(30 + len(name) for name in names) + shared
     records = []  # (name, stored bytes or None for a storage, declared size, offset)
     offset = 0
     for name in names:
         size = (block_end - offset - 30 - len(name)) // 4 * 4
-        records.append((name, None, size, offset))
+        records.append((name, None, size, 0 if one_offset else offset))
         offset += 30 + len(name)
     offset = block_end
     tensors = {f"w{i}": ((str(i), "cpu", r[2] // 4), r[2] // 4) for i, r in enumerate(records)}
@@ -487,6 +488,9 @@ CASES: dict[str, Case] = {
     "pickle_inside_the_archive": Case(pickle_inside_the_archive, 0, ""),
     "duplicate_entry": Case(duplicate_entry, 2, "archive/data.pkl"),
     "overlapping_entries": Case(overlapping_entries, 2, "overlaps the next one"),
+    "entries_at_one_offset": Case(
+        lambda: overlapping_entries(3, 64, one_offset=True), 2, "overlaps the next one"
+    ),
     "legacy_valid": Case(legacy_valid, 0, ""),
     "legacy_view_past_base": Case(legacy_view(1 << 28, 1 << 28), 2, "view"),
     "legacy_view_negative": Case(legacy_view(-8, 4), 2, "view"),

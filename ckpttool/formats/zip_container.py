@@ -159,7 +159,9 @@ def entry_ends(infos: list[zipfile.ZipInfo], end: int, path: str) -> dict[str, i
     Raises:
         CkptError: Two entries overlap, by the least their local headers can take.
     """
-    spans = sorted((info.header_offset, info) for info in infos)
+    # by offset alone: entries at one offset (the directory may name a header twice)
+    # must not be compared themselves
+    spans = sorted(((info.header_offset, info) for info in infos), key=lambda span: span[0])
     ends: dict[str, int] = {}
     for index, (start, info) in enumerate(spans):
         limit = spans[index + 1][0] if index + 1 < len(spans) else end
