@@ -542,6 +542,14 @@ CASES: dict[str, Case] = {
         "not valid Unicode",
         ".safetensors",
     ),
+    "metadata_with_a_lone_surrogate": Case(  # the library refuses the file
+        header_entry(
+            '{"dtype":"F32","shape":[4],"data_offsets":[0,16]}', '"__metadata__":{"n":"\\ud800"},'
+        ),
+        2,
+        "not valid Unicode",
+        ".safetensors",
+    ),
     "deeply_nested_index": Case(
         deeply_nested_index, 2, "nested too deep", ".safetensors.index.json"
     ),

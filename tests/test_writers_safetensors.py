@@ -102,6 +102,18 @@ def test_names_safetensors_cannot_hold_refused_before_writing(tmp_path: Path, na
     assert list(torch.load(tmp_path / "o.pt", weights_only=True)) == ["a", name]
 
 
+def test_an_undecodable_input_name_makes_valid_metadata(tmp_path: Path):
+    """The output's metadata names its input; a file name's byte that is no UTF-8 (a
+    lone surrogate in Python) was written as an escape the library refused."""
+    name = b"\xffmodel.pt".decode("utf-8", "surrogateescape")
+    torch.save({"w": torch.ones(2)}, tmp_path / name)
+    out = tmp_path / "o.safetensors"
+    convert([str(tmp_path / name)], "safetensors", str(out))
+    with safe_open(out, "pt") as f:
+        assert f.metadata()["source"] == "\\udcffmodel.pt"
+        assert torch.equal(f.get_tensor("w"), torch.ones(2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.complex64])
 def test_dtypes_safetensors_has_codes_for_round_trip(tmp_path: Path, dtype):
     t = torch.randn(5, dtype=torch.complex64 if dtype.is_complex else torch.float32).to(dtype)

@@ -78,8 +78,8 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
 def check_header(header: dict[str, Any], path: str) -> None:
     """What the safetensors library requires of a header beyond JSON, so that ckpttool
     reads no file the library refuses: ``__metadata__`` maps strings to strings, and
-    every key is valid Unicode (JSON can escape a lone surrogate, which no UTF-8
-    text holds).
+    every key and metadata value is valid Unicode (JSON can escape a lone surrogate,
+    which no UTF-8 text holds).
 
     Raises:
         CkptError: Saying which rule the header breaks.
@@ -91,12 +91,12 @@ def check_header(header: dict[str, Any], path: str) -> None:
         raise CkptError(
             "corrupt safetensors header (__metadata__ values must be strings)", path=path
         )
-    for key in itertools.chain(header, metadata or ()):
+    for text in itertools.chain(header, metadata or (), (metadata or {}).values()):
         try:
-            key.encode("utf-8")
+            text.encode("utf-8")
         except UnicodeEncodeError:
             raise CkptError(
-                f"corrupt safetensors header: key {key!r} is not valid Unicode", path=path
+                f"corrupt safetensors header: {text!r:.80} is not valid Unicode", path=path
             ) from None
 
 

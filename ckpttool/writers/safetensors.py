@@ -73,8 +73,20 @@ def check_names(tensors: dict[str, Any]) -> None:
             ) from None
 
 
+def valid_text(text: str) -> str:
+    """``text`` as valid Unicode: a lone surrogate (a file name's undecodable byte, as
+    Python decodes names) as its escape, since no reader of the format accepts one."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def header_bytes(tensors: dict[str, Any], cast: DType | None, metadata: dict[str, str]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
+    # metadata names the input (its file name): text, not a tensor name to refuse
+    written = {valid_text(k): valid_text(v) for k, v in metadata.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **written}}
     offset = 0
     for name, leaf in tensors.items():
         dt = output_dtype(leaf, cast)
