@@ -24,7 +24,7 @@ from . import sources
 from .dtypes import DType
 from .errors import CkptError
 from .mapped import LoadSession, current_session, map_storage
-from .spans import open_fd
+from .spans import local_fd
 from .tensors import as_saved, place, storage_bytes, target_device, torch_dtype
 from .tree import ShardedRef, StorageRef, TensorRef
 
@@ -106,14 +106,14 @@ class CudaStager:
         bounds checked), or None where its bytes come another way (URL, in memory)."""
         if source.data is not None or source.path is None:
             return None
-        local = sources.local_path(source.path)
-        if local is None:
+        files = session.reader.files
+        fd = local_fd(source.path, files)
+        if fd is None:
             return None
         if start < 0 or start + size > source.length:
             raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
-        files = session.reader.files
         source.resolve(files)
-        return open_fd(files, local, source.path)
+        return fd
 
     def _stage(self, part: torch.Tensor, read: Any, *where: Any) -> None:
         """Read ``part``'s bytes into a free buffer (``read(*where, view)``), queue its copy."""
