@@ -181,7 +181,7 @@ CALLS_ARGUMENT = {
 
 def _newobj(cls, *args):
     if isinstance(cls, type) and issubclass(cls, Opaque):
-        return cls.make(*args)  # cls.__new__(cls, *args): creates, calls nothing
+        return cls.__new__(cls, *args)  # as NEWOBJ: creates, judges what it is handed
     return opaque_class("copyreg", "__newobj__").make(cls, *args)
 
 

@@ -358,7 +358,7 @@ class _ReadOnlyClass(type):
                 # deque(x) iterates x: an object of a class on no allow-list runs its code
                 if isinstance(value, Opaque) and not (type(value).known or type(value).dangerous):
                     note_call(f"{cls.module}.{cls.qualname}({type(value).class_name()})")
-        return cls.__new__(cls, *args, **kwargs)  # type: ignore[arg-type]
+        return cls.make(*args, **kwargs)  # type: ignore[attr-defined]
 
     def __setattr__(cls, name: str, value: Any) -> None:
         raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
@@ -389,10 +389,17 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     # No __init__: with __new__ overridden, object.__init__ accepts the arguments, and
     # Python makes one call per object instead of two.
     def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
-        self = object.__new__(cls)
-        self.args = args
-        self.state = kwargs or None
-        return self
+        """NEWOBJ's ``cls.__new__(cls, *args)``: creates the object, calls nothing.
+
+        An object of a class on no allow-list that is made with a callable may call it
+        when used (iterating ``itertools.starmap(FileHandler, [(path,)])`` makes the
+        file, and a known class's ``__setstate__`` iterates what BUILD gives it, as
+        ``SGD``'s does its ``param_groups``): the callables it is handed count as called.
+        """
+        if args and not (cls.known or cls.dangerous):
+            for name in handed_callables(args, kwargs):
+                note_call(name)
+        return cls.make(*args, **kwargs)
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -423,7 +430,10 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     @classmethod
     def make(cls, *args: Any, **kwargs: Any) -> Opaque:
         """An object of this stand-in class built by ckpttool itself (not a pickle call)."""
-        return cls.__new__(cls, *args, **kwargs)
+        self = object.__new__(cls)
+        self.args = args
+        self.state = kwargs or None
+        return self
 
     @classmethod
     def class_name(cls) -> str:

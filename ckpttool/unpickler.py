@@ -138,7 +138,11 @@ _UNVERIFIED = _Sink()  # an object of a class on no allow-list, in a scan
 
 
 def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
-    """NEWOBJ of a class on no allow-list, in a scan: told apart from other objects."""
+    """NEWOBJ of a class on no allow-list, in a scan: told apart from other objects, and
+    the callables it is handed judged as called (as ``Opaque.__new__`` does)."""
+    if args:
+        for called in handed_callables(args, kwargs, _absorbed_callable):
+            note_call(called)
     return _UNVERIFIED
 
 
@@ -168,6 +172,8 @@ class GlobalsScanner(SafeUnpickler):
         position = CALLS_ARGUMENT.get(full)
         if position is not None:
             return _absorb_calling(position)
+        if full == "copyreg.__newobj__":
+            return _absorb_newobj
         if full in SAFE_GLOBALS and full not in CREATES_OBJECTS:
             return _absorb_judging(full)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
@@ -186,6 +192,14 @@ class GlobalsScanner(SafeUnpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return _ABSORB
+
+
+def _absorb_newobj(cls: Any, *args: Any) -> _Sink:
+    """``copyreg.__newobj__(cls, *args)`` in a scan: NEWOBJ's ``cls.__new__(cls, *args)``,
+    judged as NEWOBJ is (what a class on no allow-list is handed)."""
+    if isinstance(cls, _AbsorbClass):
+        return cls.__new__(cls, *args)  # type: ignore[arg-type, no-any-return]
+    return _ABSORB
 
 
 def _absorb_calling(position: int) -> Callable[..., _Sink]:

@@ -145,15 +145,26 @@ def _touch(marker: str) -> bytes:
     return text(f"touch {marker}")
 
 
-def _iterating(module: str, name: str, marker: str) -> bytes:
-    """``module.name(starmap(FileHandler, [(marker,)]))``: iterating the starmap object
-    (made by NEWOBJ, nothing called) creates the file."""
-    starmap = (
+def _starmap(marker: str) -> bytes:
+    """``starmap(FileHandler, [(marker,)])`` made by NEWOBJ (nothing called): iterating
+    it creates the file."""
+    return (
         glob("itertools", "starmap")
         + tup(glob("logging", "FileHandler"), EMPTY_LIST + MARK + tup(text(marker)) + APPENDS)
         + NEWOBJ
     )
-    return checkpoint(("x", call(glob(module, name), starmap)))
+
+
+def _iterating(module: str, name: str, marker: str) -> bytes:
+    """``module.name(starmap(FileHandler, [(marker,)]))``: the call iterates the starmap."""
+    return checkpoint(("x", call(glob(module, name), _starmap(marker))))
+
+
+def _optimizer_holding(param_groups: bytes) -> bytes:
+    """A pickled ``torch.optim.SGD`` object (NEWOBJ + BUILD) with ``param_groups``:
+    SGD's ``__setstate__`` iterates them."""
+    state = dict_of(param_groups=param_groups, defaults=EMPTY_DICT, state=EMPTY_DICT)
+    return glob("torch.optim", "SGD") + EMPTY_TUPLE + NEWOBJ + state + BUILD
 
 
 CASES = [
@@ -474,6 +485,34 @@ CASES = [
         lambda m: _iterating("torch", "Size", m),
         3,
         ("torch.Size(itertools.starmap)",),
+        live=True,
+    ),
+    Case(
+        # SGD.__setstate__ iterates its param_groups: the starmap, made by NEWOBJ (nothing
+        # called), calls FileHandler. Refused where the starmap is handed the callable.
+        "known-class-setstate-iterates-an-unknown-object",
+        lambda m: checkpoint(("opt", _optimizer_holding(_starmap(m)))),
+        3,
+        ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        "copyreg-newobj-hands-a-callable",  # copyreg.__newobj__(starmap, ...) by REDUCE
+        lambda m: checkpoint(
+            (
+                "opt",
+                _optimizer_holding(
+                    call(
+                        glob("copyreg", "__newobj__"),
+                        glob("itertools", "starmap"),
+                        glob("logging", "FileHandler"),
+                        EMPTY_LIST + MARK + tup(text(m)) + APPENDS,
+                    )
+                ),
+            ),
+        ),
+        3,
+        ("logging.FileHandler",),
         live=True,
     ),
     Case(
