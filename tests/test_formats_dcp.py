@@ -85,12 +85,22 @@ def test_distcp_file_without_its_metadata_is_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run, given", [("two", "dcp"), ("mesh", "dcp-safetensors")])
-def test_one_distcp_file_reads_its_folder(dist_runs, run, given):
+@pytest.mark.parametrize("part", ["__1_0.distcp", ".metadata"])
+def test_one_file_of_a_dcp_folder_reads_its_folder(dist_runs, run, given, part):
     folder = getattr(dist_runs, run) / given
-    ckpt = ckpttool.read(folder / "__1_0.distcp")
+    ckpt = ckpttool.read(folder / part)
     assert ckpt.format == "dcp"
     assert ckpt.files == ckpttool.read(folder).files
-    assert_identical(ckpttool.load(folder / "__1_0.distcp"), ckpttool.load(folder))
+    assert_identical(ckpttool.load(folder / part), ckpttool.load(folder))
+
+
+def test_a_metadata_file_without_its_data_files_is_refused(tmp_path):
+    write_dcp(tmp_path / "ckpt", {"w": torch.ones(3)})
+    (tmp_path / "ckpt" / "__0_0.distcp").unlink()
+    out = tmp_path / "o.safetensors"
+    given = tmp_path / "ckpt" / ".metadata"
+    check_error(run_cli("convert", given, "--to", "safetensors", "-o", out), 2, "missing .distcp")
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -98,6 +98,7 @@ def test_nemo2_checkpoint_reads_its_weights_folder_with_the_prefix_stripped():
     assert_identical({k: loaded[k] for k in want}, want, ordered=False, exact_types=False)
     # the weights/ folder itself, or one of its .distcp files, reads the same
     assert ckpttool.read(NEMO / "weights" / "__1_0.distcp").format == "megatron"
+    assert ckpttool.read(NEMO / "weights" / ".metadata").format == "megatron"
     assert sorted(_tensors(ckpttool.load(NEMO / "weights"))) == sorted(want)
 
 

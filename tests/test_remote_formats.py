@@ -35,6 +35,7 @@ FILES = [
     ("snapshots/custom_objects.pt", "torch-zip"),
     ("gpu_saved.pt", "torch-zip"),
     ("dcp/__0_0.distcp", "dcp"),  # one .distcp: its folder's .metadata names the rest
+    ("dcp/.metadata", "dcp"),
     ("megatron/gpt/metadata.json", "megatron"),
     ("boundary.safetensors", "safetensors"),  # a header of exactly 100,000 bytes
 ]

@@ -180,7 +180,7 @@ def test_folders_need_an_index(server, source):
     folder = server.url("", "ok")
     assert source.isdir(folder) and not source.isdir(server.url("a.bin"))
     with pytest.raises(
-        CkptError, match=r"HTTP cannot list a folder .*index\.json, one of a DCP folder's \.distcp"
+        CkptError, match=r"HTTP cannot list a folder .*index\.json, a DCP folder's \.metadata"
     ):
         source.listdir(folder)
     assert source.exists(server.url("a.bin")) and not source.exists(server.url("nope.bin"))

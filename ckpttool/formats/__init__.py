@@ -78,11 +78,15 @@ def _zip_file(path: str, head: bytes) -> bool:
     return not head or head.startswith(ZIP_MAGIC)
 
 
+def _dcp_part(name: str) -> bool:
+    return name.endswith(".distcp") or name == ".metadata"  # (dcp.is_part_name)
+
+
 # Each guard is implied by its module's own ``detect`` (or ``claims``) for a file.
 megatron = _OnFirstUse(
-    "megatron", detect=_file_named(lambda n: n.endswith(".distcp") or n == "metadata.json")
+    "megatron", detect=_file_named(lambda n: _dcp_part(n) or n == "metadata.json")
 )
-dcp = _OnFirstUse("dcp", detect=_file_named(lambda n: n.endswith(".distcp")))
+dcp = _OnFirstUse("dcp", detect=_file_named(_dcp_part))
 dcp_hf = _OnFirstUse(  # its shard files are named shard-00001-model-00001-of-00001.safetensors
     "dcp_hf", detect=_file_named(lambda n: n.startswith("shard-") and n.endswith(".safetensors"))
 )

@@ -37,13 +37,19 @@ RANK_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def detect(path: str, head: bytes) -> bool:
-    """A folder holding ``.metadata``, or one of its ``.distcp`` files: a file holds some
-    chunks of some tensors, which mean nothing without the folder, so the folder is read."""
+    """A folder holding ``.metadata``, or one of its files (``.metadata`` or a ``.distcp``
+    file): a file holds some chunks of some tensors, or their index, which mean nothing
+    without the folder, so the folder is read."""
     return _folder(path) is not None
 
 
+def is_part_name(name: str) -> bool:
+    """Whether a file named ``name`` is a part of a DCP folder (read as that folder)."""
+    return name.endswith(".distcp") or name == METADATA_FILE
+
+
 def _folder(path: str) -> str | None:
-    if path.endswith(".distcp") and not sources.isdir(path):
+    if is_part_name(sources.basename(path)) and not sources.isdir(path):
         return sources.dirname(path) or "."  # read names a missing .metadata
     if sources.isdir(path) and sources.isfile(sources.join(path, METADATA_FILE)):
         return path

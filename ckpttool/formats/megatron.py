@@ -47,15 +47,16 @@ MAX_METADATA_JSON = 1 << 20
 
 def detect(path: str, head: bytes) -> bool:
     """A ``torch_dist`` folder (``metadata.json`` naming a sharded backend), a NeMo 2
-    checkpoint folder holding one as ``weights/``, or a ``.distcp`` / ``metadata.json``
-    file of such a folder (a file holds parts of tensors: the folder is read)."""
+    checkpoint folder holding one as ``weights/``, or a ``.distcp`` / ``.metadata`` /
+    ``metadata.json`` file of such a folder (a file holds parts of tensors: the folder is
+    read)."""
     return _folder(path) is not None
 
 
 def _folder(path: str) -> str | None:
     if not sources.isdir(path):
         name = sources.basename(path)
-        if not (name.endswith(".distcp") or name == METADATA_JSON):
+        if not (dcp.is_part_name(name) or name == METADATA_JSON):
             return None
         path = sources.dirname(path) or "."
     if _backend(path) is not None:

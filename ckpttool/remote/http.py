@@ -11,8 +11,9 @@ read would otherwise download the file from its start. Connection resets, ``5xx`
 and ``429`` are retried with backoff (``Retry-After`` honoured), ``4xx`` never.
 
 HTTP has no folder listing: ``listdir`` of an ``https://`` folder raises, telling the
-user to give a file that leads to the others (``model.safetensors.index.json``, one of
-a DCP folder's ``.distcp`` files, Megatron's ``metadata.json``) or the files themselves.
+user to give a file that leads to the others (``model.safetensors.index.json``, a DCP
+folder's ``.metadata`` or one of its ``.distcp`` files, Megatron's ``metadata.json``) or
+the files themselves.
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ class HttpSource(RemoteSource):
         raise CkptError(
             "HTTP cannot list a folder",
             path=redact(path),
-            hint="give a file that leads to the others (model.safetensors.index.json, one "
-            "of a DCP folder's .distcp files, Megatron's metadata.json) or list the files",
+            hint="give a file that leads to the others (model.safetensors.index.json, a DCP "
+            "folder's .metadata, Megatron's metadata.json) or list the files",
         )
 
     def glob(self, pattern: str) -> list[str]:
