@@ -62,6 +62,16 @@ DANGEROUS_PREFIXES = (
     "torch.distributed.launcher",
     "torch.distributed.run",
     "torch.distributed.checkpoint.format_utils",
+    # classes whose constructors start processes, threads, servers or write files:
+    # calling a class of torch.distributed is otherwise allowed (its metadata classes)
+    "torch.distributed.checkpoint._async_process_executor",
+    "torch.distributed.checkpoint._async_thread_executor",
+    "torch.distributed.checkpoint._experimental",
+    "torch.distributed.checkpoint.staging",
+    "torch.distributed.debug",  # FrontendServer(port) serves HTTP on every interface
+    "torch.distributed.flight_recorder",
+    "torch.distributed._tools",
+    "torch.distributed.launch",
     "torch.multiprocessing",
     "torch.utils.cpp_extension",
     "torch.utils.collect_env",

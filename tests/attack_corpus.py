@@ -327,6 +327,33 @@ CASES = [
         ("_xxsubinterpreters.run_string",),
     ),
     Case(
+        # a class in a package whose classes are allowed (torch.distributed's metadata):
+        # its constructor serves HTTP on every interface
+        "torch-distributed-debug-server",
+        lambda m: checkpoint(
+            ("x", call(glob("torch.distributed.debug._frontend", "FrontendServer"), integer(0)))
+        ),
+        3,
+        ("torch.distributed.debug._frontend.FrontendServer",),
+    ),
+    Case(
+        "torch-dcp-async-process",  # starts a checkpointing process
+        lambda m: checkpoint(
+            (
+                "x",
+                call(
+                    glob(
+                        "torch.distributed.checkpoint._async_process_executor",
+                        "_AsyncCheckpointProcess",
+                    ),
+                    NONE,
+                ),
+            ),
+        ),
+        3,
+        ("torch.distributed.checkpoint._async_process_executor._AsyncCheckpointProcess",),
+    ),
+    Case(
         "logging-filehandler-creates-file",
         lambda m: checkpoint(("x", call(glob("logging", "FileHandler"), text(m)))),
         3,
