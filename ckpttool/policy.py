@@ -45,6 +45,7 @@ DANGEROUS_PREFIXES = (
     "numpy.distutils",
     "numpy.ctypeslib",
     "numpy.lib.npyio",
+    "numpy.lib._datasource",  # DataSource opens files and URLs (and makes a temp folder)
     "numpy.lib.format",
     "numpy.lib._npyio_impl",
     "numpy.lib._format_impl",

@@ -337,6 +337,12 @@ CASES = [
         ("torch.distributed.debug._frontend.FrontendServer",),
     ),
     Case(
+        "numpy-datasource",  # DataSource(None) makes a temporary folder; it opens URLs
+        lambda m: checkpoint(("x", call(glob("numpy.lib._datasource", "DataSource"), NONE))),
+        3,
+        ("numpy.lib._datasource.DataSource",),
+    ),
+    Case(
         "torch-dcp-async-process",  # starts a checkpointing process
         lambda m: checkpoint(
             (
