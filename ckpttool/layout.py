@@ -20,7 +20,9 @@ from .tree import (
     TensorRef,
     children,
     get_path,
+    is_module_state,
     is_tensor,
+    module_entries,
 )
 
 # Keys that hold the model state dict in common snapshot layouts, most specific first:
@@ -99,20 +101,15 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
             detached[id(value)] = dataclasses.replace(value, parameter=False, requires_grad=False)
         return detached[id(value)]
 
-    def visit(a: Mapping[str, Any], prefix: str) -> None:
-        transient = a.get("_non_persistent_buffers_set") or ()
-        for name, value in (a.get("_parameters") or {}).items():
+    def visit(a: Mapping[str, Any], prefix: str, ancestors: frozenset[int]) -> None:
+        for name, value in module_entries(a):
             if is_tensor(value):
-                state[prefix + name] = detach(value)
-        for name, value in (a.get("_buffers") or {}).items():
-            if is_tensor(value) and name not in transient:
-                state[prefix + name] = detach(value)
-        for name, child in (a.get("_modules") or {}).items():
-            child_attrs = _module_attrs(child)
-            if child_attrs is not None:
-                visit(child_attrs, f"{prefix}{name}.")
+                state[f"{prefix}{name}"] = detach(value)
+            elif (child := _module_attrs(value)) is not None and id(child) not in ancestors:
+                # (a module that holds an ancestor is cut, as every walk cuts cycles)
+                visit(child, f"{prefix}{name}.", ancestors | {id(child)})
 
-    visit(attrs, "")
+    visit(attrs, "", frozenset({id(attrs)}))
     return state or None
 
 
@@ -125,9 +122,7 @@ def _module_attrs(node: Any) -> Mapping[str, Any] | None:
         attrs = node.get("state")
     else:
         return None
-    if not isinstance(attrs, Mapping):
-        return None
-    if isinstance(attrs.get("_parameters"), Mapping) and isinstance(attrs.get("_modules"), Mapping):
+    if isinstance(attrs, Mapping) and is_module_state(attrs):
         return attrs
     return None
 

@@ -339,7 +339,7 @@ def check_structure(root: Any, path: object = None) -> None:
                 _check_dict_attributes(node, path)
             kids: Any = dict.values(node)
         elif isinstance(node, Opaque):
-            kids = [child for _, child in Opaque.children(node)]
+            kids = [child for _, child in Opaque.parts(node)]  # all it holds, not a view
         else:
             kids = node
         if id(node) in expanded:  # every entry counts: a walk visits leaves too

@@ -454,7 +454,19 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
         return state_attrs(self.state)
 
     def children(self) -> Iterator[tuple[Any, Any]]:
-        """(key, value) pairs a walk descends into: attributes, items, list items, args."""
+        """(key, value) pairs a walk descends into, as a user names them: those of
+        :meth:`parts`, but a pickled ``nn.Module`` (``torch.save(model)``) gives its
+        ``state_dict()`` entries (``fc1.weight``, not ``_modules.fc1._parameters.weight``;
+        see :func:`module_entries`)."""
+        attrs = self.attrs()
+        if is_module_state(attrs):
+            yield from module_entries(attrs)
+        else:
+            yield from self.parts()
+
+    def parts(self) -> Iterator[tuple[Any, Any]]:
+        """(key, value) of everything the pickle gave the object: attributes, items,
+        list items, args (what a check of the whole tree must see)."""
         attrs = self.attrs()
         yield from attrs.items()
         if self.state is not None and not attrs:
@@ -463,6 +475,38 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
         yield from enumerate(self.list)
         if self.args:
             yield "__args__", self.args
+
+
+def is_module_state(attrs: Mapping[str, Any]) -> bool:
+    """Whether an object's attributes are those of a pickled ``nn.Module`` (its
+    parameters and submodules, each a dict)."""
+    return isinstance(attrs.get("_parameters"), Mapping) and isinstance(
+        attrs.get("_modules"), Mapping
+    )
+
+
+def module_entries(attrs: Mapping[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """A pickled ``nn.Module``'s entries as its ``state_dict()`` names them: parameters,
+    then persistent buffers (None skipped, as torch skips them), then each submodule
+    under its name (whose own entries follow the same rule). Its other attributes
+    (hooks, flags, a config) are not part of the model's state."""
+    listed = attrs.get("_non_persistent_buffers_set")
+    non_persistent = listed if isinstance(listed, (set, frozenset)) else frozenset()
+    buffers = attrs.get("_buffers")
+    for name, value in _items(attrs["_parameters"]):
+        if value is not None:
+            yield name, value
+    for name, value in _items(buffers) if isinstance(buffers, Mapping) else ():
+        if value is not None and name not in non_persistent:
+            yield name, value
+    for name, value in _items(attrs["_modules"]):
+        if value is not None:
+            yield name, value
+
+
+def _items(mapping: Mapping[Any, Any]) -> Any:
+    # the type's own method: a BUILD may have given an OrderedDict an attribute `items`
+    return dict.items(mapping) if isinstance(mapping, dict) else mapping.items()
 
 
 def state_attrs(state: Any) -> dict[str, Any]:

@@ -354,11 +354,68 @@ def test_pickled_module_is_not_mistaken_for_one_layer(tmp_path):
     torch.save({"model": model, "epoch": 1}, path)
     report = inspect_report(ckpttool.read(path))
     assert report["model_key"] == ["model"]  # the module itself, not a layer inside it
-    keys = [t["key"] for t in report["tensors"]]
-    assert ["model", "_modules", "2", "_parameters", "weight"] in keys and len(keys) == 4
+    keys = [t["key"] for t in report["tensors"]]  # named as state_dict() names them
+    assert keys == [["model", "0", "weight"], ["model", "0", "bias"], ["model", "2", "weight"],
+                    ["model", "2", "bias"]]  # fmt: skip
     assert {"key": ["epoch"], "type": "int", "value": 1} in report["values"]
     loaded = ckpttool.load(path)  # not silently layer 2's {"weight", "bias"}
     assert list(loaded) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+class TiedNet(nn.Module):
+    """A model whose state_dict() differs from its attributes in every way torch has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.body = nn.Sequential(nn.Linear(3, 3, bias=False), nn.BatchNorm1d(3))
+        self.head = nn.Linear(3, 5)
+        self.head.weight = self.emb.weight  # tied: two names, one tensor
+        self.register_buffer("scale", torch.ones(3), persistent=False)  # not in state_dict
+        self.register_buffer("offset", torch.arange(3.0))
+        self.stride = torch.tensor([8.0, 16.0])  # a plain attribute, not state
+
+
+def test_pickled_module_reads_as_its_state_dict_everywhere(tmp_path):
+    torch.manual_seed(0)
+    model = TiedNet()
+    path = tmp_path / "snapshot.pt"
+    torch.save({"model": model, "epoch": 3}, path)
+    truth = model.state_dict()
+    names = list(truth)
+    assert "scale" not in names and "stride" not in names and "body.0.bias" not in names
+    loaded = ckpttool.load(path)
+    assert list(loaded) == names
+    for name in names:
+        assert torch.equal(loaded[name], truth[name]), name
+    assert loaded["head.weight"].data_ptr() == loaded["emb.weight"].data_ptr()
+    report = inspect_report(ckpttool.read(path))  # listed under the names torch gives
+    assert [".".join(t["key"]) for t in report["tensors"]] == [f"model.{n}" for n in names]
+    out = tmp_path / "all.safetensors"
+    proc = run_cli("convert", path, "--select", "all", "--to", "safetensors", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    written = load_file(out)
+    assert list(written) == [f"model.{n}" for n in names]
+    for name in names:
+        assert torch.equal(written[f"model.{name}"], truth[name]), name
+    fresh = TiedNet()
+    ckpttool.load_into(fresh, path)
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, truth[name]), name
+
+
+def test_pickled_module_that_holds_itself_reads_once(tmp_path):
+    model = nn.Sequential(nn.Linear(2, 2))
+    model._modules["loop"] = model  # torch's own state_dict() would never end
+    path = tmp_path / "loop.pt"
+    torch.save(model, path)
+    proc = run_cli("inspect", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert [t["key"] for t in json.loads(proc.stdout)["tensors"]] == [
+        ["0", "weight"],
+        ["0", "bias"],
+    ]
+    assert list(ckpttool.load(path)) == ["0.weight", "0.bias"]
 
 
 @pytest.mark.parametrize("legacy", [False, True])
