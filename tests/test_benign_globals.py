@@ -108,6 +108,8 @@ FRAMEWORK_FIXTURES = [
     "megatron/gpt",
     "megatron/nemo2/model",
     "deepspeed/zero3",
+    "transformers/gpt2_tied/checkpoint-2",
+    "transformers/gpt2_bin/checkpoint-2",
 ]
 
 

@@ -1,11 +1,13 @@
 """Framework run folders written by the frameworks themselves (fixtures/accelerate/,
-fixtures/lightning/; fixtures/verl/ is verl's layout written with torch): the model is
+fixtures/lightning/, fixtures/transformers/; fixtures/verl/ is verl's layout written with
+torch): the model is
 found by rule, the other parts come with ``--select all``, and the values equal what
 the framework's own loader gave back (stored beside them as ``truth.pt``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -247,3 +249,153 @@ def test_trainer_fsdp_checkpoint_reads_its_dcp_model(tmp_path):
     assert sorted(full) == ["optimizer_0", "pytorch_model_fsdp_0", "rng_state_0", "scheduler"]
     optim = full["optimizer_0"]["optimizer"]["state"]
     assert_identical(optim, truth["optimizer"], ordered=False, exact_types=False)
+
+
+# fixtures/transformers/: checkpoint-2/ folders written by transformers.Trainer itself;
+# truth.pt is what its resume path loads from each file. (run, weights file, format id)
+TRANSFORMERS = FIXTURES / "transformers"
+TRAINER_RUNS = [
+    ("gpt2_tied", "model.safetensors", "safetensors"),  # transformers 5: lm_head dropped
+    ("gpt2_untied", "model.safetensors", "safetensors"),
+    ("gpt2_bin", "pytorch_model.bin", "torch-zip"),  # transformers 4.57: lm_head shares wte
+]
+TRAINER_PARTS = ["optimizer", "rng_state", "scheduler", "training_args"]
+# training_args.bin: TrainingArguments, its enums, AcceleratorConfig and accelerate's
+# PartialState (NEWOBJ with no arguments, then its __dict__: __init__ never runs)
+TRAINING_ARGS_GLOBALS = [
+    "accelerate.state.PartialState",
+    "accelerate.utils.dataclasses.DistributedType",
+    "torch.device",
+    "transformers.trainer_pt_utils.AcceleratorConfig",
+    "transformers.trainer_utils.HubStrategy",
+    "transformers.trainer_utils.IntervalStrategy",
+    "transformers.trainer_utils.SaveStrategy",
+    "transformers.trainer_utils.SchedulerType",
+    "transformers.training_args.OptimizerNames",
+    "transformers.training_args.TrainingArguments",
+]
+
+
+@pytest.mark.parametrize("run, weights, fmt", TRAINER_RUNS)
+def test_trainer_checkpoint_model_is_its_weights_file_as_transformers_loads_it(run, weights, fmt):
+    ckpt = TRANSFORMERS / run / "checkpoint-2"
+    truth = torch.load(TRANSFORMERS / run / "truth.pt", weights_only=True)["model"]
+    proc = run_cli("inspect", ckpt, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    part = weights.split(".")[0]
+    assert (report["format"], report["model_key"]) == (fmt, [part])
+    assert report["files"][0] == str(ckpt / weights)
+    assert (report["dangerous"], report["unverified"]) == ([], [])
+    model = ckpttool.load(ckpt)
+    assert list(model) == list(truth)  # the stored keys, in the stored order
+    assert_identical(model, truth, exact_types=False)
+    # a tied lm_head: transformers 5 leaves it out of model.safetensors; 4.x's
+    # pytorch_model.bin keeps it as a second name for wte's storage
+    assert ("lm_head.weight" in model) == (run != "gpt2_tied")
+    if run == "gpt2_bin":
+        assert torch.equal(model["lm_head.weight"], model["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("run, weights, fmt", TRAINER_RUNS)
+def test_trainer_checkpoint_optimizer_scheduler_rng_and_args_come_with_select_all(
+    run, weights, fmt
+):
+    ckpt = TRANSFORMERS / run / "checkpoint-2"
+    truth = torch.load(TRANSFORMERS / run / "truth.pt", weights_only=True)
+    full = ckpttool.load(ckpt, select="all")
+    part = weights.split(".")[0]
+    assert sorted(full) == sorted([part, *TRAINER_PARTS])
+    assert_identical(full[part], truth["model"], exact_types=False)
+    assert_identical(full["optimizer"], truth["optimizer"], exact_types=False)
+    assert len(full["optimizer"]["state"]) == len(truth["model"]) - (run == "gpt2_bin")
+    assert_identical(full["scheduler"], truth["scheduler"], exact_types=False)
+    assert full["scheduler"]["last_epoch"] == 2
+    # python's and numpy's states as plain values, numpy's key array a uint32 tensor
+    assert_identical(full["rng_state"], truth["rng"], exact_types=False)
+    args = full["training_args"]
+    assert args["__class__"] == "transformers.training_args.TrainingArguments"
+    assert (args["state"]["max_steps"], args["state"]["save_steps"]) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "run, name",
+    [
+        *(("gpt2_tied", n) for n in ["optimizer.pt", "scheduler.pt", "rng_state.pth"]),
+        ("gpt2_tied", "training_args.bin"),
+        ("gpt2_bin", "training_args.bin"),
+        ("gpt2_bin", "pytorch_model.bin"),
+    ],
+)
+def test_trainer_checkpoint_files_read_alone_with_no_dangerous_or_unverified_global(run, name):
+    path = TRANSFORMERS / run / "checkpoint-2" / name
+    proc = run_cli("inspect", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["format"] == "torch-zip"
+    assert (report["dangerous"], report["unverified"]) == ([], [])
+    if name == "training_args.bin":
+        assert report["globals"] == TRAINING_ARGS_GLOBALS
+    truth = torch.load(TRANSFORMERS / run / "truth.pt", weights_only=True)
+    want = {"optimizer.pt": "optimizer", "scheduler.pt": "scheduler", "rng_state.pth": "rng",
+            "pytorch_model.bin": "model"}.get(name)  # fmt: skip
+    if want is not None:
+        assert_identical(ckpttool.load(path, select="all"), truth[want], exact_types=False)
+
+
+@pytest.mark.parametrize("run, weights, fmt", TRAINER_RUNS)
+def test_trainer_checkpoint_converts_to_safetensors_equal_to_its_weights(
+    tmp_path, run, weights, fmt
+):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model.safetensors"
+    proc = run_cli("convert", TRANSFORMERS / run / "checkpoint-2", "--to", "safetensors", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    truth = torch.load(TRANSFORMERS / run / "truth.pt", weights_only=True)["model"]
+    assert_identical(load_file(out), truth, ordered=False)
+
+
+def test_trainer_checkpoint_weights_are_taken_in_from_pretrained_order(tmp_path):
+    # sharded weights: the index is the model; beside a model.safetensors, that file is
+    # (Trainer._load_from_checkpoint takes it first)
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(TRANSFORMERS / "gpt2_untied" / "checkpoint-2", ckpt)
+    truth = torch.load(TRANSFORMERS / "gpt2_untied" / "truth.pt", weights_only=True)["model"]
+    (ckpt / "model.safetensors").unlink()
+    names = list(truth)
+    shards = {"model-00001-of-00002.safetensors": names[:9],
+              "model-00002-of-00002.safetensors": names[9:]}  # fmt: skip
+    for shard, keys in shards.items():
+        save_file({k: truth[k] for k in keys}, ckpt / shard)
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    report = json.loads(run_cli("inspect", ckpt, "--json").stdout)
+    assert (report["format"], report["model_key"]) == ("safetensors-sharded", ["model"])
+    assert_identical(ckpttool.load(ckpt), truth, ordered=False, exact_types=False)
+    assert sorted(ckpttool.load(ckpt, select="all")) == ["model", *TRAINER_PARTS]
+    save_file({"only": torch.ones(1)}, ckpt / "model.safetensors")
+    assert list(ckpttool.load(ckpt)) == ["only"]
+
+
+def test_folder_of_weights_and_training_args_without_trainer_state_is_its_weights(tmp_path):
+    # Trainer.save_model's output_dir: no trainer_state.json, no run folder rule
+    shutil.copy(TRANSFORMERS / "gpt2_tied" / "checkpoint-2" / "model.safetensors", tmp_path)
+    shutil.copy(TRANSFORMERS / "gpt2_tied" / "checkpoint-2" / "training_args.bin", tmp_path)
+    ckpt = ckpttool.read(tmp_path)
+    assert ckpt.files == [str(tmp_path / "model.safetensors")]
+    assert ckpt.format == "safetensors"
+
+
+def test_trainer_checkpoint_with_a_hostile_training_args_is_refused_naming_it(tmp_path):
+    from payloads import Reduce, write_malicious_zip
+
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(TRANSFORMERS / "gpt2_tied" / "checkpoint-2", ckpt)
+    write_malicious_zip(ckpt / "training_args.bin", Reduce(os.system, ("echo owned",)))
+    out = tmp_path / "model.safetensors"
+    proc = run_cli("convert", ckpt, "--to", "safetensors", "-o", out)
+    check_error(proc, 3, str(ckpt / "training_args.bin"), "posix.system")
+    assert not out.exists()

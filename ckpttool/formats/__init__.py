@@ -276,12 +276,12 @@ def _single_checkpoint_file(folder: str) -> str | None:
     That is its only checkpoint file; or, in a Hugging Face model folder holding the
     same weights twice (``model.safetensors`` and ``pytorch_model.bin``), the
     safetensors file, as ``from_pretrained`` takes; or the weights file of a Trainer's
-    ``checkpoint-N/`` (beside ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
-    ``training_args.bin``); or the lowest rank's file when every file is one rank of
-    the same checkpoint (``ep0-ba4-rank0.pt``, ``ep0-ba4-rank1.pt``: the caller finds
-    the siblings). A DeepSpeed folder stands for its model states: the tag folder
-    its ``latest`` names (where it holds no checkpoint file of its own), then
-    ``mp_rank_00_model_states.pt`` in it.
+    output beside ``training_args.bin`` & co. (a ``checkpoint-N/`` with its
+    ``trainer_state.json`` is a run folder: :mod:`.run_folders`); or the lowest rank's
+    file when every file is one rank of the same checkpoint (``ep0-ba4-rank0.pt``,
+    ``ep0-ba4-rank1.pt``: the caller finds the siblings). A DeepSpeed folder stands for
+    its model states: the tag folder its ``latest`` names (where it holds no checkpoint
+    file of its own), then ``mp_rank_00_model_states.pt`` in it.
 
     Raises:
         CkptError: The rank files of several checkpoints (a trainer's snapshot folder),
@@ -304,7 +304,7 @@ def _single_checkpoint_file(folder: str) -> str | None:
                 hint="pass one mp_rank_XX_model_states.pt to read it alone",
             )
         return sources.join(folder, model_states[0].string)  # the lowest data-parallel rank
-    for name in HF_WEIGHT_FILES:  # a Trainer's checkpoint-N/: weights beside optimizer.pt...
+    for name in HF_WEIGHT_FILES:  # a Trainer's output: weights beside training_args.bin...
         if name in names:
             return sources.join(folder, name)
     ranks = [m for n in names if (m := per_rank.RANK_RE.match(n))]

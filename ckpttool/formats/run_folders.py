@@ -15,6 +15,11 @@ accelerate             ``random_states_N.pkl``       ``pytorch_model_fsdp_0/`` (
                                                      ``pytorch_model.bin``
 HF Trainer FSDP        ``trainer_state.json`` +      the ``pytorch_model_fsdp_N/``
 ``checkpoint-N/``      ``pytorch_model_fsdp_N/``     folder (DCP)
+HF Trainer             ``trainer_state.json`` +      the first of
+``checkpoint-N/``      a weights file                ``model.safetensors``,
+                                                     ``pytorch_model.bin``,
+                                                     ``adapter_model.*``, a
+                                                     ``*.index.json``
 Lightning sharded      ``meta.pt`` + ``.metadata``   the DCP folder itself
 ``.ckpt/`` (FSDP)
 verl / SkyRL           ``model_world_size_N_``       those N rank files
@@ -56,13 +61,25 @@ ACCELERATE_PARTS = re.compile(
     r"^(?:optimizer(?:_\d+)?(?:\.bin)?|scheduler(?:_\d+)?\.bin|sampler(?:_\d+)?\.bin"
     r"|scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
 )
-# transformers.Trainer with FSDP SHARDED_STATE_DICT (it saves through accelerate's
-# save_fsdp_model / save_fsdp_optimizer); without FSDP its weights file is found as any
-# Hugging Face folder's (formats/__init__.py)
+# transformers.Trainer's checkpoint-N/: with FSDP SHARDED_STATE_DICT (it saves through
+# accelerate's save_fsdp_model / save_fsdp_optimizer) the model is a DCP folder;
+# otherwise save_pretrained's weights file, taken in the order Trainer._load_from_checkpoint
+# takes them (transformers.utils: SAFE_WEIGHTS_NAME, WEIGHTS_NAME, a PEFT model's
+# ADAPTER_SAFE_WEIGHTS_NAME and ADAPTER_WEIGHTS_NAME, then load_sharded_checkpoint's
+# indexes, safetensors first)
 TRAINER_STATE = "trainer_state.json"
 TRAINER_FSDP_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")
+TRAINER_MODELS = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 TRAINER_PARTS = re.compile(
-    r"^(?:optimizer_\d+|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth)$"
+    r"^(?:optimizer_\d+|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth"
+    r"|training_args\.bin)$"
 )
 # Lightning: lightning.fabric.strategies.fsdp._METADATA_FILENAME
 LIGHTNING_META = "meta.pt"
@@ -179,11 +196,35 @@ def _read_trainer_fsdp(
 ) -> Checkpoint:
     models = [n for n in names if TRAINER_FSDP_MODEL.match(n)]
     model = _pick_model(folder, "Trainer checkpoint", models, "pytorch_model_fsdp_0/")
-    parts = {model: read_part(sources.join(folder, model))}
-    for name in names:
-        if TRAINER_PARTS.match(name):
-            parts[_part_name(name)] = read_part(sources.join(folder, name))
-    return _combine(folder, model, parts)
+    return _combine(folder, model, _trainer_parts(folder, names, model, model, read_part))
+
+
+# --- Hugging Face Trainer ------------------------------------------------------------
+
+
+def _is_trainer(folder: str, names: list[str]) -> bool:
+    return TRAINER_STATE in names and any(n in names for n in TRAINER_MODELS)
+
+
+def _read_trainer(folder: str, names: list[str], read_part: ReadPart, unsafe: bool) -> Checkpoint:
+    # The first, not the only one: a folder holding the weights both ways is read as
+    # Trainer._load_from_checkpoint reads it. The part is named by the weights' stem
+    # ("model" for model.safetensors and its index), as accelerate's are.
+    model = next(n for n in TRAINER_MODELS if n in names)
+    name = model.split(".", 1)[0]
+    return _combine(folder, name, _trainer_parts(folder, names, model, name, read_part))
+
+
+def _trainer_parts(
+    folder: str, names: list[str], model: str, name: str, read_part: ReadPart
+) -> dict[str, Checkpoint]:
+    """The model entry under ``name``, then the optimizer, scheduler, scaler, RNG states
+    and training arguments beside it, each under its file name without its suffix."""
+    parts = {name: read_part(sources.join(folder, model))}
+    for entry in names:
+        if TRAINER_PARTS.match(entry):
+            parts[_part_name(entry)] = read_part(sources.join(folder, entry))
+    return parts
 
 
 # --- Lightning -----------------------------------------------------------------------
@@ -292,6 +333,7 @@ def _read_torchtune(folder: str, names: list[str], read_part: ReadPart, unsafe: 
 RULES: list[Rule] = [
     Rule("accelerate save_state", _is_accelerate, _read_accelerate),
     Rule("Hugging Face Trainer FSDP", _is_trainer_fsdp, _read_trainer_fsdp),
+    Rule("Hugging Face Trainer", _is_trainer, _read_trainer),
     Rule("Lightning sharded .ckpt", _is_lightning_sharded, _read_lightning_sharded),
     Rule("verl / SkyRL", _is_verl, _read_verl),
     Rule("torchtune output", _is_torchtune, _read_torchtune),
