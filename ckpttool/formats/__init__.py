@@ -133,6 +133,11 @@ HF_WEIGHT_FILES = (
     "adapter_model.safetensors",
     "adapter_model.bin",
 )
+# torchtune's epoch_N/ of a LoRA run (its Meta and torchtune checkpointers): the merged
+# model, one file named by torchtune's SHARD_FNAME, beside the adapter that torchtune
+# saves as it is (adapter_model.pt), which its resume reads
+TORCHTUNE_MODEL_FILE = re.compile(r"^model-00001-of-00001\.(?:bin|pt|safetensors)$")
+TORCHTUNE_ADAPTER_FILE = "adapter_model.pt"
 
 
 def expand_paths(paths: Sequence[str]) -> list[str]:
@@ -277,7 +282,9 @@ def _single_checkpoint_file(folder: str) -> str | None:
     same weights twice (``model.safetensors`` and ``pytorch_model.bin``), the
     safetensors file, as ``from_pretrained`` takes; or the weights file of a Trainer's
     output beside ``training_args.bin`` & co. (a ``checkpoint-N/`` with its
-    ``trainer_state.json`` is a run folder: :mod:`.run_folders`); or the lowest rank's
+    ``trainer_state.json`` is a run folder: :mod:`.run_folders`); or torchtune's merged
+    model ``model-00001-of-00001.bin`` beside its LoRA adapter ``adapter_model.pt``
+    (``epoch_N/``); or the lowest rank's
     file when every file is one rank of the same checkpoint (``ep0-ba4-rank0.pt``,
     ``ep0-ba4-rank1.pt``: the caller finds the siblings). A DeepSpeed folder stands for
     its model states: the tag folder its ``latest`` names (where it holds no checkpoint
@@ -307,6 +314,9 @@ def _single_checkpoint_file(folder: str) -> str | None:
     for name in HF_WEIGHT_FILES:  # a Trainer's output: weights beside training_args.bin...
         if name in names:
             return sources.join(folder, name)
+    models = [n for n in names if n != TORCHTUNE_ADAPTER_FILE]
+    if len(names) == 2 and len(models) == 1 and TORCHTUNE_MODEL_FILE.match(models[0]):
+        return sources.join(folder, models[0])  # torchtune's LoRA epoch_N/: the merged model
     ranks = [m for n in names if (m := per_rank.RANK_RE.match(n))]
     if not names or len(ranks) != len(names):
         return None

@@ -25,7 +25,8 @@ Lightning sharded      ``meta.pt`` + ``.metadata``   the DCP folder itself
 verl / SkyRL           ``model_world_size_N_``       those N rank files
                        ``rank_R.pt``
 torchtune output       ``recipe_state/`` or          the one ``epoch_N/`` folder
-                       ``epoch_N/`` folders
+                       ``epoch_N/`` folders          (its model files, not its
+                                                     ``adapter_model.pt``)
 =====================  ============================  ================================
 
 The checkpoint's tree holds each part under its name (the file name without its
@@ -33,6 +34,8 @@ suffix): ``ckpttool inspect`` and ``--select auto`` see the model, ``--select al
 every part. A Lightning sharded folder is read as Lightning's own consolidation
 (``consolidate_checkpoint``) gives it: the DCP contents with ``meta.pt`` folded in,
 ``model`` renamed ``state_dict`` and ``optimizer_N`` gathered into ``optimizer_states``.
+torchtune's output folder brings ``recipe_state/recipe_state.pt`` as ``recipe_state``
+and a LoRA epoch's ``adapter_model.pt`` as ``adapter_model``: what its resume reads.
 The checkpoint is reported with its model part's format id.
 """
 
@@ -86,9 +89,11 @@ LIGHTNING_META = "meta.pt"
 LIGHTNING_OPTIMIZER = re.compile(r"^optimizer_(\d+)$")
 # verl's FSDPCheckpointManager (SkyRL keeps its names)
 VERL_RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
-# torchtune: <output_dir>/epoch_N/ (the model), <output_dir>/recipe_state/recipe_state.pt
+# torchtune: <output_dir>/epoch_N/ (the model), <output_dir>/recipe_state/recipe_state.pt;
+# a LoRA run's epoch_N/adapter_model.pt is the adapter its resume reads
 TORCHTUNE_EPOCH = re.compile(r"^epoch_(\d+)$")
 TORCHTUNE_RECIPE_STATE = "recipe_state"
+TORCHTUNE_ADAPTER = "adapter_model.pt"
 
 
 @dataclass(frozen=True)
@@ -324,6 +329,9 @@ def _read_torchtune(folder: str, names: list[str], read_part: ReadPart, unsafe: 
     ]
     epoch = _pick_model(folder, "torchtune output", epochs, "epoch_N/")
     parts = {epoch: read_part(sources.join(folder, epoch))}
+    adapter = sources.join(folder, epoch, TORCHTUNE_ADAPTER)
+    if sources.isfile(adapter) and adapter not in parts[epoch].files:
+        parts[_part_name(TORCHTUNE_ADAPTER)] = read_part(adapter)
     recipe = sources.join(folder, TORCHTUNE_RECIPE_STATE, "recipe_state.pt")
     if sources.isfile(recipe):
         parts[TORCHTUNE_RECIPE_STATE] = read_part(recipe)
