@@ -80,9 +80,11 @@ TRAINER_MODELS = (
     "model.safetensors.index.json",
     "pytorch_model.bin.index.json",
 )
+# What its resume reads beside the model. Not training_args.bin: the run's configuration,
+# which resuming never loads, and a custom class in it (TRL's enums) would make the whole
+# folder refused; it reads on its own.
 TRAINER_PARTS = re.compile(
-    r"^(?:optimizer_\d+|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth"
-    r"|training_args\.bin)$"
+    r"^(?:optimizer_\d+|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth)$"
 )
 # Lightning: lightning.fabric.strategies.fsdp._METADATA_FILENAME
 LIGHTNING_META = "meta.pt"
@@ -223,8 +225,8 @@ def _read_trainer(folder: str, names: list[str], read_part: ReadPart, unsafe: bo
 def _trainer_parts(
     folder: str, names: list[str], model: str, name: str, read_part: ReadPart
 ) -> dict[str, Checkpoint]:
-    """The model entry under ``name``, then the optimizer, scheduler, scaler, RNG states
-    and training arguments beside it, each under its file name without its suffix."""
+    """The model entry under ``name``, then the optimizer, scheduler, scaler and RNG
+    states beside it, each under its file name without its suffix."""
     parts = {name: read_part(sources.join(folder, model))}
     for entry in names:
         if TRAINER_PARTS.match(entry):
