@@ -298,9 +298,7 @@ def test_trainer_checkpoint_model_is_its_weights_file_as_transformers_loads_it(r
 
 
 @pytest.mark.parametrize("run, weights, fmt", TRAINER_RUNS)
-def test_trainer_checkpoint_optimizer_scheduler_and_rng_come_with_select_all(
-    run, weights, fmt
-):
+def test_trainer_checkpoint_optimizer_scheduler_and_rng_come_with_select_all(run, weights, fmt):
     ckpt = TRANSFORMERS / run / "checkpoint-2"
     truth = torch.load(TRANSFORMERS / run / "truth.pt", weights_only=True)
     full = ckpttool.load(ckpt, select="all")
