@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 from helpers import FIXTURES, assert_identical, check_error, run_cli
+from safetensors.torch import save_file
 
 import ckpttool
 
@@ -229,6 +230,38 @@ def test_torchtune_output_folder_reads_its_one_epoch(tmp_path):
 
 
 # -------------------------------------------------------------- Hugging Face Trainer
+
+
+def _trainer_deepspeed_checkpoint(tmp_path):
+    """transformers.Trainer's checkpoint-N/ under ZeRO-3 without gathered weights: no
+    weights file, DeepSpeed's own checkpoint (latest, global_step3/) beside
+    trainer_state.json, rng_state_R.pth and training_args.bin."""
+    ckpt = tmp_path / "checkpoint-3"
+    ckpt.mkdir()
+    zero3 = FIXTURES / "deepspeed" / "zero3"
+    shutil.copytree(zero3 / "global_step3", ckpt / "global_step3")
+    shutil.copy(zero3 / "latest", ckpt / "latest")
+    (ckpt / "trainer_state.json").write_text('{"global_step": 3}')
+    for rank in range(2):
+        torch.save({"cpu": torch.get_rng_state()}, ckpt / f"rng_state_{rank}.pth")
+    torch.save({"output_dir": "out"}, ckpt / "training_args.bin")
+    return ckpt
+
+
+def test_trainer_deepspeed_checkpoint_reads_deepspeeds_own(tmp_path):
+    ckpt = _trainer_deepspeed_checkpoint(tmp_path)
+    proc = run_cli("inspect", ckpt, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["format"], report["model_key"]) == ("deepspeed", ["global_step3", "module"])
+    truth = torch.load(FIXTURES / "deepspeed" / "zero3_fp32.pt", weights_only=True)
+    assert_identical(ckpttool.load(ckpt), truth, ordered=False, exact_types=False)
+    full = ckpttool.load(ckpt, select="all")
+    assert sorted(full) == ["global_step3", "rng_state_0", "rng_state_1"]
+    # with a weights file beside it (ZeRO-1/2, or gathered ZeRO-3), that file is the model
+    save_file({"w": torch.ones(2)}, ckpt / "model.safetensors")
+    assert ckpttool.read(ckpt).format == "safetensors"
+    assert list(ckpttool.load(ckpt)) == ["w"]
 
 
 def test_trainer_fsdp_checkpoint_reads_its_dcp_model(tmp_path):

@@ -296,7 +296,7 @@ def _single_checkpoint_file(folder: str) -> str | None:
     """
     names = sorted(n for n in sources.listdir(folder) if n.endswith(CHECKPOINT_SUFFIXES))
     if not names:  # (a pytorch_model.bin that zero_to_fp32.py wrote beside it comes first)
-        return _deepspeed_latest(folder)
+        return deepspeed_latest_tag(folder)
     safetensors_names = [n for n in names if n.endswith(".safetensors")]
     for candidates in (names, safetensors_names):
         if len(candidates) == 1:
@@ -331,7 +331,7 @@ def _single_checkpoint_file(folder: str) -> str | None:
     return sources.join(folder, lowest.string)
 
 
-def _deepspeed_latest(folder: str) -> str | None:
+def deepspeed_latest_tag(folder: str) -> str | None:
     """The tag folder a DeepSpeed run's ``latest`` file names, if it names one here."""
     pointer = sources.join(folder, DEEPSPEED_LATEST)
     raw = sources.read_small(pointer, MAX_LATEST_BYTES)

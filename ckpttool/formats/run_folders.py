@@ -20,6 +20,9 @@ HF Trainer             ``trainer_state.json`` +      the first of
                                                      ``pytorch_model.bin``,
                                                      ``adapter_model.*``, a
                                                      ``*.index.json``
+HF Trainer DeepSpeed   ``trainer_state.json`` +      the tag folder ``latest`` names
+``checkpoint-N/``      ``latest``, no weights file   (``global_stepN/``: ZeRO-3
+                                                     without gathered weights)
 Lightning sharded      ``meta.pt`` + ``.metadata``   the DCP folder itself
 ``.ckpt/`` (FSDP)
 verl / SkyRL           ``model_world_size_N_``       those N rank files
@@ -50,7 +53,7 @@ from .. import sources
 from ..errors import CkptError
 from ..layout import model_key
 from ..tree import Checkpoint, verdicts
-from . import dcp
+from . import dcp, deepspeed_latest_tag
 
 ReadPart = Callable[[Any], Checkpoint]  # one path or a list of rank files -> Checkpoint
 
@@ -234,6 +237,22 @@ def _trainer_parts(
     return parts
 
 
+def _is_trainer_deepspeed(folder: str, names: list[str]) -> bool:
+    return TRAINER_STATE in names and deepspeed_latest_tag(folder) is not None
+
+
+def _read_trainer_deepspeed(
+    folder: str, names: list[str], read_part: ReadPart, unsafe: bool
+) -> Checkpoint:
+    # Trainer saves no weights file under ZeRO-3 unless its config gathers them: the
+    # model is DeepSpeed's own checkpoint, what Trainer resumes from (and zero_to_fp32
+    # rebuilds); its optimizer is in there too
+    tag = deepspeed_latest_tag(folder)
+    assert tag is not None  # (the marker found it)
+    name = sources.basename(tag)
+    return _combine(folder, name, _trainer_parts(folder, names, name, name, read_part))
+
+
 # --- Lightning -----------------------------------------------------------------------
 
 
@@ -344,6 +363,7 @@ RULES: list[Rule] = [
     Rule("accelerate save_state", _is_accelerate, _read_accelerate),
     Rule("Hugging Face Trainer FSDP", _is_trainer_fsdp, _read_trainer_fsdp),
     Rule("Hugging Face Trainer", _is_trainer, _read_trainer),
+    Rule("Hugging Face Trainer DeepSpeed", _is_trainer_deepspeed, _read_trainer_deepspeed),
     Rule("Lightning sharded .ckpt", _is_lightning_sharded, _read_lightning_sharded),
     Rule("verl / SkyRL", _is_verl, _read_verl),
     Rule("torchtune output", _is_torchtune, _read_torchtune),
