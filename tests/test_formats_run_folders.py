@@ -51,6 +51,21 @@ def test_accelerate_model_is_found_by_rule_and_equals_load_state(kind, fmt, mode
     assert_identical(model, truth["model"], ordered=False, exact_types=False)
 
 
+def test_accelerate_deepspeed_state_reads_the_engines_checkpoint(tmp_path):
+    # accelerate's save_state under DeepSpeed: model.save_checkpoint(output_dir,
+    # "pytorch_model"), DeepSpeed's tag folder and its latest, beside random_states_N.pkl
+    state = tmp_path / "state"
+    state.mkdir()
+    shutil.copytree(FIXTURES / "deepspeed" / "zero2" / "global_step3", state / "pytorch_model")
+    (state / "latest").write_text("pytorch_model")
+    shutil.copy(ACCELERATE / "ddp" / "state" / "random_states_0.pkl", state)
+    report = json.loads(run_cli("inspect", state, "--json").stdout)
+    assert (report["format"], report["model_key"]) == ("deepspeed", ["pytorch_model", "module"])
+    truth = torch.load(FIXTURES / "deepspeed" / "zero2_fp32.pt", weights_only=True)
+    assert_identical(ckpttool.load(state), truth, ordered=False, exact_types=False)
+    assert sorted(ckpttool.load(state, select="all")) == ["pytorch_model", "random_states_0"]
+
+
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2", "ddp"])
 def test_accelerate_optimizer_scheduler_and_rng_come_with_select_all(kind):
     state = ACCELERATE / kind / "state"

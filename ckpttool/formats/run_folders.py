@@ -11,8 +11,9 @@ rule                   marker                        model
 =====================  ============================  ================================
 accelerate             ``random_states_N.pkl``       ``pytorch_model_fsdp_0/`` (DCP),
 (``save_state``)                                     ``pytorch_model_fsdp.bin``,
-                                                     ``model.safetensors`` or
-                                                     ``pytorch_model.bin``
+                                                     ``model.safetensors``,
+                                                     ``pytorch_model.bin`` or, under
+                                                     DeepSpeed, ``pytorch_model/``
 HF Trainer FSDP        ``trainer_state.json`` +      the ``pytorch_model_fsdp_N/``
 ``checkpoint-N/``      ``pytorch_model_fsdp_N/``     folder (DCP)
 HF Trainer             ``trainer_state.json`` +      the first of
@@ -57,11 +58,12 @@ from . import dcp, deepspeed_latest_tag
 
 ReadPart = Callable[[Any], Checkpoint]  # one path or a list of rank files -> Checkpoint
 
-# accelerate.utils.constants: FSDP_MODEL_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME, ...
+# accelerate.utils.constants: FSDP_MODEL_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME, ...; under
+# DeepSpeed, the engine's own checkpoint with the tag MODEL_NAME (pytorch_model/)
 ACCELERATE_MARKER = re.compile(r"^random_states_\d+\.pkl$")
 ACCELERATE_MODELS = re.compile(
     r"^(?:pytorch_model_fsdp_\d+|pytorch_model_fsdp(?:_\d+)?\.bin|model(?:_\d+)?\.safetensors"
-    r"|pytorch_model(?:_\d+)?\.bin)$"
+    r"|pytorch_model(?:_\d+)?\.bin|pytorch_model(?:_\d+)?)$"
 )
 ACCELERATE_PARTS = re.compile(
     r"^(?:optimizer(?:_\d+)?(?:\.bin)?|scheduler(?:_\d+)?\.bin|sampler(?:_\d+)?\.bin"
