@@ -153,3 +153,48 @@ def test_common_pt_that_calls_os_system_is_refused_and_nothing_runs(tmp_path):
     proc = run_cli("convert", folder, "--to", "safetensors", "-o", out)
     check_error(proc, 3, "common.pt", "system")
     assert not marker.exists() and not out.exists()
+
+
+# ------------------------------------------- the save folder: latest_checkpointed_iteration
+
+
+@pytest.mark.parametrize("tracker, folder", [("2", "iter_0000002"), ("release", "release")])
+def test_save_folder_reads_the_iteration_its_tracker_names(tmp_path, tracker, folder):
+    save = tmp_path / "checkpoints"
+    save.mkdir()
+    shutil.copytree(GPT, save / folder)
+    shutil.copytree(GPT, save / "iter_0000001")  # an older one, not named
+    (save / "latest_checkpointed_iteration.txt").write_text(tracker + "\n")
+    ckpt = ckpttool.read(save)
+    assert ckpt.format == "megatron"
+    assert ckpt.files == [f.replace(str(GPT), str(save / folder)) for f in ckpttool.read(GPT).files]
+    assert_identical(ckpttool.load(save), ckpttool.load(GPT))
+
+
+def _legacy_rank_file(path):
+    """What Megatron-LM's legacy format saves per model-parallel rank."""
+    path.parent.mkdir(parents=True)
+    embedding = {"word_embeddings": {"weight": torch.ones(4, 2)}}
+    encoder = {"layers.0.mlp.dense_h_to_4h.weight": torch.ones(8, 2)}
+    model = {"language_model": {"embedding": embedding, "encoder": encoder}}
+    torch.save({"model": model, "iteration": 5, "checkpoint_version": 3.0}, path)
+    return model
+
+
+def test_legacy_save_folder_reads_its_one_rank_file(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    rank = tmp_path / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+    model = _legacy_rank_file(rank)
+    ckpt = ckpttool.read(tmp_path)
+    assert (ckpt.format, ckpt.files) == ("torch-zip", [str(rank)])
+    assert_identical(ckpttool.load(tmp_path, select="model"), model, exact_types=False)
+    _legacy_rank_file(tmp_path / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt")
+    check_error(run_cli("inspect", tmp_path), 2, "several model-parallel ranks (mp_rank_00, "
+                "mp_rank_01)", "pass one mp_rank_XX/model_optim_rng.pt")  # fmt: skip
+
+
+@pytest.mark.parametrize("tracker", ["../gpt", "7", "-1", "1e3", ""])
+def test_tracker_that_names_no_iteration_here_is_not_followed(tmp_path, tracker):
+    shutil.copytree(GPT, tmp_path / "iter_0000002")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(tracker)
+    check_error(run_cli("inspect", tmp_path), 2, "folder holds no checkpoint ckpttool knows")

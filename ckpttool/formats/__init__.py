@@ -126,6 +126,13 @@ MAX_LATEST_BYTES = 4096
 # A tag folder's model states, one per model-parallel rank (ZeRO-3: per data-parallel
 # rank too), beside zero_pp_rank_*_optim_states.pt
 DEEPSPEED_MODEL_STATES = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_(\d+)_model_states\.pt$")
+# Megatron-LM: a save folder names its newest iteration in this file ("release" for a
+# released checkpoint), whose folder is iter_0000100/ (or release/), as
+# megatron.training.checkpointing reads it; an iteration saved in the legacy format
+# holds one folder per model-parallel rank (mp_rank_TT, mp_rank_TT_PPP, + _EEE)
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+MEGATRON_RANK_FOLDER = re.compile(r"^mp_rank_\d{2}(?:_\d{3}){0,2}$")
+MEGATRON_RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 # The weights of a Hugging Face folder, in the order from_pretrained takes them.
 HF_WEIGHT_FILES = (
     "model.safetensors",
@@ -294,9 +301,14 @@ def _single_checkpoint_file(folder: str) -> str | None:
         CkptError: The rank files of several checkpoints (a trainer's snapshot folder),
             or DeepSpeed model states split over model-parallel ranks.
     """
-    names = sorted(n for n in sources.listdir(folder) if n.endswith(CHECKPOINT_SUFFIXES))
+    entries = sources.listdir(folder)
+    names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
     if not names:  # (a pytorch_model.bin that zero_to_fp32.py wrote beside it comes first)
-        return deepspeed_latest_tag(folder)
+        return (
+            deepspeed_latest_tag(folder)
+            or megatron_latest_iteration(folder)
+            or _megatron_rank_file(folder, entries)
+        )
     safetensors_names = [n for n in names if n.endswith(".safetensors")]
     for candidates in (names, safetensors_names):
         if len(candidates) == 1:
@@ -344,6 +356,46 @@ def deepspeed_latest_tag(folder: str) -> str | None:
         return None
     target = sources.join(folder, tag)
     return target if sources.isdir(target) else None
+
+
+def megatron_latest_iteration(folder: str) -> str | None:
+    """The iteration folder a Megatron save folder's tracker file names, if it is here."""
+    raw = sources.read_small(sources.join(folder, MEGATRON_TRACKER), MAX_LATEST_BYTES)
+    if raw is None:
+        return None
+    text = raw.decode("ascii", "replace").strip()
+    if text == "release":
+        name = "release"
+    elif text.isdigit() and len(text) <= 18:
+        name = f"iter_{int(text):07d}"
+    else:
+        return None
+    target = sources.join(folder, name)
+    return target if sources.isdir(target) else None
+
+
+def _megatron_rank_file(folder: str, entries: list[str]) -> str | None:
+    """The one rank's file of a legacy Megatron iteration folder (``mp_rank_00/``).
+
+    Raises:
+        CkptError: Several model-parallel ranks, whose slices nothing here places.
+    """
+    ranks = sorted(n for n in entries if MEGATRON_RANK_FOLDER.match(n))
+    if not ranks:
+        return None
+    if len(ranks) > 1:
+        raise CkptError(
+            f"Megatron checkpoint of several model-parallel ranks ({', '.join(ranks[:4])}"
+            f"{', ...' if len(ranks) > 4 else ''}): each holds its own slices of the "
+            "tensors, and nothing in them says how they fit",
+            path=folder,
+            hint="pass one mp_rank_XX/model_optim_rng.pt to read it alone",
+        )
+    for name in MEGATRON_RANK_FILES:
+        path = sources.join(folder, ranks[0], name)
+        if sources.isfile(path):
+            return path
+    return None
 
 
 def _read(fmt: Reader, path: str, unsafe: bool) -> Checkpoint:
