@@ -214,6 +214,8 @@ def find_model_key(root: Any) -> KeyPath | None:
     when there is none, or when several state dicts could each be it."""
     if is_state_dict(root) or module_state_dict(root) is not None:
         return ()  # (a root holding a few state dicts is judged last, by what they are)
+    if _ema_module_beside_model(root):
+        return ("ema",)
     for path in MODEL_KEYS:
         try:
             node = get_path(root, path)
@@ -229,6 +231,17 @@ def find_model_key(root: Any) -> KeyPath | None:
         if is_nested_state_dict(get_path(root, common)):
             return common
     return None  # none, or several (a GAN's two nets, an EMA copy): never guess one
+
+
+def _ema_module_beside_model(root: Any) -> bool:
+    """YOLOv5's and Ultralytics' training checkpoints: pickled modules under both
+    ``model`` and ``ema``; their loaders take ``ckpt.get("ema") or ckpt["model"]``,
+    the averaged weights (plain state dicts under both keys stay ``model``'s)."""
+    return (
+        isinstance(root, Mapping)
+        and module_state_dict(root.get("ema")) is not None
+        and module_state_dict(root.get("model")) is not None
+    )
 
 
 def model_candidates(root: Any) -> list[KeyPath]:

@@ -166,7 +166,11 @@ KNOWN_CLASSES = frozenset(
     torch.torch_version.TorchVersion torch.nn.parameter.Parameter torch.Tensor
     torch._tensor.Tensor torch.per_tensor_affine torch.per_tensor_symmetric
     torch.per_channel_affine torch.per_channel_symmetric torch.per_channel_affine_float_qparams
-    torch.distributed.remote_device._remote_device""".split()
+    torch.distributed.remote_device._remote_device"""
+    # a types.SimpleNamespace with __iter__ and get(): the model's `args` in every
+    # checkpoint Ultralytics writes during training; SimpleNamespace pickles itself
+    # as a call of its class with no arguments, then BUILD
+    """ ultralytics.utils.IterableSimpleNamespace""".split()
 )
 # Packages whose classes (CapWords names: configs, enums, dataclasses) checkpoints hold.
 # A function there is judged like any other global.

@@ -27,11 +27,11 @@ MODEL_CLASSES = [
 ]
 # The model's ``args`` during training: SimpleNamespace's __reduce__ pickles it as
 # ``GLOBAL IterableSimpleNamespace, EMPTY_TUPLE, REDUCE, {...}, BUILD``: a call of a
-# class on no allow-list, which the contract refuses (strip_optimizer makes it a dict,
-# so last.pt and best.pt have none once training ends).
+# class, allowed by name (strip_optimizer makes it a dict, so last.pt and best.pt have
+# none once training ends).
 CALLED_CLASS = "ultralytics.utils.IterableSimpleNamespace"
-# file -> (the model key, whether it reads only with --unsafe)
-FILES = {"last.pt": ("model", False), "best.pt": ("model", False), "epoch1.pt": ("ema", True)}
+# file -> the model key
+FILES = {"last.pt": "model", "best.pt": "model", "epoch1.pt": "ema"}
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +39,16 @@ def truth():
     return torch.load(FIXTURES / "ultralytics" / "truth.pt", weights_only=True)
 
 
-def _flags(name):
-    return ["--unsafe"] if FILES[name][1] else []
-
-
 @pytest.mark.parametrize("name", list(FILES))
 def test_ultralytics_model_is_the_one_its_loader_takes(name, truth):
-    key, unsafe = FILES[name]
+    key = FILES[name]
     assert truth[name]["loader_key"] == key  # ckpt.get("ema") or ckpt["model"]
-    proc = run_cli("inspect", WEIGHTS / name, "--json", *_flags(name))
+    proc = run_cli("inspect", WEIGHTS / name, "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert (report["format"], report["model_key"]) == ("torch-zip", [key])
-    assert report["unverified"] == MODEL_CLASSES
-    assert report["dangerous"] == ([CALLED_CLASS] if unsafe else [])
+    assert (report["unverified"], report["dangerous"]) == (MODEL_CLASSES, [])
+    assert (CALLED_CLASS in report["globals"]) == (name == "epoch1.pt")
     names = [".".join(map(str, t["key"])) for t in report["tensors"]]
     model = [n for n in names if n.startswith(f"{key}.")]
     assert model == [f"{key}.{k}" for k in truth[name][key]]  # state_dict() names, in order
@@ -60,45 +56,45 @@ def test_ultralytics_model_is_the_one_its_loader_takes(name, truth):
 
 @pytest.mark.parametrize("name", list(FILES))
 def test_ultralytics_model_equals_its_loaders_state_dict_as_stored(name, truth):
-    key, unsafe = FILES[name]
+    key = FILES[name]
     want = truth[name][key]
-    model = ckpttool.load(WEIGHTS / name, unsafe=unsafe)
+    model = ckpttool.load(WEIGHTS / name)
     assert list(model) == list(want)
     assert {t.dtype for t in model.values()} == {torch.float16, torch.int64}  # fp16, as saved
     assert assert_identical(model, want, exact_types=False) == 71
-    assert_identical(ckpttool.load(WEIGHTS / name, select=key, unsafe=unsafe), want)
+    assert_identical(ckpttool.load(WEIGHTS / name, select=key), want)
 
 
 def test_ultralytics_last_epoch_ema_is_the_stripped_last_pt_model():
     # strip_optimizer moves the EMA to "model" and nulls the rest; the values stay
-    ema = ckpttool.load(WEIGHTS / "epoch1.pt", unsafe=True)
+    ema = ckpttool.load(WEIGHTS / "epoch1.pt")
     assert_identical(ema, ckpttool.load(WEIGHTS / "last.pt"))
 
 
-def test_ultralytics_training_file_is_refused_for_the_class_its_pickle_calls():
-    proc = run_cli("inspect", WEIGHTS / "epoch1.pt")
-    check_error(proc, 3, CALLED_CLASS, "--unsafe")
-    with pytest.raises(ckpttool.UnsafeError, match=CALLED_CLASS):
-        ckpttool.read(WEIGHTS / "epoch1.pt")
+def test_ultralytics_training_args_read_as_values():
+    args = ckpttool.load(WEIGHTS / "epoch1.pt", select="ema")  # the module's state only
+    assert "args" not in args
+    full = ckpttool.load(WEIGHTS / "epoch1.pt", select="all")
+    assert full["train_args"]["imgsz"] == 32
 
 
 @pytest.mark.parametrize("name, key", [("last.pt", "ema"), ("epoch1.pt", "model")])
 def test_ultralytics_selecting_the_empty_model_key_is_an_error(name, key, tmp_path):
     out = tmp_path / "model.safetensors"
     proc = run_cli("convert", WEIGHTS / name, "--select", key, "--to", "safetensors",
-                   "-o", out, *_flags(name))  # fmt: skip
+                   "-o", out)  # fmt: skip
     check_error(proc, 2, "no tensors")
     assert not out.exists()
 
 
 @pytest.mark.parametrize("name", list(FILES))
 def test_ultralytics_converts_to_safetensors_equal_to_its_loaders_state_dict(name, truth, tmp_path):
-    key, _ = FILES[name]
+    key = FILES[name]
     out = tmp_path / "model.safetensors"
-    proc = run_cli("convert", WEIGHTS / name, "--to", "safetensors", "-o", out, *_flags(name))
+    proc = run_cli("convert", WEIGHTS / name, "--to", "safetensors", "-o", out)
     assert proc.returncode == 0, proc.stderr
     assert_identical(load_file(out), truth[name][key])
-    proc = run_cli("diff", WEIGHTS / name, out, *_flags(name))
+    proc = run_cli("diff", WEIGHTS / name, out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -106,7 +102,7 @@ def test_ultralytics_select_all_names_tensors_as_state_dict_and_keeps_the_optimi
     truth, tmp_path
 ):
     out = tmp_path / "all.safetensors"
-    proc = run_cli("convert", WEIGHTS / "epoch1.pt", "--select", "all", "--unsafe",
+    proc = run_cli("convert", WEIGHTS / "epoch1.pt", "--select", "all",
                    "--to", "safetensors", "-o", out)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     got = load_file(out)
@@ -118,7 +114,7 @@ def test_ultralytics_select_all_names_tensors_as_state_dict_and_keeps_the_optimi
 
 
 def test_ultralytics_select_all_reads_the_training_state(truth):
-    full = ckpttool.load(WEIGHTS / "epoch1.pt", select="all", unsafe=True)
+    full = ckpttool.load(WEIGHTS / "epoch1.pt", select="all")
     values = truth["epoch1.pt"]["values"]
     assert (full["epoch"], full["updates"], full["version"]) == (
         values["epoch"],

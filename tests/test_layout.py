@@ -404,6 +404,20 @@ def test_pickled_module_reads_as_its_state_dict_everywhere(tmp_path):
         assert torch.equal(value, truth[name]), name
 
 
+def test_ema_module_beside_model_module_is_the_model_as_yolo_loads_it(tmp_path):
+    # YOLOv5 / Ultralytics training checkpoints: ckpt.get("ema") or ckpt["model"]
+    torch.manual_seed(0)
+    model, ema = nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+    path = tmp_path / "last.pt"
+    torch.save({"epoch": 3, "model": model, "ema": ema, "updates": 9}, path)
+    assert inspect_report(ckpttool.read(path))["model_key"] == ["ema"]
+    loaded = ckpttool.load(path)
+    assert all(torch.equal(loaded[k], v) for k, v in ema.state_dict().items())
+    # plain state dicts under both keys: "model", as before
+    torch.save({"model": model.state_dict(), "ema": ema.state_dict()}, path)
+    assert inspect_report(ckpttool.read(path))["model_key"] == ["model"]
+
+
 def test_pickled_module_that_holds_itself_reads_once(tmp_path):
     model = nn.Sequential(nn.Linear(2, 2))
     model._modules["loop"] = model  # torch's own state_dict() would never end
