@@ -293,7 +293,8 @@ def _single_checkpoint_file(folder: str) -> str | None:
     model ``model-00001-of-00001.bin`` beside its LoRA adapter ``adapter_model.pt``
     (``epoch_N/``); or the lowest rank's
     file when every file is one rank of the same checkpoint (``ep0-ba4-rank0.pt``,
-    ``ep0-ba4-rank1.pt``: the caller finds the siblings). A DeepSpeed folder stands for
+    ``ep0-ba4-rank1.pt``: the caller finds the siblings; a symlink to one of them, such
+    as Composer's ``latest-rank0.pt``, is that file). A DeepSpeed folder stands for
     its model states: the tag folder its ``latest`` names (where it holds no checkpoint
     file of its own), then ``mp_rank_00_model_states.pt`` in it.
 
@@ -332,6 +333,7 @@ def _single_checkpoint_file(folder: str) -> str | None:
     ranks = [m for n in names if (m := per_rank.RANK_RE.match(n))]
     if not names or len(ranks) != len(names):
         return None
+    ranks = _without_links_to_siblings(folder, ranks)
     checkpoints = sorted({f"{m.group(1)}*{m.group(3)}" for m in ranks})
     if len(checkpoints) > 1:
         raise CkptError(
@@ -341,6 +343,25 @@ def _single_checkpoint_file(folder: str) -> str | None:
         )
     lowest = min(ranks, key=lambda m: int(m.group(2)))
     return sources.join(folder, lowest.string)
+
+
+def _without_links_to_siblings(folder: str, ranks: list[re.Match[str]]) -> list[re.Match[str]]:
+    """Rank files less the local symlinks to other files among them.
+
+    Composer's save folder holds ``latest-rank{R}.pt``, a symlink to the newest
+    ``ep{E}-ba{B}-rank{R}.pt`` beside it: one checkpoint under two names, not two
+    checkpoints. Remote folders have no symlinks (their identity is their path).
+    """
+    local = sources.local_path(folder)
+    if local is None or len(ranks) < 2:
+        return ranks
+    paths = {m.string: os.path.join(local, m.string) for m in ranks}
+    files = {os.path.realpath(p) for p in paths.values() if not os.path.islink(p)}
+    return [
+        m
+        for m in ranks
+        if not (os.path.islink(paths[m.string]) and os.path.realpath(paths[m.string]) in files)
+    ]
 
 
 def deepspeed_latest_tag(folder: str) -> str | None:
