@@ -291,16 +291,18 @@ def _single_checkpoint_file(folder: str) -> str | None:
     output beside ``training_args.bin`` & co. (a ``checkpoint-N/`` with its
     ``trainer_state.json`` is a run folder: :mod:`.run_folders`); or torchtune's merged
     model ``model-00001-of-00001.bin`` beside its LoRA adapter ``adapter_model.pt``
-    (``epoch_N/``); or the lowest rank's
-    file when every file is one rank of the same checkpoint (``ep0-ba4-rank0.pt``,
-    ``ep0-ba4-rank1.pt``: the caller finds the siblings; a symlink to one of them, such
-    as Composer's ``latest-rank0.pt``, is that file). A DeepSpeed folder stands for
-    its model states: the tag folder its ``latest`` names (where it holds no checkpoint
-    file of its own), then ``mp_rank_00_model_states.pt`` in it.
+    (``epoch_N/``); or the lowest rank's file when every file is one rank of the same
+    checkpoint (``ep0-ba4-rank0.pt``, ``ep0-ba4-rank1.pt``: the caller finds the
+    siblings; a symlink to one of them, such as Composer's ``latest-rank0.pt``, is that
+    file). A folder with no checkpoint file of its own may point at one: a DeepSpeed
+    run's ``latest`` names its tag folder (then ``mp_rank_00_model_states.pt`` in it),
+    a Megatron-LM save folder's ``latest_checkpointed_iteration.txt`` its iteration
+    folder, and a legacy Megatron iteration holds its one rank's
+    ``mp_rank_00/model_optim_rng.pt``.
 
     Raises:
         CkptError: The rank files of several checkpoints (a trainer's snapshot folder),
-            or DeepSpeed model states split over model-parallel ranks.
+            or DeepSpeed or Megatron model states split over model-parallel ranks.
     """
     entries = sources.listdir(folder)
     names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
