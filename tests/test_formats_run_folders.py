@@ -460,3 +460,35 @@ def test_trainer_checkpoint_reads_without_its_training_args(tmp_path):
     truth = torch.load(TRANSFORMERS / "gpt2_tied" / "truth.pt", weights_only=True)["model"]
     assert_identical(ckpttool.load(ckpt), truth, exact_types=False)
     check_error(run_cli("inspect", args), 3, "posix.system")  # read alone, it is judged
+
+
+def test_a_run_folders_parts_are_not_read_as_run_folders(tmp_path, monkeypatch):
+    """Each level's model and optimizer link to the next level's folder, itself an
+    accelerate folder: read by rule at every level, 30 levels of 60 symlinks were 2**30
+    reads (a depth of 14 took 10 s). A part is one checkpoint of a known format; a run
+    folder inside a run folder is not one."""
+    import ckpttool.formats as formats
+
+    torch.save({"step": 1}, tmp_path / "rng.pt")
+    save_file({"w": torch.ones(2)}, tmp_path / "leaf.safetensors")
+    depth = 30
+    for i in range(depth):
+        level = tmp_path / f"d{i}"
+        level.mkdir()
+        os.symlink("../rng.pt", level / "random_states_0.pkl")
+        target = f"../d{i + 1}" if i + 1 < depth else "../leaf.safetensors"
+        os.symlink(target, level / "pytorch_model_fsdp_0")
+        os.symlink(target, level / "optimizer_0")
+    reads = []
+    read_one = formats._read_one
+
+    def counted(*args, **kwargs):
+        reads.append(args[0])
+        assert len(reads) < 100, "a run folder read its parts as run folders"
+        return read_one(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "_read_one", counted)
+    with pytest.raises(ckpttool.CkptError, match="holds no checkpoint"):
+        ckpttool.read(tmp_path / "d0")
+    monkeypatch.undo()
+    check_error(run_cli("inspect", tmp_path / "d0", timeout=60), 2, "holds no checkpoint")
