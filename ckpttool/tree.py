@@ -314,19 +314,26 @@ def _callable_name(item: Any) -> str | None:
     return None
 
 
+def held_callable_name(item: Any) -> str | None:
+    """:func:`_callable_name` for callable objects only (a partial), not globals."""
+    if isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES:
+        return f"{type(item).class_name()}()"
+    return None
+
+
 def handed_callables(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     callable_name: Callable[[Any], str | None] = _callable_name,
 ) -> list[str]:
     """The callables a pickle hands to a constructor, in its arguments or one level into
-    a list, tuple or dict among them (``callable_name``: a partial object, a global on
-    no allow-list). A known class's constructor may call them at once
+    a list, tuple, dict or set among them (``callable_name``: a partial object, a global
+    on no allow-list). A known class's constructor may call them at once
     (``LambdaLR(optimizer, partial(...))`` does), so they count as called.
     """
     found: list[str] = []
     for value in (*args, *kwargs.values()):
-        if type(value) in (list, tuple):
+        if type(value) in (list, tuple, set, frozenset):
             items: Any = value
         elif type(value) is dict:
             items = dict.values(value)
@@ -402,6 +409,19 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
         return cls.make(*args, **kwargs)
 
     def __setstate__(self, state: Any) -> None:
+        """BUILD: records the state, calls nothing.
+
+        An object of a class on no allow-list given a callable object (a partial) by
+        BUILD is as one made with it (see ``__new__``): its attributes are what the real
+        object's methods use (a ``WeakSet`` calls each item of its ``data`` as it is
+        iterated, which ``SGD``'s ``__setstate__`` does to its param_groups), so the
+        partials in them count as called. A global function among its attributes does
+        not: objects hold functions (a pickled module's ``self.act = F.relu``).
+        """
+        cls = type(self)
+        if not (cls.known or cls.dangerous):
+            for name in handed_callables(state_values(state), {}, held_callable_name):
+                note_call(name)
         self.state = state
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -507,6 +527,13 @@ def module_entries(attrs: Mapping[str, Any]) -> Iterator[tuple[Any, Any]]:
 def _items(mapping: Mapping[Any, Any]) -> Any:
     # the type's own method: a BUILD may have given an OrderedDict an attribute `items`
     return dict.items(mapping) if isinstance(mapping, dict) else mapping.items()
+
+
+def state_values(state: Any) -> tuple[Any, ...]:
+    """What a BUILD hands an object, as a constructor's arguments: each attribute of a
+    dict or ``(dict, slots)`` state, or the state itself."""
+    attrs = state_attrs(state) if type(state) in (dict, tuple) else None
+    return tuple(attrs.values()) if attrs else (state,)
 
 
 def state_attrs(state: Any) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
 from .stand_ins import CALLS_ARGUMENT, CREATES_OBJECTS, SAFE_GLOBALS
 from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
-from .tree import HOLDS_CALLABLES, Opaque, handed_callables, opaque_class
+from .tree import HOLDS_CALLABLES, Opaque, handed_callables, opaque_class, state_values
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -132,9 +132,23 @@ class _Sink:
         pass
 
 
+class _UnverifiedSink(_Sink):
+    """An object of a class on no allow-list, in a scan: the partials its BUILD state
+    hands it are judged as called, as ``Opaque.__setstate__`` judges them."""
+
+    def __setstate__(self, state: Any) -> None:
+        for called in handed_callables(state_values(state), {}, _held_name):
+            note_call(called)
+
+
+def _held_name(item: Any) -> str | None:
+    """:func:`~ckpttool.tree.held_callable_name`'s test, on what a scan builds."""
+    return "functools.partial()" if item is _HELD else None
+
+
 _ABSORB = _Sink()
 _HELD = _Sink()  # an object of a class that holds a callable (a partial), in a scan
-_UNVERIFIED = _Sink()  # an object of a class on no allow-list, in a scan
+_UNVERIFIED = _UnverifiedSink()  # an object of a class on no allow-list, in a scan
 
 
 def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
@@ -144,6 +158,12 @@ def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
         for called in handed_callables(args, kwargs, _absorbed_callable):
             note_call(called)
     return _UNVERIFIED
+
+
+def _new_held(cls: type, *args: Any, **kwargs: Any) -> _Sink:
+    """NEWOBJ of a class that holds a callable (a partial), in a scan: told apart, as a
+    call of the class is (``_AbsorbClass.__call__``)."""
+    return _HELD
 
 
 class _Absorb:
@@ -225,12 +245,30 @@ def _absorb_judging(full: str) -> Callable[..., Any]:
     if isinstance(value, type) or value is Ellipsis:
         return _Absorb
 
-    def absorb(*args: Any, **kwargs: Any) -> _Sink:
+    def absorb(*args: Any, **kwargs: Any) -> Any:
         if any(arg is _UNVERIFIED for arg in args):
             note_call(f"{full}(<an object>)")
+        if full in _CONTAINERS and any(type(arg) in _CONTAINER_TYPES for arg in args):
+            # a container is built for real (charged as in a full read): a partial in a
+            # set(...) that a BUILD state holds is judged there (Opaque.__setstate__)
+            try:
+                return value(*args, **kwargs)
+            except CkptError:
+                raise
+            except Exception:  # an argument the scan absorbed: the full read judges it
+                return _ABSORB
         return _ABSORB
 
     return absorb
+
+
+# Data constructors whose result a scan keeps (of real containers only): what a BUILD
+# state holds one level in is judged as a full read judges it.
+_CONTAINERS = frozenset(
+    {"builtins.list", "builtins.tuple", "builtins.set", "builtins.frozenset", "builtins.dict"}
+    | {"collections.OrderedDict"}
+)
+_CONTAINER_TYPES = (list, tuple, set, frozenset, dict)
 
 
 class _AbsorbClass(type):
@@ -274,6 +312,8 @@ def _named_absorb(module: str, qualname: str, known: bool = False) -> type:
         attrs: dict[str, Any] = {"module": module, "qualname": qualname, "known": known}
         if not known:
             attrs["__new__"] = _new_unverified
+        elif f"{module}.{qualname}" in HOLDS_CALLABLES:
+            attrs["__new__"] = _new_held  # a partial made by NEWOBJ is one too
         cls = _AbsorbClass("Absorb", (_Absorb,), attrs)
         _NAMED_ABSORB[(module, qualname, known)] = cls
     return cls

@@ -167,6 +167,34 @@ def _optimizer_holding(param_groups: bytes) -> bytes:
     return glob("torch.optim", "SGD") + EMPTY_TUPLE + NEWOBJ + state + BUILD
 
 
+def _partial_made_by_newobj(marker: str) -> bytes:
+    """``partial(FileHandler, marker)`` made by NEWOBJ (``partial.__new__``): nothing
+    called; calling the partial later creates the file."""
+    return glob("functools", "partial") + tup(glob("logging", "FileHandler"), text(marker)) + NEWOBJ
+
+
+def _weakset_holding(marker: str) -> bytes:
+    """A ``weakref.WeakSet`` made by NEWOBJ (no arguments) whose BUILD state holds the
+    partial in ``data``: iterating the set calls each of ``data``'s items."""
+    state = dict_of(
+        data=call(
+            glob("builtins", "set"), EMPTY_LIST + MARK + _partial_made_by_newobj(marker) + APPENDS
+        ),
+        _pending_removals=EMPTY_LIST,
+        _iterating=call(glob("builtins", "set")),
+    )
+    return glob("weakref", "WeakSet") + EMPTY_TUPLE + NEWOBJ + state + BUILD
+
+
+def _weakvaluedict_holding(marker: str) -> bytes:
+    """A ``weakref.WeakValueDictionary`` (NEWOBJ + BUILD) whose ``data`` maps ``nesterov``
+    to the partial: its ``setdefault("nesterov", ...)`` calls ``data["nesterov"]()``."""
+    state = dict_of(
+        data=dict_of(nesterov=_partial_made_by_newobj(marker)), _pending_removals=EMPTY_LIST
+    )
+    return glob("weakref", "WeakValueDictionary") + EMPTY_TUPLE + NEWOBJ + state + BUILD
+
+
 CASES = [
     # --- nothing a file controls reaches an output: BUILD on handed-out values
     Case(
@@ -546,6 +574,27 @@ CASES = [
         ),
         3,
         ("logging.FileHandler",),
+        live=True,
+    ),
+    Case(
+        # SGD.__setstate__ iterates its param_groups: a WeakSet (an object made with no
+        # arguments) calls the partial its BUILD put in ``data``. Refused where the state
+        # hands the callable to the object of a class on no allow-list.
+        "build-state-hands-a-callable-to-an-unknown-object",
+        lambda m: checkpoint(("opt", _optimizer_holding(_weakset_holding(m)))),
+        3,
+        ("functools.partial()",),
+        live=True,
+    ),
+    Case(
+        # SGD.__setstate__ calls each group's setdefault(): a WeakValueDictionary's calls
+        # the value its BUILD state keeps under that key
+        "build-state-callable-called-by-a-method",
+        lambda m: checkpoint(
+            ("opt", _optimizer_holding(EMPTY_LIST + MARK + _weakvaluedict_holding(m) + APPENDS))
+        ),
+        3,
+        ("functools.partial()",),
         live=True,
     ),
     Case(

@@ -460,3 +460,67 @@ def test_trainer_checkpoint_reads_without_its_training_args(tmp_path):
     truth = torch.load(TRANSFORMERS / "gpt2_tied" / "truth.pt", weights_only=True)["model"]
     assert_identical(ckpttool.load(ckpt), truth, exact_types=False)
     check_error(run_cli("inspect", args), 3, "posix.system")  # read alone, it is judged
+
+
+def test_a_run_folders_parts_are_not_read_as_run_folders(tmp_path, monkeypatch):
+    """Each level's model and optimizer link to the next level's folder, itself an
+    accelerate folder: read by rule at every level, 30 levels of 60 symlinks were 2**30
+    reads (a depth of 14 took 10 s). A part is one checkpoint of a known format; a run
+    folder inside a run folder is not one."""
+    import ckpttool.formats as formats
+
+    torch.save({"step": 1}, tmp_path / "rng.pt")
+    save_file({"w": torch.ones(2)}, tmp_path / "leaf.safetensors")
+    depth = 30
+    for i in range(depth):
+        level = tmp_path / f"d{i}"
+        level.mkdir()
+        os.symlink("../rng.pt", level / "random_states_0.pkl")
+        target = f"../d{i + 1}" if i + 1 < depth else "../leaf.safetensors"
+        os.symlink(target, level / "pytorch_model_fsdp_0")
+        os.symlink(target, level / "optimizer_0")
+    reads = []
+    read_one = formats._read_one
+
+    def counted(*args, **kwargs):
+        reads.append(args[0])
+        assert len(reads) < 100, "a run folder read its parts as run folders"
+        return read_one(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "_read_one", counted)
+    with pytest.raises(ckpttool.CkptError, match="holds no checkpoint"):
+        ckpttool.read(tmp_path / "d0")
+    monkeypatch.undo()
+    check_error(run_cli("inspect", tmp_path / "d0", timeout=60), 2, "holds no checkpoint")
+
+
+def test_a_run_folder_reads_a_file_once_however_many_parts_name_it(tmp_path, monkeypatch):
+    """600 symlinks to one 550 KB optimizer file, each a part of an accelerate folder: 600
+    reads (a thousand took 65 s) and a tree of 1.2 million tensors. The file is read
+    once, and a tree that names it over and over is refused as a pickle's shared
+    containers are; a few names for one file read as before."""
+    import ckpttool.formats as formats
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, folder / "model.safetensors")
+    torch.save({"step": 1}, folder / "random_states_0.pkl")
+    torch.save({f"k{i}": torch.ones(1) for i in range(2000)}, tmp_path / "opt.bin")
+    os.link(tmp_path / "opt.bin", folder / "optimizer.bin")  # a hard link is one file too
+    for i in range(600):
+        os.symlink("optimizer.bin", folder / f"optimizer_{i}.bin")
+    reads = []
+    read_one = formats._read_one
+
+    def counted(path, *args, **kwargs):
+        reads.append(os.path.basename(path))
+        return read_one(path, *args, **kwargs)
+
+    monkeypatch.setattr(formats, "_read_one", counted)
+    with pytest.raises(ckpttool.CkptError, match="shared by many paths"):
+        ckpttool.read(folder)
+    assert sum(1 for r in reads if r.startswith("optimizer")) == 1, reads[:5]
+    for i in range(2, 600):
+        os.unlink(folder / f"optimizer_{i}.bin")
+    ckpt = ckpttool.read(folder)
+    assert len(ckpt["optimizer_0"]) == len(ckpt["optimizer_1"]) == len(ckpt["optimizer"]) == 2000

@@ -180,17 +180,22 @@ def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Chec
         return _read_checkpoint(paths, unsafe)
 
 
-def _read_checkpoint(paths: str | Sequence[str], unsafe: bool) -> Checkpoint:
+def _read_checkpoint(
+    paths: str | Sequence[str], unsafe: bool, *, run_folders_ok: bool = True
+) -> Checkpoint:
+    """``run_folders_ok``: a folder may be read by a framework's rule (see :func:`_read_one`)."""
     files = expand_paths([paths] if isinstance(paths, (str, os.PathLike)) else list(paths))
     if len(files) > 1:  # a shell-expanded shard list (hf-model/*.safetensors): its folder
         folder = sharded_index.folder_of_shards(files)
         files = [folder] if folder is not None else files
     # several files are most likely rank files: judge the others while reading the first
     with Prescan(files[1:], lambda p: _scan_one(p, unsafe)) as prescan:
-        first = _read_one(files[0], unsafe)
+        first = _read_one(files[0], unsafe, run_folders_ok=run_folders_ok)
         for fmt in MULTI_FILE_FORMATS:
             if fmt.claims(first):
-                read_part = functools.partial(_read_rank, unsafe=unsafe)
+                read_part = functools.partial(
+                    _read_rank, unsafe=unsafe, run_folders_ok=run_folders_ok
+                )
                 return fmt.read(first, fmt.part_files(first, files), read_part, prescan.scan)
     if len(files) == 1:
         return first
@@ -240,27 +245,36 @@ def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str], list[str]]
     return split_seen(seen)
 
 
-def _read_rank(path: str, unsafe: bool) -> Checkpoint:
+def _read_rank(path: str, unsafe: bool, run_folders_ok: bool = True) -> Checkpoint:
     """Another rank's file, read when its blocks are first needed (after read_checkpoint)."""
     with gc_paused():
-        return _read_one(path, unsafe)
+        return _read_one(path, unsafe, run_folders_ok=run_folders_ok)
 
 
-def _read_one(path: str, unsafe: bool) -> Checkpoint:
+def _read_one(path: str, unsafe: bool, *, run_folders_ok: bool = True) -> Checkpoint:
+    """One file or folder. A framework's run folder is read by its rule only where it is
+    the input itself (or what the input points at), never as a part of another run
+    folder: each part is one checkpoint of a known format. Rules inside rules would let
+    a few symlinks (each level's model and optimizer linking to the next level) make a
+    small folder a tree of 2**depth reads."""
     if not sources.exists(path):
         raise InputNotFoundError("no such file or directory", path=path)
     if sources.isdir(path):
-        rule = run_folders.find_rule(path)  # a framework's run folder: its model by rule
+        # a framework's run folder: its model by rule
+        rule = run_folders.find_rule(path) if run_folders_ok else None
         if rule is not None:
             return run_folders.read(
-                path, rule, lambda part: _read_checkpoint(part, unsafe), unsafe=unsafe
+                path,
+                rule,
+                lambda part: _read_checkpoint(part, unsafe, run_folders_ok=False),
+                unsafe=unsafe,
             )
         for fmt in FOLDER_FORMATS:
             if fmt.detect(path, b""):
                 return _read(fmt, path, unsafe)
         inner = _single_checkpoint_file(path)
         if inner is not None:
-            return _read_one(inner, unsafe)
+            return _read_one(inner, unsafe, run_folders_ok=run_folders_ok)
         raise CkptError(
             "folder holds no checkpoint ckpttool knows (no DCP .metadata, no "
             "*.index.json, not exactly one checkpoint file)",

@@ -45,6 +45,7 @@ The checkpoint is reported with its model part's format id.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from typing import Any
 from .. import sources
 from ..errors import CkptError
 from ..layout import model_key
+from ..policy import check_structure
 from ..tree import Checkpoint, verdicts
 from . import dcp, deepspeed_latest_tag
 
@@ -131,7 +133,32 @@ def read(folder: str, rule: Rule, read_part: ReadPart, *, unsafe: bool = False) 
         CkptError: The model is not exactly one of the rule's candidates.
         UnsafeError: A part's pickle references dangerous globals.
     """
-    return rule.read(folder, sources.listdir(folder), read_part, unsafe)
+    ckpt = rule.read(folder, sources.listdir(folder), _read_once(read_part), unsafe)
+    # Parts that are one file are one read, yet the tree holds it under each name: a
+    # thousand symlinks (or hard links) to one 500 KB file were a thousand reads (65 s)
+    # and a tree of a thousand copies. Bounded as one pickle's shared containers are.
+    check_structure(ckpt.root, folder)
+    return ckpt
+
+
+def _read_once(read_part: ReadPart) -> ReadPart:
+    """``read_part``, reading a local file or folder once however many names it has."""
+    read: dict[Any, Checkpoint] = {}
+
+    def read_one(part: Any) -> Checkpoint:
+        local = sources.local_path(part) if isinstance(part, str) else None
+        if local is None:
+            return read_part(part)
+        try:
+            info = os.stat(local)
+        except OSError:
+            return read_part(part)  # (its reader says what is wrong with it)
+        key = (info.st_dev, info.st_ino)
+        if key not in read:
+            read[key] = read_part(part)
+        return read[key]
+
+    return read_one
 
 
 def _part_name(entry: str) -> str:
