@@ -306,19 +306,48 @@ HOLDS_CALLABLES = frozenset({"functools.partial"})
 
 def _callable_name(item: Any) -> str | None:
     """What calling ``item`` would be named, where it is a callable of note: an object of
-    a class that holds a callable (a partial), or a global on no allow-list."""
-    if isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES:
-        return f"{type(item).class_name()}()"
+    a class that holds a callable (a partial, see :func:`held_callable_name`), or a
+    global on no allow-list."""
     if isinstance(item, _ReadOnlyClass) and not (item.known or item.dangerous):
         return f"{item.module}.{item.qualname}"
-    return None
+    return held_callable_name(item)
 
 
 def held_callable_name(item: Any) -> str | None:
-    """:func:`_callable_name` for callable objects only (a partial), not globals."""
-    if isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES:
-        return f"{type(item).class_name()}()"
-    return None
+    """``functools.partial()`` where ``item`` is a partial whose call would be of note:
+    one that calls anything but a known class with plain arguments. The function it
+    calls is the one BUILD gives it (``partial.__setstate__`` replaces the one it was
+    made with), so both are judged. ``partial(nn.LayerNorm, eps=1e-6)`` (torchvision's
+    ``norm_layer``, kept by its models) calls nothing of note."""
+    if not (isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES):
+        return None
+    funcs, args, kwargs = list(item.args[:1]), list(item.args[1:]), {}
+    state = item.state
+    if type(state) is tuple and state:  # BUILD's (func, args, keywords, __dict__)
+        funcs.append(state[0])
+        args += state[1] if len(state) > 1 and type(state[1]) is tuple else ()
+        kwargs = state[2] if len(state) > 2 and type(state[2]) is dict else {}
+    elif type(state) is dict:  # keywords it was made with (NEWOBJ_EX)
+        kwargs = state
+    plain_call = (
+        bool(funcs)
+        and all(_is_known_class(func) for func in funcs)
+        and not handed_callables(tuple(args), kwargs)
+        and not any(_is_unverified_object(v) for v in (*args, *kwargs.values()))
+    )
+    return None if plain_call else f"{type(item).class_name()}()"
+
+
+def _is_known_class(item: Any) -> bool:
+    return (
+        isinstance(item, _ReadOnlyClass)
+        and item.known
+        and f"{item.module}.{item.qualname}" not in HOLDS_CALLABLES
+    )
+
+
+def _is_unverified_object(item: Any) -> bool:
+    return isinstance(item, Opaque) and not (type(item).known or type(item).dangerous)
 
 
 def handed_callables(

@@ -141,13 +141,48 @@ class _UnverifiedSink(_Sink):
             note_call(called)
 
 
+class _HeldSink(_Sink):
+    """A partial, in a scan: whether calling it would be of note, judged as
+    :func:`~ckpttool.tree.held_callable_name` judges it (the functions it was made with
+    and BUILD gives it, and their arguments)."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.funcs, self.args, self.kwargs = args[:1], args[1:], kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        if type(state) is tuple and state:  # (func, args, keywords, __dict__)
+            self.funcs += state[:1]
+            if len(state) > 1 and type(state[1]) is tuple:
+                self.args += state[1]
+            if len(state) > 2 and type(state[2]) is dict:
+                self.kwargs = state[2]
+
+    @property
+    def of_note(self) -> bool:
+        return not _plain_call(self.funcs, self.args, self.kwargs)
+
+
+def _plain_call(funcs: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A call of known classes only, with no callable of note or unknown object given."""
+    return (
+        bool(funcs)
+        and all(
+            isinstance(f, _AbsorbClass)
+            and f.known
+            and f"{f.module}.{f.qualname}" not in HOLDS_CALLABLES
+            for f in funcs
+        )
+        and not handed_callables(args, kwargs, _absorbed_callable)
+        and not any(v is _UNVERIFIED for v in (*args, *kwargs.values()))
+    )
+
+
 def _held_name(item: Any) -> str | None:
     """:func:`~ckpttool.tree.held_callable_name`'s test, on what a scan builds."""
-    return "functools.partial()" if item is _HELD else None
+    return "functools.partial()" if isinstance(item, _HeldSink) and item.of_note else None
 
 
 _ABSORB = _Sink()
-_HELD = _Sink()  # an object of a class that holds a callable (a partial), in a scan
 _UNVERIFIED = _UnverifiedSink()  # an object of a class on no allow-list, in a scan
 
 
@@ -163,7 +198,7 @@ def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
 def _new_held(cls: type, *args: Any, **kwargs: Any) -> _Sink:
     """NEWOBJ of a class that holds a callable (a partial), in a scan: told apart, as a
     call of the class is (``_AbsorbClass.__call__``)."""
-    return _HELD
+    return _HeldSink(args, kwargs)
 
 
 class _Absorb:
@@ -284,7 +319,7 @@ class _AbsorbClass(type):
         if not cls.known:
             note_call(name)
         elif name in HOLDS_CALLABLES:
-            return _HELD  # told apart when handed to another constructor
+            return _HeldSink(args, kwargs)  # told apart when handed to another constructor
         else:
             for called in handed_callables(args, kwargs, _absorbed_callable):
                 note_call(called)
@@ -295,8 +330,8 @@ class _AbsorbClass(type):
 
 def _absorbed_callable(item: Any) -> str | None:
     """:func:`~ckpttool.tree.handed_callables`'s test, on what a scan builds."""
-    if item is _HELD:
-        return "functools.partial()"
+    if isinstance(item, _HeldSink):
+        return _held_name(item)
     if isinstance(item, _AbsorbClass) and not item.known:
         return f"{item.module}.{item.qualname}"
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -416,6 +417,26 @@ def test_ema_module_beside_model_module_is_the_model_as_yolo_loads_it(tmp_path):
     # plain state dicts under both keys: "model", as before
     torch.save({"model": model.state_dict(), "ema": ema.state_dict()}, path)
     assert inspect_report(ckpttool.read(path))["model_key"] == ["model"]
+
+
+class WithNormLayer(nn.Module):
+    """As torchvision's VisionTransformer keeps its norm_layer: a partial of a torch class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_layer = functools.partial(nn.LayerNorm, eps=1e-6)
+        self.norm = self.norm_layer(3)
+
+
+def test_pickled_module_holding_a_partial_of_a_torch_class_reads(tmp_path):
+    model = WithNormLayer()
+    path = tmp_path / "vit.pt"
+    torch.save(model, path)
+    proc = run_cli("inspect", path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["dangerous"] == []
+    assert list(ckpttool.load(path)) == ["norm.weight", "norm.bias"]
+    assert run_cli("merge", path, "-o", tmp_path / "out.pt").returncode == 0
 
 
 def test_pickled_module_that_holds_itself_reads_once(tmp_path):

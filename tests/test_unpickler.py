@@ -368,3 +368,59 @@ def test_device_string_torch_reads_is_kept(text):
     import torch
 
     assert load_pickle(pickle.dumps(_Call(torch.device, text), protocol=2)) == text
+
+
+class _Holder:
+    """An object of a class on no allow-list, pickled as NEWOBJ + BUILD of its __dict__."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+class _SwappedPartial:
+    """Pickles as ``partial(first)`` whose BUILD state makes it call ``then`` instead
+    (``partial.__setstate__`` takes the function from its state)."""
+
+    def __init__(self, first, then, *args):
+        self.first, self.then, self.args = first, then, args
+
+    def __reduce__(self):
+        import functools
+
+        return functools.partial, (self.first,), (self.then, self.args, {}, None)
+
+
+def _judged_both_ways(obj) -> list[str]:
+    """What a full read and a globals scan each refuse in the pickle of ``obj``."""
+    data = pickle.dumps(obj, protocol=2)
+    refused = []
+    for scan_only in (False, True):
+        try:
+            load_pickle(data, lambda pid: None, scan_only=scan_only)
+        except UnsafeError as exc:
+            refused.append(str(exc))
+    return refused
+
+
+def test_an_objects_partial_of_a_torch_class_is_no_call_of_note():
+    import functools
+
+    import torch.nn as nn
+
+    # torchvision's VisionTransformer keeps norm_layer = partial(nn.LayerNorm, eps=1e-6)
+    assert _judged_both_ways(_Holder(norm_layer=functools.partial(nn.LayerNorm, eps=1e-6))) == []
+
+
+def test_an_objects_partial_that_calls_something_of_note_is_refused_both_ways():
+    import functools
+    import logging
+
+    import torch.nn as nn
+
+    for held in (
+        functools.partial(logging.FileHandler, "marker"),  # a class on no allow-list
+        functools.partial(nn.LayerNorm, _Holder()),  # an unknown object given to a known class
+        _SwappedPartial(nn.LayerNorm, logging.FileHandler, "marker"),  # BUILD swaps the function
+    ):
+        refused = _judged_both_ways(_Holder(hook=held))
+        assert len(refused) == 2 and all("functools.partial()" in r for r in refused), refused
