@@ -321,21 +321,32 @@ def held_callable_name(item: Any) -> str | None:
     ``norm_layer``, kept by its models) calls nothing of note."""
     if not (isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES):
         return None
-    funcs, args, kwargs = list(item.args[:1]), list(item.args[1:]), {}
-    state = item.state
-    if type(state) is tuple and state:  # BUILD's (func, args, keywords, __dict__)
-        funcs.append(state[0])
-        args += state[1] if len(state) > 1 and type(state[1]) is tuple else ()
-        kwargs = state[2] if len(state) > 2 and type(state[2]) is dict else {}
-    elif type(state) is dict:  # keywords it was made with (NEWOBJ_EX)
-        kwargs = state
+    state = item.state  # keywords it was made with (NEWOBJ_EX), until a BUILD
+    funcs, args, kwargs = partial_call(item.args, state if type(state) is dict else {}, state)
     plain_call = (
         bool(funcs)
         and all(_is_known_class(func) for func in funcs)
-        and not handed_callables(tuple(args), kwargs)
+        and not handed_callables(args, kwargs)
         and not any(_is_unverified_object(v) for v in (*args, *kwargs.values()))
     )
     return None if plain_call else f"{type(item).class_name()}()"
+
+
+def partial_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], state: Any
+) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
+    """(functions, arguments, keywords) a pickled partial would call: the function it
+    was made with (``args[0]``) and the one its last BUILD gives it (``state``, as
+    ``partial.__setstate__`` takes it: ``(func, args, keywords, __dict__)``), with the
+    arguments of both. Both functions are judged: the real one calls the second."""
+    funcs, call_args, keywords = args[:1], args[1:], kwargs
+    if type(state) is tuple and state:
+        funcs += state[:1]
+        if len(state) > 1 and type(state[1]) is tuple:
+            call_args += state[1]
+        if len(state) > 2 and type(state[2]) is dict:
+            keywords = {**keywords, **state[2]}
+    return funcs, call_args, keywords
 
 
 def _is_known_class(item: Any) -> bool:

@@ -29,7 +29,14 @@ from .guard import address_space_limit, guarded_read, note_call
 from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
 from .stand_ins import CALLS_ARGUMENT, CREATES_OBJECTS, SAFE_GLOBALS
 from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
-from .tree import HOLDS_CALLABLES, Opaque, handed_callables, opaque_class, state_values
+from .tree import (
+    HOLDS_CALLABLES,
+    Opaque,
+    handed_callables,
+    opaque_class,
+    partial_call,
+    state_values,
+)
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -147,19 +154,14 @@ class _HeldSink(_Sink):
     and BUILD gives it, and their arguments)."""
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.funcs, self.args, self.kwargs = args[:1], args[1:], kwargs
+        self.args, self.kwargs, self.state = args, kwargs, None
 
     def __setstate__(self, state: Any) -> None:
-        if type(state) is tuple and state:  # (func, args, keywords, __dict__)
-            self.funcs += state[:1]
-            if len(state) > 1 and type(state[1]) is tuple:
-                self.args += state[1]
-            if len(state) > 2 and type(state[2]) is dict:
-                self.kwargs = state[2]
+        self.state = state  # the last BUILD is what the partial calls, as in a full read
 
     @property
     def of_note(self) -> bool:
-        return not _plain_call(self.funcs, self.args, self.kwargs)
+        return not _plain_call(*partial_call(self.args, self.kwargs, self.state))
 
 
 def _plain_call(funcs: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
