@@ -304,16 +304,23 @@ class SparseRef(Sealed):
 HOLDS_CALLABLES = frozenset({"functools.partial"})
 
 
-def _callable_name(item: Any) -> str | None:
+# Verdicts of the partials met during one judgment (id -> name or None): a partial given
+# the same partial twice, thirty levels deep, is a few hundred bytes of pickle and would
+# otherwise be judged 2**30 times.
+CallVerdicts = dict[int, "str | None"]
+CallableName = Callable[[Any, CallVerdicts], "str | None"]
+
+
+def _callable_name(item: Any, verdicts: CallVerdicts) -> str | None:
     """What calling ``item`` would be named, where it is a callable of note: an object of
     a class that holds a callable (a partial, see :func:`held_callable_name`), or a
     global on no allow-list."""
     if isinstance(item, _ReadOnlyClass) and not (item.known or item.dangerous):
         return f"{item.module}.{item.qualname}"
-    return held_callable_name(item)
+    return held_callable_name(item, verdicts)
 
 
-def held_callable_name(item: Any) -> str | None:
+def held_callable_name(item: Any, verdicts: CallVerdicts) -> str | None:
     """``functools.partial()`` where ``item`` is a partial whose call would be of note:
     one that calls anything but a known class with plain arguments. The function it
     calls is the one BUILD gives it (``partial.__setstate__`` replaces the one it was
@@ -321,15 +328,19 @@ def held_callable_name(item: Any) -> str | None:
     ``norm_layer``, kept by its models) calls nothing of note."""
     if not (isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES):
         return None
+    if id(item) in verdicts:
+        return verdicts[id(item)]
+    verdicts[id(item)] = None  # (one it holds itself, through its BUILD, is judged once)
     state = item.state  # keywords it was made with (NEWOBJ_EX), until a BUILD
     funcs, args, kwargs = partial_call(item.args, state if type(state) is dict else {}, state)
     plain_call = (
         bool(funcs)
         and all(_is_known_class(func) for func in funcs)
-        and not handed_callables(args, kwargs)
+        and not handed_callables(args, kwargs, verdicts=verdicts)
         and not any(_is_unverified_object(v) for v in (*args, *kwargs.values()))
     )
-    return None if plain_call else f"{type(item).class_name()}()"
+    verdicts[id(item)] = None if plain_call else f"{type(item).class_name()}()"
+    return verdicts[id(item)]
 
 
 def partial_call(
@@ -364,13 +375,16 @@ def _is_unverified_object(item: Any) -> bool:
 def handed_callables(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    callable_name: Callable[[Any], str | None] = _callable_name,
+    callable_name: CallableName = _callable_name,
+    verdicts: CallVerdicts | None = None,
 ) -> list[str]:
     """The callables a pickle hands to a constructor, in its arguments or one level into
     a list, tuple, dict or set among them (``callable_name``: a partial object, a global
     on no allow-list). A known class's constructor may call them at once
     (``LambdaLR(optimizer, partial(...))`` does), so they count as called.
+    ``verdicts``: those of the judgment this one is part of (a partial's arguments).
     """
+    verdicts = {} if verdicts is None else verdicts
     found: list[str] = []
     for value in (*args, *kwargs.values()):
         if type(value) in (list, tuple, set, frozenset):
@@ -380,7 +394,7 @@ def handed_callables(
         else:
             items = (value,)
         charge(len(items))  # a shared long list handed to many calls
-        found.extend(name for name in map(callable_name, items) if name is not None)
+        found.extend(name for item in items if (name := callable_name(item, verdicts)))
     return found
 
 

@@ -31,6 +31,7 @@ from .stand_ins import CALLS_ARGUMENT, CREATES_OBJECTS, SAFE_GLOBALS
 from .torch_values import TORCH_LAYOUTS, TORCH_MEMORY_FORMATS, NamedGlobal, StorageType, TorchName
 from .tree import (
     HOLDS_CALLABLES,
+    CallVerdicts,
     Opaque,
     handed_callables,
     opaque_class,
@@ -159,14 +160,16 @@ class _HeldSink(_Sink):
     def __setstate__(self, state: Any) -> None:
         self.state = state  # the last BUILD is what the partial calls, as in a full read
 
-    @property
-    def of_note(self) -> bool:
-        return not _plain_call(*partial_call(self.args, self.kwargs, self.state))
 
-
-def _plain_call(funcs: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """A call of known classes only, with no callable of note or unknown object given."""
-    return (
+def _held_name(item: Any, verdicts: CallVerdicts) -> str | None:
+    """:func:`~ckpttool.tree.held_callable_name`'s test, on what a scan builds."""
+    if not isinstance(item, _HeldSink):
+        return None
+    if id(item) in verdicts:
+        return verdicts[id(item)]
+    verdicts[id(item)] = None  # (one it holds itself is judged once)
+    funcs, args, kwargs = partial_call(item.args, item.kwargs, item.state)
+    plain_call = (
         bool(funcs)
         and all(
             isinstance(f, _AbsorbClass)
@@ -174,14 +177,11 @@ def _plain_call(funcs: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str,
             and f"{f.module}.{f.qualname}" not in HOLDS_CALLABLES
             for f in funcs
         )
-        and not handed_callables(args, kwargs, _absorbed_callable)
+        and not handed_callables(args, kwargs, _absorbed_callable, verdicts)
         and not any(v is _UNVERIFIED for v in (*args, *kwargs.values()))
     )
-
-
-def _held_name(item: Any) -> str | None:
-    """:func:`~ckpttool.tree.held_callable_name`'s test, on what a scan builds."""
-    return "functools.partial()" if isinstance(item, _HeldSink) and item.of_note else None
+    verdicts[id(item)] = None if plain_call else "functools.partial()"
+    return verdicts[id(item)]
 
 
 _ABSORB = _Sink()
@@ -330,10 +330,10 @@ class _AbsorbClass(type):
         return _ABSORB
 
 
-def _absorbed_callable(item: Any) -> str | None:
+def _absorbed_callable(item: Any, verdicts: CallVerdicts) -> str | None:
     """:func:`~ckpttool.tree.handed_callables`'s test, on what a scan builds."""
     if isinstance(item, _HeldSink):
-        return _held_name(item)
+        return _held_name(item, verdicts)
     if isinstance(item, _AbsorbClass) and not item.known:
         return f"{item.module}.{item.qualname}"
     return None

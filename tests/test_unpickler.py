@@ -440,3 +440,18 @@ def test_a_partial_built_again_and_again_keeps_only_its_last_state():
     assert len(data) < 80_000  # (a small file)
     for scan_only in (False, True):
         load_pickle(data, lambda pid: None, scan_only=scan_only)  # reads, refuses nothing
+
+
+def test_partials_given_the_same_partial_twice_are_judged_once_each():
+    """40 levels of partial(LayerNorm, p, p): 2 KB of pickle, 2**40 paths. Each partial
+    is judged once per judgment (the budget for what constructors build was spent on
+    judging them again and again), and the tree is then refused for its shared paths."""
+    part, layer_norm = b"cfunctools\npartial\n", b"ctorch.nn\nLayerNorm\n"
+    body = part + b"(" + layer_norm + b"tRq\x00"
+    for i in range(1, 40):
+        get = b"h" + bytes([i - 1])
+        body += part + b"(" + layer_norm + get + get + b"tRq" + bytes([i])
+    data = b"\x80\x02" + body + b"0ccollections\ndeque\n(]h" + bytes([39]) + b"atR."
+    load_pickle(data, lambda pid: None, scan_only=True)  # judged, nothing of note
+    with pytest.raises(CkptError, match="containers shared by many paths"):
+        load_pickle(data, lambda pid: None)
