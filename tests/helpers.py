@@ -75,6 +75,21 @@ def check_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> 
     return lines[0]
 
 
+def completed(argv: list[Any], run: dict) -> subprocess.CompletedProcess:
+    """One :func:`run_many` result as the process :func:`run_cli` returns (for
+    :func:`check_error`)."""
+    return subprocess.CompletedProcess(argv, run["code"], run["stdout"], run["stderr"])
+
+
+def run_many(argvs: list[list[Any]], columns: int = 200) -> list[dict]:
+    """Run several CLI commands, in order, in one fresh interpreter (``children.py
+    cli-batch``: one torch import for all): a list of ``{"code", "stdout", "stderr"}``."""
+    items = [[str(a) for a in argv] for argv in argvs]
+    proc = run_child("cli-batch", items=items, env={"COLUMNS": str(columns)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def run_child(
     name: str,
     *args: Any,

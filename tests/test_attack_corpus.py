@@ -18,13 +18,7 @@ from pathlib import Path
 
 import pytest
 from attack_corpus import CASES, CASES_BY_NAME, Case, write_case
-from helpers import run_child, sha256
-
-
-def run_many(argvs: list[list[str]]) -> list[dict]:
-    proc = run_child("cli-batch", items=argvs, env={"COLUMNS": "200"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+from helpers import run_child, run_many, sha256
 
 
 def commands(path: Path, folder: Path) -> dict[str, list[str]]:
@@ -233,7 +227,7 @@ def test_one_storage_named_by_many_tensors(tmp_path):
     far more than the file stores); tied weights (a few tensors of one storage) are
     read as before."""
     import torch
-    from helpers import check_error, run_cli, tree_files
+    from helpers import check_error, completed, tree_files
 
     shared = torch.arange(1 << 18, dtype=torch.float32)
     torch.save({f"w{i}": shared for i in range(100)}, tmp_path / "many.pt")
@@ -248,11 +242,12 @@ def test_one_storage_named_by_many_tensors(tmp_path):
         ["merge", "-o", tmp_path / "m.pt"],
     ]
     message = "name the same stored bytes over and over"
-    for command in commands:
-        check_error(run_cli(command[0], tmp_path / "many.pt", *command[1:]), 2, message)
-    check_error(run_cli("diff", tmp_path / "many.pt", tmp_path / "many.pt"), 2, message)
+    argvs = [[c[0], tmp_path / "many.pt", *c[1:]] for c in commands]
+    argvs.append(["diff", tmp_path / "many.pt", tmp_path / "many.pt"])
+    for argv, run in zip(argvs, run_many(argvs), strict=True):  # (one interpreter for all)
+        check_error(completed(argv, run), 2, message)
     assert tree_files(tmp_path) == ["many.pt", "tied.pt"]
     assert sha256(tmp_path / "many.pt") == before
-    for command in commands:
-        proc = run_cli(command[0], tmp_path / "tied.pt", *command[1:])
-        assert proc.returncode == 0, (command, proc.stderr)
+    argvs = [[c[0], tmp_path / "tied.pt", *c[1:]] for c in commands]
+    for argv, run in zip(argvs, run_many(argvs), strict=True):
+        assert run["code"] == 0, (argv, run["stderr"])

@@ -17,8 +17,7 @@ import zipfile
 from pathlib import Path
 
 import torch
-from helpers import FIXTURES, sha256
-from test_attack_corpus import run_many
+from helpers import FIXTURES, run_many, sha256
 from test_mutations import mutate
 
 MUTANTS = int(os.environ.get("CKPTTOOL_FUZZ_MUTANTS", "300"))

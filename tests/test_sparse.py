@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_error, run_cli, sha256
+from helpers import check_error, run_cli, run_many, sha256
 
 import ckpttool
 from ckpttool.diff import diff
@@ -230,19 +230,20 @@ def test_diff_compares_the_values_sparse_tensors_stand_for(tmp_path: Path):
     for name, sd in files.items():
         torch.save(sd, tmp_path / f"{name}.pt")
 
-    def run_diff(x: str, y: str, *extra: str) -> tuple[int, dict]:
-        proc = run_cli("diff", tmp_path / f"{x}.pt", tmp_path / f"{y}.pt", "--json", *extra)
-        return proc.returncode, json.loads(proc.stdout)
-
-    assert run_diff("a", "a")[0] == 0
-    assert run_diff("a", "csr")[0] == 0  # same values, other layout
-    assert run_diff("a", "dense")[0] == 0
-    code, result = run_diff("a", "changed")
+    pairs = [("a", "a"), ("a", "csr"), ("a", "dense"), ("a", "changed"), ("changed", "dense"),
+             ("a", "changed", "--atol", "7")]  # fmt: skip
+    argvs = [["diff", tmp_path / f"{x}.pt", tmp_path / f"{y}.pt", "--json", *extra]
+             for x, y, *extra in pairs]  # fmt: skip
+    runs = [(r["code"], json.loads(r["stdout"])) for r in run_many(argvs)]
+    assert runs[0][0] == 0
+    assert runs[1][0] == 0  # same values, other layout
+    assert runs[2][0] == 0
+    code, result = runs[3]
     assert code == 1
     assert result["different"] == [{"name": "w", "max_abs_diff": 7.0, "num_different": 1}]
-    code, result = run_diff("changed", "dense")
+    code, result = runs[4]
     assert code == 1 and result["different"][0]["num_different"] == 1
-    assert run_diff("a", "changed", "--atol", "7")[0] == 0
+    assert runs[5][0] == 0
 
 
 def test_unknown_layout_stays_inert(tmp_path: Path):
