@@ -29,7 +29,7 @@ from measure import child_env
 from safetensors.torch import load_file
 
 import ckpttool
-import ckpttool.fastload as fastload
+import ckpttool.tensors.direct as fastload
 from ckpttool import sources
 
 DEVICE = "cuda:0"
@@ -78,7 +78,7 @@ if kind == "load_file":
     from safetensors.torch import load_file
     out = load_file(path, device="cuda:0")
 else:
-    import ckpttool, ckpttool.fastload as fl
+    import ckpttool, ckpttool.tensors.direct as fl
     fl.READ_THREADS, fl.STAGING_BUFFERS = int(threads), int(buffers)
     fl.STAGING_BYTES = int(mib) << 20
     fl.MAX_PENDING = 2 * fl.STAGING_BUFFERS

@@ -21,20 +21,20 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "load": "api",
-    "load_into": "load_into",
-    "open": "lazy",
-    "LazyCheckpoint": "lazy",
-    "LoadResult": "load_into",
-    "KeyMismatchError": "load_into",
-    "StateMismatchError": "load_into",
+    "load_into": "api",
+    "open": "api",
+    "LazyCheckpoint": "api",
+    "LoadResult": "api",
+    "KeyMismatchError": "api",
+    "StateMismatchError": "api",
     "read": "api",
     "select_node": "api",
     "flatten_tensors": "api",
     "materialize": "api",
-    "WRAPPER_PREFIXES": "layout",
-    "MODEL_KEYS": "layout",
-    "detect_prefix": "layout",
-    "strip_prefix": "layout",
+    "WRAPPER_PREFIXES": "tree",
+    "MODEL_KEYS": "tree",
+    "detect_prefix": "tree",
+    "strip_prefix": "tree",
     "CkptError": "errors",
     "InputNotFoundError": "errors",
     "OutputExistsError": "errors",
@@ -46,6 +46,8 @@ _EXPORTS = {
     "SparseRef": "tree",
     "TensorRef": "tree",
 }
+# the attribute a package face gives each name under, where it differs
+_ATTRIBUTES = {"open": "open_checkpoint"}
 
 # `from ckpttool import *` must not shadow the builtin open(): ckpttool.open stays an attribute
 __all__ = [name for name in _EXPORTS if name != "open"] + ["__version__"]
@@ -55,7 +57,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(f".{module}", __name__), _ATTRIBUTES.get(name, name))
     globals()[name] = value
     return value
 

@@ -12,9 +12,9 @@ from . import sources
 from .api import flatten_tensors, read, select_node
 from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
-from .output import atomic_output, check_output, output_path
 from .progress import ProgressFactory
 from .writers import WRITERS
+from .writers.atomic import atomic_output, check_output, output_path
 
 TARGETS = tuple(WRITERS)
 CAST_DTYPES = ("float32", "float16", "bfloat16")

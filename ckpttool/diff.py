@@ -14,12 +14,9 @@ from typing import Any
 from .api import flatten_tensors, read, select_node
 from .dtypes import NO_NUMBERS
 from .errors import UsageError, translate_errors
-from .layout import model_key
 from .progress import ProgressFactory
-from .sharding import raw_parts
-from .sources import OpenFiles
-from .spans import read_span_into
-from .tree import SparseRef, TensorRef, contiguous_stride
+from .sources import OpenFiles, read_span_into
+from .tree import SparseRef, TensorRef, contiguous_stride, model_key, raw_parts
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -40,7 +37,7 @@ class RawReader:
         self.files = OpenFiles()
 
     def spans(self, parts: list[Any]) -> Iterator[tuple[Any, int, int]]:
-        """(source, start, nbytes) of each part: its bytes within its ByteSource."""
+        """(source, start, nbytes) of each part: its bytes within its ByteSpan."""
         for ref in parts:
             yield ref.storage.source, ref.offset * ref.dtype.itemsize, ref.nbytes
 
@@ -125,7 +122,9 @@ def compare_tensors(
 
 def _values(ref: Any) -> Any:
     """A tensor's elements, flat; a quantized tensor's are the values it stands for."""
-    t = ref.load("cpu")
+    from .tensors import load_leaf
+
+    t = load_leaf(ref, "cpu")
     return (t.dequantize() if t.is_quantized else t).reshape(-1)
 
 
@@ -135,9 +134,9 @@ def _sparse_values(a: Any, b: Any) -> tuple[Any, Any]:
     in memory for what they store, not for their dense size."""
     import torch
 
-    from .tensors import sparse_entries
+    from .tensors import load_leaf, sparse_entries
 
-    ta, tb = a.load("cpu"), b.load("cpu")
+    ta, tb = load_leaf(a, "cpu"), load_leaf(b, "cpu")
     if ta.layout == torch.strided or tb.layout == torch.strided or not ta.dim():
         x, y = _dense(ta), _dense(tb)  # the dense one is that big anyway; 0-d is one element
     else:

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 from .api import read, require_data
 from .errors import translate_errors
-from .output import atomic_output, check_output, output_path
-from .plain import stand_in_names
 from .progress import ProgressFactory
-from .tree import iter_tensors
+from .tree import iter_tensors, stand_in_names
+from .writers.atomic import atomic_output, check_output, output_path
 
 
 @dataclass

@@ -38,24 +38,62 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: Any, timeout: float = 300, columns: int = 80, **kwargs: Any
+    *args: Any, timeout: float = 300, columns: int = 80, fresh: bool = False, **kwargs: Any
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m ckpttool ARGS`` in a subprocess, capturing text stdout/stderr.
+    """Run ``ckpttool ARGS``, capturing text stdout/stderr and the exit code.
 
-    80 columns, as rich assumes without a terminal: an error message that wraps fails the
-    one-line checks. Tests that read whole table rows ask for more. ``kwargs`` go to
-    :func:`subprocess.run` (``cwd``, ``preexec_fn``).
+    In this interpreter, through the real entry point (``ckpttool.cli.main``), unless
+    ``fresh`` asks for ``python -m ckpttool`` in a subprocess: where the point is a
+    process of its own (what it imports, its memory, signals, ``preexec_fn`` limits).
+    80 columns, as rich assumes without a terminal: an error message that wraps fails
+    the one-line checks. Tests that read whole table rows ask for more. ``kwargs`` go
+    to :func:`subprocess.run` (``cwd``, ``preexec_fn``); in process, only ``cwd``.
     """
-    env = subprocess_env(COLUMNS=str(columns))
-    env.pop("CKPTTOOL_DEBUG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "ckpttool", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        **kwargs,
-    )
+    argv = [str(a) for a in args]
+    if fresh or set(kwargs) - {"cwd"}:
+        env = subprocess_env(COLUMNS=str(columns))
+        env.pop("CKPTTOOL_DEBUG", None)
+        return subprocess.run(
+            [sys.executable, "-m", "ckpttool", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            **kwargs,
+        )
+    code, out, err = _run_in_process(argv, columns, kwargs.get("cwd"))
+    return subprocess.CompletedProcess(["ckpttool", *argv], code, out, err)
+
+
+def _run_in_process(argv: list[str], columns: int, cwd: Any) -> tuple[int, str, str]:
+    """``ckpttool.cli.main(argv)`` with its own stdout, stderr, terminal width and
+    working folder, as a fresh process would have them."""
+    import io
+
+    from ckpttool.cli import main
+
+    saved_env = {k: os.environ.get(k) for k in ("COLUMNS", "CKPTTOOL_DEBUG")}
+    os.environ["COLUMNS"] = str(columns)
+    os.environ.pop("CKPTTOOL_DEBUG", None)
+    here = os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        os.chdir(here)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return code, out.getvalue(), err.getvalue()
 
 
 def check_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:

@@ -253,7 +253,7 @@ def test_many_input_files_keep_few_descriptors_open(tmp_path: Path, monkeypatch)
     torch.save(source, tmp_path / "w.pt")
     shards = tmp_path / "shards"
     convert([str(tmp_path / "w.pt")], "safetensors", str(shards), max_shard_size="100")
-    monkeypatch.setattr(ckpttool.sources, "MAX_OPEN_FILES", 2)
+    monkeypatch.setattr(ckpttool.sources.source, "MAX_OPEN_FILES", 2)
 
     def open_inputs() -> int:
         fds = [os.path.join("/proc/self/fd", n) for n in os.listdir("/proc/self/fd")]

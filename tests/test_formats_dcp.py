@@ -18,7 +18,7 @@ from helpers import (
 )
 
 import ckpttool
-from ckpttool.report import inspect_report
+from ckpttool.inspection import inspect_report
 
 
 def test_dcp_single_process(tmp_path):

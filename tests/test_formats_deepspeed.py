@@ -19,7 +19,7 @@ from payloads import Reduce, write_malicious_zip
 from safetensors.torch import load_file
 
 import ckpttool
-from ckpttool.formats.deepspeed_flat import blocks
+from ckpttool.formats.deepspeed.flat import blocks
 from ckpttool.writers import raw_parts
 
 DS = FIXTURES / "deepspeed"

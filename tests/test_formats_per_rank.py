@@ -11,7 +11,7 @@ from helpers import assert_identical, check_error, fixture_path, run_cli
 from safetensors.torch import load_file
 
 import ckpttool
-from ckpttool.report import inspect_report
+from ckpttool.inspection import inspect_report
 
 
 @pytest.mark.slow
@@ -199,9 +199,10 @@ def test_one_rank_block_named_as_thousands_of_tensors_is_refused(names, refused)
     # is written in full, so its block counts at every path, as a tied tensor's does
     from ckpttool.dtypes import DTYPES
     from ckpttool.errors import CkptError
-    from ckpttool.policy import check_structure
-    from ckpttool.sharding import LocalShards, Shard
-    from ckpttool.tree import StorageRef, TensorRef
+    from ckpttool.tree.leaves import StorageRef, TensorRef
+    from ckpttool.tree.sharding import Shard
+    from ckpttool.unpickler.policy import check_structure
+    from ckpttool.unpickler.sharded import LocalShards
 
     f32 = DTYPES["float32"]
     storage = StorageRef("0", f32, 1 << 20, "cpu")

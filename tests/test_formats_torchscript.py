@@ -8,7 +8,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 import ckpttool
-from ckpttool.report import inspect_report
+from ckpttool.inspection import inspect_report
 
 
 class _Sub(nn.Module):

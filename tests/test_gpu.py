@@ -59,7 +59,7 @@ def test_load_onto_cuda(gpu_saved):
 
 
 def test_convert_pt_with_map_location_loads_on_gpu(gpu_saved, tmp_path):
-    from ckpttool.convert import convert
+    from ckpttool.convert import convert  # --to pt output
 
     path, expected = gpu_saved
     out = tmp_path / "out.pt"
@@ -144,8 +144,8 @@ def test_every_spelling_of_a_cuda_target(every_dtype, map_location):
 def test_tensors_larger_than_all_staging_buffers_together(tmp_path, monkeypatch, threads):
     """Real buffer sizes: tensors of 1.5 buffers each, more of them than buffers, with small
     ones between, so that every buffer is reused while copies out of it may be in flight."""
-    import ckpttool.fastload as fastload
-    from ckpttool.fastload import STAGING_BUFFERS, STAGING_BYTES
+    import ckpttool.tensors.direct as fastload
+    from ckpttool.tensors.direct import STAGING_BUFFERS, STAGING_BYTES
 
     monkeypatch.setattr(fastload, "READ_THREADS", threads)
     g = torch.Generator().manual_seed(1)
@@ -224,7 +224,7 @@ def test_sharded_checkpoints_onto_cuda(dist_runs, dist_reference):
 
 def test_a_file_cut_short_while_staged_is_a_clear_error(tmp_path):
     """A read that fails in a reader thread surfaces as the call's CkptError."""
-    from ckpttool.fastload import STAGING_BYTES
+    from ckpttool.tensors.direct import STAGING_BYTES
 
     sd = {"a": torch.randn(STAGING_BYTES // 2), "b": torch.randn(3 * STAGING_BYTES // 4)}
     path = tmp_path / "m.safetensors"

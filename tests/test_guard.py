@@ -13,7 +13,7 @@ import pytest
 
 from ckpttool.errors import CkptError
 from ckpttool.guard import address_space_limit
-from ckpttool.unpickler import load_pickle
+from ckpttool.unpickler.restricted import load_pickle
 
 # BINUNICODE "a", LONG_BINPUT 1e9: CPython grows its memo table to 2e9 slots first
 MEMO_BOMB = b"\x80\x02X\x01\x00\x00\x00ar" + struct.pack("<I", 1_000_000_000) + b"."

@@ -218,7 +218,7 @@ def stats_file(tmp_path_factory):
 
 def test_stats_values_are_exact(stats_file):
     import ckpttool
-    from ckpttool.report import inspect_report
+    from ckpttool.inspection import inspect_report
 
     report = inspect_report(ckpttool.read(stats_file), stats=True)  # what --json --stats prints
     check_schema(json.loads(json.dumps(report)))
@@ -637,7 +637,7 @@ def test_text_from_the_file_cannot_draw_lines_or_escapes(tmp_path):
 
 def test_stats_of_big_tensors_are_exact_by_chunk(tmp_path):
     """Tensors over one chunk are reduced chunk by chunk: same numbers as in one go."""
-    from ckpttool.report import STATS_CHUNK
+    from ckpttool.inspection import STATS_CHUNK
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(STATS_CHUNK * 2 + 123, generator=g) * 3 + 1

@@ -12,8 +12,8 @@ from helpers import run_cli, small_state_dict
 from safetensors.torch import load_file
 
 import ckpttool
-from ckpttool.layout import detect_prefix, strip_prefix
-from ckpttool.report import inspect_report
+from ckpttool.inspection import inspect_report
+from ckpttool.tree.layout import detect_prefix, strip_prefix
 
 KEYS = list(small_state_dict())
 

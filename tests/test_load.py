@@ -32,7 +32,7 @@ def gpu_saved(tmp_path):
 
 
 def test_gpu_saved_tensors_report_their_device(gpu_saved):
-    from ckpttool.report import inspect_report
+    from ckpttool.inspection import inspect_report
 
     path, sd = gpu_saved
     report = inspect_report(ckpttool.read(path))

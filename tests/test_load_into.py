@@ -165,7 +165,7 @@ def test_load_into_from_sharded_checkpoints(dist_runs, dist_reference):
 def small_staging(monkeypatch, request):
     """Staging buffers of 1 KiB: every tensor goes through several, each reused; read by
     the reader threads (every chunk) or by the caller's thread alone."""
-    import ckpttool.fastload as fastload
+    import ckpttool.tensors.direct as fastload
 
     monkeypatch.setattr(fastload, "STAGING_BYTES", 1024)
     monkeypatch.setattr(fastload, "THREAD_MIN_BYTES", 0)

@@ -30,8 +30,8 @@ from helpers import (
 import ckpttool
 from ckpttool.convert import convert
 from ckpttool.errors import CkptError, OutputExistsError
+from ckpttool.inspection import inspect_report
 from ckpttool.merge import merge
-from ckpttool.report import inspect_report
 
 pytestmark = pytest.mark.slow
 

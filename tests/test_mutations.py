@@ -16,7 +16,7 @@ from helpers import FIXTURES
 
 import ckpttool
 from ckpttool.errors import CkptError, UnsafeError
-from ckpttool.report import inspect_report
+from ckpttool.inspection import inspect_report
 
 MUTATIONS_PER_FILE = 100
 # (fixture file to damage, what to read: the file itself or its folder)

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ckpttool
-from ckpttool.sharding import Shard
-from ckpttool.tree import ShardedRef
+from ckpttool.tree.leaves import ShardedRef
+from ckpttool.tree.sharding import Shard
 
 INDEXES = [
     slice(None),
@@ -168,7 +168,7 @@ def test_star_import_keeps_the_builtin_open():
     namespace: dict = {}
     exec("from ckpttool import *", namespace)
     assert "open" not in namespace and "load_into" in namespace
-    assert "open" in dir(ckpttool) and ckpttool.open is ckpttool.lazy.open_checkpoint
+    assert "open" in dir(ckpttool) and ckpttool.open is ckpttool.api.lazy_file.open_checkpoint
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")

@@ -16,7 +16,7 @@ import torch
 from helpers import tree_files
 
 from ckpttool.convert import convert
-from ckpttool.output import HF_SHARDS, HOST, TEMP_MARK, atomic_output
+from ckpttool.writers.atomic import HF_SHARDS, HOST, TEMP_MARK, atomic_output
 
 
 @pytest.fixture

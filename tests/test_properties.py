@@ -227,7 +227,7 @@ def test_dtensor_block_places_as_torch_does(layout):
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
     from ckpttool.errors import CkptError
-    from ckpttool.sharding import dtensor_block
+    from ckpttool.unpickler.sharded import dtensor_block
 
     shape, mesh, coordinate, placements = layout
     theirs = [
@@ -255,7 +255,7 @@ def test_dtensor_block_work_does_not_grow_with_the_shape_a_file_claims():
     factor no tensor-parallel run has is refused as corrupt (its work would be
     split x runs per mesh dim)."""
     from ckpttool.errors import CkptError
-    from ckpttool.sharding import dtensor_block
+    from ckpttool.unpickler.sharded import dtensor_block
 
     fsdp_over_tp = [("strided_shard", 0, 4), ("shard", 0)]
     assert dtensor_block("t", (10**15, 3), (2, 4), (1, 3), fsdp_over_tp) == (
@@ -284,7 +284,7 @@ def nested_tilings(draw):
 @given(tiling=nested_tilings(), damage=st.sampled_from(["none", "drop", "duplicate", "shift"]))
 def test_coverage_check_accepts_tilings_and_refuses_damaged_ones(tiling, damage):
     from ckpttool.errors import CkptError
-    from ckpttool.sharding import Shard, check_coverage
+    from ckpttool.tree.sharding import Shard, check_coverage
 
     shape, blocks = tiling
     shards = [Shard(offsets, sizes, None) for offsets, sizes in blocks]
@@ -305,7 +305,7 @@ def test_coverage_check_accepts_tilings_and_refuses_damaged_ones(tiling, damage)
 def test_coverage_check_of_a_large_grid_takes_the_fast_path():
     """A 128 x 128 grid of blocks (a 2-D parallel run at scale): more shards than the
     quadratic check accepts, so passing proves the n log n path took it."""
-    from ckpttool.sharding import MAX_IRREGULAR_SHARDS, Shard, check_coverage
+    from ckpttool.tree.sharding import MAX_IRREGULAR_SHARDS, Shard, check_coverage
 
     n = 128
     shards = [Shard((i * 2, j * 3), (2, 3), None) for i in range(n) for j in range(n)]
@@ -325,7 +325,7 @@ def test_dtensor_block_refuses_corrupt_layouts(shape, mesh, coordinate, placemen
     """What a file says about its mesh is checked before any arithmetic on it: a
     corrupt one is a one-line error, not a ZeroDivisionError or a wrong block."""
     from ckpttool.errors import CkptError
-    from ckpttool.sharding import dtensor_block
+    from ckpttool.unpickler.sharded import dtensor_block
 
     with pytest.raises(CkptError, match="DTensor"):
         dtensor_block("t", shape, mesh, coordinate, placements)

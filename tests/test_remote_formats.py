@@ -17,8 +17,8 @@ from servers import RangeServer, S3Server
 import ckpttool
 from ckpttool import sources
 from ckpttool.convert import convert
-from ckpttool.remote import base
-from ckpttool.report import inspect_report
+from ckpttool.inspection import inspect_report
+from ckpttool.sources.remote import base
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

@@ -10,7 +10,7 @@ from servers import RangeServer
 
 from ckpttool import sources
 from ckpttool.errors import InputNotFoundError
-from ckpttool.remote import base
+from ckpttool.sources.remote import base
 
 pytest.importorskip("huggingface_hub")
 

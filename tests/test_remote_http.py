@@ -16,8 +16,8 @@ from servers import RangeServer
 
 from ckpttool import sources
 from ckpttool.errors import CkptError, InputNotFoundError
-from ckpttool.remote import base, http
-from ckpttool.remote.http import HttpSource
+from ckpttool.sources.remote import base, http
+from ckpttool.sources.remote.http import HttpSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = base.FIRST_WINDOW  # what a file's first small read fetches
@@ -225,7 +225,7 @@ def test_local_commands_never_import_the_remote_code():
         "try:\n    runpy.run_module('ckpttool', run_name='__main__')\n"
         "except SystemExit:\n    pass\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('fsspec', 's3fs', 'huggingface_hub') or m == 'ckpttool.remote'))\n"
+        "('fsspec', 's3fs', 'huggingface_hub') or m == 'ckpttool.sources.remote'))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -269,7 +269,7 @@ def test_a_forked_child_uses_its_own_connections(server, source):
 
 
 def test_reading_in_order_reads_ahead_in_large_chunks(server, source, monkeypatch):
-    from ckpttool.remote import stream
+    from ckpttool.sources.remote import stream
 
     monkeypatch.setattr(stream, "STREAM_CHUNK", 2 << 20)
     monkeypatch.setattr(stream, "STREAM_AFTER", 1 << 20)

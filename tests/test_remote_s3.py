@@ -10,8 +10,8 @@ from servers import S3Server
 
 from ckpttool import sources
 from ckpttool.errors import CkptError, InputNotFoundError
-from ckpttool.remote import base
-from ckpttool.remote.store import StoreSource
+from ckpttool.sources.remote import base
+from ckpttool.sources.remote.store import StoreSource
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

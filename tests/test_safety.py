@@ -155,7 +155,7 @@ def test_no_output_written_when_refused(malicious, kind, command, tmp_path):
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_unsafe_read_keeps_payload_inert(malicious, case):
     """``--unsafe`` reads the file, lists the globals as dangerous, and still runs nothing."""
-    from ckpttool.report import inspect_report
+    from ckpttool.inspection import inspect_report
 
     f = malicious[case]
     report = inspect_report(ckpttool.read(f.path, unsafe=True))

@@ -24,10 +24,11 @@ import ckpttool
 from ckpttool import sources
 from ckpttool.diff import RawReader, compare_tensors, diff
 from ckpttool.errors import CkptError
-from ckpttool.mapped import Reader, map_storage
-from ckpttool.sharding import raw_parts
-from ckpttool.spans import read_span_into
-from ckpttool.tree import ByteSource, ShardedRef, TensorRef, iter_tensors
+from ckpttool.sources.spans import ByteSpan, read_span_into
+from ckpttool.tensors.mapped import Reader, map_storage
+from ckpttool.tree.checkpoint import iter_tensors
+from ckpttool.tree.leaves import ShardedRef, TensorRef
+from ckpttool.tree.sharding import raw_parts
 from ckpttool.writers import write_leaf
 from ckpttool.writers.output_file import OutputFile
 
@@ -89,9 +90,9 @@ class _PinnedBlock:
         return self.ref.load(map_location)
 
 
-def _byte_sources(ckpt: Any) -> list[ByteSource]:
-    """Every distinct file-backed ByteSource of the tree, DCP blocks pinned first."""
-    found: dict[int, ByteSource] = {}
+def _byte_sources(ckpt: Any) -> list[ByteSpan]:
+    """Every distinct file-backed ByteSpan of the tree, DCP blocks pinned first."""
+    found: dict[int, ByteSpan] = {}
     for _, leaf in iter_tensors(ckpt.root):
         refs = [leaf]
         if isinstance(leaf, ShardedRef):
@@ -107,7 +108,7 @@ def _byte_sources(ckpt: Any) -> list[ByteSource]:
     return list(found.values())
 
 
-def _behind_counting(ckpt: Any) -> list[ByteSource]:
+def _behind_counting(ckpt: Any) -> list[ByteSpan]:
     """Point every tensor's bytes at ``counting://`` URLs of the same files."""
     spans = _byte_sources(ckpt)
     for source in spans:
@@ -116,7 +117,7 @@ def _behind_counting(ckpt: Any) -> list[ByteSource]:
     return spans
 
 
-def _headers(spans: list[ByteSource]) -> int:
+def _headers(spans: list[ByteSpan]) -> int:
     """Bytes of the zip local headers the spans still have to look up (30 each)."""
     return 30 * sum(s._zip_header_offset is not None for s in spans)
 
@@ -134,14 +135,14 @@ def _only_counting_reads(counting, files: list[Path]) -> None:
     assert {path for path, _, _ in counting.reads} <= allowed
 
 
-# ---------------------------------------------------------------- ByteSource & spans
+# ---------------------------------------------------------------- ByteSpan & spans
 
 
 def test_byte_source_reads_a_span_through_the_source(counting_source, tmp_path: Path):
     path = tmp_path / "blob.bin"
     data = os.urandom(5000)
     path.write_bytes(data)
-    span = ByteSource(counting_url(path), 1000, 3000)
+    span = ByteSpan(counting_url(path), 1000, 3000)
     assert span.read(10, 500) == data[1010:1510]
     assert span.read() == data[1000:4000]
     assert counting_source.bytes_read == 500 + 3000
@@ -156,7 +157,7 @@ def test_zip_entry_header_is_resolved_through_the_source(counting_source, zip_fi
     with zipfile.ZipFile(path) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
         stored = archive.read(info)
-    span = ByteSource(counting_url(path), 0, len(stored), zip_header_offset=info.header_offset)
+    span = ByteSpan(counting_url(path), 0, len(stored), zip_header_offset=info.header_offset)
     assert span.read() == stored
     assert counting_source.reads[0] == (counting_url(path), info.header_offset, 30)
     assert counting_source.bytes_read == 30 + len(stored)
@@ -168,7 +169,7 @@ def test_a_corrupt_zip_entry_header_is_one_clear_error(counting_source, tmp_path
     path = tmp_path / "not-a-zip.bin"
     path.write_bytes(b"y" * 100)
     for header_offset in (0, 90):  # wrong magic; a header cut short by the end of the file
-        span = ByteSource(counting_url(path), 0, 4, zip_header_offset=header_offset)
+        span = ByteSpan(counting_url(path), 0, 4, zip_header_offset=header_offset)
         with pytest.raises(CkptError, match="corrupt zip entry header"):
             span.read()
 
@@ -181,11 +182,11 @@ def test_truncated_spans_are_one_clear_error(counting_source, tmp_path: Path, fi
     opened = sources.OpenFiles() if files else None
     try:
         with pytest.raises(CkptError, match=r"file ends 50 bytes early \(truncated\?\)"):
-            read_span_into(ByteSource(url, 50, 100), 0, memoryview(bytearray(100)), opened)
+            read_span_into(ByteSpan(url, 50, 100), 0, memoryview(bytearray(100)), opened)
         with pytest.raises(CkptError, match=r"file ends 50 bytes early \(truncated\?\)"):
-            ByteSource(url, 50, 100).read()
+            ByteSpan(url, 50, 100).read()
         with pytest.raises(CkptError, match="outside of the stored bytes"):
-            read_span_into(ByteSource(url, 0, 10), 5, memoryview(bytearray(10)), opened)
+            read_span_into(ByteSpan(url, 0, 10), 5, memoryview(bytearray(10)), opened)
     finally:
         if opened is not None:
             opened.close()
@@ -195,7 +196,7 @@ def test_a_huge_declared_span_allocates_nothing(counting_source, tmp_path: Path)
     path = tmp_path / "short.bin"
     path.write_bytes(b"x" * 100)
     with pytest.raises(CkptError, match="truncated"):
-        ByteSource(counting_url(path), 0, 1 << 50).read()
+        ByteSpan(counting_url(path), 0, 1 << 50).read()
     assert counting_source.bytes_read == 0
 
 
@@ -204,9 +205,9 @@ def test_map_storage_maps_local_files_and_declines_urls(counting_source, tmp_pat
     data = os.urandom(4096)
     path.write_bytes(data)
     maps: dict = {}
-    local = map_storage(ByteSource(str(path), 0, 4096), 64, 256, 4, maps)
+    local = map_storage(ByteSpan(str(path), 0, 4096), 64, 256, 4, maps)
     assert local.nbytes() == 256 and bytes(local) == data[64:320]
-    assert map_storage(ByteSource(counting_url(path), 0, 4096), 64, 256, 4, maps) is None
+    assert map_storage(ByteSpan(counting_url(path), 0, 4096), 64, 256, 4, maps) is None
     assert counting_source.bytes_read == 0
 
 
@@ -218,7 +219,7 @@ def test_reader_fills_buffers_from_local_files_and_urls(counting_source, tmp_pat
     with Reader() as reader:
         for where in (str(path), counting_url(path)):
             buf = bytearray(3000)
-            reader.read_into(ByteSource(where, 100, 9000), 200, buf)
+            reader.read_into(ByteSpan(where, 100, 9000), 200, buf)
             assert buf == data[300:3300]
     assert sources.LOCAL.bytes_read - before == 3000  # the preadv fast path is counted
     assert counting_source.bytes_read == 3000

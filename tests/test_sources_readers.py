@@ -30,8 +30,9 @@ from helpers import (
 from helpers_deepspeed import write_zero_tag
 
 import ckpttool
-from ckpttool import source_file, sources
-from ckpttool.report import inspect_report
+from ckpttool import sources
+from ckpttool.inspection import inspect_report
+from ckpttool.sources import file_view as source_file
 
 # what a reader may fetch of one file for its metadata: a zip's head and tail and its
 # pickle, a safetensors header, a legacy file's pickles (read ahead in 64 KiB) and its
@@ -313,7 +314,7 @@ def test_deepspeed_latest_tag_is_not_followed_out(tmp_path, counting_source, tag
 
 
 def test_universal_parameter_names_stay_in_zero(tmp_path):
-    from ckpttool.formats.deepspeed_universal import param_file
+    from ckpttool.formats.deepspeed.universal import param_file
 
     assert param_file("fc.weight", "fp32") == "zero/fc.weight/fp32.pt"
     for name in ("..", "a/b", "s3://x", "", "a\\b", "x\0"):
@@ -360,7 +361,7 @@ def test_outputs_named_after_url_inputs_are_local(tmp_path, counting_source):
     """An output is local: named after a URL input, it goes to the current folder; a
     remote input is never taken for the output's path."""
     from ckpttool.convert import default_output, output_stem
-    from ckpttool.output import check_output
+    from ckpttool.writers.atomic import check_output
 
     (tmp_path / "ep3").mkdir()
     (tmp_path / "ep0-rank0.pt").write_bytes(b"x")

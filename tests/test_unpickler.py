@@ -12,9 +12,11 @@ from payloads import lazy_tensor, torch_pickle_bytes
 import ckpttool
 from ckpttool.dtypes import DTYPES
 from ckpttool.errors import CkptError, UnsafeError
-from ckpttool.policy import is_dangerous
-from ckpttool.tree import ByteSource, Opaque, StorageRef, TensorRef
-from ckpttool.unpickler import load_pickle
+from ckpttool.sources.spans import ByteSpan
+from ckpttool.tree.leaves import StorageRef, TensorRef
+from ckpttool.tree.opaque import Opaque
+from ckpttool.unpickler.policy import is_dangerous
+from ckpttool.unpickler.restricted import load_pickle
 
 PLAIN = {
     "int": 3,
@@ -58,7 +60,7 @@ def _storage_loader(numel=12):
         assert pid[0] == "storage"
         key = pid[2]
         if key not in storages:
-            storages[key] = StorageRef(key, DTYPES["float32"], pid[4], pid[3], ByteSource(data=b""))
+            storages[key] = StorageRef(key, DTYPES["float32"], pid[4], pid[3], ByteSpan(data=b""))
         return storages[key]
 
     return persistent_load, storages

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckpttool
-from ckpttool.api import flatten_tensors, select_node
+from ckpttool.api.reading import flatten_tensors, select_node
 from ckpttool.convert import convert
 from ckpttool.dtypes import DTYPES
 from ckpttool.errors import CkptError

@@ -69,7 +69,7 @@ def inspect(
     from .. import sources
     from ..api import read
     from ..errors import UsageError
-    from ..report import inspect_report
+    from ..inspection import inspect_report
     from ..tree import iter_tensors
 
     if limit < 0:

@@ -18,15 +18,7 @@ from typing import Any
 from ..sources import is_url
 from .collapse import Row, collapse
 from .structure import structure_lines
-from .text import (
-    columns,
-    human_bytes,
-    human_count,
-    plural,
-    printable,
-    short_dtype,
-    short_value,
-)
+from .text import columns, human_bytes, human_count, plural, printable, short_dtype, short_value
 
 Paint = Callable[[str, str], str]
 MAX_FILES_SHOWN = 4
@@ -66,8 +58,7 @@ def inspect_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
 
 
 def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> list[str]:
-    from ..layout import model_state
-    from ..tree import get_path, iter_tensors
+    from ..tree import get_path, iter_tensors, model_state
 
     def label(name: str, text: str, style: str | None = None) -> str:
         return paint(f"{name}:", "bold") + " " + (paint(text, style) if style else text)

@@ -115,7 +115,7 @@ def structure_lines(
 
 
 def _is_plain(value: Any) -> bool:
-    from ..layout import is_plain
+    from ..tree import is_plain
 
     return is_plain(value)
 

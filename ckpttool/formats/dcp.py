@@ -19,12 +19,12 @@ import re
 from collections.abc import Hashable
 from typing import Any
 
-from .. import source_file, sources
+from .. import sources
 from ..dtypes import DType
 from ..errors import CkptError
-from ..policy import MAX_NESTING
-from ..sharding import Shard, check_coverage
-from ..tree import Checkpoint, ShardedRef, TensorRef, state_attrs
+from ..sources import open_input
+from ..tree import Checkpoint, Shard, ShardedRef, TensorRef, check_coverage, state_attrs
+from ..unpickler import MAX_NESTING
 from .per_rank import lone_rank_shards
 from .safetensors_file import MAX_HEADER, dcp_saved_offsets
 from .safetensors_file import tensor_ref as safetensors_tensor_ref
@@ -64,6 +64,8 @@ class DcpChunk:
 
     The span is a ``torch.save`` zip, or the start of the file's safetensors blob.
     """
+
+    cast_to = None  # read as stored (tree.sharding.Block)
 
     def __init__(
         self,
@@ -134,9 +136,6 @@ class DcpChunk:
             )
         return ref
 
-    def load(self, map_location: Any = "cpu") -> Any:
-        return self.tensor_ref().load(map_location)
-
 
 def _safetensors_blob(path: str, offset: int) -> tuple[dict, int, int] | None:
     """(header, data start, data length) of a safetensors blob at ``offset``, if one is there.
@@ -181,7 +180,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     seen: set[str] = set()
     from ..unpickler import load_pickle
 
-    with source_file.open_input(meta_path) as f:
+    with open_input(meta_path) as f:
         metadata = load_pickle(f, path=meta_path, permissive=permissive, seen=seen)
     meta = _attrs(metadata)
     entries = meta.get("state_dict_metadata")

@@ -14,8 +14,7 @@ import re
 
 from .. import sources
 from ..errors import CkptError
-from ..sharding import Shard, check_coverage
-from ..tree import Checkpoint, ShardedRef
+from ..tree import Checkpoint, Shard, ShardedRef, check_coverage
 from .safetensors_file import (
     DCP_SHARDING_KEY,
     dcp_saved_offsets,

@@ -25,8 +25,8 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from ..policy import MAX_NESTING
 from ..tree import Checkpoint, Opaque, verdicts
+from ..unpickler import MAX_NESTING
 from . import dcp, torch_zip
 
 FORMAT = "megatron"

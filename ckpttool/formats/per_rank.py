@@ -17,8 +17,8 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from ..sharding import LocalShards, Shard, check_coverage, own_dtensor_block
-from ..tree import Checkpoint, Opaque, ShardedRef, TensorRef, get_path, walk
+from ..tree import Checkpoint, Opaque, Shard, ShardedRef, TensorRef, check_coverage, get_path, walk
+from ..unpickler import LocalShards, own_dtensor_block
 from . import torch_legacy, torch_zip
 
 FORMAT = "per-rank"
@@ -161,6 +161,8 @@ def _check_plain_tensors(base: Any, other: Any, path: str) -> None:
 class RankShard:
     """A ShardedTensor block that another rank's file holds, read only when its data is needed."""
 
+    cast_to = None  # read as stored (tree.sharding.Block)
+
     def __init__(self, files: RankFiles, rank: int, path: tuple, like: LocalShards, offsets, sizes):
         self.files, self.rank, self.path = files, rank, path
         self.like, self.offsets, self.sizes = like, offsets, sizes
@@ -180,9 +182,6 @@ class RankShard:
             if block.offsets == self.offsets and block.tensor.shape == self.sizes:
                 return block.tensor
         raise CkptError(f"tensor {key!r}: no block at offsets {list(self.offsets)}", path=file)
-
-    def load(self, map_location: Any = "cpu") -> Any:
-        return self.tensor_ref().load(map_location)
 
 
 def read(

@@ -53,9 +53,8 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from ..layout import model_key
-from ..policy import check_structure
-from ..tree import Checkpoint, verdicts
+from ..tree import Checkpoint, model_key, verdicts
+from ..unpickler import check_structure
 from . import dcp, deepspeed_latest_tag
 
 ReadPart = Callable[[Any], Checkpoint]  # one path or a list of rank files -> Checkpoint

@@ -10,7 +10,8 @@ from typing import Any
 from .. import sources
 from ..dtypes import SAFETENSORS_DTYPES
 from ..errors import CkptError
-from ..tree import ByteSource, Checkpoint, StorageRef, TensorRef, contiguous_stride
+from ..sources import ByteSpan
+from ..tree import Checkpoint, StorageRef, TensorRef, contiguous_stride
 
 FORMAT = "safetensors"
 # The safetensors library refuses headers over 100 MB; so do we, before allocating.
@@ -210,7 +211,7 @@ def tensor_ref(path: str, name: str, info: Any, data_start: int, data_len: int) 
             f"tensor {name!r}: offsets do not match its shape or the file (truncated or corrupt)",
             path=path,
         )
-    storage = StorageRef(name, dt, numel, "cpu", ByteSource(path, data_start + begin, end - begin))
+    storage = StorageRef(name, dt, numel, "cpu", ByteSpan(path, data_start + begin, end - begin))
     try:
         return TensorRef(
             dtype=dt, shape=shape, stride=contiguous_stride(shape), offset=0, storage=storage

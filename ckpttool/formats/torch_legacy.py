@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import source_file, sources
+from .. import sources
 from ..errors import CkptError
-from ..torch_values import Device, check_storage_reference
-from ..tree import ByteSource, Checkpoint, Opaque, StorageRef, opaque_class
+from ..sources import ByteSpan, SourceFile, open_input
+from ..tree import Checkpoint, Device, Opaque, StorageRef, check_storage_reference, opaque_class
 from ..unpickler import load_pickle
 from .torch_zip import checkpoint
 
@@ -42,7 +42,7 @@ def detect(path: str, head: bytes) -> bool:
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     seen: set[str] = set()
     size = sources.getsize(path)
-    with source_file.open_input(path) as f:
+    with open_input(path) as f:
         magic = load_pickle(f, path=path, seen=seen)
         if magic != MAGIC_NUMBER:
             raise CkptError(
@@ -105,7 +105,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             numel = int.from_bytes(count, "little" if little else "big", signed=True)
             if numel != ref.numel:
                 raise CkptError(f"corrupt storage {key}: size does not match", path=path)
-            ref.source = ByteSource(path, at + 8, ref.nbytes)
+            ref.source = ByteSpan(path, at + 8, ref.nbytes)
         if pos > size:
             raise CkptError(f"file ends {pos - size} bytes early (truncated)", path=path)
     for ref, base_key, offset in views:
@@ -113,7 +113,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if base.source is None:
             raise CkptError(f"corrupt legacy checkpoint: storage {base_key} has no data", path=path)
         start = base.source.offset + offset * base.dtype.itemsize
-        ref.source = ByteSource(path, start, ref.nbytes)
+        ref.source = ByteSpan(path, start, ref.nbytes)
     for key, ref in storages.items():
         if ref.source is None:
             raise CkptError(f"corrupt legacy checkpoint: storage {key} has no data", path=path)
@@ -125,7 +125,7 @@ def _read_counts(f: Any, positions: list[int], size: int) -> list[bytes]:
     buffer: each is followed by megabytes of data), empty where the file ends first.
     A remote file's are fetched together (:meth:`Source.read_spans`)."""
     raw = f.raw
-    if not isinstance(raw, source_file.SourceFile):
+    if not isinstance(raw, SourceFile):
         fd = raw.fileno()
         return [os.pread(fd, 8, at) if at + 8 <= size else b"" for at in positions]
     counts = [bytearray(8 if at + 8 <= size else 0) for at in positions]

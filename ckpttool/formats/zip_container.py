@@ -12,8 +12,9 @@ import zipfile
 import zlib
 from collections.abc import Hashable
 
-from .. import source_file, sources
+from .. import sources
 from ..errors import CkptError
+from ..sources import SourceFile
 from ..zip_records import END as _END
 from ..zip_records import LOCAL_HEADER, ZIP_MAGIC
 from ..zip_records import ZIP64_END as _ZIP64_END
@@ -119,7 +120,7 @@ def _read(path: str, offset: int, size: int, tail: bytes, tail_start: int) -> by
     return bytes(sources.read(path, offset, size))
 
 
-class FileSpan(source_file.SourceFile):
+class FileSpan(SourceFile):
     """A read-only, seekable view of ``length`` bytes of a file from ``start``.
 
     zipfile reads an archive in many small pieces: its directory from the end, each

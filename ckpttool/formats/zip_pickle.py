@@ -14,8 +14,8 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from ..torch_values import Device, check_storage_reference
-from ..tree import ByteSource, StorageRef
+from ..sources import ByteSpan
+from ..tree import Device, StorageRef, check_storage_reference
 from ..unpickler import load_pickle
 from .zip_container import (
     LOCAL_HEADER,
@@ -278,7 +278,7 @@ class ZipPickle:
         name = f"{self.prefix}byteorder"
         return name in self.infos and self.read_entry(name, SMALL_ENTRY_BYTES).strip() == b"big"
 
-    def source(self, name: str) -> ByteSource:
+    def source(self, name: str) -> ByteSpan:
         info = self._info(name)
         if info.compress_type != zipfile.ZIP_STORED:
             # torch never compresses entries; inflating one could be a zip bomb
@@ -290,7 +290,7 @@ class ZipPickle:
             )
         if self._remote:
             # checked on first read instead: inspect of a remote file fetches no header
-            return ByteSource(
+            return ByteSpan(
                 self.path,
                 0,
                 info.file_size,
@@ -302,7 +302,7 @@ class ZipPickle:
         # the local header is checked now, not on first read: inspect, which reads no
         # tensor bytes, refuses a disguised entry as convert does
         offset = self.start + self._data_offset(info)
-        return ByteSource(self.path, offset, info.file_size)
+        return ByteSpan(self.path, offset, info.file_size)
 
     def scan(self, *, permissive: bool = False, seen: set[str] | None = None) -> None:
         """Judge the globals of ``data.pkl`` without rebuilding anything (see GlobalsScanner)."""

@@ -3,7 +3,7 @@
 Each writer module has the same surface:
 
 - ``TO``: the contract's ``--to`` value it writes;
-- ``layout(options)``: the :class:`~ckpttool.output.FolderLayout` of a folder output,
+- ``layout(options)``: the :class:`~ckpttool.writers.atomic.FolderLayout` of a folder output,
   or None for one file;
 - ``plan(tensors, options)``: a :class:`~ckpttool.writers.plan.Plan` (files, pieces
   at offsets, sizes) from the tensors' metadata alone;
@@ -22,11 +22,11 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
-from .. import sharding
 from ..dtypes import DType
 from ..errors import CkptError, UsageError
 from ..progress import Progress
-from ..tree import ByteSource, SparseRef, TensorRef
+from ..sources import ByteSpan
+from ..tree import SparseRef, TensorRef, sharding
 from .output_file import OutputFile
 
 __all__ = [
@@ -93,9 +93,9 @@ def raw_parts(leaf: Any, cast: DType | None) -> list[TensorRef] | None:
 
 def tensor_for_write(leaf: Any, cast: DType | None) -> Any:
     """The leaf as a contiguous CPU tensor, cast if asked (imports torch)."""
-    from ..tensors import torch_dtype
+    from ..tensors import load_leaf, torch_dtype
 
-    tensor = leaf.load("cpu")
+    tensor = load_leaf(leaf, "cpu")
     target = output_dtype(leaf, cast)
     if target != leaf.dtype:
         tensor = tensor.to(torch_dtype(target))
@@ -110,7 +110,7 @@ def tensor_bytes(tensor: Any) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(tensor.data_ptr())).cast("B")
 
 
-def _stored_bytes(ref: TensorRef) -> ByteSource:
+def _stored_bytes(ref: TensorRef) -> ByteSpan:
     """Where a raw part's bytes lie (:func:`raw_parts` gives only tensors that have them)."""
     if ref.storage is None or ref.storage.source is None:
         raise CkptError("tensor has no stored data (saved on the meta device)")
@@ -161,7 +161,7 @@ def _copy_raw(out: OutputFile, ref: TensorRef, progress: Progress | None) -> Non
         start = ref.offset * ref.dtype.itemsize
         if start < 0 or start + ref.nbytes > source.length:
             raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
-        if source.path is None:  # as ByteSource.read says
+        if source.path is None:  # as ByteSpan.read says
             raise CkptError("tensor bytes have no file")
         source.resolve(out.inputs)
         out.copy_from(source.path, source.offset + start, ref.nbytes, progress)

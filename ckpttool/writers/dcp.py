@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..formats.dcp import METADATA_FILE
-from ..output import DCP_FILES, FolderLayout
 from ..tensors import torch_dtype
 from . import output_dtype, refuse_sparse
+from .atomic import DCP_FILES, FolderLayout
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 from .torch_zip import plan_zip
 

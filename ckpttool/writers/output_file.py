@@ -42,8 +42,7 @@ from typing import Any
 from .. import sources
 from ..errors import CkptError
 from ..progress import Progress
-from ..sources import OpenFiles
-from ..spans import local_fd
+from ..sources import OpenFiles, local_fd
 
 BUFFER_BYTES = 16 << 20  # one staging buffer
 BUFFERS = 4  # one being filled, up to three being written: a disk takes several at once

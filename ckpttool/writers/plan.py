@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dtypes import DType
 from ..errors import CkptError
 from ..progress import Progress
-from ..tree import DType
 from . import write_leaf
 from .output_file import OutputFile
 
@@ -181,7 +181,9 @@ def write(part: Part, out: OutputFile, progress: Progress | None = None) -> Writ
                 waiting[piece.offset] = (piece.needs, piece.build)
         else:
             if piece.check is not None:
-                piece.check.load("cpu")  # torch.load would refuse an invalid sparse tensor
+                from ..tensors import load_leaf
+
+                load_leaf(piece.check, "cpu")  # torch.load would refuse an invalid sparse tensor
             if piece.crc:
                 out.begin_crc32()
             write_leaf(out, piece.leaf, piece.cast, progress)

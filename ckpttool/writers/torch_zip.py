@@ -23,10 +23,18 @@ from typing import Any, SupportsIndex
 
 from ..dtypes import DTYPES, STORAGE_CLASSES, DType, check_dtype
 from ..errors import CkptError
-from ..output import FolderLayout
-from ..plain import TorchValue, to_plain
-from ..torch_values import TORCH_LAYOUTS, Device, TorchName, TorchSize
-from ..tree import SparseRef, StorageRef, TensorRef, contiguous_stride
+from ..tree import (
+    TORCH_LAYOUTS,
+    Device,
+    SparseRef,
+    StorageRef,
+    TensorRef,
+    TorchName,
+    TorchSize,
+    TorchValue,
+    contiguous_stride,
+    to_plain,
+)
 from ..zip_records import (
     CENTRAL_HEADER,
     CENTRAL_HEADER_SIGNATURE,
@@ -40,6 +48,7 @@ from ..zip_records import (
     ZIP64_LOCATOR_SIGNATURE,
 )
 from . import output_dtype
+from .atomic import FolderLayout
 from .plan import Crcs, FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = [

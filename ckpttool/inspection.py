@@ -1,0 +1,365 @@
+"""What ``inspect`` reports, as plain data in the contract's ``--json`` shape.
+
+Only metadata is read, unless ``stats`` asks for min/max/mean/std and NaN/Inf counts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from . import sources
+from .dtypes import NO_NUMBERS, DType
+from .errors import CkptError, translate_errors
+from .progress import Progress
+from .tree import (
+    Checkpoint,
+    Device,
+    KeyPath,
+    Leaf,
+    Opaque,
+    ShardedRef,
+    SparseRef,
+    StorageRef,
+    TensorRef,
+    TorchName,
+    TorchSize,
+    detect_prefix,
+    get_path,
+    global_name,
+    iter_tensors,
+    model_key,
+    model_state,
+    plain_values,
+)
+
+# --stats works on float64 copies of this many elements at a time (8 MiB)
+STATS_CHUNK = 1 << 20
+
+
+def json_key(path: KeyPath) -> list[Any]:
+    """A key path as JSON: strings and integers stay, other keys become strings."""
+    return [k if isinstance(k, (str, int)) and not isinstance(k, bool) else str(k) for k in path]
+
+
+def dotted(path: KeyPath) -> str:
+    return ".".join(str(k) for k in path)
+
+
+@translate_errors
+def inspect_report(
+    ckpt: Checkpoint,
+    *,
+    filter: str | None = None,
+    stats: bool = False,
+    progress: Progress | None = None,
+    since: tuple[int, int] = (0, 0),
+) -> dict[str, Any]:
+    """Build the ``inspect --json`` object for a checkpoint.
+
+    Args:
+        ckpt: A lazily read checkpoint.
+        filter: A regular expression; only tensors and values whose dotted key matches.
+        stats: Read every tensor and add min/max/mean/std and NaN/Inf counts.
+        progress: Called with the bytes of each tensor read for ``stats``.
+        since: :func:`sources.transferred` when the command started: ``transfer``
+            counts from there (from the start of the process by default).
+    """
+    try:
+        pattern = re.compile(filter) if filter else None
+    except re.error as exc:
+        raise CkptError(f"bad --filter regular expression: {exc}") from None
+    model_path = model_key(ckpt)
+    model = model_state(get_path(ckpt.root, model_path)) if model_path is not None else None
+    prefix = (
+        detect_prefix([k for k in model if isinstance(k, str)])
+        if isinstance(model, Mapping)
+        else None
+    )
+
+    tensors, nbytes = [], 0
+    single_file = ckpt.files[0] if len(ckpt.files) == 1 else None
+    for path, ref in iter_tensors(ckpt.root):
+        if pattern and not pattern.search(dotted(path)):
+            continue
+        entry = tensor_entry(path, ref)
+        file = single_file or tensor_file(ref)
+        entry["file"] = None if file is None else sources.shown(file)
+        if stats:
+            entry["stats"] = tensor_stats(ref)
+            if progress:
+                progress(ref.nbytes)
+        tensors.append(entry)
+        nbytes += ref.nbytes
+    # counted over the state dict itself: for a pickled module, its non-persistent
+    # buffers are tensors in the file but not part of its state dict
+    num_params = sum(
+        ref.numel
+        for path, ref in iter_tensors(model or {})
+        if not pattern or pattern.search(dotted((*(model_path or ()), *path)))
+    )
+
+    values = [
+        value_entry(path, value)
+        for path, value in plain_values(ckpt.root)
+        if not pattern or pattern.search(dotted(path))
+    ]
+    return {
+        "format": ckpt.format,
+        "files": [sources.shown(f) for f in ckpt.files],  # (a URL's secrets never shown)
+        "world_size": ckpt.world_size,
+        "prefix": prefix,
+        "model_key": None if model_path is None else json_key(model_path),
+        "tensors": tensors,
+        "num_tensors": len(tensors),
+        "num_params": num_params,
+        "nbytes": nbytes,
+        "values": values,
+        # sorted: the safetensors writer stores __metadata__ in no particular order
+        "metadata": json_value(dict(sorted(ckpt.metadata.items(), key=lambda kv: str(kv[0])))),
+        "globals": list(ckpt.globals),
+        "unverified": list(ckpt.unverified),
+        "dangerous": list(ckpt.dangerous),
+        "transfer": transfer_entry(since),
+    }
+
+
+def transfer_entry(before: tuple[int, int] = (0, 0)) -> dict[str, int]:
+    """The ``transfer`` field: bytes and requests read through the byte sources since
+    ``before`` (a :func:`sources.transferred` taken when the command started)."""
+    nbytes, requests = sources.transferred()
+    return {"bytes": nbytes - before[0], "requests": requests - before[1]}
+
+
+def tensor_entry(path: KeyPath, ref: Leaf) -> dict[str, Any]:
+    entry = {
+        "key": json_key(path),
+        "dtype": ref.dtype.name,
+        "shape": list(ref.shape),
+        "device": ref.device,
+        "nbytes": ref.nbytes,
+        "sharded": isinstance(ref, ShardedRef),
+    }
+    if isinstance(ref, ShardedRef):
+        entry["shards"] = len(ref.shards)
+    if isinstance(ref, SparseRef):
+        entry["layout"] = ref.layout
+    return entry
+
+
+def tensor_file(ref: Any) -> str | None:
+    """The file that holds a tensor's bytes; None when they are spread over several
+    (a sharded tensor's ranks) or were never saved."""
+    if isinstance(ref, SparseRef):
+        files = {tensor_file(part) for part in ref.parts}
+    elif isinstance(ref, ShardedRef):
+        files = {tensor_file(shard.tensor) for shard in ref.shards}
+    else:
+        storage = getattr(ref, "storage", None)
+        source = getattr(storage, "source", None)
+        return getattr(source, "path", None)
+    return files.pop() if len(files) == 1 else None
+
+
+def value_entry(path: KeyPath, value: Any) -> dict[str, Any]:
+    return {"key": json_key(path), "type": value_type(value), "value": json_value(value)}
+
+
+def value_type(value: Any) -> str:
+    if isinstance(value, Opaque):
+        return "opaque"
+    if isinstance(value, type) or global_name(value):  # a class or function saved by reference
+        return "global"
+    if isinstance(value, Device):
+        return "device"
+    if isinstance(value, DType):
+        return "dtype"
+    if isinstance(value, TorchName):
+        return "torch"
+    if isinstance(value, TorchSize):
+        return "torch.Size"
+    if isinstance(value, StorageRef):
+        return "storage"
+    return type(value).__name__
+
+
+def json_value(value: Any) -> Any:
+    """A JSON-safe rendering of a plain value."""
+    if isinstance(value, Opaque):
+        return repr(value)
+    if isinstance(value, type):
+        name = value.class_name() if issubclass(value, Opaque) else value.__qualname__
+        module = "" if issubclass(value, Opaque) else f"{value.__module__}."
+        return f"<global {module}{name}>"
+    if global_name(value):
+        return f"<global {global_name(value)}>"
+    if isinstance(value, DType):
+        return f"torch.{value.name}"
+    if isinstance(value, StorageRef):
+        return f"<storage {value.dtype.name} [{value.numel}]>"
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    if isinstance(value, Mapping):  # format metadata (a sharded index's may nest)
+        return {str(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, str) and len(value) > MAX_SHOWN_TEXT:
+        # a file may hold one long string many times over: what is shown stays small
+        return f"{value[:MAX_SHOWN_TEXT]}... <{len(value)} characters>"
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+# Characters of a string value a report shows (longer ones are cut, their length said).
+MAX_SHOWN_TEXT = 1000
+
+
+def tensor_stats(ref: Leaf) -> dict[str, Any]:
+    """min/max/mean/std and NaN/Inf counts of one tensor (reads its bytes).
+
+    A tensor saved without data (meta device) or sharded with blocks missing has none
+    to show. A sparse tensor's are those of the dense tensor it stands for, computed
+    from its stored values (the elements it does not store are zeros), never densified.
+    """
+    import torch
+
+    out: dict[str, Any] = {"nan": 0, "inf": 0}
+    none = {**out, "min": None, "max": None, "mean": None, "std": None}
+    if isinstance(ref, TensorRef) and ref.storage is None:
+        return none
+    if isinstance(ref, ShardedRef) and ref.incomplete:
+        return none
+    if ref.dtype.name in NO_NUMBERS:
+        return none
+    from .tensors import load_leaf
+
+    t = load_leaf(ref, "cpu")
+    zeros = 0  # elements a sparse tensor does not store
+    if isinstance(ref, SparseRef):
+        from .tensors import sparse_entries
+
+        t = sparse_entries(t)[1]
+        zeros = ref.numel - t.numel()
+    if t.numel() + zeros == 0:
+        return none
+    if t.is_quantized:  # the values it stands for
+        t = t.dequantize()
+    if t.dtype == torch.complex32:  # torch warns that its kernels are experimental
+        t = t.to(torch.complex64)
+    if t.is_complex():
+        t = t.abs()
+    if t.dtype in (torch.bool, torch.uint16, torch.uint32):  # no min/max kernels for these
+        t = t.to(torch.int64)
+    if t.dtype == torch.uint64:  # (sparse values come widened to int64)
+        return {**out, **_uint64_stats(t)}
+    if t.is_floating_point() and not zeros and t.numel() > STATS_CHUNK:
+        return {**out, **_chunked_float_stats(t.reshape(-1))}
+    if t.is_floating_point():
+        t = t.to(torch.float64)
+        finite = torch.isfinite(t)
+        out["nan"] = int(torch.isnan(t).sum())
+        out["inf"] = int(torch.isinf(t).sum())
+        t = t[finite]
+    if zeros:
+        return {**out, **_stats_with_zeros(t, zeros)}
+    if t.numel() == 0:
+        return none | out
+    out["min"] = _number(t.min())
+    out["max"] = _number(t.max())
+    f = t.to(torch.float64)
+    out["mean"] = float(f.mean())
+    out["std"] = float(f.std()) if f.numel() > 1 else 0.0
+    return out
+
+
+def _chunked_float_stats(t: Any) -> dict[str, Any]:
+    """Stats of a big flat floating-point tensor, a chunk at a time in float64.
+
+    Each chunk's float64 copy stays in the CPU cache (a whole-tensor copy is 8 bytes
+    per element through memory, several passes over it); the chunks' means and sums
+    of squared deviations are combined exactly as Chan et al.'s parallel variance.
+    """
+    import torch
+
+    nan = inf = count = 0
+    low = high = None
+    mean = m2 = 0.0
+    for start in range(0, t.numel(), STATS_CHUNK):
+        chunk = t[start : start + STATS_CHUNK].to(torch.float64)
+        kept = chunk.numel()
+        var, mean_t = torch.var_mean(chunk, correction=0)
+        chunk_mean: Any = mean_t
+        # a NaN or an infinity makes the mean or variance one too: only then count them
+        if not (math.isfinite(float(var)) and math.isfinite(float(chunk_mean))):
+            finite = torch.isfinite(chunk)
+            kept = int(finite.sum())
+            chunk_nan = int(torch.isnan(chunk).sum())
+            nan, inf = nan + chunk_nan, inf + chunk.numel() - kept - chunk_nan
+            chunk = chunk[finite]
+            if not kept:
+                continue
+            var, chunk_mean = torch.var_mean(chunk, correction=0)
+        chunk_low, chunk_high = torch.aminmax(chunk)
+        chunk_mean, chunk_m2 = float(chunk_mean), float(var) * kept
+        low = float(chunk_low) if low is None else min(low, float(chunk_low))
+        high = float(chunk_high) if high is None else max(high, float(chunk_high))
+        delta, total = chunk_mean - mean, count + kept
+        mean += delta * kept / total
+        m2 += chunk_m2 + delta * delta * count * kept / total
+        count = total
+    if not count:
+        return {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "std": None}
+    std = math.sqrt(m2 / (count - 1)) if count > 1 else 0.0
+    return {"nan": nan, "inf": inf, "min": low, "max": high, "mean": mean, "std": std}
+
+
+def _stats_with_zeros(values: Any, zeros: int) -> dict[str, Any]:
+    """Stats of ``values`` (real, finite) together with ``zeros`` more zero elements."""
+    import torch
+
+    count = values.numel() + zeros
+    f = values.to(torch.float64)
+    mean = float(f.sum()) / count
+    # squared deviations of the stored values, then those of the zeros
+    squares = float(((f - mean) ** 2).sum()) + zeros * mean**2
+    stored = values.numel() > 0
+    return {
+        "min": min(_number(values.min()), 0) if stored else 0,
+        "max": max(_number(values.max()), 0) if stored else 0,
+        "mean": mean,
+        "std": math.sqrt(squares / (count - 1)) if count > 1 else 0.0,
+    }
+
+
+def _uint64_stats(t: Any) -> dict[str, Any]:
+    """Stats of a uint64 tensor (torch has no kernels for it).
+
+    min/max are exact: flipping the top bit maps uint64 onto int64 in order. mean
+    and std are taken over the distances from the minimum, each converted as two
+    32-bit halves: near 2**63, float64 would round small differences away.
+    """
+    import torch
+
+    bits = t.view(torch.int64)
+    shifted = bits ^ torch.iinfo(torch.int64).min
+    low, high = int(shifted.min()) + 2**63, int(shifted.max()) + 2**63
+    # (bits - low) wraps around as uint64 would: the distance, as unsigned bits
+    distance = bits - (low - 2**64 if low >= 2**63 else low)
+    halves = (distance >> 32) & 0xFFFFFFFF, distance & 0xFFFFFFFF
+    f = halves[0].to(torch.float64) * 2.0**32 + halves[1].to(torch.float64)
+    return {
+        "min": low,
+        "max": high,
+        "mean": low + float(f.mean()),
+        "std": float(f.std()) if f.numel() > 1 else 0.0,
+    }
+
+
+def _number(x: Any) -> int | float:
+    value = x.item()
+    return value if isinstance(value, (int, float)) else float(value)

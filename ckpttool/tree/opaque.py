@@ -1,0 +1,351 @@
+"""``Opaque``: the inert stand-in for an object of a class the unpickler does not build,
+and the rules for what calling such a class, or a callable it holds, would run.
+
+An ``Opaque`` records its class name and the state the pickle gave it, walks as its
+children, and cannot be changed by the pickle afterwards. The call rules here
+(:func:`held_callable_name`, :func:`handed_callables`, :func:`partial_call`) are the
+ones the restricted unpickler applies while it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from ..guard import charge, note_call
+from ..sealed import Sealed
+
+if TYPE_CHECKING:
+    pass
+
+
+# Known classes whose objects exist to hold a callable they are given and call it
+# later, when called themselves: making one calls nothing.
+HOLDS_CALLABLES = frozenset({"functools.partial"})
+
+
+# Verdicts of the partials met during one judgment (id -> name or None): a partial given
+# the same partial twice, thirty levels deep, is a few hundred bytes of pickle and would
+# otherwise be judged 2**30 times.
+CallVerdicts = dict[int, "str | None"]
+
+
+CallableName = Callable[[Any, CallVerdicts], "str | None"]
+
+
+def _callable_name(item: Any, verdicts: CallVerdicts) -> str | None:
+    """What calling ``item`` would be named, where it is a callable of note: an object of
+    a class that holds a callable (a partial, see :func:`held_callable_name`), or a
+    global on no allow-list."""
+    if isinstance(item, _ReadOnlyClass) and not (item.known or item.dangerous):
+        return f"{item.module}.{item.qualname}"
+    return held_callable_name(item, verdicts)
+
+
+def held_callable_name(item: Any, verdicts: CallVerdicts) -> str | None:
+    """``functools.partial()`` where ``item`` is a partial whose call would be of note:
+    one that calls anything but a known class with plain arguments. The function it
+    calls is the one BUILD gives it (``partial.__setstate__`` replaces the one it was
+    made with), so both are judged. ``partial(nn.LayerNorm, eps=1e-6)`` (torchvision's
+    ``norm_layer``, kept by its models) calls nothing of note."""
+    if not (isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES):
+        return None
+    if id(item) in verdicts:
+        return verdicts[id(item)]
+    verdicts[id(item)] = None  # (one it holds itself, through its BUILD, is judged once)
+    state = item.state  # keywords it was made with (NEWOBJ_EX), until a BUILD
+    funcs, args, kwargs = partial_call(item.args, state if type(state) is dict else {}, state)
+    plain_call = (
+        bool(funcs)
+        and all(_is_known_class(func) for func in funcs)
+        and not handed_callables(args, kwargs, verdicts=verdicts)
+        and not any(_is_unverified_object(v) for v in (*args, *kwargs.values()))
+    )
+    verdicts[id(item)] = None if plain_call else f"{type(item).class_name()}()"
+    return verdicts[id(item)]
+
+
+def partial_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], state: Any
+) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
+    """(functions, arguments, keywords) a pickled partial would call: the function it
+    was made with (``args[0]``) and the one its last BUILD gives it (``state``, as
+    ``partial.__setstate__`` takes it: ``(func, args, keywords, __dict__)``), with the
+    arguments of both. Both functions are judged: the real one calls the second."""
+    funcs, call_args, keywords = args[:1], args[1:], kwargs
+    if type(state) is tuple and state:
+        funcs += state[:1]
+        if len(state) > 1 and type(state[1]) is tuple:
+            call_args += state[1]
+        if len(state) > 2 and type(state[2]) is dict:
+            keywords = {**keywords, **state[2]}
+    return funcs, call_args, keywords
+
+
+def _is_known_class(item: Any) -> bool:
+    return (
+        isinstance(item, _ReadOnlyClass)
+        and item.known
+        and f"{item.module}.{item.qualname}" not in HOLDS_CALLABLES
+    )
+
+
+def _is_unverified_object(item: Any) -> bool:
+    return isinstance(item, Opaque) and not (type(item).known or type(item).dangerous)
+
+
+def handed_callables(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    callable_name: CallableName = _callable_name,
+    verdicts: CallVerdicts | None = None,
+) -> list[str]:
+    """The callables a pickle hands to a constructor, in its arguments or one level into
+    a list, tuple, dict or set among them (``callable_name``: a partial object, a global
+    on no allow-list). A known class's constructor may call them at once
+    (``LambdaLR(optimizer, partial(...))`` does), so they count as called.
+    ``verdicts``: those of the judgment this one is part of (a partial's arguments).
+    """
+    verdicts = {} if verdicts is None else verdicts
+    found: list[str] = []
+    for value in (*args, *kwargs.values()):
+        if type(value) in (list, tuple, set, frozenset):
+            items: Any = value
+        elif type(value) is dict:
+            items = dict.values(value)
+        else:
+            items = (value,)
+        charge(len(items))  # a shared long list handed to many calls
+        found.extend(name for item in items if (name := callable_name(item, verdicts)))
+    return found
+
+
+class _ReadOnlyClass(type):
+    """Stand-in classes are shared by every read: a pickle's BUILD must not change them."""
+
+    # (set by Opaque and opaque_class's subclasses; declared for the type checker)
+    module: str
+    qualname: str
+    dangerous: bool
+    known: bool
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        # only a pickle calls a stand-in class (ckpttool's own code uses make()):
+        # calling a global on no allow-list is what gadgets do (FileHandler(path))
+        if not (cls.known or cls.dangerous):
+            note_call(f"{cls.module}.{cls.qualname}")
+        elif cls.known and f"{cls.module}.{cls.qualname}" not in HOLDS_CALLABLES:
+            for name in handed_callables(args, kwargs):
+                note_call(name)
+            for value in (*args, *kwargs.values()):
+                # deque(x) iterates x: an object of a class on no allow-list runs its code
+                if isinstance(value, Opaque) and not (type(value).known or type(value).dangerous):
+                    note_call(f"{cls.module}.{cls.qualname}({type(value).class_name()})")
+        return cls.make(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
+
+    def __delattr__(cls, name: str) -> None:
+        raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
+
+
+class Opaque(Sealed, metaclass=_ReadOnlyClass):
+    """Inert stand-in for an instance of a class we do not rebuild.
+
+    It records what the pickle gave it (constructor args, state, items) and
+    never runs anything. Subclasses are made per class by :func:`opaque_class`.
+    """
+
+    module = "builtins"
+    qualname = "object"
+    dangerous = False
+    known = False  # a torch metadata class we understand, not worth a warning
+
+    # What SETITEM(S) and APPENDS gave it; shared empty defaults until then (hot: a
+    # ShardedTensor pickles a dozen metadata objects, none with items).
+    items: Mapping[Any, Any] = MappingProxyType({})
+    list: Sequence[Any] = ()
+    args: tuple[Any, ...]
+    state: Any
+
+    # No __init__: with __new__ overridden, object.__init__ accepts the arguments, and
+    # Python makes one call per object instead of two.
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        """NEWOBJ's ``cls.__new__(cls, *args)``: creates the object, calls nothing.
+
+        An object of a class on no allow-list that is made with a callable may call it
+        when used (iterating ``itertools.starmap(FileHandler, [(path,)])`` makes the
+        file, and a known class's ``__setstate__`` iterates what BUILD gives it, as
+        ``SGD``'s does its ``param_groups``): the callables it is handed count as called.
+        """
+        if args and not (cls.known or cls.dangerous):
+            for name in handed_callables(args, kwargs):
+                note_call(name)
+        return cls.make(*args, **kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        """BUILD: records the state, calls nothing.
+
+        An object of a class on no allow-list given a callable object (a partial) by
+        BUILD is as one made with it (see ``__new__``): its attributes are what the real
+        object's methods use (a ``WeakSet`` calls each item of its ``data`` as it is
+        iterated, which ``SGD``'s ``__setstate__`` does to its param_groups), so the
+        partials in them count as called. A global function among its attributes does
+        not: objects hold functions (a pickled module's ``self.act = F.relu``).
+        """
+        cls = type(self)
+        if not (cls.known or cls.dangerous):
+            for name in handed_callables(state_values(state), {}, held_callable_name):
+                note_call(name)
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if "items" not in self.__dict__:
+            self.items = {}
+        self.items[key] = value  # type: ignore[index]  # its own dict from here on
+
+    def append(self, value: Any) -> None:
+        self.extend((value,))
+
+    def extend(self, values: Any) -> None:
+        if "list" not in self.__dict__:
+            self.list = []
+        self.list.extend(values)  # type: ignore[attr-defined]  # its own list from here on
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
+        # A pickle may call a stand-in (``getattr(x, "system")(cmd)``): the result is
+        # another inert stand-in, so ``--unsafe`` reads such files instead of failing.
+        # The real object's __call__ would run (a partial calling what it holds): no
+        # checkpoint calls an object, so this is refused as dangerous.
+        cls = opaque_class(self.module, f"{self.qualname}()", dangerous=True)
+        if not self.dangerous:  # (one already refused is named once)
+            note_call(cls.class_name())
+        return cls.make(*args, **kwargs)
+
+    @classmethod
+    def make(cls, *args: Any, **kwargs: Any) -> Opaque:
+        """An object of this stand-in class built by ckpttool itself (not a pickle call)."""
+        self = object.__new__(cls)
+        self.args = args
+        self.state = kwargs or None
+        return self
+
+    @classmethod
+    def class_name(cls) -> str:
+        return f"{cls.module}.{cls.qualname}"
+
+    def __repr__(self) -> str:
+        # an Enum member or a small value object is told apart by its arguments
+        # (Strategy('steps') and Strategy('epoch') as keys of one dict)
+        args = getattr(self, "args", ())
+        shown = ", ".join(repr(a) for a in args)
+        simple = all(isinstance(a, (str, int, float)) for a in args)
+        if args and simple and len(args) <= 3 and len(shown) <= 60:
+            return f"<opaque {self.class_name()}({shown})>"
+        return f"<opaque {self.class_name()}>"
+
+    def attrs(self) -> dict[str, Any]:
+        """The object's attributes as the pickle set them."""
+        return state_attrs(self.state)
+
+    def children(self) -> Iterator[tuple[Any, Any]]:
+        """(key, value) pairs a walk descends into, as a user names them: those of
+        :meth:`parts`, but a pickled ``nn.Module`` (``torch.save(model)``) gives its
+        ``state_dict()`` entries (``fc1.weight``, not ``_modules.fc1._parameters.weight``;
+        see :func:`module_entries`)."""
+        attrs = self.attrs()
+        if is_module_state(attrs):
+            yield from module_entries(attrs)
+        else:
+            yield from self.parts()
+
+    def parts(self) -> Iterator[tuple[Any, Any]]:
+        """(key, value) of everything the pickle gave the object: attributes, items,
+        list items, args (what a check of the whole tree must see)."""
+        attrs = self.attrs()
+        yield from attrs.items()
+        if self.state is not None and not attrs:
+            yield "__state__", self.state
+        yield from self.items.items()
+        yield from enumerate(self.list)
+        if self.args:
+            yield "__args__", self.args
+
+
+def is_module_state(attrs: Mapping[str, Any]) -> bool:
+    """Whether an object's attributes are those of a pickled ``nn.Module`` (its
+    parameters and submodules, each a dict)."""
+    return isinstance(attrs.get("_parameters"), Mapping) and isinstance(
+        attrs.get("_modules"), Mapping
+    )
+
+
+def module_entries(attrs: Mapping[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """A pickled ``nn.Module``'s entries as its ``state_dict()`` names them: parameters,
+    then persistent buffers (None skipped, as torch skips them), then each submodule
+    under its name (whose own entries follow the same rule). Its other attributes
+    (hooks, flags, a config) are not part of the model's state."""
+    listed = attrs.get("_non_persistent_buffers_set")
+    non_persistent = listed if isinstance(listed, (set, frozenset)) else frozenset()
+    buffers = attrs.get("_buffers")
+    for name, value in _items(attrs["_parameters"]):
+        if value is not None:
+            yield name, value
+    for name, value in _items(buffers) if isinstance(buffers, Mapping) else ():
+        if value is not None and name not in non_persistent:
+            yield name, value
+    for name, value in _items(attrs["_modules"]):
+        if value is not None:
+            yield name, value
+
+
+def _items(mapping: Mapping[Any, Any]) -> Any:
+    # the type's own method: a BUILD may have given an OrderedDict an attribute `items`
+    return dict.items(mapping) if isinstance(mapping, dict) else mapping.items()
+
+
+def state_values(state: Any) -> tuple[Any, ...]:
+    """What a BUILD hands an object, as a constructor's arguments: each attribute of a
+    dict or ``(dict, slots)`` state, or the state itself."""
+    attrs = state_attrs(state) if type(state) in (dict, tuple) else None
+    return tuple(attrs.values()) if attrs else (state,)
+
+
+def state_attrs(state: Any) -> dict[str, Any]:
+    """Attributes from a pickled state: a dict, or a ``(dict_state, slots_state)`` pair.
+
+    A dict state comes back as it is, not copied (hot: every ShardedTensor has
+    dozens): read it, do not change it.
+    """
+    if type(state) is dict:
+        return state
+    if isinstance(state, Opaque):
+        return state.attrs()
+    if type(state) is tuple and len(state) == 2:
+        attrs, slots = state
+        if (attrs is None or isinstance(attrs, dict)) and (
+            slots is None or isinstance(slots, dict)
+        ):
+            if not slots:
+                return attrs or {}
+            if not attrs:
+                return slots
+            return {**attrs, **slots}
+    return dict(state) if isinstance(state, dict) else {}
+
+
+_OPAQUE_CLASSES: dict[tuple[str, str, bool, bool], type] = {}
+
+
+def opaque_class(module: str, qualname: str, *, dangerous: bool = False, known: bool = False):
+    """The Opaque subclass standing in for ``module.qualname`` (one per name)."""
+    key = (module, qualname, dangerous, known)  # (a known one is not the unknown one)
+    cls = _OPAQUE_CLASSES.get(key)
+    if cls is None:
+        name = qualname.rsplit(".", 1)[-1]
+        attrs = {"module": module, "qualname": qualname, "dangerous": dangerous, "known": known}
+        cls = type(name if name.isidentifier() else "Opaque", (Opaque,), attrs)
+        _OPAQUE_CLASSES[key] = cls
+    return cls

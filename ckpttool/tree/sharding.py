@@ -1,0 +1,168 @@
+"""Shard geometry: where each block of a sharded tensor lies, and whether blocks tile it.
+
+Blocks come from ShardedTensor and DTensor pickles (their per-rank state is read by
+:mod:`ckpttool.unpickler.sharded`), DCP chunks, DeepSpeed partitions and Megatron
+shards. Every block is a :class:`Block`: it names the stored tensor that holds its
+elements (``tensor_ref``), which is how a writer copies a sharded tensor's bytes
+without torch (:func:`raw_parts`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..dtypes import DType
+from ..errors import CkptError
+from ..sealed import Sealed
+from .leaves import Leaf, ShardedRef, TensorRef
+
+
+class Block(Protocol):
+    """One stored block of a sharded tensor (a rank's local shard, a DCP chunk, a ZeRO
+    partition's slice): what merging and writing need from it. Its elements are those of
+    :meth:`tensor_ref`, read as ``cast_to`` where that is not None (ZeRO buffers, which
+    ``zero_to_fp32`` gives in fp32); :func:`ckpttool.tensors.load_leaf` reads it."""
+
+    @property
+    def cast_to(self) -> DType | None:
+        """The dtype the stored elements are read as, or None for their own."""
+        ...
+
+    def tensor_ref(self) -> TensorRef:
+        """The stored tensor holding the block's elements (metadata only, no bytes read)."""
+        ...
+
+
+@dataclass(eq=False)
+class Shard(Sealed):
+    """One block of a sharded tensor: ``sizes`` elements starting at ``offsets``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: Block
+    rank: int | None = None
+
+
+def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
+    """Every element of the global tensor is in exactly one shard."""
+    nonempty = [s for s in shards if math.prod(s.sizes)]  # empty ranks hold nothing
+    if _tiles(shape, nonempty, 0):
+        return
+    total = math.prod(shape)
+    covered = 0
+    for s in shards:
+        if (
+            len(s.offsets) != len(shape)
+            or len(s.sizes) != len(shape)
+            or any(
+                o < 0 or n < 0 or o + n > dim
+                for o, n, dim in zip(s.offsets, s.sizes, shape, strict=True)
+            )
+        ):
+            raise CkptError(
+                f"tensor {key!r}: a shard lies outside the tensor of shape {list(shape)}"
+            )
+        covered += math.prod(s.sizes)
+    if covered > total:
+        raise CkptError(f"tensor {key!r}: shards overlap ({covered} elements for {total})")
+    if covered < total:
+        raise CkptError(
+            f"tensor {key!r}: shards cover {covered} of {total} elements "
+            "(incomplete checkpoint: a rank file is missing?)"
+        )
+    if len(nonempty) > MAX_IRREGULAR_SHARDS:  # the pairwise check below is quadratic
+        raise CkptError(
+            f"tensor {key!r}: {len(nonempty)} shards that do not form a grid (corrupt checkpoint?)"
+        )
+    for i, a in enumerate(nonempty):
+        for b in nonempty[i + 1 :]:
+            if all(
+                max(ao, bo) < min(ao + an, bo + bn)
+                for ao, an, bo, bn in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+            ):
+                raise CkptError(f"tensor {key!r}: shards overlap")
+
+
+MAX_IRREGULAR_SHARDS = 4096
+
+
+def _tiles(shape: tuple, shards: list[Shard], dim: int) -> bool:
+    """The layouts sharding produces, checked in n log n: along ``dim`` the shards'
+    ranges follow each other from 0 to the end, shards with the same range form a
+    group, and each group tiles the dims after it the same way. Blocks of rows (FSDP,
+    DCP, DTensor ``Shard(0)``) and grids (tensor parallel x FSDP) are such layouts.
+    False means only "not this case": the general check decides."""
+    if dim == len(shape):
+        return len(shards) == 1
+    groups: dict[tuple[int, int], list[Shard]] = {}
+    for s in shards:
+        if len(s.offsets) != len(shape) or len(s.sizes) != len(shape):
+            return False
+        groups.setdefault((s.offsets[dim], s.sizes[dim]), []).append(s)
+    end = 0
+    for start, size in sorted(groups):
+        if start != end or size <= 0:
+            return False
+        end += size
+    return end == shape[dim] and all(_tiles(shape, g, dim + 1) for g in groups.values())
+
+
+def _raw_copy_ok(leaf: Any) -> bool:
+    """Bytes can be copied as stored: a contiguous on-disk tensor, no byte swap."""
+    return (
+        isinstance(leaf, TensorRef)
+        and leaf.kind != "quantized"
+        and not (leaf.conj or leaf.neg)
+        and leaf.storage is not None
+        and leaf.storage.source is not None
+        and not leaf.storage.big_endian
+        and leaf.is_contiguous()
+    )
+
+
+def raw_parts(leaf: Leaf) -> list[TensorRef] | None:
+    """Stored tensors whose bytes, one after the other, are the leaf's bytes.
+
+    A plain contiguous tensor is its own single part. A sharded tensor whose shards are
+    each one run of its row-major elements (split along dim 0, as FSDP, DCP and DTensor
+    ``Shard(0)`` split; or cut from a flat buffer, as DeepSpeed ZeRO's partitions) is
+    its shards in element order: no torch, no full tensor in memory. None when the
+    bytes need torch (a view, a byte swap, blocks split along other dims).
+    """
+    if isinstance(leaf, TensorRef):
+        return [leaf] if _raw_copy_ok(leaf) else None
+    if not isinstance(leaf, ShardedRef):
+        return None
+    runs = []
+    for shard in leaf.shards:
+        start = _flat_start(leaf.shape, shard.offsets, shard.sizes)
+        if start is None:
+            return None
+        runs.append((start, shard))
+    parts, end = [], 0
+    for start, shard in sorted(runs, key=lambda run: run[0]):
+        ref = shard.tensor.tensor_ref()
+        if start != end or not _raw_copy_ok(ref) or ref.dtype != leaf.dtype:
+            return None
+        parts.append(ref)
+        end += ref.numel
+    return parts if end == leaf.numel else None
+
+
+def _flat_start(shape: tuple, offsets: tuple, sizes: tuple) -> int | None:
+    """The row-major index of a block's first element, if its elements are one run of the
+    tensor's (a few leading indices fixed, a range along one dim, the dims after it whole)."""
+    if len(offsets) != len(shape) or len(sizes) != len(shape):
+        return None
+    whole = len(shape)  # the dims from here on are whole
+    while whole and offsets[whole - 1] == 0 and sizes[whole - 1] == shape[whole - 1]:
+        whole -= 1
+    if any(n != 1 for n in sizes[: max(whole - 1, 0)]):
+        return None
+    start, stride = 0, 1
+    for dim in reversed(range(len(shape))):
+        start += offsets[dim] * stride
+        stride *= shape[dim]
+    return start

@@ -1,0 +1,477 @@
+"""A restricted unpickler: rebuilds tensors lazily and never runs code from the file.
+
+Every global a pickle names goes through :meth:`SafeUnpickler.find_class`, which
+returns one of our own stand-ins (:mod:`ckpttool.unpickler.stand_ins`), never the real object;
+what is refused is decided in :mod:`ckpttool.unpickler.policy`:
+
+* torch's tensor rebuild functions return :class:`~ckpttool.tree.TensorRef`
+  (no bytes read), ShardedTensor and DTensor become local-shard records;
+* containers and primitives (``collections.OrderedDict``, ``builtins.set``...)
+  are rebuilt for real, as they run no user code;
+* a dangerous callable (``os.system``, ``builtins.eval``, ``subprocess.Popen``...)
+  is recorded and replaced by an inert stand-in, so the whole pickle can still
+  be walked and every offending global named; the caller then refuses the file;
+* any other class becomes an inert :class:`~ckpttool.tree.Opaque`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import sys
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+from ..dtypes import DTYPES, STORAGE_CLASSES
+from ..errors import CkptError, UnsafeError
+from ..guard import address_space_limit, guarded_read, note_call
+from ..tree import (
+    HOLDS_CALLABLES,
+    TORCH_LAYOUTS,
+    TORCH_MEMORY_FORMATS,
+    CallVerdicts,
+    NamedGlobal,
+    Opaque,
+    StorageType,
+    TorchName,
+    handed_callables,
+    opaque_class,
+    partial_call,
+    state_values,
+)
+from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
+from .stand_ins import CALLS_ARGUMENT, CREATES_OBJECTS, SAFE_GLOBALS
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickle with stand-ins; collects every global seen and the dangerous ones.
+
+    Args:
+        file: A binary file positioned at the pickle.
+        persistent_load: Called with each persistent id (torch storages).
+        permissive: Do not refuse dangerous globals (``--unsafe``); they stay inert.
+    """
+
+    def __init__(
+        self,
+        file: IO[bytes],
+        persistent_load: Callable[[Any], Any] | None = None,
+        *,
+        permissive: bool = False,
+        encoding: str = "utf-8",
+    ):
+        super().__init__(file, encoding=encoding)
+        self._persistent_load = persistent_load
+        self.permissive = permissive
+        self.seen: set[str] = set()
+        self.dangerous: set[str] = set()
+        self.unverified: set[str] = set()
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent_load is None:
+            raise CkptError("corrupt pickle: unexpected persistent id")
+        return self._persistent_load(pid)
+
+    def find_class(self, module: str, name: str) -> Any:
+        module, name = python3_name(module, name)
+        full = f"{module}.{name}"
+        self.seen.add(full)
+        if full in SAFE_GLOBALS:
+            value = SAFE_GLOBALS[full]
+            # stand-in classes are read-only, Ellipsis is a constant
+            if (isinstance(value, type) and issubclass(value, Opaque)) or value is Ellipsis:
+                return value
+            # A fresh object per read: BUILD cannot reach our shared functions through it
+            named = NamedGlobal(value)
+            named.name = full  # type: ignore[attr-defined]  # a partial's own __dict__
+            return named
+        if module == "builtins" and name == "getattr":
+            return self._getattr
+        if module in ("torch", "torch.storage") and name in STORAGE_CLASSES:
+            return StorageType(name, DTYPES[STORAGE_CLASSES[name]])
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]  # Sealed: a BUILD on it is refused
+        if module == "torch" and name in TORCH_LAYOUTS | TORCH_MEMORY_FORMATS:
+            return TorchName(f"torch.{name}")
+        verdict = judge(module, name)
+        if verdict == DANGEROUS:
+            self.dangerous.add(full)
+            return opaque_class(module, name, dangerous=True)
+        if verdict == UNVERIFIED:
+            self.unverified.add(full)
+        return opaque_class(module, name, known=verdict == KNOWN)
+
+    def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
+        """``getattr`` is allowed only to reach a nested class of a torch class.
+
+        ShardedTensor pickles ``getattr(ShardedTensor, "ProcessGroupState")``.
+        """
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, Opaque)
+            and obj.module.startswith("torch.")
+            and not obj.dangerous
+            and isinstance(name, str)
+            and name.isidentifier()
+            and name[:1].isupper()  # a nested class (CapWords), never a method
+            and judge(obj.module, f"{obj.qualname}.{name}") != DANGEROUS  # (FileStore)
+        ):
+            qualname = f"{obj.qualname}.{name}"
+            self.seen.add(f"{obj.module}.{qualname}")
+            return opaque_class(obj.module, qualname, known=obj.known)
+        self.dangerous.add("builtins.getattr")
+        return opaque_class("builtins", "getattr", dangerous=True).make(obj, name)
+
+
+class _Sink:
+    """The one object a globals scan builds: it accepts whatever the pickle does to it."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Sink:
+        note_call("<an object>()")  # as a full read: no checkpoint calls an object
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _UnverifiedSink(_Sink):
+    """An object of a class on no allow-list, in a scan: the partials its BUILD state
+    hands it are judged as called, as ``Opaque.__setstate__`` judges them."""
+
+    def __setstate__(self, state: Any) -> None:
+        for called in handed_callables(state_values(state), {}, _held_name):
+            note_call(called)
+
+
+class _HeldSink(_Sink):
+    """A partial, in a scan: whether calling it would be of note, judged as
+    :func:`~ckpttool.tree.held_callable_name` judges it (the functions it was made with
+    and BUILD gives it, and their arguments)."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs, self.state = args, kwargs, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state  # the last BUILD is what the partial calls, as in a full read
+
+
+def _held_name(item: Any, verdicts: CallVerdicts) -> str | None:
+    """:func:`~ckpttool.tree.held_callable_name`'s test, on what a scan builds."""
+    if not isinstance(item, _HeldSink):
+        return None
+    if id(item) in verdicts:
+        return verdicts[id(item)]
+    verdicts[id(item)] = None  # (one it holds itself is judged once)
+    funcs, args, kwargs = partial_call(item.args, item.kwargs, item.state)
+    plain_call = (
+        bool(funcs)
+        and all(
+            isinstance(f, _AbsorbClass)
+            and f.known
+            and f"{f.module}.{f.qualname}" not in HOLDS_CALLABLES
+            for f in funcs
+        )
+        and not handed_callables(args, kwargs, _absorbed_callable, verdicts)
+        and not any(v is _UNVERIFIED for v in (*args, *kwargs.values()))
+    )
+    verdicts[id(item)] = None if plain_call else "functools.partial()"
+    return verdicts[id(item)]
+
+
+_ABSORB = _Sink()
+_UNVERIFIED = _UnverifiedSink()  # an object of a class on no allow-list, in a scan
+
+
+def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
+    """NEWOBJ of a class on no allow-list, in a scan: told apart from other objects, and
+    the callables it is handed judged as called (as ``Opaque.__new__`` does)."""
+    if args:
+        for called in handed_callables(args, kwargs, _absorbed_callable):
+            note_call(called)
+    return _UNVERIFIED
+
+
+def _new_held(cls: type, *args: Any, **kwargs: Any) -> _Sink:
+    """NEWOBJ of a class that holds a callable (a partial), in a scan: told apart, as a
+    call of the class is (``_AbsorbClass.__call__``)."""
+    return _HeldSink(args, kwargs)
+
+
+class _Absorb:
+    """What a globals scan hands out for a global: calling or instantiating it gives the sink.
+
+    ``__new__`` returns an object that is not an instance of the class, so Python
+    skips ``__init__``: one Python call per object the pickle builds, not two.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Sink:  # type: ignore[misc]
+        return _ABSORB
+
+
+class GlobalsScanner(SafeUnpickler):
+    """Judges every global exactly as :class:`SafeUnpickler` does, but rebuilds nothing.
+
+    Several times faster than a full read: for the rank files of a per-rank
+    checkpoint whose structure rank 0 already describes.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        value = super().find_class(module, name)
+        if value == self._getattr:
+            return value
+        full = ".".join(python3_name(module, name))
+        position = CALLS_ARGUMENT.get(full)
+        if position is not None:
+            return _absorb_calling(position)
+        if full == "copyreg.__newobj__":
+            return _absorb_newobj
+        if full in SAFE_GLOBALS and full not in CREATES_OBJECTS:
+            return _absorb_judging(full)
+        if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
+            # getattr may look into it; calling it is judged as in a full read
+            return _named_absorb(value.module, value.qualname, value.known)
+        return _Absorb
+
+    def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
+        if isinstance(obj, _AbsorbClass):
+            # the same rule as a full read, on the class the absorbing one stands for
+            obj = opaque_class(obj.module, obj.qualname, known=obj.known)
+        value = super()._getattr(obj, name, *default)
+        if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
+            return _named_absorb(value.module, value.qualname, value.known)
+        return _Absorb
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _ABSORB
+
+
+def _absorb_newobj(cls: Any, *args: Any) -> _Sink:
+    """``copyreg.__newobj__(cls, *args)`` in a scan: NEWOBJ's ``cls.__new__(cls, *args)``,
+    judged as NEWOBJ is (what a class on no allow-list is handed)."""
+    if isinstance(cls, _AbsorbClass):
+        return cls.__new__(cls, *args)  # type: ignore[arg-type, no-any-return]
+    return _ABSORB
+
+
+def _absorb_calling(position: int) -> Callable[..., _Sink]:
+    """What a scan hands out for a known function that calls its argument at ``position``
+    (:data:`~ckpttool.unpickler.stand_ins.CALLS_ARGUMENT`): that call is judged as a full read
+    judges it (a global on no allow-list, or an object, is noted)."""
+
+    def absorb(*args: Any, **kwargs: Any) -> _Sink:
+        if len(args) > position and isinstance(args[position], (_AbsorbClass, _Sink)):
+            args[position]()
+        if args and isinstance(args[0], _AbsorbClass) and not args[0].known:
+            return _UNVERIFIED  # copyreg._reconstructor(cls, ...): an object of cls
+        return _ABSORB
+
+    return absorb
+
+
+def _absorb_judging(full: str) -> Callable[..., Any]:
+    """What a scan hands out for a global ckpttool rebuilds (``list``, ``str``, a tensor
+    rebuilder): given an object of a class on no allow-list, the real one runs that
+    object's methods, as a full read judges (see ``stand_ins._judging_objects``)."""
+    value = SAFE_GLOBALS[full]
+    if isinstance(value, type) or value is Ellipsis:
+        return _Absorb
+
+    def absorb(*args: Any, **kwargs: Any) -> Any:
+        if any(arg is _UNVERIFIED for arg in args):
+            note_call(f"{full}(<an object>)")
+        if full in _CONTAINERS and any(type(arg) in _CONTAINER_TYPES for arg in args):
+            # a container is built for real (charged as in a full read): a partial in a
+            # set(...) that a BUILD state holds is judged there (Opaque.__setstate__)
+            try:
+                return value(*args, **kwargs)
+            except CkptError:
+                raise
+            except Exception:  # an argument the scan absorbed: the full read judges it
+                return _ABSORB
+        return _ABSORB
+
+    return absorb
+
+
+# Data constructors whose result a scan keeps (of real containers only): what a BUILD
+# state holds one level in is judged as a full read judges it.
+_CONTAINERS = frozenset(
+    {"builtins.list", "builtins.tuple", "builtins.set", "builtins.frozenset", "builtins.dict"}
+    | {"collections.OrderedDict"}
+)
+_CONTAINER_TYPES = (list, tuple, set, frozenset, dict)
+
+
+class _AbsorbClass(type):
+    """A class standing for a global in a scan: calling one on no allow-list is noted,
+    as :class:`~ckpttool.tree.Opaque`'s metaclass notes it in a full read."""
+
+    module: str
+    qualname: str
+    known: bool
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        name = f"{cls.module}.{cls.qualname}"
+        if not cls.known:
+            note_call(name)
+        elif name in HOLDS_CALLABLES:
+            return _HeldSink(args, kwargs)  # told apart when handed to another constructor
+        else:
+            for called in handed_callables(args, kwargs, _absorbed_callable):
+                note_call(called)
+            if any(arg is _UNVERIFIED for arg in (*args, *kwargs.values())):
+                note_call(f"{name}(<an object>)")
+        return _ABSORB
+
+
+def _absorbed_callable(item: Any, verdicts: CallVerdicts) -> str | None:
+    """:func:`~ckpttool.tree.handed_callables`'s test, on what a scan builds."""
+    if isinstance(item, _HeldSink):
+        return _held_name(item, verdicts)
+    if isinstance(item, _AbsorbClass) and not item.known:
+        return f"{item.module}.{item.qualname}"
+    return None
+
+
+_NAMED_ABSORB: dict[tuple[str, str, bool], type] = {}
+
+
+def _named_absorb(module: str, qualname: str, known: bool = False) -> type:
+    """An absorbing class that remembers which global it stands for."""
+    cls = _NAMED_ABSORB.get((module, qualname, known))
+    if cls is None:
+        attrs: dict[str, Any] = {"module": module, "qualname": qualname, "known": known}
+        if not known:
+            attrs["__new__"] = _new_unverified
+        elif f"{module}.{qualname}" in HOLDS_CALLABLES:
+            attrs["__new__"] = _new_held  # a partial made by NEWOBJ is one too
+        cls = _AbsorbClass("Absorb", (_Absorb,), attrs)
+        _NAMED_ABSORB[(module, qualname, known)] = cls
+    return cls
+
+
+@contextlib.contextmanager
+def _quiet_buffer_errors() -> Iterator[None]:
+    """No stray line on stderr from CPython's unpickler on a hostile BYTEARRAY8.
+
+    A declared size it cannot allocate ends, inside CPython, in "deallocated
+    bytearray object has exported buffers" printed through ``sys.excepthook``; the
+    read itself fails as it should (a MemoryError, reported as a corrupt pickle).
+    """
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, traceback: Any) -> None:
+        if kind is SystemError and "exported buffers" in str(value):
+            return
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+    try:
+        yield
+    finally:
+        sys.excepthook = previous
+
+
+def load_pickle(
+    data: bytes | bytearray | memoryview | IO[bytes],
+    persistent_load: Callable[[Any], Any] | None = None,
+    *,
+    path: object = None,
+    permissive: bool = False,
+    seen: set[str] | None = None,
+    scan_only: bool = False,
+) -> Any:
+    """Unpickle ``data`` safely and return the object (with lazy tensor leaves).
+
+    Args:
+        data: The pickle bytes, or a binary file positioned at it.
+        persistent_load: Resolves persistent ids (torch storages).
+        path: The file, for messages.
+        permissive: Keep dangerous globals as inert stand-ins instead of refusing.
+        seen: A set that collects every global referenced (and ``!name`` for refused ones).
+        scan_only: Only judge the globals (:class:`GlobalsScanner`); returns None.
+
+    Raises:
+        UnsafeError: The pickle references dangerous globals (and not ``permissive``).
+        CkptError: The pickle is corrupt or truncated.
+    """
+    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    start = stream.tell()
+    unpickler_class = GlobalsScanner if scan_only else SafeUnpickler
+    unpickler = unpickler_class(stream, persistent_load, permissive=permissive)
+    error: BaseException | None = None
+    result = None
+    size = _remaining(stream, start)
+    with guarded_read(size) as guard, _quiet_buffer_errors(), address_space_limit(size):
+        try:
+            try:
+                result = unpickler.load()
+            except UnicodeDecodeError:
+                # Python 2 pickles hold byte strings: torch.load(encoding="latin1") reads them.
+                stream.seek(start)
+                guard.called.clear()
+                unpickler = unpickler_class(
+                    stream, persistent_load, permissive=permissive, encoding="latin1"
+                )
+                result = unpickler.load()
+        except CkptError as exc:
+            error = exc
+        except RecursionError:
+            error = CkptError("pickle nests too deeply", path=path)
+        except MemoryError:
+            error = CkptError("corrupt pickle: it asks for far more memory than it holds")
+        except Exception as exc:  # any malformed-pickle error the C unpickler raises
+            error = exc
+    # a global on no allow-list that the pickle calls, or an object it calls, runs code
+    # under a real unpickler (FileHandler(path), partial(...)())
+    unpickler.dangerous.update(guard.called)
+    if seen is not None:
+        seen.update(unpickler.seen)
+        seen.update("?" + g for g in unpickler.unverified - unpickler.dangerous)
+        seen.update("!" + g for g in unpickler.dangerous)
+    if unpickler.dangerous and not permissive:
+        raise UnsafeError(sorted(unpickler.dangerous), path=path)
+    if isinstance(error, CkptError):
+        if error.path is None:
+            error.path = None if path is None else str(path)
+            error.args = (error.one_line(),)
+        raise error
+    if error is not None:
+        reason = "truncated" if isinstance(error, EOFError) else "corrupt"
+        raise CkptError(f"{reason} pickle ({type(error).__name__}: {error})", path=path) from None
+    if scan_only:
+        return None
+    check_structure(result, path)
+    return result
+
+
+def _remaining(stream: IO[bytes], start: int) -> int:
+    """Bytes left in ``stream`` from ``start``: the pickle's size, what its budget is from."""
+    try:
+        end = stream.seek(0, io.SEEK_END)
+        stream.seek(start)
+        return end - start
+    except (OSError, ValueError):
+        return 0
+
+
+def split_seen(seen: set[str]) -> tuple[list[str], list[str], list[str]]:
+    """(globals, dangerous, unverified), sorted, from a ``seen`` set :func:`load_pickle` filled.
+
+    A called global (``!``) is listed among the globals even where the name it was
+    called by is a stand-in's (``pkg.Class()`` for an object of it called).
+    """
+    dangerous = {g[1:] for g in seen if g.startswith("!")}
+    plain = {g for g in seen if g[:1] not in ("!", "?")}
+    unverified = {g[1:] for g in seen if g.startswith("?")} - dangerous
+    return sorted(plain | dangerous), sorted(dangerous), sorted(unverified)

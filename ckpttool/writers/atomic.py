@@ -1,0 +1,448 @@
+"""Atomic output: write beside the target, fsync, rename at the end.
+
+An interrupted run (SIGKILL, disk full) leaves no partial output and never
+touches the input; a temp file left by a killed run is removed by the next one on
+the same host. Temp names carry the host and the process id: on a file system that
+several nodes share, a process id says nothing about another node's processes, so
+a node never takes another's running output for a dead run's.
+
+``--force`` replaces only what a ckpttool output consists of: the output file, or the
+files of a folder output (HF shards and their index, DCP's ``.metadata`` and
+``*.distcp``). A folder output goes into an existing folder beside whatever else it
+holds; other files are never touched, whatever the flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .. import sources
+from ..errors import CkptError, OutputExistsError, UsageError
+
+
+def _host_name() -> str:
+    """This host's name as it goes into temp names: letters, digits, dots and dashes
+    only (never the ``_`` that ends it in :data:`TEMP_MARK`)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:64] or "localhost"
+
+
+HOST = _host_name()
+# What this host's temp names hold between the output's name and the process id:
+# ``.out.pt.ckpttool-tmp-node1_1234`` (and ``..._old-1234``, the old output of a
+# --force run, moved aside until the new one is in place)
+TEMP_MARK = f".ckpttool-tmp-{HOST}_"
+_TEMP_TAIL = re.compile(r"(?:old-)?([1-9]\d{0,9})")  # what follows TEMP_MARK: a pid
+
+
+@dataclass(frozen=True)
+class FolderLayout:
+    """The files a folder output consists of: what a run writes and what ``--force``
+    may replace in that folder (an earlier run's files), and nothing else.
+
+    Attributes:
+        kind: What it is, for messages.
+        pattern: The names of its files, this run's and those of earlier runs.
+        last: The file that makes the folder a checkpoint (index, metadata): moved in
+            after the data files it names, so a reader never finds it before them.
+    """
+
+    kind: str
+    pattern: re.Pattern[str]
+    last: str
+
+    def owns(self, name: str) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+
+# the names writers/safetensors.py and writers/dcp.py write
+HF_SHARDS = FolderLayout(
+    "Hugging Face shards",
+    re.compile(r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json"),
+    "model.safetensors.index.json",
+)
+DCP_FILES = FolderLayout("a DCP checkpoint", re.compile(r"\.metadata|[^/]*\.distcp"), ".metadata")
+FOLDER_LAYOUTS = (HF_SHARDS, DCP_FILES)
+
+
+def output_path(out: str, default_name: str, *, folder_output: bool) -> str:
+    """Where ``-o OUT`` puts the output.
+
+    ``OUT/`` (a trailing slash) or an existing folder means "into this folder": a
+    single-file output gets ``default_name`` inside it; a folder output (shards, DCP)
+    is written into OUT itself.
+
+    Raises:
+        UsageError: OUT is a URL: inputs may be remote, outputs are written locally
+            (``file://`` paths are local).
+    """
+    if sources.is_url(out):
+        raise UsageError(
+            "the output must be a local path: ckpttool reads from URLs but writes locally",
+            path=out,
+            hint="write it to a local -o, then upload it",
+        )
+    out = sources.strip_file_scheme(out)
+    into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
+    if folder_output:
+        return out.rstrip(os.sep + (os.altsep or "")) or out
+    if into or os.path.isdir(out):
+        return os.path.join(out, default_name)
+    return out
+
+
+def check_output(
+    out: str, inputs: Sequence[str], *, force: bool, layout: FolderLayout | None = None
+) -> None:
+    """Refuse, before any work, an output that would touch an input or replace what it may not.
+
+    Args:
+        out: The output file, or the folder of a folder output (``layout``).
+        inputs: Every input path (files and folders) the checkpoint was read from.
+        force: Replace an earlier output.
+        layout: The files of a folder output; None for a single file.
+
+    Raises:
+        CkptError: The output would write into, over or beside-and-replace an input, or
+            ``--force`` would replace something that is not a checkpoint output.
+        OutputExistsError: An earlier output is there and not ``force``.
+    """
+    _check_inputs(out, inputs, layout)
+    if layout is None:
+        parent = os.path.dirname(os.path.abspath(out))
+        if _is_file(parent):  # OUT/name asked for a folder where a file is
+            _check_replace_file(parent, force)
+        elif os.path.isdir(out):
+            _check_replace_folder(out, force)
+        elif os.path.lexists(out) and not force:
+            raise OutputExistsError("output exists", path=out, hint="pass --force to overwrite it")
+    elif os.path.isdir(out):
+        _owned_entries(out, layout, force)
+    elif os.path.lexists(out):
+        _check_replace_file(out, force)
+
+
+def _check_inputs(out: str, inputs: Sequence[str], layout: FolderLayout | None) -> None:
+    real_out = os.path.realpath(out)
+    for path in inputs:
+        path = sources.strip_file_scheme(path)
+        if sources.is_url(path):  # remote: never where a local output is written
+            continue
+        real_in = os.path.realpath(path)
+        touched = real_out == real_in or _inside(real_out, real_in)  # written into an input
+        if layout is None or not os.path.isdir(out):
+            touched = touched or _inside(real_in, real_out)  # replaced with what it holds
+        else:  # written into a folder: only its own files are replaced
+            touched = touched or (
+                os.path.dirname(real_in) == real_out and layout.owns(os.path.basename(real_in))
+            )
+        if touched:
+            raise CkptError("output would overwrite the input", path=out, hint="choose another -o")
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _is_file(path: str) -> bool:
+    return os.path.lexists(path) and not os.path.isdir(path)
+
+
+def _check_replace_file(path: str, force: bool) -> None:
+    """A file where the output needs a folder: replaced with ``force`` if it is one of ours."""
+    if not force:
+        raise OutputExistsError(
+            "a file is where the output needs a folder",
+            path=path,
+            hint="pass --force to replace it if it is a checkpoint, or choose another -o",
+        )
+    if not is_checkpoint_file(path):
+        raise CkptError(
+            "a file that is not a checkpoint is where the output needs a folder; "
+            "--force replaces only what ckpttool writes",
+            path=path,
+            hint="move it away or choose another -o",
+        )
+
+
+def _check_replace_folder(path: str, force: bool) -> None:
+    """A folder where the output needs a file: replaced with ``force`` if it is one of ours."""
+    if not force:
+        raise OutputExistsError(
+            "a folder is where the output needs a file",
+            path=path,
+            hint="pass --force to replace it if it is a checkpoint, or choose another -o",
+        )
+    if not is_checkpoint_folder(path):
+        raise CkptError(
+            "a folder that holds other files is where the output needs a file; "
+            "--force replaces only what ckpttool writes",
+            path=path,
+            hint="move it away or choose another -o",
+        )
+
+
+def _owned_entries(folder: str, layout: FolderLayout, force: bool) -> list[str]:
+    """The files of an earlier output of this layout in ``folder`` (replaced by this run)."""
+    owned = sorted(name for name in os.listdir(folder) if layout.owns(name))
+    for name in owned:
+        if os.path.isdir(os.path.join(folder, name)) or not os.path.lexists(
+            os.path.join(folder, name)
+        ):
+            raise CkptError(
+                f"{name} is a folder where the output writes a file",
+                path=folder,
+                hint="move it away or choose another -o",
+            )
+    if owned and not force:
+        shown = ", ".join(owned[:3]) + (f" and {len(owned) - 3} more" if len(owned) > 3 else "")
+        raise OutputExistsError(
+            f"output exists: the folder holds {layout.kind} ({shown})",
+            path=folder,
+            hint="pass --force to replace them; other files in it stay",
+        )
+    return owned
+
+
+def is_checkpoint_file(path: str) -> bool:
+    """A file ckpttool writes as an output: safetensors, or a ``torch.save`` zip."""
+    from ..formats.safetensors_file import detect as is_safetensors
+    from ..formats.zip_pickle import ZIP_MAGIC, central_directory
+
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+        if is_safetensors(path, head):
+            return True
+        return head.startswith(ZIP_MAGIC) and b"/data.pkl" in central_directory(path)
+    except (OSError, CkptError):  # (central_directory reads through sources: CkptError)
+        return False
+
+
+def is_checkpoint_folder(path: str) -> bool:
+    """A folder that holds nothing but the files of one folder output (shards, DCP)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return bool(names) and any(
+        all(layout.owns(n) and _is_file(os.path.join(path, n)) for n in names)
+        for layout in FOLDER_LAYOUTS
+    )
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def _clean_stale(folder: str, stem: str) -> None:
+    """Remove temp outputs of earlier runs on this host that were killed (their pid is gone).
+
+    ``stem`` ends with :data:`TEMP_MARK`, which names this host: another host's temp
+    files never match it (its processes cannot be checked from here). Only a name this
+    host's ckpttool gives (the stem, then a pid or ``old-`` and a pid), owned by this
+    user, is removed: never a file another user or program made.
+    """
+    for entry in os.listdir(folder):
+        match = _TEMP_TAIL.fullmatch(entry[len(stem) :]) if entry.startswith(stem) else None
+        if match is None or int(match.group(1)) > _MAX_PID or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(folder, entry)
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(path).st_uid == os.getuid():
+                _remove(path)
+
+
+_MAX_PID = (1 << 31) - 1  # no process has a larger id (os.kill would overflow)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fsync_tree(path: str) -> None:
+    """fsync a file, or every file of a folder and the folder itself.
+
+    Only for what we wrote (the temp output): it walks the whole folder.
+    """
+    if os.path.isdir(path) and not os.path.islink(path):
+        for entry in os.listdir(path):
+            fsync_tree(os.path.join(path, entry))
+    _fsync(path)
+
+
+def _fsync_entry(folder: str) -> None:
+    """Make a rename in ``folder`` durable: fsync the folder itself, never what it holds.
+
+    Best effort: the output is in place and its data on disk; some file systems
+    refuse fsync on a folder.
+    """
+    with contextlib.suppress(OSError):
+        _fsync(folder)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(
+    out: str, *, force: bool, folder: bool = False, layout: FolderLayout | None = None
+) -> Iterator[str]:
+    """Yield a temp path beside ``out``; on success it becomes ``out`` in one rename.
+
+    Args:
+        out: The final file, or the folder of a folder output.
+        force: Replace an earlier output (see :func:`check_output` for what may be replaced).
+        folder: The output is a folder: the caller gets an empty temp folder to fill.
+        layout: The files of a folder output. Into an existing folder they are moved
+            one by one (the ``last`` file last), replacing an earlier run's files of
+            the same layout and nothing else; without a layout an existing folder is
+            refused.
+
+    Raises:
+        OutputExistsError: An earlier output is there and not ``force``.
+        CkptError: Writing failed (disk full, file too large, permissions), or ``out``
+            is something ``--force`` may not replace.
+    """
+    out = os.path.abspath(out)
+    parent, name = os.path.split(out)
+    folder = folder or layout is not None
+    if folder and os.path.isdir(out):
+        if layout is None:
+            raise OutputExistsError("output exists", path=out, hint="choose another -o")
+        with _into_folder(out, layout, force) as tmp:
+            yield tmp
+        return
+    if not folder and _is_file(parent):  # OUT/name where OUT is a checkpoint file
+        _check_replace_file(parent, force)
+        with atomic_output(parent, force=force, folder=True) as tmp:
+            yield os.path.join(tmp, name)
+        return
+    created = _missing_folders(parent)  # made for the output: removed again if it fails
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _clean_stale(parent, f".{name}{TEMP_MARK}")
+    except OSError as exc:
+        _remove_empty(created)
+        raise CkptError(f"cannot create the output folder ({exc.strerror})", path=parent) from None
+    tmp = os.path.join(parent, f".{name}{TEMP_MARK}{os.getpid()}")
+    _remove(tmp)
+    if folder:
+        os.mkdir(tmp)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if os.path.lexists(out):
+            _check_replaceable(out, force, want_folder=folder)
+            old = os.path.join(parent, f".{name}{TEMP_MARK}old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            _remove(old)
+        else:
+            os.replace(tmp, out)
+    except OSError as exc:
+        _remove(tmp)
+        _remove_empty(created)
+        raise _write_error(exc, out) from None
+    except BaseException:
+        _remove(tmp)
+        _remove_empty(created)
+        raise
+    _fsync_entry(parent)
+
+
+def _check_replaceable(out: str, force: bool, *, want_folder: bool) -> None:
+    """What is at ``out`` may be replaced by the new output (checked again at the end:
+    something may have appeared there while we wrote)."""
+    if want_folder:
+        _check_replace_file(out, force)
+    elif os.path.isdir(out):
+        _check_replace_folder(out, force)
+    elif not force:
+        raise OutputExistsError("output exists", path=out, hint="pass --force to overwrite it")
+
+
+@contextlib.contextmanager
+def _into_folder(folder: str, layout: FolderLayout, force: bool) -> Iterator[str]:
+    """A folder output written into an existing folder, beside what else it holds.
+
+    The files are written into a temp folder inside it, synced, then moved in one by
+    one: the data files first, ``layout.last`` (the index, the metadata) after them,
+    then an earlier run's files that this run did not write again (stale shards) go.
+    """
+    try:
+        _clean_stale(folder, TEMP_MARK)
+    except OSError as exc:
+        raise CkptError(
+            f"cannot write into the output folder ({exc.strerror})", path=folder
+        ) from None
+    _owned_entries(folder, layout, force)
+    tmp = os.path.join(folder, f"{TEMP_MARK}{os.getpid()}")
+    _remove(tmp)
+    try:
+        os.mkdir(tmp)
+        yield tmp
+        fsync_tree(tmp)
+        earlier = _owned_entries(folder, layout, force)
+        written = sorted(os.listdir(tmp), key=lambda n: (n == layout.last, n))
+        for name in written:
+            os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+        for name in earlier:
+            if name not in written:
+                _remove(os.path.join(folder, name))
+        os.rmdir(tmp)
+    except OSError as exc:
+        _remove(tmp)
+        raise _write_error(exc, folder) from None
+    except BaseException:
+        _remove(tmp)
+        raise
+    _fsync_entry(folder)
+
+
+def _write_error(exc: OSError, out: str) -> CkptError:
+    reason = (
+        "disk full or file too large" if exc.errno in (errno.ENOSPC, errno.EFBIG) else exc.strerror
+    )
+    return CkptError(f"cannot write the output ({reason}); nothing was written", path=out)
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """``folder`` and those of its parents that do not exist yet, outermost first."""
+    missing = []
+    while folder and not os.path.lexists(folder):
+        missing.append(folder)
+        up = os.path.dirname(folder)
+        if up == folder:
+            break
+        folder = up
+    return missing[::-1]
+
+
+def _remove_empty(folders: list[str]) -> None:
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only if still empty: never what someone else put there
