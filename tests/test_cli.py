@@ -261,7 +261,7 @@ def test_value_options_list_every_option_that_takes_a_value():
     """main() must know which options take a value, not to take that value for a flag."""
     import typer.main
 
-    from ckpttool.cli.app import VALUE_OPTIONS, app
+    from ckpttool.cli.entry import VALUE_OPTIONS, app
 
     group = typer.main.get_command(app)
     found = set()

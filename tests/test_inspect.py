@@ -660,14 +660,14 @@ def test_stats_of_big_tensors_are_exact_by_chunk(tmp_path):
         assert s["std"] == pytest.approx(float(finite.std()), rel=1e-12)
 
 
-def test_readme_shows_the_real_output_for_a_7b_shaped_file(tmp_path):
-    """The README's inspect example is what ckpttool prints for docs/llama7b_shaped.py's
+def test_docs_show_the_real_output_for_a_7b_shaped_file(tmp_path):
+    """The command reference's inspect example is what ckpttool prints for docs/llama7b_shaped.py's
     file (the real Llama-2-7B header; the 12.6 GiB of data a hole in a sparse file)."""
     proc = subprocess.run([sys.executable, str(ROOT / "docs" / "llama7b_shaped.py"),
                            str(tmp_path / "llama2-7b.safetensors")], check=True)  # fmt: skip
     assert proc.returncode == 0
     out = run_cli("inspect", "llama2-7b.safetensors", cwd=tmp_path).stdout
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "cli.md").read_text()
     start = readme.index("$ ckpttool inspect llama2-7b.safetensors\n") + len(
         "$ ckpttool inspect llama2-7b.safetensors\n"
     )

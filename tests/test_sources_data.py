@@ -25,7 +25,7 @@ from ckpttool import sources
 from ckpttool.diff import RawReader, compare_tensors, diff
 from ckpttool.errors import CkptError
 from ckpttool.sources.spans import ByteSpan, read_span_into
-from ckpttool.tensors.mapped import Reader, map_storage
+from ckpttool.tensors.mapped import SpanReader, map_storage
 from ckpttool.tree.checkpoint import iter_tensors
 from ckpttool.tree.leaves import ShardedRef, TensorRef
 from ckpttool.tree.sharding import raw_parts
@@ -216,7 +216,7 @@ def test_reader_fills_buffers_from_local_files_and_urls(counting_source, tmp_pat
     data = os.urandom(10_000)
     path.write_bytes(data)
     before = sources.LOCAL.bytes_read
-    with Reader() as reader:
+    with SpanReader() as reader:
         for where in (str(path), counting_url(path)):
             buf = bytearray(3000)
             reader.read_into(ByteSpan(where, 100, 9000), 200, buf)

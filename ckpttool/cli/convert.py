@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from .app import app, fail, settings
+from .entry import app, fail, settings
 from .options import Force, Paths, Quiet, Unsafe, examples
 from .render import human_bytes, progress_factory, stderr_console
 
@@ -22,7 +22,7 @@ EXTENSIONS = {
 }
 
 
-def _complete(name: str):
+def _complete(name: str) -> Any:
     """Shell completion of an option's choices, ``ckpttool.convert``'s constant ``name``
     (imported when completing only: --help stays fast; the core checks the value)."""
 

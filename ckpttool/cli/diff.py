@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from .app import EXIT_DIFFERENT, app, settings
+from .entry import EXIT_DIFFERENT, app, settings
 from .options import Json, Quiet, Unsafe, examples
 from .render import Painter, byte_progress, dumps_json
 from .text import columns, plural, printable, short_dtype, write
@@ -55,7 +55,7 @@ def diff(
         raise UsageError("--limit must be >= 0 (0: no limit)")
     quiet = quiet or settings.quiet
 
-    def progress(total: int, description: str):
+    def progress(total: int, description: str) -> Any:
         return byte_progress(total, description, not quiet and total > PROGRESS_BYTES)
 
     result = diff_checkpoints(a, b, atol=atol, rtol=rtol, unsafe=unsafe, progress=progress)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .app import app, settings
+from .entry import app, settings
 from .options import Json, Paths, Unsafe, examples
 from .render import byte_progress, dumps_json
 from .text import printable, write

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from .app import app, settings
+from .entry import app, settings
 from .options import Force, Paths, Quiet, Unsafe, examples
 from .render import human_bytes, progress_factory, stderr_console
 from .text import plural, printable

@@ -45,7 +45,7 @@ def stderr_console() -> Console:
 def color_enabled(stream: Any) -> bool:
     """Colours only on a terminal, never with NO_COLOR set (https://no-color.org) or
     --no-color; FORCE_COLOR asks for them anyway (CI logs)."""
-    from .app import settings
+    from .entry import settings
 
     if settings.no_color or os.environ.get("NO_COLOR"):
         return False
@@ -73,7 +73,7 @@ class Painter:
 
 
 @contextmanager
-def byte_progress(total: int, description: str, enabled: bool):
+def byte_progress(total: int, description: str, enabled: bool) -> Any:
     """A progress bar on stderr (bytes done, rate), only when stderr is a terminal."""
     if not enabled or not sys.stderr.isatty():
         yield lambda n: None
@@ -90,7 +90,7 @@ def byte_progress(total: int, description: str, enabled: bool):
     class _BinarySpeedColumn(TransferSpeedColumn):
         """MiB/s: rich's own shows MB/s beside DownloadColumn's MiB."""
 
-        def render(self, task):  # noqa: ANN001, ANN202 (rich's signature)
+        def render(self, task: Any) -> Text:
             speed = task.finished_speed or task.speed
             if speed is None:
                 return Text("?", style="progress.data.speed")
@@ -109,10 +109,10 @@ def byte_progress(total: int, description: str, enabled: bool):
         yield lambda n: progress.advance(task, n)
 
 
-def progress_factory(quiet: bool):
+def progress_factory(quiet: bool) -> Any:
     """What the core's ``progress`` argument expects: (total, description) -> context."""
 
-    def make(total: int, description: str):
+    def make(total: int, description: str) -> Any:
         return byte_progress(total, description, enabled=not quiet)
 
     return make

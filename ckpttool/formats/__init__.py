@@ -28,7 +28,7 @@ from . import safetensors_file, sharded_index
 from .prescan import Prescan
 
 
-class Reader(Protocol):
+class FormatModule(Protocol):
     """What every format module has: its id, a content check and a lazy read."""
 
     FORMAT: str
@@ -103,8 +103,8 @@ run_folders = _OnFirstUse("run_folders")
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
 # a DCP folder's data files are read as their folder, so DCP comes first; a Megatron
 # torch_dist folder is a DCP folder with more beside it, so it comes before DCP.
-FOLDER_FORMATS: list[Reader] = [megatron, dcp, sharded_index, dcp_hf, deepspeed]
-FILE_FORMATS: list[Reader] = [
+FOLDER_FORMATS: list[FormatModule] = [megatron, dcp, sharded_index, dcp_hf, deepspeed]
+FILE_FORMATS: list[FormatModule] = [
     megatron,
     dcp,
     torchscript,
@@ -435,7 +435,7 @@ def _megatron_rank_file(folder: str, entries: list[str]) -> str | None:
     return None
 
 
-def _read(fmt: Reader, path: str, unsafe: bool) -> Checkpoint:
+def _read(fmt: FormatModule, path: str, unsafe: bool) -> Checkpoint:
     try:
         return fmt.read(path, permissive=unsafe)
     except (CkptError, UnsafeError):

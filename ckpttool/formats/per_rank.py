@@ -163,7 +163,15 @@ class RankShard:
 
     cast_to = None  # read as stored (tree.sharding.Block)
 
-    def __init__(self, files: RankFiles, rank: int, path: tuple, like: LocalShards, offsets, sizes):
+    def __init__(
+        self,
+        files: RankFiles,
+        rank: int,
+        path: tuple,
+        like: LocalShards,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+    ) -> None:
         self.files, self.rank, self.path = files, rank, path
         self.like, self.offsets, self.sizes = like, offsets, sizes
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CkptError, InputNotFoundError
 from . import paths as sources
-from .source import OpenFiles
+from .source import OpenFiles, read_fd_into
 
 if TYPE_CHECKING:
     pass
@@ -73,7 +73,7 @@ def read_at(path: str, offset: int, view: memoryview, files: OpenFiles | None = 
     fd = open_fd(files, local, path)
     try:
         if os.preadv(fd, [view], offset) != size:  # short (a signal, or the end): go on
-            sources.read_fd_into(fd, view, offset, path)
+            read_fd_into(fd, view, offset, path)
     except OSError as exc:
         raise CkptError(f"cannot read ({exc.strerror or exc})", path=path) from None
     source.count(size)

@@ -75,7 +75,9 @@ class CudaStager:
         self.pool = ThreadPoolExecutor(READ_THREADS, "ckpttool-read") if READ_THREADS > 1 else None
         self.jobs: collections.deque[Future[None]] = collections.deque()
 
-    def fill(self, dest: torch.Tensor, session: LoadSession, storage: StorageRef, start: int):
+    def fill(
+        self, dest: torch.Tensor, session: LoadSession, storage: StorageRef, start: int
+    ) -> None:
         """Copy the bytes of ``storage`` from ``start`` into the flat uint8 CUDA ``dest``."""
         # dest was allocated on the current stream: the copies must come after that
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -246,7 +248,7 @@ def read_into(leaf: Any, dest: torch.Tensor, session: LoadSession) -> None:
             if ref is not None and region.is_contiguous():
                 read_into(ref, region, session)
                 continue
-            block = read_cpu(ref)
+            block = read_cpu(ref or shard.tensor.tensor_ref())
             if tuple(block.shape) != tuple(shard.sizes):
                 raise CkptError(
                     f"shard at offsets {list(shard.offsets)} has shape {list(block.shape)}, "

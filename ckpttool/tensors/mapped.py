@@ -101,7 +101,7 @@ def map_storage(
     return whole[begin:end]
 
 
-class Reader:
+class SpanReader:
     """Reads spans of many sources into caller-owned buffers, files kept open meanwhile.
 
     Used where the destination exists already (a model's parameter, a pinned staging
@@ -119,7 +119,7 @@ class Reader:
     def close(self) -> None:
         self.files.close()
 
-    def __enter__(self) -> Reader:
+    def __enter__(self) -> SpanReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -137,7 +137,7 @@ class LoadSession:
 
     def __init__(self, mmap: bool = True) -> None:
         self.mmap = mmap
-        self.reader = Reader()
+        self.reader = SpanReader()
         self.stagers: dict[str, Any] = {}
         self.maps: dict[str, tuple[int, Any]] = {}  # (size, map) per file; tensors keep maps alive
 

@@ -339,7 +339,9 @@ def state_attrs(state: Any) -> dict[str, Any]:
 _OPAQUE_CLASSES: dict[tuple[str, str, bool, bool], type] = {}
 
 
-def opaque_class(module: str, qualname: str, *, dangerous: bool = False, known: bool = False):
+def opaque_class(
+    module: str, qualname: str, *, dangerous: bool = False, known: bool = False
+) -> type[Opaque]:
     """The Opaque subclass standing in for ``module.qualname`` (one per name)."""
     key = (module, qualname, dangerous, known)  # (a known one is not the unknown one)
     cls = _OPAQUE_CLASSES.get(key)

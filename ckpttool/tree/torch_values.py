@@ -114,7 +114,17 @@ def global_name(value: Any) -> str | None:
 class WrapperStub(Sealed):
     """What ``torch._utils._rebuild_wrapper_subclass`` returns: the global tensor's metadata."""
 
-    def __init__(self, cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    def __init__(  # noqa: PLR0913 (torch's _rebuild_wrapper_subclass arguments)
+        self,
+        cls: Any,
+        dtype: Any,
+        size: Any,
+        stride: Any,
+        storage_offset: Any,
+        layout: Any,
+        device: Any,
+        requires_grad: Any,
+    ) -> None:
         if not isinstance(device, Device):
             raise CkptError(f"corrupt tensor device {device!r:.80}")
         self.cls = cls

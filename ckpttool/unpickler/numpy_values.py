@@ -61,7 +61,7 @@ class NumpyArrayRef(TensorRef):
             # both are plain objects with a __dict__)
             args = self._args
             self.__dict__.clear()
-            self.__class__ = opaque_class("numpy", "ndarray", known=True)
+            self.__class__ = opaque_class("numpy", "ndarray", known=True)  # type: ignore[assignment]
             self.args, self.state = args, state
             return
         dtype, _, big_endian = described

@@ -229,7 +229,9 @@ def own_dtensor_block(
     return Shard(offsets, sizes, own, rank)
 
 
-def dtensor_block(key, shape, mesh_shape, coordinate, placements) -> tuple[tuple, tuple]:
+def dtensor_block(
+    key: Any, shape: Any, mesh_shape: Any, coordinate: Any, placements: Any
+) -> tuple[tuple, tuple]:
     """The (offsets, sizes) a DTensor rank holds, as torch's
     ``_compute_local_shape_and_global_offset`` places it.
 
