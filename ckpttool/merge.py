@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from .api import read, require_data
 from .errors import translate_errors
 from .progress import ProgressFactory
-from .tree import iter_tensors, stand_in_names
+from .tree import iter_tensors, recorded_classes
 from .writers.atomic import atomic_output, check_output, output_path
 
 
@@ -33,7 +33,7 @@ def merge(
     """Write the whole nested structure with every sharded tensor (model AND optimizer) full.
 
     The file loads with ``torch.load(weights_only=True)``: opaque objects become
-    plain-data stand-ins (``{"__class__": ..., "state": ...}``), numpy arrays tensors.
+    plain-data records (``{"__class__": ..., "state": ...}``), numpy arrays tensors.
 
     Args:
         paths: Per-rank files, a glob, one rank's file, or a DCP folder (any readable input works).
@@ -44,7 +44,7 @@ def merge(
         progress: As in :func:`ckpttool.convert.convert`.
 
     Returns:
-        What was written, including the classes turned into stand-ins.
+        What was written, including the classes kept as plain-data records.
     """
     from contextlib import nullcontext
 
@@ -58,7 +58,7 @@ def merge(
     require_data(ckpt.root)
     leaves = [leaf for _, leaf in iter_tensors(ckpt.root)]
     total = sum(leaf.nbytes for leaf in leaves)
-    stand_ins = stand_in_names(ckpt.root)
+    stand_ins = recorded_classes(ckpt.root)
     plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
     description = f"writing {os.path.basename(out)}"
     bar = progress(plan.total_bytes, description) if progress else nullcontext(None)

@@ -44,7 +44,7 @@ from .opaque import (
     state_attrs,
     state_values,
 )
-from .plain_data import TorchValue, stand_in_names, to_plain
+from .plain_data import TorchValue, recorded_classes, to_plain
 from .sharding import Shard, check_coverage, raw_parts
 from .torch_values import (
     BUILTIN_TYPES,
@@ -117,7 +117,7 @@ __all__ = [
     "plain_values",
     "raw_parts",
     "resolve_prefix",
-    "stand_in_names",
+    "recorded_classes",
     "state_attrs",
     "state_values",
     "strip_prefix",

@@ -77,7 +77,7 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
 
     Its tensors are detached, as ``Module.state_dict()`` gives them: plain tensors, not
     ``nn.Parameter``s; a tensor shared by two modules (tied weights) stays one tensor.
-    The module's plain-data stand-in in ``merge`` output reads the same.
+    The module's plain-data record in ``merge`` output reads the same.
     """
     attrs = _module_attrs(node)
     if attrs is None:
@@ -105,7 +105,7 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
 
 
 def _module_attrs(node: Any) -> Mapping[str, Any] | None:
-    """The attributes of a pickled ``nn.Module``, or of its stand-in in ``merge`` output
+    """The attributes of a pickled ``nn.Module``, or of its plain-data record in ``merge`` output
     (``{"__class__": ..., "state": {...}}``); None for anything else."""
     if isinstance(node, Opaque):
         attrs: Any = node.attrs()

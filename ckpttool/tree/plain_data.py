@@ -18,7 +18,7 @@ from .leaves import StorageRef, TensorRef, is_tensor
 from .opaque import Opaque
 from .torch_values import Device, TorchName, TorchSize, global_name
 
-# Values that are plain data as they are (exact types: a subclass may be a stand-in)
+# Values that are plain data as they are (exact types: a subclass may be an Opaque)
 SCALARS = frozenset({str, int, float, bool, type(None), bytes, complex})
 
 TorchValue = Device | DType | TorchName | TorchSize
@@ -43,8 +43,8 @@ def _builtin_name(value: Any) -> str:
     return f"builtins.{type(value).__name__}"
 
 
-def stand_in_names(root: Any) -> list[str]:
-    """The classes whose objects a torch.save output keeps as plain-data stand-ins."""
+def recorded_classes(root: Any) -> list[str]:
+    """The classes whose objects a torch.save output keeps as plain-data records."""
     names = set()
     for _, value in walk(root):
         if isinstance(value, Opaque) or (isinstance(value, type) and issubclass(value, Opaque)):
@@ -74,13 +74,13 @@ def to_plain(
     goes through ``storage`` (by default: ``leaf`` of its flat tensor). Containers
     shared by several paths stay shared.
     With ``weights_only`` (a torch.save output) a frozenset, slice, Ellipsis or builtin
-    class, which ``torch.load(weights_only=True)`` refuses, becomes such a stand-in too.
+    class, which ``torch.load(weights_only=True)`` refuses, becomes such a record too.
     """
     memo: dict[int, Any] = {}
-    building: set[int] = set()  # opaque objects whose stand-ins are being built
+    building: set[int] = set()  # opaque objects whose records are being built
 
     def key(value: Any) -> Any:
-        """A dict key or set element as plain data; one that became a stand-in dict (an
+        """A dict key or set element as plain data; one that became a record dict (an
         Enum member, a path, a frozenset under ``weights_only``) cannot be hashed: its
         text is kept instead."""
         built = build(value)
