@@ -130,12 +130,11 @@ def counting_source():
 
     source = CountingSource()
     sources.register("counting", lambda scheme: source)
-    sources._SOURCES.pop("counting", None)
+    sources.forget("counting")
     try:
         yield source
     finally:
-        sources._FACTORIES.pop("counting", None)
-        sources._SOURCES.pop("counting", None)
+        sources.unregister("counting")
 
 
 @pytest.fixture

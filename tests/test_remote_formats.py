@@ -73,10 +73,10 @@ def copies(tmp_path_factory):
     http = RangeServer(local)
     s3 = S3Server()
     undo = s3.configure()
-    sources._SOURCES.pop("s3", None)
+    sources.forget("s3")
     s3.upload(local, BUCKET, "fx")
     yield local, http.url(""), f"s3://{BUCKET}/fx/"
-    sources._SOURCES.pop("s3", None)
+    sources.forget("s3")
     undo()
     s3.close()
     http.close()

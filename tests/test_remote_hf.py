@@ -27,9 +27,9 @@ def hub(tmp_path_factory):
     server = RangeServer(root)
     saved = fsspec.config.conf.get("hf")
     fsspec.config.conf["hf"] = {"endpoint": f"http://127.0.0.1:{server.port}"}
-    sources._SOURCES.pop("hf", None)
+    sources.forget("hf")
     yield server, repo
-    sources._SOURCES.pop("hf", None)
+    sources.forget("hf")
     if saved is None:
         fsspec.config.conf.pop("hf", None)
     else:

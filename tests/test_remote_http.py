@@ -236,7 +236,7 @@ def test_local_commands_never_import_the_remote_code():
 
 def test_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "s3fs", None)  # import s3fs -> ImportError
-    monkeypatch.delitem(sources._SOURCES, "s3", raising=False)
+    monkeypatch.delitem(sources.paths._SOURCES, "s3", raising=False)
     with pytest.raises(CkptError, match=r"needs the package s3fs \(pip install 'ckpttool\[s3\]'\)"):
         sources.getsize("s3://bucket/x.pt")
     monkeypatch.setitem(sys.modules, "gcsfs", None)

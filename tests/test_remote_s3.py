@@ -21,7 +21,7 @@ pytest.importorskip("moto")
 def s3(tmp_path_factory):
     server = S3Server()
     undo = server.configure()
-    sources._SOURCES.pop("s3", None)
+    sources.forget("s3")
     root = tmp_path_factory.mktemp("bucket")
     rng = random.Random(1)
     (root / "run").mkdir()
@@ -33,7 +33,7 @@ def s3(tmp_path_factory):
     server.upload(root, "bkt", "data")
     server.root = root
     yield server
-    sources._SOURCES.pop("s3", None)
+    sources.forget("s3")
     undo()
     server.close()
 

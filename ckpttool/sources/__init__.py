@@ -16,6 +16,7 @@ from .paths import (
     child,
     dirname,
     exists,
+    forget,
     getsize,
     glob,
     identity,
@@ -38,6 +39,7 @@ from .paths import (
     split,
     strip_file_scheme,
     transferred,
+    unregister,
 )
 from .source import (
     HEAD_BYTES,
@@ -67,6 +69,7 @@ __all__ = [
     "child",
     "dirname",
     "exists",
+    "forget",
     "getsize",
     "glob",
     "identity",
@@ -95,4 +98,5 @@ __all__ = [
     "split",
     "strip_file_scheme",
     "transferred",
+    "unregister",
 ]

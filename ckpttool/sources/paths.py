@@ -33,6 +33,18 @@ def register(scheme: str, factory: Callable[[str], Source]) -> None:
     _FACTORIES[scheme.lower()] = factory
 
 
+def forget(scheme: str) -> None:
+    """Drop the source made for ``scheme``: the next path of that scheme makes a new one
+    (its endpoint or credentials changed)."""
+    _SOURCES.pop(scheme.lower(), None)
+
+
+def unregister(scheme: str) -> None:
+    """Remove ``scheme``'s factory and source (one registered for a while)."""
+    _FACTORIES.pop(scheme.lower(), None)
+    forget(scheme)
+
+
 def scheme_of(path: str) -> str | None:
     """The URL scheme of a path (``s3``, ``https``...), or None for a local path."""
     match = URL_RE.match(path)
