@@ -44,12 +44,16 @@ def run_cli(
 
     In this interpreter, through the real entry point (``ckpttool.cli.main``), unless
     ``fresh`` asks for ``python -m ckpttool`` in a subprocess: where the point is a
-    process of its own (what it imports, its memory, signals, ``preexec_fn`` limits).
+    process of its own (what it imports, its memory, signals, ``preexec_fn`` limits,
+    remote sources made from the environment).
     80 columns, as rich assumes without a terminal: an error message that wraps fails
     the one-line checks. Tests that read whole table rows ask for more. ``kwargs`` go
     to :func:`subprocess.run` (``cwd``, ``preexec_fn``); in process, only ``cwd``.
     """
     argv = [str(a) for a in args]
+    # a URL: the sources and their caches, counters and settings (read from the
+    # environment when first made) live as long as the process
+    fresh = fresh or any("://" in a for a in argv)
     if fresh or set(kwargs) - {"cwd"}:
         env = subprocess_env(COLUMNS=str(columns))
         env.pop("CKPTTOOL_DEBUG", None)

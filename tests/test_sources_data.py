@@ -79,15 +79,14 @@ class _PinnedBlock:
     """A shard's block whose stored tensor is resolved once (the DCP reader opens the
     ``.distcp`` file to find it; the test then points its bytes at a URL)."""
 
+    cast_to = None  # read as stored (tree.sharding.Block)
+
     def __init__(self, ref: TensorRef):
         self.ref = ref
         self.shape = ref.shape
 
     def tensor_ref(self) -> TensorRef:
         return self.ref
-
-    def load(self, map_location: Any = "cpu") -> Any:
-        return self.ref.load(map_location)
 
 
 def _byte_sources(ckpt: Any) -> list[ByteSpan]:
