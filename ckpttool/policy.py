@@ -16,6 +16,7 @@ import _compat_pickle
 from typing import Any
 
 from .errors import CkptError
+from .pickle_scan import CALLED
 from .sharding import LocalShards
 from .tree import Opaque, TensorRef
 
@@ -200,6 +201,13 @@ SAFE = "safe"  # rebuilt by ckpttool itself (SAFE_GLOBALS, dtypes, storages): ne
 KNOWN = "known"  # on an allow-list of plain value classes: read inert
 UNVERIFIED = "unverified"  # on no list: read inert, refused if the pickle calls it
 DANGEROUS = "dangerous"  # refused without --unsafe
+
+
+def refused_use(verdict: str, use: str) -> bool:
+    """Whether a global of ``verdict`` that a pickle uses so (a use named by
+    :mod:`ckpttool.pickle_scan`) is refused: a dangerous one whatever the use, one on no
+    allow-list where the pickle calls it (REDUCE, INST, OBJ: its code would run)."""
+    return verdict == DANGEROUS or (verdict == UNVERIFIED and use == CALLED)
 
 
 def judge(module: str, name: str) -> str:

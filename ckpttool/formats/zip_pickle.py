@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
+from ..text_persid import text_persistent_id
 from ..torch_values import Device, check_storage_reference
 from ..tree import ByteSource, StorageRef
 from ..unpickler import load_pickle
@@ -343,6 +344,7 @@ class ZipPickle:
         storages: dict[str, StorageRef] = {}
 
         def persistent_load(pid: Any) -> Any:
+            pid = text_persistent_id(pid)  # (protocol 0 writes the tuple's text)
             if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
                 raise CkptError(f"corrupt pickle: unknown persistent id {pid!r:.80}")
             _, storage_type, key, location, numel = pid[:5]
