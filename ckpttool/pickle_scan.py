@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import pickletools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # What a pickle may do with a global, strongest first (the reason shown for it).
@@ -64,7 +65,7 @@ _Names = frozenset[str]
 # None (plain data), str (a string constant), or (head, all): the globals a value is
 # (a global, an object made by calling one) and all those it is or holds
 _Value = object
-_MARK = object()
+Resolve = Callable[[str, str], tuple[str, str]]
 
 
 @dataclass
@@ -198,7 +199,7 @@ _OPS = _table()
 
 def scan_pickle(
     data: bytes | bytearray | memoryview,
-    resolve: object = None,
+    resolve: Resolve | None = None,
     *,
     encoding: str = "utf-8",
 ) -> Uses:
@@ -222,7 +223,7 @@ def scan_pickle(
     return out
 
 
-def _walk(data: bytes, out: Uses, resolve: object, encoding: str) -> None:  # noqa: C901
+def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> None:  # noqa: C901
     size = len(data)
     stack: list[_Value] = []
     marks: list[int] = []
@@ -294,12 +295,11 @@ def _walk(data: bytes, out: Uses, resolve: object, encoding: str) -> None:  # no
         if not (isinstance(module, str) and isinstance(name, str)):
             full = frozenset({COMPUTED_NAME})
         else:
-            if callable(resolve):
-                module, name = resolve(module, name)
-            key = f"{module}.{name}"
+            mod, qual = resolve(module, name) if resolve is not None else (module, name)
+            key = f"{mod}.{qual}"
             full = frozenset({key})
             if key in out.parts or len(out.parts) < MAX_GLOBALS:
-                out.parts[key] = (module, name)
+                out.parts[key] = (mod, qual)
             else:  # no pickle names this many: judged as one whose name is unknown
                 full = frozenset({COMPUTED_NAME})
         out.note(full, REFERENCED)

@@ -96,7 +96,7 @@ def _members(f: IO[bytes], path: str) -> dict[str, tarfile.TarInfo]:
                 raise CkptError(f"tar archive of more than {MAX_MEMBERS} members", path=path)
             if info.name.rstrip("/") in MEMBERS:
                 found[info.name.rstrip("/")] = info
-            tar.members.clear()  # flat memory, however many headers
+            tar.members.clear()  # type: ignore[attr-defined]  # flat memory, however many headers
     except tarfile.TarError as exc:
         raise CkptError(f"corrupt tar archive ({exc})", path=path) from None
     return found
