@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 # What a pickle may do with a global, strongest first (the reason shown for it).
 CALLED = "called"
 INSTANTIATED = "instantiated by NEWOBJ"
-BUILD_TARGET = "given BUILD state"
+BUILD_TARGET = "given BUILD state (the global itself changed)"
 BUILD_SET = "BUILD-set"
 HANDED = "handed to"
 PERSISTENT = "handed to persistent_load"
@@ -62,8 +62,9 @@ MAX_GLOBALS = 10_000
 
 
 _Names = frozenset[str]
-# None (plain data), str (a string constant), or (head, all): the globals a value is
-# (a global, an object made by calling one) and all those it is or holds
+# None (plain data), str (a string constant), or (head, all, is the global itself):
+# the globals a value is (a global, an object made by calling one) and all those it is
+# or holds
 _Value = object
 Resolve = Callable[[str, str], tuple[str, str]]
 
@@ -123,11 +124,17 @@ def _all(*values: _Value) -> _Names:
 
 
 def _sym(head: _Names, *held: _Value) -> _Value:
-    """A value that is ``head``'s and holds what ``held`` are or hold."""
+    """A value made from ``head`` (not the global itself) that holds what ``held`` are
+    or hold."""
     inner = _all(*held)
     if not head and not inner:
         return None
-    return (head, _cap(set(head) | set(inner)) if inner else head)
+    return (head, _cap(set(head) | set(inner)) if inner else head, False)
+
+
+def _is_global(value: _Value) -> bool:
+    """Whether a value is a global itself (GLOBAL, STACK_GLOBAL), not made from one."""
+    return isinstance(value, tuple) and value[2]
 
 
 _EMPTY: _Names = frozenset()
@@ -303,7 +310,7 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
             else:  # no pickle names this many: judged as one whose name is unknown
                 full = frozenset({COMPUTED_NAME})
         out.note(full, REFERENCED)
-        return (full, full)
+        return (full, full, True)
 
     while True:
         if pos >= size:
@@ -401,14 +408,15 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
         elif kind == _BUILD:
             state = pop()
             target = pop()
-            out.note(_head(target), BUILD_TARGET)
+            if _is_global(target):  # a module or class itself changed
+                out.note(_head(target), BUILD_TARGET)
             out.note(_all(state), BUILD_SET, _head(target))
             stack.append(_sym(_head(target), target, state))
         elif kind == _EXT:
             argument(fixed, length)
             full = frozenset({EXTENSION_NAME})
             out.note(full, REFERENCED)
-            stack.append((full, full))
+            stack.append((full, full, True))
         elif kind == _PERSID:
             line()
             stack.append(None)

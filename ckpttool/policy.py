@@ -20,7 +20,7 @@ from typing import Any
 
 from .allow_list import ALLOWED, AllowList
 from .errors import CkptError, UsageError
-from .pickle_scan import CALLED
+from .pickle_scan import BUILD_TARGET, CALLED
 from .sharding import LocalShards
 from .tree import Opaque, TensorRef
 
@@ -210,8 +210,13 @@ DANGEROUS = "dangerous"  # refused without --unsafe
 def refused_use(verdict: str, use: str) -> bool:
     """Whether a global of ``verdict`` that a pickle uses so (a use named by
     :mod:`ckpttool.pickle_scan`) is refused: a dangerous one whatever the use, one on no
-    allow-list where the pickle calls it (REDUCE, INST, OBJ: its code would run)."""
-    return verdict == DANGEROUS or (verdict == UNVERIFIED and use == CALLED)
+    allow-list where the pickle calls it (REDUCE, INST, OBJ: its code would run), and a
+    module or class the pickle gives BUILD state to (it would change it)."""
+    if verdict == DANGEROUS:
+        return True
+    if use == BUILD_TARGET:  # BUILD on a module or class itself: it would be changed
+        return verdict in (KNOWN, UNVERIFIED)  # (ckpttool's own values refuse it as corrupt)
+    return verdict == UNVERIFIED and use == CALLED
 
 
 def judge(module: str, name: str) -> str:

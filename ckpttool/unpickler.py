@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from .dtypes import DTYPES, STORAGE_CLASSES
 from .errors import CkptError, UnsafeError
-from .guard import address_space_limit, guarded_read, note_call
+from .guard import ReadGuard, address_space_limit, guarded_read, note_build_on_global, note_call
 from .pickle_scan import Uses, scan_pickle
 from .policy import (
     DANGEROUS,
@@ -354,6 +354,15 @@ class _AbsorbClass(type):
     qualname: str
     known: bool
 
+    @property
+    def __setstate__(cls) -> Callable[[Any], None]:
+        """BUILD on the global itself, judged as a full read judges it (``_ReadOnlyClass``)."""
+
+        def build(state: Any) -> None:
+            note_build_on_global(f"{cls.module}.{cls.qualname}")
+
+        return build
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         name = f"{cls.module}.{cls.qualname}"
         if not cls.known:
@@ -491,7 +500,7 @@ def load_pickle(
         raise UnsafeError(
             dangerous,
             path=path,
-            reasons={g: _reason(g, guard.called, reasons) for g in dangerous},
+            reasons={g: _reason(g, guard, reasons) for g in dangerous},
             globals=globals_,
             unverified=unverified,
         )
@@ -532,9 +541,11 @@ def _static_scan(stream: IO[bytes], start: int, unpickler: SafeUnpickler) -> Use
         chunk *= 8
 
 
-def _reason(name: str, called: set[str], static: dict[str, str]) -> str:
+def _reason(name: str, guard: ReadGuard, static: dict[str, str]) -> str:
     """How a refused pickle uses ``name``: what the read saw it do, else the static walk's."""
-    if name in called:
+    if name in guard.uses:
+        return guard.uses[name]
+    if name in guard.called:
         return "called" if not name.endswith(")") else "called (an object it made)"
     return static.get(name, "referenced")
 
