@@ -33,6 +33,9 @@ BUILD_TARGET = "given BUILD state (the global itself changed)"
 BUILD_SET = "BUILD-set"
 HANDED = "handed to"
 PERSISTENT = "handed to persistent_load"
+# getattr(X, "Name") of a global X and a constant name: the policy judges each
+# (``Uses.getattrs``); ShardedTensor pickles getattr(ShardedTensor, "ProcessGroupState")
+NESTED_GETATTR = "called on a global and a name"
 REFERENCED = "referenced"
 _RANK = {
     CALLED: 0,
@@ -40,9 +43,11 @@ _RANK = {
     BUILD_TARGET: 2,
     BUILD_SET: 3,
     HANDED: 4,
-    PERSISTENT: 5,
-    REFERENCED: 6,
+    NESTED_GETATTR: 5,
+    PERSISTENT: 6,
+    REFERENCED: 7,
 }
+_GETATTR = frozenset({"builtins.getattr"})
 
 # A global whose name the walk cannot know: STACK_GLOBAL of values computed while
 # unpickling (a REDUCE's result), or an extension code (EXT1/2/4) that the real
@@ -75,6 +80,7 @@ class Uses:
 
     uses: dict[str, str] = field(default_factory=dict)  # full name -> reason
     parts: dict[str, tuple[str, str]] = field(default_factory=dict)  # full name -> (module, name)
+    getattrs: set[tuple[str, str]] = field(default_factory=set)  # (global, name) of NESTED_GETATTR
     callers: dict[str, str] = field(default_factory=dict)  # for HANDED/BUILD_SET: to what
     complete: bool = False  # the walk reached STOP
     end: int = 0  # where it stopped: after STOP, at the error, or the end of the data
@@ -345,6 +351,10 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
                     if item is not None and type(item) is tuple:
                         held = _sym(_EMPTY, *items)
                         break
+                if len(items) == 2 and _is_global(items[0]) and type(items[1]) is str:
+                    # (X, "Name"): getattr's arguments, if it is called with them
+                    target = next(iter(_head(items[0])))
+                    held = (_EMPTY, _all(items[0]), False, (target, items[1]))
                 stack.append(held)
             continue
         if kind in _ACTING:
@@ -389,6 +399,19 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
             stack.append(global_name(module_value, qual_value))
         elif kind == _REDUCE:
             args_value, func = pop(), pop()
+            if _is_global(func) and _head(func) == _GETATTR and _getattr_args(args_value):
+                target, attr = args_value[3]  # type: ignore[index]
+                out.note(_GETATTR, NESTED_GETATTR)
+                if len(out.getattrs) < MAX_GLOBALS:
+                    out.getattrs.add((target, attr))
+                else:
+                    out.note(_GETATTR, CALLED)
+                module_name = out.parts.get(str(target))
+                value = None
+                if module_name is not None:
+                    value = global_name(module_name[0], f"{module_name[1]}.{attr}")
+                stack.append(value)
+                continue
             out.note(_head(func), CALLED)
             out.note(_all(args_value), HANDED, _head(func))
             stack.append(_sym(_head(func), func, args_value))
@@ -407,11 +430,11 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
             stack.append(_sym(_head(cls), cls, args_value, kwargs))
         elif kind == _BUILD:
             state = pop()
-            target = pop()
-            if _is_global(target):  # a module or class itself changed
-                out.note(_head(target), BUILD_TARGET)
-            out.note(_all(state), BUILD_SET, _head(target))
-            stack.append(_sym(_head(target), target, state))
+            built = pop()
+            if _is_global(built):  # a module or class itself changed
+                out.note(_head(built), BUILD_TARGET)
+            out.note(_all(state), BUILD_SET, _head(built))
+            stack.append(_sym(_head(built), built, state))
         elif kind == _EXT:
             argument(fixed, length)
             full = frozenset({EXTENSION_NAME})
@@ -454,6 +477,10 @@ def _check_number(name: str, raw: bytes) -> None:
             int(raw[:-1] if name == "LONG" and raw.endswith(b"L") else raw)
     except ValueError:
         raise _Stop(f"{name} of a text that is no number") from None
+
+
+def _getattr_args(value: _Value) -> bool:
+    return isinstance(value, tuple) and len(value) == 4
 
 
 def _number(raw: bytes, fixed: int) -> int:

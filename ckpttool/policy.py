@@ -219,6 +219,20 @@ def refused_use(verdict: str, use: str) -> bool:
     return verdict == UNVERIFIED and use == CALLED
 
 
+def nested_class_getattr(module: str, qualname: str, attr: object, verdict: str) -> bool:
+    """Whether ``getattr(module.qualname, attr)``, on a global of ``verdict``, is the one
+    ``getattr`` a checkpoint needs: reaching a nested class of a torch class
+    (ShardedTensor pickles ``getattr(ShardedTensor, "ProcessGroupState")``)."""
+    return (
+        module.startswith("torch.")
+        and verdict in (KNOWN, UNVERIFIED)  # a class read inert (not rebuilt, not refused)
+        and isinstance(attr, str)
+        and attr.isidentifier()
+        and attr[:1].isupper()  # a nested class (CapWords), never a method
+        and judge(module, f"{qualname}.{attr}") != DANGEROUS  # (FileStore)
+    )
+
+
 def judge(module: str, name: str) -> str:
     """:data:`KNOWN`, :data:`UNVERIFIED` or :data:`DANGEROUS` for the global ``module.name``.
 

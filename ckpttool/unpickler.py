@@ -26,7 +26,7 @@ from typing import IO, Any
 from .dtypes import DTYPES, STORAGE_CLASSES
 from .errors import CkptError, UnsafeError
 from .guard import ReadGuard, address_space_limit, guarded_read, note_build_on_global, note_call
-from .pickle_scan import Uses, scan_pickle
+from .pickle_scan import CALLED, NESTED_GETATTR, Uses, scan_pickle
 from .policy import (
     DANGEROUS,
     KNOWN,
@@ -34,6 +34,7 @@ from .policy import (
     UNVERIFIED,
     check_structure,
     judge,
+    nested_class_getattr,
     python3_name,
     refused_use,
 )
@@ -117,12 +118,10 @@ class SafeUnpickler(pickle.Unpickler):
         if (
             isinstance(obj, type)
             and issubclass(obj, Opaque)
-            and obj.module.startswith("torch.")
             and not obj.dangerous
-            and isinstance(name, str)
-            and name.isidentifier()
-            and name[:1].isupper()  # a nested class (CapWords), never a method
-            and judge(obj.module, f"{obj.qualname}.{name}") != DANGEROUS  # (FileStore)
+            and nested_class_getattr(
+                obj.module, obj.qualname, name, KNOWN if obj.known else UNVERIFIED
+            )
         ):
             qualname = f"{obj.qualname}.{name}"
             self.seen.add(f"{obj.module}.{qualname}")
@@ -153,9 +152,16 @@ def static_verdict(uses: Uses) -> dict[str, str]:
     for full, use in uses.uses.items():
         parts = uses.parts.get(full)
         verdict = DANGEROUS if parts is None else global_verdict(*parts)
+        if use == NESTED_GETATTR and all(_nested(uses, *call) for call in uses.getattrs):
+            continue  # every getattr reaches a nested class of a torch class
         if refused_use(verdict, use):
-            refused[full] = uses.reason(full)
+            refused[full] = CALLED if use == NESTED_GETATTR else uses.reason(full)
     return refused
+
+
+def _nested(uses: Uses, target: str, attr: str) -> bool:
+    parts = uses.parts.get(target)
+    return parts is not None and nested_class_getattr(*parts, attr, global_verdict(*parts))
 
 
 class _Sink:

@@ -29,6 +29,7 @@ TOP_KEYS = {
     "globals": list,
     "dangerous": list,
     "unverified": list,
+    "allowed": list,  # globals read only because --allow trusted them
     "transfer": dict,
 }
 TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded", "file"}

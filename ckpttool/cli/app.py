@@ -67,7 +67,6 @@ VALUE_OPTIONS = frozenset(
         "--max-shard-size",
         "--atol",
         "--rtol",
-        ALLOW_OPTION,
     }
 )
 
