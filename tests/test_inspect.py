@@ -141,6 +141,7 @@ def test_json_matches_the_contract_example(snapshot):
         ],
         "dangerous": [],
         "unverified": [],
+        "allowed": [],
     }
 
 
