@@ -215,6 +215,7 @@ def scan_pickle(
     resolve: Resolve | None = None,
     *,
     encoding: str = "utf-8",
+    importable_only: bool = False,
 ) -> Uses:
     """Walk the one pickle at the start of ``data`` (up to its STOP).
 
@@ -223,6 +224,9 @@ def scan_pickle(
         resolve: ``(module, name) -> (module, name)``: the name the real unpickler would
             import (Python 2 names of protocols 0-2); as given when None.
         encoding: How protocol-0/1 byte strings become text (as ``torch.load``: utf-8).
+        importable_only: Stop at a global no import can find (``import os`` in a Python
+            file reads as INST of ``mport os``): where the real unpickler stops too. For
+            telling a pickle from text; a verdict walks on and names it.
 
     Returns:
         Every global named and how; where and why the walk stopped.
@@ -230,13 +234,15 @@ def scan_pickle(
     out = Uses()
     raw = data if isinstance(data, bytes) else bytes(data)
     try:
-        _walk(raw, out, resolve, encoding)
+        _walk(raw, out, resolve, encoding, importable_only)
     except _Stop as stop:
         out.error = None if out.truncated else str(stop)
     return out
 
 
-def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> None:  # noqa: C901
+def _walk(
+    data: bytes, out: Uses, resolve: Resolve | None, encoding: str, importable_only: bool
+) -> None:  # noqa: C901
     size = len(data)
     stack: list[_Value] = []
     marks: list[int] = []
@@ -305,6 +311,8 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
             return chunk.decode("latin-1")
 
     def global_name(module: object, name: object) -> _Value:
+        if importable_only and not (_dotted(module) and _dotted(name)):
+            raise _Stop("a global no import finds")
         if not (isinstance(module, str) and isinstance(name, str)):
             full = frozenset({COMPUTED_NAME})
         else:
@@ -329,10 +337,9 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
         pos += 1
         kind, name, fixed, length, mark, taken, left = entry
         if kind == _PUSH:
-            if fixed == _LINE:  # INT, LONG, FLOAT: a number, as the real unpickler parses it
-                start, end = argument(fixed, length)
-                _check_number(name, data[start:end])
-            elif fixed or length is not None:
+            # (INT, LONG, FLOAT lines are not parsed: C's unpickler takes "0x10" and
+            # more; the walk never stops where the real unpickler would go on)
+            if fixed or length is not None:
                 argument(fixed, length)
             stack.append(None)
             continue
@@ -357,8 +364,6 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
                     held = (_EMPTY, _all(items[0]), False, (target, items[1]))
                 stack.append(held)
             continue
-        if kind in _ACTING:
-            out.acts = True
         if kind == _STR:
             stack.append(_string(name, argument(fixed, length), data, text))
         elif kind == _MARK_OP:
@@ -411,6 +416,7 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
                 if module_name is not None:
                     value = global_name(module_name[0], f"{module_name[1]}.{attr}")
                 stack.append(value)
+                out.acts = True
                 continue
             out.note(_head(func), CALLED)
             out.note(_all(args_value), HANDED, _head(func))
@@ -457,26 +463,25 @@ def _walk(data: bytes, out: Uses, resolve: Resolve | None, encoding: str) -> Non
             argument(fixed, length)
         else:  # NEXT_BUFFER
             raise _Stop("out-of-band buffers (torch.load passes none)")
+        if kind in _ACTING:  # it parsed: the real unpickler imports or calls here
+            out.acts = True
 
 
-def is_pickle_start(head: bytes) -> bool:
-    """Whether ``head`` (a file's first bytes) is the start of a pickle that the real
-    unpickler would walk into: opcodes that parse up to a STOP or the end of ``head``, or
-    that import or call something before they stop parsing (which would already have
-    run under ``torch.load``)."""
-    uses = scan_pickle(head)
-    return bool(head) and (uses.error is None or uses.acts)
+def is_pickle_start(head: bytes, *, whole: bool = False) -> bool:
+    """Whether ``head`` (a file's first bytes; ``whole``: all of it) is the start of a
+    pickle that the real unpickler would walk into: opcodes that parse up to a STOP (or
+    the end of ``head``, where the file goes on), or that import or call something
+    before they stop parsing (which would already have run under ``torch.load``)."""
+    if not head:
+        return False
+    uses = scan_pickle(head, importable_only=True)
+    if uses.acts or uses.complete:
+        return True
+    return uses.error is None and not whole  # (a text file that ends in a line: no pickle)
 
 
-def _check_number(name: str, raw: bytes) -> None:
-    """A protocol-0 number's text parses (a text file is told from a pickle by it)."""
-    try:
-        if name == "FLOAT":
-            float(raw)
-        else:
-            int(raw[:-1] if name == "LONG" and raw.endswith(b"L") else raw)
-    except ValueError:
-        raise _Stop(f"{name} of a text that is no number") from None
+def _dotted(name: object) -> bool:
+    return isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
 
 
 def _getattr_args(value: _Value) -> bool:

@@ -70,6 +70,11 @@ def p0_global_reduce(m: str) -> bytes:
     return b"cposix\nsystem\n(" + text0(f"touch {m}") + b"tR."
 
 
+def p0_hex_int(m: str) -> bytes:
+    """Protocol 0 INT in hex (C's unpickler takes ``0x1``), popped, then the call."""
+    return b"I0x1\n0" + p0_global_reduce(m)
+
+
 def p0_inst(m: str) -> bytes:
     """Protocol 0 INST: the class (here a function) called with the marked arguments."""
     return b"(" + text0(f"touch {m}") + b"iposix\nsystem\n."
@@ -129,6 +134,7 @@ def p5_stack_global_memo(m: str) -> bytes:
 # name -> (builder, a global the refusal must name)
 PAYLOADS: dict[str, tuple[Callable[[str], bytes], str]] = {
     "p0-global-reduce": (p0_global_reduce, "posix.system"),
+    "p0-hex-int": (p0_hex_int, "posix.system"),
     "p0-inst": (p0_inst, "posix.system"),
     "p0-persid": (p0_persid_then_eval, "builtins.eval"),
     "p1-obj": (p1_obj, "builtins.exec"),
@@ -326,11 +332,19 @@ def test_a_benign_pickle_of_any_protocol_is_exit_2_saying_so(tmp_path, protocol)
 
 
 def test_text_files_are_not_pickles(tmp_path):
-    files = {"a.txt": "hello world\n", "b.csv": "1,2\n3,4\n", "c.json": '{"a": 1}',
-             "d.md": "# Title\n\nIt is.\n", "e.yaml": "lr: 0.1\n"}  # fmt: skip
+    files = {
+        "a.txt": "hello world\n",
+        "b.csv": "1,2\n3,4\n",
+        "c.json": '{"a": 1}',
+        "d.md": "# Title\n\nIt is.\n",
+        "e.yaml": "lr: 0.1\n",
+        "f.txt": "Some text without a newline",
+        "g.py": "import os\nprint(os.getcwd())\n",  # INST of "mport os": no import finds it
+        "h.py": "class Config:\n    lr = 0.1\n",
+    }
     for name, content in files.items():
         (tmp_path / name).write_text(content)
-        assert not is_pickle_start(content.encode()), name
+        assert not is_pickle_start(content.encode(), whole=True), name
     results = run_many([["inspect", tmp_path / n] for n in files])
     for result in results:
         check_error(completed([], result), 2, "not a checkpoint ckpttool knows")

@@ -36,7 +36,7 @@ def detect(path: str, head: bytes) -> bool:
         return True
     from .torch_tar import is_tar
 
-    return is_tar(head) or is_pickle_start(head)
+    return is_tar(head) or is_pickle_start(head, whole=len(head) < sources.HEAD_BYTES)
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
