@@ -70,12 +70,27 @@ class UnsafeError(CkptError):
     Args:
         dangerous: The offending globals, as ``module.name``.
         path: The file that holds them.
+        reasons: How the pickle uses each of them (``called``, ``BUILD-set on x.Y``...).
+        globals: Every global the refused file names, as far as it was read.
+        unverified: Those on none of ckpttool's allow-lists.
     """
 
     exit_code = 3
 
-    def __init__(self, dangerous: list[str], *, path: object = None):
+    def __init__(
+        self,
+        dangerous: list[str],
+        *,
+        path: object = None,
+        reasons: dict[str, str] | None = None,
+        globals: list[str] | None = None,
+        unverified: list[str] | None = None,
+    ):
         self.dangerous = sorted(set(dangerous))
+        self.reasons = {name: (reasons or {}).get(name, "referenced") for name in self.dangerous}
+        self.globals = sorted(set(globals or ()) | set(self.dangerous))
+        self.unverified = sorted(set(unverified or ()) - set(self.dangerous))
+        self.format: str | None = None  # the detected format, where the reader knew it
         super().__init__(
             "the pickle references dangerous globals "
             + ", ".join(self.dangerous)

@@ -37,6 +37,8 @@ class ReadGuard:
 
     budget: int
     called: set[str] = field(default_factory=set)
+    # how the pickle used those of ``called`` that it did not call (BUILD on a global)
+    uses: dict[str, str] = field(default_factory=dict)
 
 
 _CURRENT: ContextVar[ReadGuard | None] = ContextVar("ckpttool_read_guard", default=None)
@@ -58,6 +60,16 @@ def note_call(name: str) -> None:
     guard = _CURRENT.get()
     if guard is not None:
         guard.called.add(name)
+
+
+def note_build_on_global(name: str) -> None:
+    """Record that the pickle gives the global ``name`` itself BUILD state: the real
+    unpickler would change that module, class or function for the rest of the process
+    (picklescan's "module override"). No checkpoint does: refused like a call."""
+    guard = _CURRENT.get()
+    if guard is not None:
+        guard.called.add(name)
+        guard.uses[name] = "given BUILD state (the global itself changed)"
 
 
 def charge(amount: int) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import sources
 from .dtypes import NO_NUMBERS, DType
-from .errors import CkptError, translate_errors
+from .errors import CkptError, UnsafeError, translate_errors
 from .progress import Progress
 from .tree import (
     Checkpoint,
@@ -122,6 +122,45 @@ def inspect_report(
         "globals": list(ckpt.globals),
         "unverified": list(ckpt.unverified),
         "dangerous": list(ckpt.dangerous),
+        "allowed": allowed_entry(ckpt.globals),
+        "transfer": transfer_entry(since),
+    }
+
+
+def allowed_entry(names: list[str]) -> list[str]:
+    """The ``allowed`` field: globals read only because the user allowed them."""
+    from .unpickler import ALLOWED
+
+    if not ALLOWED.get():
+        return []
+    from .unpickler import allowed_globals
+
+    return allowed_globals(names)
+
+
+def refused_report(exc: UnsafeError, paths: list[str], since: tuple[int, int] = (0, 0)) -> dict:
+    """The ``inspect --json`` object of a refused input (exit 3): the fields of
+    :func:`inspect_report`, empty where nothing was read, the verdict filled in, and
+    ``reasons``: how the pickle uses each dangerous global."""
+    files = [exc.path] if exc.path else [str(p) for p in paths]
+    return {
+        "format": exc.format,
+        "files": [sources.shown(f) for f in files],
+        "world_size": None,
+        "prefix": None,
+        "model_key": None,
+        "tensors": [],
+        "num_tensors": 0,
+        "num_params": 0,
+        "nbytes": 0,
+        "values": [],
+        "metadata": {},
+        "globals": list(exc.globals),
+        "unverified": list(exc.unverified),
+        "dangerous": list(exc.dangerous),
+        "reasons": dict(exc.reasons),
+        "allowed": allowed_entry(exc.globals),
+        "refused": True,
         "transfer": transfer_entry(since),
     }
 

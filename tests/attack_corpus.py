@@ -804,6 +804,49 @@ CASES = [
     ),
 ]
 
+# --- every protocol's opcodes, and the verdict before any error of the reader
+CASES += [
+    Case(
+        "module-override-build-then-eval",  # picklescan's: BUILD gives a module attributes
+        lambda m: checkpoint(
+            (
+                "x",
+                tup(
+                    glob("torch", "nn") + dict_of(ckpttool_was_here=integer(1)) + BUILD,
+                    call(glob("builtins", "eval"), text(f"open({m!r}, 'w').close()")),
+                ),
+            ),
+        ),
+        3,
+        ("builtins.eval", "torch.nn"),
+        live=True,
+    ),
+    Case(
+        "build-on-an-unknown-class-itself",  # the class, not an object of it, changed
+        lambda m: checkpoint(
+            ("x", glob("mylib.config", "TrainConfig") + dict_of(lr=integer(1)) + BUILD)
+        ),
+        3,
+        ("mylib.config.TrainConfig",),
+    ),
+    Case(
+        "protocol-0-inst-inside-a-checkpoint",  # INST: the text opcode calling its class
+        lambda m: checkpoint(("x", MARK + text(f"touch {m}") + b"iposix\nsystem\n")),
+        3,
+        ("posix.system",),
+        live=True,
+    ),
+    Case(
+        "obj-calls-exec",  # OBJ (protocol 1): the first marked item called on the rest
+        lambda m: checkpoint(
+            ("x", MARK + glob("builtins", "exec") + text(f"open({m!r}, 'w').close()") + b"o")
+        ),
+        3,
+        ("builtins.exec",),
+        live=True,
+    ),
+]
+
 CASES_BY_NAME = {case.name: case for case in CASES}
 
 

@@ -29,6 +29,7 @@ TOP_KEYS = {
     "globals": list,
     "dangerous": list,
     "unverified": list,
+    "allowed": list,  # globals read only because --allow trusted them
     "transfer": dict,
 }
 TENSOR_KEYS = {"key", "dtype", "shape", "device", "nbytes", "sharded", "file"}
@@ -140,6 +141,7 @@ def test_json_matches_the_contract_example(snapshot):
         ],
         "dangerous": [],
         "unverified": [],
+        "allowed": [],
     }
 
 

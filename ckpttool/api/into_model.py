@@ -91,6 +91,7 @@ def load_into(
     select: str = "auto",
     strip_prefix: str | None = "auto",
     unsafe: bool = False,
+    allow: Any = None,
 ) -> LoadResult:
     """Copy a checkpoint's tensors into an existing model or state dict, in place.
 
@@ -106,6 +107,7 @@ def load_into(
         select: Which state dict of the checkpoint, as in ``load`` (``auto``: the model).
         strip_prefix: As in ``load``; a model wrapped in DDP has its own ``module.`` matched.
         unsafe: Accept pickles that reference dangerous globals (still inert).
+        allow: Globals to trust (see :func:`ckpttool.read`).
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)``, as ``load_state_dict`` returns.
@@ -121,7 +123,7 @@ def load_into(
     from .reading import flatten_tensors, read, select_node
 
     dest = _targets(target)
-    ckpt = read(paths, unsafe=unsafe)
+    ckpt = read(paths, unsafe=unsafe, allow=allow)
     where = ckpt.files[0] if ckpt.files else None
     path, node = select_node(ckpt, select, strip_prefix)
     source = flatten_tensors(node, str(path[-1]) if path else "")

@@ -260,6 +260,7 @@ def open_checkpoint(
     map_location: Any = "cpu",
     unsafe: bool = False,
     mmap: bool = True,
+    allow: Any = None,
 ) -> LazyCheckpoint:
     """Open a checkpoint of any format lazily: structure now, tensor bytes on demand.
 
@@ -276,6 +277,7 @@ def open_checkpoint(
         map_location: Where tensors go, as in ``load``.
         unsafe: Accept pickles that reference dangerous globals (still inert).
         mmap: Map tensor bytes from the file where the format allows (see ``load``).
+        allow: Globals to trust (see :func:`ckpttool.read`).
 
     Returns:
         A :class:`LazyCheckpoint`.
@@ -286,7 +288,7 @@ def open_checkpoint(
     """
     from .reading import flatten_tensors, read, select_node
 
-    ckpt = read(paths, unsafe=unsafe)
+    ckpt = read(paths, unsafe=unsafe, allow=allow)
     path, node = select_node(ckpt, select, strip_prefix)
     name = str(path[-1]) if path else ""
     tensors = flatten_tensors(node, name)

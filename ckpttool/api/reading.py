@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from os import PathLike
 from typing import Any, BinaryIO
 
@@ -32,7 +34,12 @@ PathArg = str | PathLike | Sequence[str | PathLike]
 
 
 @translate_errors
-def read(paths: PathArg | BinaryIO | Checkpoint, *, unsafe: bool = False) -> Checkpoint:
+def read(
+    paths: PathArg | BinaryIO | Checkpoint,
+    *,
+    unsafe: bool = False,
+    allow: Iterable[Any] | None = None,
+) -> Checkpoint:
     """Read a checkpoint's structure and tensor metadata; no tensor bytes are read.
 
     Args:
@@ -40,6 +47,12 @@ def read(paths: PathArg | BinaryIO | Checkpoint, *, unsafe: bool = False) -> Che
             binary file object (``io.BytesIO``, an open file) as ``torch.load`` takes, or a
             :class:`Checkpoint` read before (returned as it is).
         unsafe: Accept pickles that reference dangerous globals (they stay inert).
+        allow: Globals to trust, as ``torch.serialization.add_safe_globals`` takes them:
+            names (``"pkg.mod.Class"``, ``"pkg.mod.*"``), the classes or functions
+            themselves, or ``(object, "name")`` pairs. They may be called by the pickle
+            and still come back as inert stand-ins. What the program registered with
+            ``add_safe_globals`` / ``safe_globals`` counts too (where torch is imported).
+            Dangerous families cannot be allowed.
 
     Returns:
         The lazy :class:`~ckpttool.tree.Checkpoint`.
@@ -47,16 +60,27 @@ def read(paths: PathArg | BinaryIO | Checkpoint, *, unsafe: bool = False) -> Che
     Raises:
         UnsafeError: The file references dangerous globals and ``unsafe`` is False.
         InputNotFoundError: The input does not exist (also a ``FileNotFoundError``).
-        CkptError: Missing, corrupt, truncated or unsupported input.
+        CkptError: Missing, corrupt, truncated or unsupported input, or an ``allow``
+            entry that cannot be allowed.
     """
     if isinstance(paths, Checkpoint):  # read already: load, open and load_into take one too
         return paths
-    if is_file_like(paths):
-        source = FileInput(paths)
-        ckpt = read_checkpoint(source.path, unsafe=unsafe)
-        source.keep_alive(ckpt.root)
-        return ckpt
-    return read_checkpoint(paths, unsafe=unsafe)  # type: ignore[arg-type]
+    with _allowing(allow):
+        if is_file_like(paths):
+            source = FileInput(paths)
+            ckpt = read_checkpoint(source.path, unsafe=unsafe)
+            source.keep_alive(ckpt.root)
+            return ckpt
+        return read_checkpoint(paths, unsafe=unsafe)  # type: ignore[arg-type]
+
+
+def _allowing(allow: Iterable[Any] | None) -> AbstractContextManager[None]:
+    """What ``allow`` and torch's registered safe globals trust, for one read."""
+    if allow is None and "torch.serialization" not in sys.modules:
+        return nullcontext()  # (nothing to ask, nothing imported)
+    from ..unpickler import allowing, api_allow_list
+
+    return allowing(api_allow_list(allow))
 
 
 def select_node(
@@ -140,7 +164,7 @@ def materialize(node: Any, map_location: Any = "cpu", *, mmap: bool = False) -> 
     """The same structure with every lazy tensor read (shards merged into full tensors).
 
     Tensors saved as ``nn.Parameter`` or with ``requires_grad`` come back so, as from
-    ``torch.load``. Opaque objects become plain-data stand-ins (``{"__class__": ...,
+    ``torch.load``. Opaque objects become plain-data records (``{"__class__": ...,
     "state": ...}``), as in ``ckpttool merge`` output; a tensor referenced twice comes
     back as one tensor, tensors saved sharing a storage (tied weights, views) share one.
 
@@ -179,6 +203,7 @@ def load(
     strip_prefix: str | None = "auto",
     unsafe: bool = False,
     mmap: bool = True,
+    allow: Iterable[Any] | None = None,
 ) -> Any:
     """Load a checkpoint of any supported format, safely, as torch tensors.
 
@@ -198,6 +223,7 @@ def load(
             writing to a tensor never changes the file. Legacy files, byte-swapped data
             and sharded tensors are read once into the final tensor. ``False`` reads
             everything now (for files about to change, e.g. on a network file system).
+        allow: Globals to trust (see :func:`read`).
 
     Returns:
         A dict of tensors (``auto``) or the nested structure, sharded tensors merged.
@@ -208,7 +234,7 @@ def load(
         UnsafeError: The file references dangerous globals and ``unsafe`` is False.
         CkptError: Missing, corrupt, truncated or unsupported input.
     """
-    ckpt = read(paths, unsafe=unsafe)
+    ckpt = read(paths, unsafe=unsafe, allow=allow)
     _, node = select_node(ckpt, select, strip_prefix)
     return materialize(node, map_location, mmap=mmap)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ app = typer.Typer(
     "  ckpttool convert ep3-rank0.pt --to safetensors\n"
     "  ckpttool diff model.pt model-bf16.safetensors --atol 1e-2\n\n"
     "Exit codes: 0 ok, 1 diff found differences, 2 bad input, 3 refused as unsafe. "
-    "--debug, --quiet and --no-color may also follow the command.",
+    "--debug, --quiet, --no-color and --allow NAME may also follow the command.",
     # plain help: rich markup would import markdown-it on every --help (+0.1 s)
     rich_markup_mode=None,
     no_args_is_help=True,
@@ -40,6 +41,7 @@ class Settings:
     debug = False
     quiet = False
     no_color = False
+    allow: tuple[str, ...] = ()  # --allow NAME, repeatable, on every command
 
 
 settings = Settings()
@@ -47,6 +49,8 @@ settings = Settings()
 # typer parses, so `ckpttool inspect x.pt --debug` and `ckpttool --debug inspect x.pt`
 # are the same command.
 GLOBAL_FLAGS = {"--debug": "debug", "--quiet": "quiet", "-q": "quiet", "--no-color": "no_color"}
+# A global option with a value, anywhere on the command line too: the globals a user trusts.
+ALLOW_OPTION = "--allow"
 # Options that take a value: a global flag's name right after one of these is that value.
 VALUE_OPTIONS = frozenset(
     {
@@ -90,11 +94,22 @@ def _global_options(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")
     ] = False,
+    allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            ALLOW_OPTION,
+            metavar="NAME",
+            help="Trust a global (pkg.mod.Class) or a module (pkg.mod.*) as torch's "
+            "add_safe_globals does: it may be called, it is still read inert. Repeatable, "
+            "on every command; dangerous families cannot be allowed.",
+        ),
+    ] = None,
 ) -> None:
     # Also reached through app() directly (tests, embedding): flags given here count too.
     settings.debug |= debug
     settings.quiet |= quiet
     settings.no_color |= no_color
+    settings.allow += tuple(allow or ())
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
@@ -113,16 +128,41 @@ class CommandError(Exception):
 def pull_global_flags(args: Sequence[str]) -> list[str]:
     """Take the global flags out of ``args`` wherever they are, and set them."""
     out: list[str] = []
+    taking_allow = False
     for i, arg in enumerate(args):
+        if taking_allow:
+            settings.allow += (arg,)
+            taking_allow = False
+            continue
         if arg == "--":  # everything after it is a path, even "--debug"
             out.extend(args[i:])
             break
         name = GLOBAL_FLAGS.get(arg)
-        if name is not None and not (out and out[-1] in VALUE_OPTIONS):
+        after_value_option = bool(out) and out[-1] in VALUE_OPTIONS
+        if name is not None and not after_value_option:
             setattr(settings, name, True)
+        elif arg == ALLOW_OPTION and not after_value_option:
+            taking_allow = True
+        elif arg.startswith(ALLOW_OPTION + "=") and not after_value_option:
+            settings.allow += (arg.partition("=")[2],)
         else:
             out.append(arg)
+    if taking_allow:
+        settings.allow += ("",)  # refused by name when the command starts
     return out
+
+
+def allowing_settings() -> contextlib.AbstractContextManager[None]:
+    """The globals ``--allow`` trusts, for the command's run (nothing imported without it).
+
+    Raises:
+        UsageError: A name that cannot be allowed (a dangerous family).
+    """
+    if not settings.allow:
+        return contextlib.nullcontext()
+    from ..unpickler import allowing, parse_allow
+
+    return allowing(parse_allow(settings.allow))
 
 
 def exit_code_for(exc: BaseException) -> int:
@@ -163,11 +203,13 @@ def exit_code_for(exc: BaseException) -> int:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console-script entry point: run one command, map whatever it raises to an exit code."""
     settings.debug = settings.quiet = settings.no_color = False  # main() may run twice
+    settings.allow = ()
     args = pull_global_flags(sys.argv[1:] if argv is None else argv)
     try:
         if not args:  # bare `ckpttool`: typer shows the help (and exits 2, as click does)
             app(args=[], prog_name="ckpttool")
-        code = app(args=args, prog_name="ckpttool", standalone_mode=False)
+        with allowing_settings():
+            code = app(args=args, prog_name="ckpttool", standalone_mode=False)
         if code == EXIT_INTERRUPTED:  # typer turns Ctrl-C into Exit(130), silently
             code = exit_code_for(KeyboardInterrupt())
     except SystemExit as exc:

@@ -68,14 +68,19 @@ def inspect(
     """Show format, model, size, values and security first, then tensors and structure."""
     from .. import sources
     from ..api import read
-    from ..errors import UsageError
-    from ..inspection import inspect_report
+    from ..errors import UnsafeError, UsageError
+    from ..inspection import inspect_report, refused_report
     from ..tree import iter_tensors
 
     if limit < 0:
         raise UsageError("--limit must be >= 0 (0: no limit)")
     before = sources.transferred()  # what this command reads, local or remote
-    ckpt = read(paths, unsafe=unsafe)
+    try:
+        ckpt = read(paths, unsafe=unsafe)
+    except UnsafeError as exc:
+        if json_output:  # the verdict for scripts too: which globals, and why
+            write(dumps_json(refused_report(exc, paths, since=before)) + "\n")
+        raise
     total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
     enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
     with byte_progress(total, "reading tensors", enabled) as advance:

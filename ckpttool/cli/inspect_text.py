@@ -158,6 +158,8 @@ def security_line(report: dict, paint: Paint) -> str:
     extra = f"; shown as placeholders: {printable(', '.join(opaque))}" if opaque else ""
     if unverified:
         extra += f"; unverified (read inert): {printable(', '.join(unverified))}"
+    if report.get("allowed"):
+        extra += f"; allowed by --allow (read inert): {printable(', '.join(report['allowed']))}"
     verdict = (
         f"read without running code; {plural(len(report['globals']), 'global')}, "
         f"none dangerous{extra}"

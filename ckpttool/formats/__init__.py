@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from .. import sources
 from ..errors import CkptError, InputNotFoundError, UnsafeError, translate_errors
 from ..tree import Checkpoint
+from ..unpickler import keep_allowed
 from ..zip_records import ZIP_MAGIC
 from . import safetensors_file, sharded_index
 from .prescan import Prescan
@@ -193,10 +194,15 @@ def _read_checkpoint(
         first = _read_one(files[0], unsafe, run_folders_ok=run_folders_ok)
         for fmt in MULTI_FILE_FORMATS:
             if fmt.claims(first):
-                read_part = functools.partial(
-                    _read_rank, unsafe=unsafe, run_folders_ok=run_folders_ok
+                # (a rank read later, lazily, trusts what the user trusted now)
+                read_part = keep_allowed(
+                    functools.partial(_read_rank, unsafe=unsafe, run_folders_ok=run_folders_ok)
                 )
-                return fmt.read(first, fmt.part_files(first, files), read_part, prescan.scan)
+                try:
+                    return fmt.read(first, fmt.part_files(first, files), read_part, prescan.scan)
+                except UnsafeError as exc:
+                    exc.format = exc.format or fmt.FORMAT
+                    raise
     if len(files) == 1:
         return first
     if first.format in per_rank.PART_FORMATS:
@@ -291,7 +297,7 @@ def _read_one(path: str, unsafe: bool, *, run_folders_ok: bool = True) -> Checkp
             return _read(fmt, path, unsafe)
     raise CkptError(
         "not a checkpoint ckpttool knows (torch.save zip or legacy, TorchScript, "
-        "safetensors, sharded safetensors index, DCP folder)",
+        "safetensors, sharded safetensors index, DCP folder), nor a pickle",
         path=path,
     )
 
@@ -438,7 +444,10 @@ def _megatron_rank_file(folder: str, entries: list[str]) -> str | None:
 def _read(fmt: FormatModule, path: str, unsafe: bool) -> Checkpoint:
     try:
         return fmt.read(path, permissive=unsafe)
-    except (CkptError, UnsafeError):
+    except UnsafeError as exc:
+        exc.format = exc.format or fmt.FORMAT  # (inspect --json names it on exit 3)
+        raise
+    except CkptError:
         raise
     except MemoryError:
         raise CkptError("corrupt input: absurd sizes", path=path) from None

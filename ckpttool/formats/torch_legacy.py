@@ -11,10 +11,10 @@ import os
 from typing import Any
 
 from .. import sources
-from ..errors import CkptError
+from ..errors import CkptError, UnsafeError
 from ..sources import ByteSpan, SourceFile, open_input
 from ..tree import Checkpoint, Device, Opaque, StorageRef, check_storage_reference, opaque_class
-from ..unpickler import load_pickle
+from ..unpickler import is_pickle_start, load_pickle, text_persistent_id
 from .torch_zip import checkpoint
 
 FORMAT = "torch-legacy"
@@ -28,25 +28,32 @@ TEXT_MAGIC = b"L%dL\n" % MAGIC_NUMBER
 
 
 def detect(path: str, head: bytes) -> bool:
+    """A legacy stream, the tar container before it, or any other pickle: torch.load
+    unpickles the start of every file that is no zip, so every such file is judged."""
     if head[:1] == b"\x80" or head.startswith(TEXT_MAGIC):  # protocol 2 (default), or 0/1
         return True
-    if head[TAR_MAGIC_OFFSET : TAR_MAGIC_OFFSET + 5] == b"ustar":
-        raise CkptError(
-            "torch.save tar archive (PyTorch < 0.4) is not supported",
-            path=path,
-            hint="re-save it with a newer torch: torch.save(torch.load(f), f2)",
-        )
-    return False
+    from .torch_tar import is_tar
+
+    return is_tar(head) or is_pickle_start(head, whole=len(head) < sources.HEAD_BYTES)
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
+    from .torch_tar import is_tar, judge_tar
+
+    if is_tar(sources.read_head(path)):
+        judge_tar(path, permissive=permissive)  # refused, or not supported: raises
     seen: set[str] = set()
     size = sources.getsize(path)
     with open_input(path) as f:
-        magic = load_pickle(f, path=path, seen=seen)
+        try:
+            magic = load_pickle(f, path=path, seen=seen)
+        except UnsafeError as exc:
+            exc.format = "pickle"  # the first pickle of a file: whatever it is, it runs
+            raise
         if magic != MAGIC_NUMBER:
             raise CkptError(
-                "a pickle, but not a torch checkpoint (no torch magic number)",
+                "a pickle that is not a torch checkpoint (no torch magic number); "
+                "it references no dangerous global",
                 path=path,
                 hint="plain pickles are not read; if it is a torch file it is corrupt",
             )
@@ -58,6 +65,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         views: list[tuple[StorageRef, str, int]] = []
 
         def persistent_load(pid: Any) -> Any:
+            pid = text_persistent_id(pid)  # (protocol 0 writes the tuple's text)
             if isinstance(pid, tuple) and pid and pid[0] == "module":
                 # ("module", cls, source_file, source): torch hands back the class itself
                 cls = pid[1] if len(pid) > 1 else None

@@ -16,7 +16,7 @@ from .. import sources
 from ..errors import CkptError
 from ..sources import ByteSpan
 from ..tree import Device, StorageRef, check_storage_reference
-from ..unpickler import load_pickle
+from ..unpickler import load_pickle, text_persistent_id
 from .zip_container import (
     LOCAL_HEADER,
     ZIP_ERRORS,
@@ -343,6 +343,7 @@ class ZipPickle:
         storages: dict[str, StorageRef] = {}
 
         def persistent_load(pid: Any) -> Any:
+            pid = text_persistent_id(pid)  # (protocol 0 writes the tuple's text)
             if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
                 raise CkptError(f"corrupt pickle: unknown persistent id {pid!r:.80}")
             _, storage_type, key, location, numel = pid[:5]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ..guard import charge, note_call
+from ..guard import charge, note_build_on_global, note_call
 from ..sealed import Sealed
 
 if TYPE_CHECKING:
@@ -143,6 +143,17 @@ class _ReadOnlyClass(type):
                 if isinstance(value, Opaque) and not (type(value).known or type(value).dangerous):
                     note_call(f"{cls.module}.{cls.qualname}({type(value).class_name()})")
         return cls.make(*args, **kwargs)  # type: ignore[attr-defined]
+
+    @property
+    def __setstate__(cls) -> Callable[[Any], None]:
+        """BUILD on the stand-in class itself (the global, not an object of it): the real
+        unpickler would change that module or class (a data descriptor of the metaclass:
+        an object's own ``__setstate__`` is found first, a class's is this)."""
+
+        def build(state: Any) -> None:
+            note_build_on_global(f"{cls.module}.{cls.qualname}")
+
+        return build
 
     def __setattr__(cls, name: str, value: Any) -> None:
         raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")

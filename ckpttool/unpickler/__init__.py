@@ -7,15 +7,26 @@ extracts ShardedTensor and DTensor metadata.
 
 from __future__ import annotations
 
-from .policy import MAX_NESTING, check_structure
+from .allow_list import ALLOWED, allowing, keep_allowed
+from .pickle_scan import is_pickle_start
+from .policy import MAX_NESTING, allowed_globals, api_allow_list, check_structure, parse_allow
 from .restricted import load_pickle, split_seen
 from .sharded import LocalShards, own_dtensor_block
+from .text_persid import text_persistent_id
 
 __all__ = [
+    "ALLOWED",
     "LocalShards",
     "MAX_NESTING",
+    "allowed_globals",
+    "allowing",
+    "api_allow_list",
     "check_structure",
+    "is_pickle_start",
+    "keep_allowed",
     "load_pickle",
     "own_dtensor_block",
+    "parse_allow",
     "split_seen",
+    "text_persistent_id",
 ]

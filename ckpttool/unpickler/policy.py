@@ -13,10 +13,15 @@ containers) are decided before, in :mod:`ckpttool.unpickler`.
 from __future__ import annotations
 
 import _compat_pickle
+import re
+import sys
+from collections.abc import Iterable
 from typing import Any
 
-from ..errors import CkptError
+from ..errors import CkptError, UsageError
 from ..tree import Opaque, TensorRef
+from .allow_list import ALLOWED, AllowList
+from .pickle_scan import BUILD_TARGET, CALLED
 from .sharded import LocalShards
 
 # Modules whose every global is refused: they reach the OS, the network, files, the
@@ -202,6 +207,32 @@ UNVERIFIED = "unverified"  # on no list: read inert, refused if the pickle calls
 DANGEROUS = "dangerous"  # refused without --unsafe
 
 
+def refused_use(verdict: str, use: str) -> bool:
+    """Whether a global of ``verdict`` that a pickle uses so (a use named by
+    :mod:`ckpttool.pickle_scan`) is refused: a dangerous one whatever the use, one on no
+    allow-list where the pickle calls it (REDUCE, INST, OBJ: its code would run), and a
+    module or class the pickle gives BUILD state to (it would change it)."""
+    if verdict == DANGEROUS:
+        return True
+    if use == BUILD_TARGET:  # BUILD on a module or class itself: it would be changed
+        return verdict in (KNOWN, UNVERIFIED)  # (ckpttool's own values refuse it as corrupt)
+    return verdict == UNVERIFIED and use == CALLED
+
+
+def nested_class_getattr(module: str, qualname: str, attr: object, verdict: str) -> bool:
+    """Whether ``getattr(module.qualname, attr)``, on a global of ``verdict``, is the one
+    ``getattr`` a checkpoint needs: reaching a nested class of a torch class
+    (ShardedTensor pickles ``getattr(ShardedTensor, "ProcessGroupState")``)."""
+    return (
+        module.startswith("torch.")
+        and verdict in (KNOWN, UNVERIFIED)  # a class read inert (not rebuilt, not refused)
+        and isinstance(attr, str)
+        and attr.isidentifier()
+        and attr[:1].isupper()  # a nested class (CapWords), never a method
+        and judge(module, f"{qualname}.{attr}") != DANGEROUS  # (FileStore)
+    )
+
+
 def judge(module: str, name: str) -> str:
     """:data:`KNOWN`, :data:`UNVERIFIED` or :data:`DANGEROUS` for the global ``module.name``.
 
@@ -212,7 +243,15 @@ def judge(module: str, name: str) -> str:
     if full in HARMLESS_NAMES:
         return KNOWN
     if is_dangerous(module, name):
-        return DANGEROUS
+        return DANGEROUS  # (whatever the user allows)
+    if ALLOWED.get().matches(full):
+        return KNOWN  # trusted by the user (--allow, add_safe_globals): read inert
+    return _judge_unlisted(module, name)
+
+
+def _judge_unlisted(module: str, name: str) -> str:
+    """:func:`judge` of a global that is neither dangerous nor allowed by the user."""
+    full = f"{module}.{name}"
     if full in KNOWN_CLASSES or module == "builtins":
         return KNOWN  # (builtins left here are data types and exceptions)
     root = module.split(".", 1)[0]
@@ -402,3 +441,117 @@ def _check_dict_attributes(node: dict, path: object) -> None:
             f"({', '.join(map(str, hidden))[:80]})",
             path=path,
         )
+
+
+# ------------------------------------------------------ the user's allow-list
+#
+# ``--allow NAME`` and ``allow=[...]`` trust globals as torch's ``add_safe_globals``
+# does: the pickle may call them (REDUCE, NEWOBJ), and they still come back as inert
+# stand-ins, since nothing from a file ever runs. Whatever is dangerous stays refused:
+# :func:`judge` asks :func:`is_dangerous` first, and naming a dangerous family is an
+# error of its own.
+
+_ALLOW_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*(?:\.\*)?")
+
+
+def parse_allow(names: Iterable[str], *, source: str = "--allow") -> AllowList:
+    """An :class:`AllowList` from names as a user writes them.
+
+    Raises:
+        UsageError: A name that is no dotted global or ``pkg.mod.*`` prefix, or one
+            in a family ckpttool always refuses (an allow-list cannot open it).
+    """
+    exact: set[str] = set()
+    prefixes: list[str] = []
+    for raw in names:
+        name = str(raw).strip()
+        if not _ALLOW_NAME.fullmatch(name) or "." not in name:
+            raise UsageError(
+                f"{source} {name!r}: not a global (module.Name) or a module prefix (module.*)"
+            )
+        if name.endswith(".*"):
+            module = name[:-2]
+            # every global of a module that is dangerous as a whole is: a class-like
+            # name stands for them all
+            refused = is_dangerous(*python3_name(module, "AnyClass"))
+        else:
+            module, _, qual = name.rpartition(".")
+            refused = is_dangerous(*python3_name(module, qual))
+        if refused:
+            raise UsageError(
+                f"{source} {name}: a dangerous family (it reaches the OS, files, processes, "
+                "the network, the interpreter or another deserializer); no allow-list "
+                "opens it",
+                hint="only if you trust the file, pass --unsafe",
+            )
+        if name.endswith(".*"):
+            prefixes.append(name[:-1])
+        else:
+            exact.add(name)
+    return AllowList(frozenset(exact), tuple(dict.fromkeys(prefixes)))
+
+
+def allow_names(allow: Iterable[Any] | None) -> list[str]:
+    """Names from what the Python API takes: strings, the objects themselves, or
+    ``(object, "name")`` pairs, as ``torch.serialization.add_safe_globals`` takes them."""
+    names: list[str] = []
+    for item in allow or ():
+        if isinstance(item, str):
+            names.append(item)
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], str):
+            names.append(item[1])
+        else:
+            module = getattr(item, "__module__", None)
+            qualname = getattr(item, "__qualname__", None)
+            if not (isinstance(module, str) and isinstance(qualname, str)):
+                raise UsageError(f"allow: {item!r:.80} is no class or function (or name)")
+            names.append(f"{module}.{qualname}")
+    return names
+
+
+def torch_safe_globals() -> AllowList:
+    """What the program registered with ``torch.serialization.add_safe_globals`` or
+    ``safe_globals(...)``, where torch is already imported (never imported for this).
+    A dangerous one among them stays refused (it is left out)."""
+    serialization = sys.modules.get("torch.serialization")
+    get = getattr(serialization, "get_safe_globals", None)
+    if get is None:
+        return AllowList()
+    try:
+        names = allow_names(get())
+    except (UsageError, TypeError):
+        return AllowList()
+    kept = []
+    for name in names:
+        try:
+            parse_allow([name])
+        except UsageError:
+            continue
+        kept.append(name)
+    return parse_allow(kept)
+
+
+def api_allow_list(allow: Iterable[Any] | None) -> AllowList:
+    """The allow-list of a Python API call: ``allow`` plus torch's registered globals.
+
+    Raises:
+        UsageError: As :func:`parse_allow`.
+    """
+    if isinstance(allow, str):
+        allow = [allow]
+    return parse_allow(allow_names(allow), source="allow") | torch_safe_globals()
+
+
+def allowed_globals(names: Iterable[str]) -> list[str]:
+    """Those of ``names`` (``module.name``) read only because the user allowed them:
+    trusted now, and on no list of ckpttool's own."""
+    allow = ALLOWED.get()
+    if not allow:
+        return []
+    found = []
+    for full in names:
+        module, _, name = full.rpartition(".")
+        if allow.matches(full) and not is_dangerous(module, name):
+            if _judge_unlisted(module, name) == UNVERIFIED:
+                found.append(full)
+    return sorted(found)

@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from ..dtypes import DTYPES, STORAGE_CLASSES
 from ..errors import CkptError, UnsafeError
-from ..guard import address_space_limit, guarded_read, note_call
+from ..guard import ReadGuard, address_space_limit, guarded_read, note_build_on_global, note_call
 from ..tree import (
     HOLDS_CALLABLES,
     TORCH_LAYOUTS,
@@ -40,7 +40,18 @@ from ..tree import (
     partial_call,
     state_values,
 )
-from .policy import DANGEROUS, KNOWN, UNVERIFIED, check_structure, judge, python3_name
+from .pickle_scan import CALLED, NESTED_GETATTR, Uses, scan_pickle
+from .policy import (
+    DANGEROUS,
+    KNOWN,
+    SAFE,
+    UNVERIFIED,
+    check_structure,
+    judge,
+    nested_class_getattr,
+    python3_name,
+    refused_use,
+)
 from .stand_ins import CALLS_ARGUMENT, CREATES_OBJECTS, SAFE_GLOBALS
 
 
@@ -67,6 +78,7 @@ class SafeUnpickler(pickle.Unpickler):
         self.seen: set[str] = set()
         self.dangerous: set[str] = set()
         self.unverified: set[str] = set()
+        self.encoding = encoding  # (how a static walk reads its strings too)
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent_load is None:
@@ -110,18 +122,50 @@ class SafeUnpickler(pickle.Unpickler):
         if (
             isinstance(obj, type)
             and issubclass(obj, Opaque)
-            and obj.module.startswith("torch.")
             and not obj.dangerous
-            and isinstance(name, str)
-            and name.isidentifier()
-            and name[:1].isupper()  # a nested class (CapWords), never a method
-            and judge(obj.module, f"{obj.qualname}.{name}") != DANGEROUS  # (FileStore)
+            and nested_class_getattr(
+                obj.module, obj.qualname, name, KNOWN if obj.known else UNVERIFIED
+            )
         ):
             qualname = f"{obj.qualname}.{name}"
             self.seen.add(f"{obj.module}.{qualname}")
             return opaque_class(obj.module, qualname, known=obj.known)
         self.dangerous.add("builtins.getattr")
         return opaque_class("builtins", "getattr", dangerous=True).make(obj, name)
+
+
+def global_verdict(module: str, name: str) -> str:
+    """What :meth:`SafeUnpickler.find_class` makes of ``module.name`` (already resolved
+    to its Python 3 name), as a verdict: SAFE for what ckpttool rebuilds itself, else
+    :func:`~ckpttool.policy.judge`'s. ``getattr``, whose uses the full read judges one by
+    one, is DANGEROUS here: a static walk cannot tell them apart."""
+    full = f"{module}.{name}"
+    if (
+        full in SAFE_GLOBALS
+        or (module in ("torch", "torch.storage") and name in STORAGE_CLASSES)
+        or (module == "torch" and (name in DTYPES or name in TORCH_LAYOUTS | TORCH_MEMORY_FORMATS))
+    ):
+        return SAFE
+    return judge(module, name)
+
+
+def static_verdict(uses: Uses) -> dict[str, str]:
+    """The globals a static walk (:func:`~ckpttool.pickle_scan.scan_pickle`) found that
+    the policy refuses, each with how the pickle uses it."""
+    refused: dict[str, str] = {}
+    for full, use in uses.uses.items():
+        parts = uses.parts.get(full)
+        verdict = DANGEROUS if parts is None else global_verdict(*parts)
+        if use == NESTED_GETATTR and all(_nested(uses, *call) for call in uses.getattrs):
+            continue  # every getattr reaches a nested class of a torch class
+        if refused_use(verdict, use):
+            refused[full] = CALLED if use == NESTED_GETATTR else uses.reason(full)
+    return refused
+
+
+def _nested(uses: Uses, target: str, attr: str) -> bool:
+    parts = uses.parts.get(target)
+    return parts is not None and nested_class_getattr(*parts, attr, global_verdict(*parts))
 
 
 class _Sink:
@@ -320,6 +364,15 @@ class _AbsorbClass(type):
     qualname: str
     known: bool
 
+    @property
+    def __setstate__(cls) -> Callable[[Any], None]:
+        """BUILD on the global itself, judged as a full read judges it (``_ReadOnlyClass``)."""
+
+        def build(state: Any) -> None:
+            note_build_on_global(f"{cls.module}.{cls.qualname}")
+
+        return build
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         name = f"{cls.module}.{cls.qualname}"
         if not cls.known:
@@ -435,12 +488,32 @@ def load_pickle(
     # a global on no allow-list that the pickle calls, or an object it calls, runs code
     # under a real unpickler (FileHandler(path), partial(...)())
     unpickler.dangerous.update(guard.called)
+    reasons: dict[str, str] = {}
+    if error is not None and not permissive:
+        # The verdict first: a read that stopped early (an error of a stand-in, a
+        # persistent id it refused) has not met every global; the real unpickler goes on
+        reasons = static_verdict(_static_scan(stream, start, unpickler))
+        unpickler.dangerous.update(reasons)
     if seen is not None:
         seen.update(unpickler.seen)
         seen.update("?" + g for g in unpickler.unverified - unpickler.dangerous)
         seen.update("!" + g for g in unpickler.dangerous)
     if unpickler.dangerous and not permissive:
-        raise UnsafeError(sorted(unpickler.dangerous), path=path)
+        if not reasons:
+            reasons = static_verdict(_static_scan(stream, start, unpickler))
+        globals_, dangerous, unverified = split_seen(
+            (seen if seen is not None else set())
+            | unpickler.seen
+            | {"!" + g for g in unpickler.dangerous}
+            | {"?" + g for g in unpickler.unverified}
+        )
+        raise UnsafeError(
+            dangerous,
+            path=path,
+            reasons={g: _reason(g, guard, reasons) for g in dangerous},
+            globals=globals_,
+            unverified=unverified,
+        )
     if isinstance(error, CkptError):
         if error.path is None:
             error.path = None if path is None else str(path)
@@ -453,6 +526,38 @@ def load_pickle(
         return None
     check_structure(result, path)
     return result
+
+
+# A refused pickle's static walk (for the reasons, and past a read's error) reads at most
+# this much of it: the pickles of checkpoints are KB to a few MB.
+MAX_STATIC_SCAN_BYTES = 1 << 30
+STATIC_SCAN_CHUNK = 1 << 20
+
+
+def _static_scan(stream: IO[bytes], start: int, unpickler: SafeUnpickler) -> Uses:
+    """:func:`~ckpttool.pickle_scan.scan_pickle` of the pickle at ``start`` of ``stream``,
+    read a growing chunk at a time (it ends at its STOP, most of a legacy file is data)."""
+    encoding = unpickler.encoding
+    chunk = STATIC_SCAN_CHUNK
+    while True:
+        try:
+            stream.seek(start)
+            data = stream.read(chunk)
+        except (OSError, ValueError):
+            return Uses()
+        uses = scan_pickle(data, python3_name, encoding=encoding)
+        if not uses.truncated or len(data) < chunk or chunk >= MAX_STATIC_SCAN_BYTES:
+            return uses
+        chunk *= 8
+
+
+def _reason(name: str, guard: ReadGuard, static: dict[str, str]) -> str:
+    """How a refused pickle uses ``name``: what the read saw it do, else the static walk's."""
+    if name in guard.uses:
+        return guard.uses[name]
+    if name in guard.called:
+        return "called" if not name.endswith(")") else "called (an object it made)"
+    return static.get(name, "referenced")
 
 
 def _remaining(stream: IO[bytes], start: int) -> int:

@@ -16,15 +16,7 @@ from typing import Any
 from ..dtypes import DType, check_dtype
 from ..errors import CkptError
 from ..sealed import Sealed
-from ..tree import (
-    INT_ONLY,
-    Opaque,
-    Shard,
-    TensorRef,
-    WrapperStub,
-    int_tuple,
-    state_attrs,
-)
+from ..tree import INT_ONLY, Opaque, Shard, TensorRef, WrapperStub, int_tuple, state_attrs
 
 MAX_RUNS = 1 << 16  # runs of rows a rank may hold along one dim (and split x runs)
 

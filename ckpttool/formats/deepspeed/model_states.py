@@ -9,9 +9,7 @@ from typing import Any
 
 from ...errors import CkptError
 from ...tree import TensorRef, check_shape, is_tensor
-from .flat import (
-    as_float32,  # noqa: F811
-)
+from .flat import as_float32
 
 
 def mapping(value: Any) -> Mapping:
