@@ -184,6 +184,12 @@ def convert(
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
     total = plan.total_bytes
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
-    with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
-        write_plan(plan, tmp, advance)
+    if sources.is_url(out):  # s3://: multipart uploads, published at the end
+        from .s3_output import write as upload_plan
+
+        with bar as advance:
+            upload_plan(plan, out, layout=layout, force=force, inputs=ckpt.files, progress=advance)
+    else:
+        with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
+            write_plan(plan, tmp, advance)
     return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total)

@@ -79,15 +79,13 @@ def output_path(out: str, default_name: str, *, folder_output: bool) -> str:
     is written into OUT itself.
 
     Raises:
-        UsageError: OUT is a URL: inputs may be remote, outputs are written locally
-            (``file://`` paths are local).
+        UsageError: OUT is a URL ckpttool cannot write (only ``s3://``; ``file://``
+            paths are local).
     """
-    if sources.is_url(out):
-        raise UsageError(
-            "the output must be a local path: ckpttool reads from URLs but writes locally",
-            path=out,
-            hint="write it to a local -o, then upload it",
-        )
+    if sources.is_url(out):  # s3:// (others are refused there, saying what they lack)
+        from .s3_output import output_url
+
+        return output_url(out, default_name, folder_output=folder_output)
     out = sources.strip_file_scheme(out)
     into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
     if folder_output:
@@ -113,6 +111,11 @@ def check_output(
             ``--force`` would replace something that is not a checkpoint output.
         OutputExistsError: An earlier output is there and not ``force``.
     """
+    if sources.is_url(out):  # what is there is checked when the uploads start
+        from .s3_output import check_inputs
+
+        check_inputs(out, inputs, layout)
+        return
     _check_inputs(out, inputs, layout)
     if layout is None:
         parent = os.path.dirname(os.path.abspath(out))
