@@ -285,6 +285,7 @@ class S3Proxy:
         self.target = urllib.parse.urlsplit(endpoint)
         self.requests: list[tuple[str, str, str]] = []
         self.fault: Any = None
+        self.active = 0  # requests being answered
         self.lock = threading.Lock()
         proxy = self
 
@@ -295,6 +296,15 @@ class S3Proxy:
                 pass
 
             def relay(self) -> None:
+                with proxy.lock:
+                    proxy.active += 1
+                try:
+                    self.forward()
+                finally:
+                    with proxy.lock:
+                        proxy.active -= 1
+
+            def forward(self) -> None:
                 path, _, query = self.path.partition("?")
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
@@ -327,7 +337,11 @@ class S3Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay  # noqa: N815
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client killed mid-request: what some tests do
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -348,6 +362,14 @@ class S3Proxy:
         with self.lock:
             self.requests.clear()
             self.fault = None
+
+    def settle(self, timeout: float = 30) -> None:
+        """Wait until no request is being answered (those of a killed client included)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -1,0 +1,352 @@
+"""``-o s3://...`` against moto's S3 server on 127.0.0.1, behind a proxy that counts the
+requests and injects faults: the same bytes as a local output for every --to and merge,
+nothing visible before the end (the index last), a killed run resumed with only the
+missing parts uploaded, runs of parts from several writers, retried 5xx, refused ETags,
+--force rules, other stores refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.parse
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import check_error, completed, run_many, subprocess_env
+from servers import S3Proxy, S3Server
+
+from ckpttool import sources
+from ckpttool.convert import convert
+from ckpttool.errors import CkptError, OutputExistsError, UsageError
+from ckpttool.merge import merge
+from ckpttool.remote import base
+
+pytest.importorskip("s3fs")
+moto_models = pytest.importorskip("moto.s3.models")
+
+PART = 64 << 10  # the tests' part size (moto is told to accept it)
+BUCKET = "out"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    proxy = S3Proxy(server.endpoint)
+    direct = server.client()  # straight to moto: what the store holds, uncounted
+    server.endpoint = proxy.endpoint  # every client of the code under test: through it
+    server.env["FSSPEC_S3_ENDPOINT_URL"] = proxy.endpoint
+    undo = server.configure()
+    sources._SOURCES.pop("s3", None)
+    saved = moto_models.S3_UPLOAD_PART_MIN_SIZE
+    moto_models.S3_UPLOAD_PART_MIN_SIZE = PART
+    direct.create_bucket(Bucket=BUCKET)
+    server.proxy, server.direct = proxy, direct
+    yield server
+    moto_models.S3_UPLOAD_PART_MIN_SIZE = saved
+    sources._SOURCES.pop("s3", None)
+    undo()
+    proxy.close()
+    server.close()
+
+
+@pytest.fixture(autouse=True)
+def small_parts(s3, monkeypatch):
+    monkeypatch.setenv("CKPTTOOL_S3_PART_SIZE", str(PART))
+    s3.proxy.reset()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A torch.save file: tensors smaller and larger than a part, one spanning several."""
+    folder = tmp_path_factory.mktemp("s3out")
+    gen = torch.Generator().manual_seed(0)
+    sd = {f"layer{i}.weight": torch.randn(50 + 13 * i, 61, generator=gen) for i in range(6)}
+    sd["embed.weight"] = torch.randn(700, 64, generator=gen)  # 175 KiB: three parts
+    sd["step"] = torch.tensor(7)
+    torch.save(sd, folder / "model.pt")
+    return folder / "model.pt"
+
+
+def objects(s3, prefix: str) -> dict[str, bytes]:
+    """Every object under ``prefix`` (read straight from moto), by key."""
+    found = s3.direct.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents") or []
+    return {
+        o["Key"]: s3.direct.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read() for o in found
+    }
+
+
+def open_uploads(s3) -> list[str]:
+    return [u["Key"] for u in s3.direct.list_multipart_uploads(Bucket=BUCKET).get("Uploads") or []]
+
+
+def local_files(path: Path) -> dict[str, bytes]:
+    if path.is_dir():
+        return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    return {"": path.read_bytes()}
+
+
+def remote_files(s3, key: str, folder: bool) -> dict[str, bytes]:
+    if not folder:
+        return {"": objects(s3, key)[key]}
+    return {k[len(key) + 1 :]: v for k, v in objects(s3, key + "/").items()}
+
+
+CASES = {
+    "safetensors": ("safetensors", {}),
+    "safetensors-fp16": ("safetensors", {"dtype": "float16"}),
+    "shards": ("safetensors", {"max_shard_size": "100KB"}),
+    "pt": ("pt", {}),
+    "dcp": ("dcp", {}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_to_byte_identical(s3, ckpt, tmp_path, case):
+    to, options = CASES[case]
+    folder = to == "dcp" or "max_shard_size" in options
+    suffix = "" if folder else f".{'pt' if to == 'pt' else 'safetensors'}"
+    local = tmp_path / f"local{suffix}"
+    convert([str(ckpt)], to, str(local), **options)
+    key = f"every/{case}{suffix}"
+    result = convert([str(ckpt)], to, f"s3://{BUCKET}/{key}", **options)
+    assert result.output == f"s3://{BUCKET}/{key}"
+    want = local_files(local)
+    assert remote_files(s3, key, folder) == want
+    assert len(s3.proxy.uploads()) > len(want)  # several parts per file
+    assert open_uploads(s3) == []
+    assert not any(".ckpttool-upload" in k for k in objects(s3, "every/"))  # journal gone
+
+
+def test_merge_and_default_part_size(s3, ckpt, tmp_path, monkeypatch):
+    """merge of a DCP folder; parts of the default size (8 MiB) under S3's real minimum."""
+    dcp = tmp_path / "dcp"
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB: two parts
+    torch.save(big, tmp_path / "big.pt")
+    convert([str(tmp_path / "big.pt")], "dcp", str(dcp))
+    merge([str(dcp)], str(tmp_path / "merged.pt"))
+    monkeypatch.delenv("CKPTTOOL_S3_PART_SIZE")
+    monkeypatch.setattr(moto_models, "S3_UPLOAD_PART_MIN_SIZE", 5 << 20)
+    result = merge([str(dcp)], f"s3://{BUCKET}/merged/")  # into the prefix: default name
+    assert result.output == f"s3://{BUCKET}/merged/dcp.pt"
+    assert objects(s3, "merged/") == {"merged/dcp.pt": (tmp_path / "merged.pt").read_bytes()}
+    assert sorted(s3.proxy.uploads()) == [1, 2]  # 8 MiB, then 4 MiB (the journal: one PUT)
+
+
+def test_nothing_visible_until_complete_index_last(s3, ckpt, tmp_path):
+    seen: list[tuple[str, list[str]]] = []
+
+    def at_complete(method: str, query: str):
+        args = urllib.parse.parse_qs(query)
+        if method == "POST" and "uploadId" in args:  # CompleteMultipartUpload
+            keys = sorted(objects(s3, "vis/"))
+            seen.append((query, [k for k in keys if ".ckpttool-upload" not in k]))
+        return None
+
+    s3.proxy.fault = at_complete
+    convert([str(ckpt)], "safetensors", f"s3://{BUCKET}/vis", max_shard_size="100KB")
+    assert len(seen) == 5  # four shards, then the index
+    assert seen[0][1] == []  # nothing visible before the first completion
+    assert seen[-1][1] == [f"vis/model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert sorted(objects(s3, "vis/"))[-1] == "vis/model.safetensors.index.json"
+
+
+@pytest.mark.parametrize("to", ["safetensors", "pt"])
+def test_killed_mid_upload_then_resumed(s3, ckpt, tmp_path, to):
+    """SIGKILL the CLI at its 4th part; the rerun uploads exactly the parts not there."""
+    suffix = ".pt" if to == "pt" else ".safetensors"
+    prefix = f"killed-{to}/"
+    key = f"{prefix}model{suffix}"
+    proc: list[subprocess.Popen] = []
+
+    def kill_at_fourth(method: str, query: str):
+        if "partNumber=" in query and method == "PUT" and len(s3.proxy.uploads()) >= 4:
+            os.kill(proc[0].pid, signal.SIGKILL)
+            return 503
+        return None
+
+    s3.proxy.fault = kill_at_fourth
+    env = subprocess_env(**s3.env, CKPTTOOL_S3_PART_SIZE=str(PART))
+    argv = [sys.executable, "-m", "ckpttool", "convert", str(ckpt), "--to", to]
+    proc.append(subprocess.Popen([*argv, "-o", f"s3://{BUCKET}/{key}"], env=env))
+    assert proc[0].wait(timeout=120) == -signal.SIGKILL
+    s3.proxy.settle()  # parts the killed process sent still land
+    s3.proxy.reset()
+    assert key not in objects(s3, prefix)  # nothing under the final key
+    (upload,) = s3.direct.list_multipart_uploads(Bucket=BUCKET)["Uploads"]
+    there = s3.direct.list_parts(Bucket=BUCKET, Key=key, UploadId=upload["UploadId"])
+    have = {p["PartNumber"] for p in there.get("Parts") or []}
+    assert 0 < len(have) < 7
+    convert([str(ckpt)], to, f"s3://{BUCKET}/{key}")  # the same command, in this process
+    local = tmp_path / f"local{suffix}"
+    convert([str(ckpt)], to, str(local))
+    size = local.stat().st_size
+    assert sorted(s3.proxy.uploads()) == sorted(set(range(1, -(-size // PART) + 1)) - have)
+    assert objects(s3, prefix) == {key: local.read_bytes()}
+    assert open_uploads(s3) == []
+
+
+def test_runs_of_parts_from_several_writers(s3, ckpt, tmp_path):
+    """What ranks do: one prepares, each uploads its runs of parts (CRC fields of other
+    runs' tensors deferred), the deferred parts again with every run's CRCs, one finishes."""
+    from ckpttool.api import flatten_tensors, read, select_node
+    from ckpttool.s3_output import Session, finish, prepare, upload_run
+    from ckpttool.writers import torch_zip
+    from ckpttool.writers.plan import WriteOptions
+
+    loaded = read(str(ckpt))
+    _, node = select_node(loaded, "auto", "auto")
+    plan = torch_zip.plan(flatten_tensors(node), WriteOptions(location="cpu"))
+    url = f"s3://{BUCKET}/ranks/model.pt"
+    session = prepare(plan, url, layout=None, force=False, identities=["x"])
+    (file,) = plan.files
+    count = session.files[0].parts
+    runs = [(1, 2), (3, 4), (5, count)]  # one per "rank", each with its own session copy
+    crcs: dict[int, int] = {}
+    deferred: list[int] = []
+    for first, last in reversed(runs):
+        mine = Session.from_json(session.to_json())
+        result = upload_run(mine, file, first=first, last=last)
+        crcs.update(result.crcs)
+        deferred += result.deferred
+    assert deferred  # the central directory's part, at least
+    for number in deferred:
+        upload_run(session, file, first=number, last=number, crcs=crcs)
+    assert key_absent(s3, "ranks/model.pt")
+    finish(session, None)
+    local = tmp_path / "local.pt"
+    convert([str(ckpt)], "pt", str(local))
+    assert objects(s3, "ranks/") == {"ranks/model.pt": local.read_bytes()}
+    # each part went once, the deferred ones twice at most
+    assert sorted(set(s3.proxy.uploads())) == list(range(1, count + 1))
+
+
+def key_absent(s3, key: str) -> bool:
+    return key not in objects(s3, key)
+
+
+def test_flaky_part_retried(s3, ckpt, tmp_path):
+    failed: list[str] = []
+
+    def fail_part_two_once(method: str, query: str):
+        if method == "PUT" and "partNumber=2&" in query + "&" and not failed:
+            failed.append(query)
+            return 503
+        return None
+
+    s3.proxy.fault = fail_part_two_once
+    convert([str(ckpt)], "pt", f"s3://{BUCKET}/flaky/model.pt")
+    local = tmp_path / "local.pt"
+    convert([str(ckpt)], "pt", str(local))
+    assert failed and s3.proxy.uploads().count(2) == 2
+    assert objects(s3, "flaky/") == {"flaky/model.pt": local.read_bytes()}
+
+
+def test_wrong_etag_refused_and_aborted(s3, ckpt):
+    s3.proxy.fault = lambda method, query: "etag" if "partNumber=3&" in query + "&" else None
+    with pytest.raises(CkptError) as info:
+        convert([str(ckpt)], "safetensors", f"s3://{BUCKET}/etag/model.safetensors")
+    text = str(info.value)
+    assert "part 3 with ETag" in text and "aborted" in text and "(upload " in text
+    assert "\n" not in text and info.value.exit_code == 2
+    assert objects(s3, "etag/") == {}  # no object, no journal
+    assert open_uploads(s3) == []
+
+
+def test_failing_store_leaves_the_upload_for_a_rerun(s3, ckpt, monkeypatch):
+    monkeypatch.setattr(base, "RETRIES", 2)
+    monkeypatch.setattr(base, "BACKOFF", 0.01)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    sources._SOURCES.pop("s3", None)  # a client that reads AWS_MAX_ATTEMPTS
+    s3.proxy.fault = lambda method, query: 503 if "partNumber=2&" in query + "&" else None
+    url = f"s3://{BUCKET}/down/model.safetensors"
+    try:
+        with pytest.raises(CkptError, match="left for a rerun of the same command") as info:
+            convert([str(ckpt)], "safetensors", url)
+        assert "nothing is visible under the output" in str(info.value)
+        assert open_uploads(s3) == ["down/model.safetensors"]
+        s3.proxy.fault = None
+        convert([str(ckpt)], "safetensors", url)
+        assert open_uploads(s3) == [] and "down/model.safetensors" in objects(s3, "down/")
+    finally:
+        sources._SOURCES.pop("s3", None)
+
+
+def test_rerun_with_another_plan_aborts_the_first(s3, ckpt, tmp_path):
+    from ckpttool.api import flatten_tensors, read, select_node
+    from ckpttool.s3_output import prepare
+    from ckpttool.writers import safetensors
+    from ckpttool.writers.plan import WriteOptions
+
+    _, node = select_node(read(str(ckpt)), "auto", "auto")
+    plan = safetensors.plan(flatten_tensors(node), WriteOptions(metadata={"source": "x"}))
+    url = f"s3://{BUCKET}/replan/model.safetensors"
+    first = prepare(plan, url, layout=None, force=False, identities=["earlier"])
+    assert open_uploads(s3) == ["replan/model.safetensors"]
+    convert([str(ckpt)], "safetensors", url, dtype="float16")
+    assert open_uploads(s3) == []
+    ids = {u["UploadId"] for u in s3.direct.list_multipart_uploads(Bucket=BUCKET).get("Uploads") or []}
+    assert first.files[0].upload_id not in ids
+    local = tmp_path / "local.safetensors"
+    convert([str(ckpt)], "safetensors", str(local), dtype="float16")
+    assert objects(s3, "replan/") == {"replan/model.safetensors": local.read_bytes()}
+
+
+def test_force_rules_single_object(s3, ckpt):
+    url = f"s3://{BUCKET}/force/model.pt"
+    convert([str(ckpt)], "pt", url)
+    with pytest.raises(OutputExistsError, match="output exists"):
+        convert([str(ckpt)], "pt", url)
+    convert([str(ckpt)], "pt", url, force=True, dtype="float16")  # a checkpoint: replaced
+    s3.direct.put_object(Bucket=BUCKET, Key="force/notes.pt", Body=b"not a checkpoint")
+    with pytest.raises(CkptError, match="not a checkpoint"):
+        convert([str(ckpt)], "pt", f"s3://{BUCKET}/force/notes.pt", force=True)
+    assert objects(s3, "force/notes.pt")["force/notes.pt"] == b"not a checkpoint"
+    assert open_uploads(s3) == []
+
+
+def test_force_rules_folder(s3, ckpt):
+    url = f"s3://{BUCKET}/forcedir"
+    convert([str(ckpt)], "safetensors", url, max_shard_size="100KB")
+    s3.direct.put_object(Bucket=BUCKET, Key="forcedir/README.md", Body=b"mine")
+    with pytest.raises(OutputExistsError, match="holds Hugging Face shards"):
+        convert([str(ckpt)], "safetensors", url, max_shard_size="200KB")
+    convert([str(ckpt)], "safetensors", url, max_shard_size="200KB", force=True)
+    names = sorted(k.split("/", 1)[1] for k in objects(s3, "forcedir/"))
+    assert names == [
+        "README.md",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+
+
+def test_output_is_an_input(s3, ckpt):
+    url = s3.upload(ckpt, BUCKET, "inputs/model.pt")
+    with pytest.raises(CkptError, match="output would overwrite the input"):
+        convert([url], "pt", url, force=True)
+
+
+@pytest.mark.parametrize("url", ["gs://b/model.safetensors", "az://c/model.safetensors"])
+def test_other_stores_refused(url, ckpt):
+    with pytest.raises(UsageError, match="writes s3:// URLs only") as info:
+        convert([str(ckpt)], "safetensors", url)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_lines(s3, ckpt):
+    """The CLI's one-line errors and its summary, in a fresh interpreter."""
+    url = f"s3://{BUCKET}/cli/model.safetensors"
+    argvs = [
+        ["convert", ckpt, "--to", "safetensors", "-o", url],
+        ["convert", ckpt, "--to", "safetensors", "-o", url],
+        ["convert", ckpt, "--to", "safetensors", "-o", "gs://b/x.safetensors"],
+        ["inspect", url],
+    ]
+    runs = run_many(argvs)
+    assert runs[0]["code"] == 0 and "wrote s3://out/cli/model.safetensors" in runs[0]["stderr"]
+    check_error(completed(argvs[1], runs[1]), 2, "output exists", "--force")
+    check_error(completed(argvs[2], runs[2]), 2, "gs://b/x.safetensors", "composite uploads")
+    assert runs[3]["code"] == 0 and "safetensors" in runs[3]["stdout"]
