@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from . import sources
-from .errors import CkptError, OutputExistsError, UsageError
+from .errors import CkptError, OutputExistsError
 
 
 def _host_name() -> str:

@@ -120,7 +120,9 @@ def check_inputs(out: str, inputs: Sequence[str], layout: FolderLayout | None) -
             inside = "/" not in theirs[len(mine) + 1 :] and layout.owns(theirs.rsplit("/", 1)[1])
         if theirs == mine or mine.startswith(theirs + "/") or inside:
             raise CkptError(
-                "output would overwrite the input", path=sources.shown(out), hint="choose another -o"
+                "output would overwrite the input",
+                path=sources.shown(out),
+                hint="choose another -o",
             )
 
 
@@ -530,4 +532,3 @@ def _load(store: S3Uploads, bucket: str, key: str) -> Session | None:
 
 def _save(session: Session) -> None:
     session.store().put(session.bucket, session.journal_key, session.to_json().encode())
-

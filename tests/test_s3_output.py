@@ -287,7 +287,9 @@ def test_rerun_with_another_plan_aborts_the_first(s3, ckpt, tmp_path):
     assert open_uploads(s3) == ["replan/model.safetensors"]
     convert([str(ckpt)], "safetensors", url, dtype="float16")
     assert open_uploads(s3) == []
-    ids = {u["UploadId"] for u in s3.direct.list_multipart_uploads(Bucket=BUCKET).get("Uploads") or []}
+    ids = {
+        u["UploadId"] for u in s3.direct.list_multipart_uploads(Bucket=BUCKET).get("Uploads") or []
+    }
     assert first.files[0].upload_id not in ids
     local = tmp_path / "local.safetensors"
     convert([str(ckpt)], "safetensors", str(local), dtype="float16")

@@ -142,9 +142,7 @@ class S3Uploads:
     # -- multipart uploads --------------------------------------------------------------------
     def create(self, bucket: str, key: str) -> str:
         """Start a multipart upload of ``key``; its id."""
-        answer = self._call(
-            "start the upload", bucket, key, "create_multipart_upload", Key=key
-        )
+        answer = self._call("start the upload", bucket, key, "create_multipart_upload", Key=key)
         return str(answer["UploadId"])
 
     def upload_part(
@@ -215,9 +213,7 @@ class S3Uploads:
             "complete_multipart_upload",
             Key=key,
             UploadId=upload_id,
-            MultipartUpload={
-                "Parts": [{"PartNumber": p.number, "ETag": p.etag} for p in parts]
-            },
+            MultipartUpload={"Parts": [{"PartNumber": p.number, "ETag": p.etag} for p in parts]},
         )
         self.check_object(bucket, key, sum(p.size for p in parts), multipart_etag(parts))
 
@@ -340,7 +336,9 @@ def _missing(exc: FileNotFoundError, where: str, bucket: str) -> CkptError:
 
 def _is_transient(exc: OSError) -> bool:
     text = str(exc)
-    return any(m in text for m in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"))
+    return any(
+        m in text for m in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout")
+    )
 
 
 def _short(exc: BaseException) -> str:

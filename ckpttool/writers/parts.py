@@ -29,13 +29,14 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .. import sources
 from ..errors import CkptError
 from ..progress import Progress
 from ..sources import OpenFiles
 from ..spans import local_fd
+from .output_file import OutputFile
 from .plan import FilePlan, Part, Piece, write
 
 PART_BYTES = 8 << 20  # the smallest part size chosen (S3's minimum is 5 MiB)
@@ -141,7 +142,9 @@ def write_parts(
     for piece in run_pieces:
         if piece.build is None:
             continue
-        parts = range(piece.offset // part_size, (max(piece.end, piece.offset + 1) - 1) // part_size + 1)
+        parts = range(
+            piece.offset // part_size, (max(piece.end, piece.offset + 1) - 1) // part_size + 1
+        )
         if not all(n in computed for n in piece.needs):
             deferred.update(k + 1 for k in parts)
             continue
@@ -162,7 +165,8 @@ def write_parts(
         threads=threads,
     ) as sink:
         if run_pieces:
-            written = write(Part(file, run_pieces), sink, progress)
+            # (the sink has OutputFile's surface: plan.write writes into it as into a file)
+            written = write(Part(file, run_pieces), cast(OutputFile, sink), progress)
             result.crcs = {o: c for o, c in written.crcs.items() if o in computed}
     result.sent = sink.sent
     return result
@@ -357,7 +361,7 @@ class PartSink:
         self._release()
         if self.pos < self.stop:
             raise CkptError(f"internal error: {self.stop - self.pos} bytes of the run not written")
-        if self.size == 0 and self.start == 0 and 1 not in self._drop:  # an empty file: one empty part
+        if self.size == 0 and self.start == 0 and 1 not in self._drop:  # empty: one empty part
             self._buffers[0] = bytearray()
             self._submit(0)
         if self._held:
