@@ -238,10 +238,10 @@ def prepare(
     bucket, key = split_url(url)
     store = S3Uploads(scheme)
     folder = key if layout is not None else None
-    keys = [f"{key}/{f.name}" if f.name else key for f in plan.files]
+    keys = [_join(key, f.name) if f.name else key for f in plan.files]
     sizes = [part_size_for(f.size, part_size or env_part_size()) for f in plan.files]
     digest = plan_digest(plan, identities, sizes)
-    journal_key = f"{key}/{JOURNAL_NAME}" if folder is not None else _hidden(key)
+    journal_key = _join(key, JOURNAL_NAME) if folder is not None else _hidden(key)
     earlier = _load(store, bucket, journal_key)
     if earlier is not None and (earlier.digest != digest or [f.key for f in earlier.files] != keys):
         abandon(earlier)  # another plan: its uploads can never be completed
@@ -358,7 +358,7 @@ def finish(session: Session, layout: FolderLayout | None) -> None:
     written = {u.key for u in session.files}
     if session.folder is not None:
         for name in session.replaced:
-            key = f"{session.folder}/{name}"
+            key = _join(session.folder, name)
             if key not in written:
                 store.delete(session.bucket, key)
                 _forget(session.url(key))
@@ -478,7 +478,7 @@ def _check_existing(
             )
         return []
     owned = [n for n in store.list_names(bucket, folder) if layout.owns(n)]
-    theirs = [n for n in owned if f"{folder}/{n}" not in done]
+    theirs = [n for n in owned if _join(folder, n) not in done]
     if theirs and not force:
         shown = ", ".join(theirs[:3]) + (f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
         raise OutputExistsError(
@@ -515,6 +515,11 @@ def _forget(url: str) -> None:
         forget(url)
 
 
+def _join(folder: str, name: str) -> str:
+    """A key inside a folder output's prefix (the bucket's root when it is empty)."""
+    return f"{folder}/{name}" if folder else name
+
+
 def _hidden(key: str) -> str:
     folder, _, name = key.rpartition("/")
     return f"{folder}/.{name}{JOURNAL_NAME}" if folder else f".{name}{JOURNAL_NAME}"
@@ -532,3 +537,148 @@ def _load(store: S3Uploads, bucket: str, key: str) -> Session | None:
 
 def _save(session: Session) -> None:
     session.store().put(session.bucket, session.journal_key, session.to_json().encode())
+
+
+# ---------------------------------------------------------------- several processes
+
+
+def assign_runs(session: Session, world: int) -> list[list[tuple[str, int, int]]]:
+    """Every file's parts split among ``world`` processes by bytes, in plan order:
+    for each rank, its runs ``(file name, first, last)`` (contiguous, whole parts)."""
+    parts = [(f.name, n, f.part_size) for f in session.files for n in range(1, f.parts + 1)]
+    total = sum(f.size for f in session.files) or 1
+    runs: list[list[tuple[str, int, int]]] = [[] for _ in range(world)]
+    done = 0
+    for name, number, part_size in parts:
+        upload = session.file(name)
+        start, stop = part_range(upload.size, part_size, number)
+        rank = min(world - 1, done * world // total)
+        done += stop - start
+        mine = runs[rank]
+        if mine and mine[-1][0] == name and mine[-1][2] == number - 1:
+            mine[-1] = (name, mine[-1][1], number)
+        else:
+            mine.append((name, number, number))
+    return runs
+
+
+def write_ranks(
+    plan: Plan,
+    url: str,
+    *,
+    layout: FolderLayout | None,
+    force: bool,
+    inputs: Sequence[str],
+    rank: int,
+    world: int,
+    broadcast: Any,
+    all_gather: Any,
+    progress: Progress | None = None,
+) -> None:
+    """Write ``plan`` to ``url`` from ``world`` processes, each calling this with the
+    same plan (made from the same inputs) and its ``rank``.
+
+    Rank 0 prepares (checks, journal, uploads); every rank uploads its share of the parts
+    (:func:`assign_runs`); the parts whose CRC fields need other ranks' tensors are
+    uploaded again once every rank's CRCs are gathered; rank 0 completes (index last).
+    A rerun resumes as :func:`write` does. Every rank raises the same error.
+
+    Args:
+        broadcast: ``broadcast(obj)``: rank 0's ``obj`` on every rank (e.g. through
+            ``torch.distributed.broadcast_object_list``).
+        all_gather: ``all_gather(obj)``: every rank's ``obj``, in rank order
+            (``torch.distributed.all_gather_object``).
+    """
+    status: Any = None
+    if rank == 0:
+        status = _attempt(
+            lambda: prepare(
+                plan,
+                url,
+                layout=layout,
+                force=force,
+                identities=[sources.identity(p) for p in inputs],
+            ).to_json()
+        )
+    status = broadcast(status)
+    _raise_first([status], None, rank)
+    session = Session.from_json(status[1])
+    files = {f.name: f for f in plan.files}
+
+    def upload_mine() -> tuple[dict[str, dict[int, int]], list[tuple[str, int]]]:
+        crcs: dict[str, dict[int, int]] = {}
+        deferred: list[tuple[str, int]] = []
+        store = session.store()
+        have_of: dict[str, dict[int, PartDone]] = {}
+        for name, first, last in assign_runs(session, world)[rank]:
+            upload = session.file(name)
+            if name not in have_of:
+                listed = store.list_parts(session.bucket, upload.key, upload.upload_id)
+                have_of[name] = listed or {}
+            have = have_of[name]
+            wanted = [r for r in _runs(files[name], upload, have) if r[1] >= first and r[0] <= last]
+            for a, b in wanted:
+                a, b = max(a, first), min(b, last)
+                result = upload_run(
+                    session, files[name], first=a, last=b, have=have, progress=progress
+                )
+                crcs.setdefault(name, {}).update(result.crcs)
+                deferred += [(name, n) for n in result.deferred]
+        return crcs, deferred
+
+    gathered = all_gather(_attempt(upload_mine))
+    _raise_first(gathered, session, rank)
+    every: dict[str, dict[int, int]] = {}
+    for _, (crcs, _deferred) in gathered:
+        for name, found in crcs.items():
+            every.setdefault(name, {}).update(found)
+
+    def upload_deferred() -> None:
+        store = session.store()
+        for name, number in gathered[rank][1][1]:
+            upload = session.file(name)
+            have = store.list_parts(session.bucket, upload.key, upload.upload_id) or {}
+            upload_run(
+                session, files[name], first=number, last=number, crcs=every.get(name), have=have
+            )
+
+    gathered = all_gather(_attempt(upload_deferred))
+    _raise_first(gathered, session, rank)
+    status = _attempt(lambda: finish(session, layout)) if rank == 0 else None
+    status = broadcast(status)
+    _raise_first([status], session, rank)
+
+
+def _attempt(call: Any) -> tuple[str, Any]:
+    """``("ok", result)``, or what failed: ``("keep", line)`` (the uploads may be resumed),
+    ``("abort", line)`` (they may not)."""
+    try:
+        return "ok", call()
+    except UploadFailed as exc:
+        return "keep", exc.one_line()
+    except CkptError as exc:
+        return "abort", exc.one_line()
+    except Exception as exc:  # a bug: one line still, and the uploads go
+        return "abort", f"unexpected {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def _raise_first(statuses: Sequence[Any], session: Session | None, rank: int) -> None:
+    """Raise, on every rank alike, the first failure among ``statuses`` (rank 0 aborts
+    the uploads where a rerun cannot mend it)."""
+    failed = [(r, s) for r, s in enumerate(statuses) if s[0] != "ok"]
+    if not failed:
+        return
+    where, (_, line) = failed[0]
+    who = f"rank {where}: " if len(statuses) > 1 else ""
+    if session is None:
+        raise CkptError(f"{who}{line}")
+    if all(s[0] == "keep" for _, s in failed):
+        raise UploadFailed(
+            f"{who}{line}; nothing is visible under the output; left for a rerun of the same "
+            f"command to resume: {session.upload_ids()}"
+        )
+    if rank == 0:
+        abandon(session)
+    raise CkptError(
+        f"{who}{line}; nothing was written under the output; {session.upload_ids()} aborted"
+    )

@@ -352,3 +352,101 @@ def test_cli_lines(s3, ckpt):
     check_error(completed(argvs[1], runs[1]), 2, "output exists", "--force")
     check_error(completed(argvs[2], runs[2]), 2, "gs://b/x.safetensors", "composite uploads")
     assert runs[3]["code"] == 0 and "safetensors" in runs[3]["stdout"]
+
+
+class Collectives:
+    """broadcast / all_gather among threads standing for ranks (torch.distributed's
+    ``broadcast_object_list`` / ``all_gather_object`` in a real run)."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=120)
+        self.slots: list = [None] * world
+
+    def all_gather(self, rank: int, obj):
+        self.barrier.wait()
+        self.slots[rank] = obj
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+    def broadcast(self, rank: int, obj):
+        return self.all_gather(rank, obj)[0]
+
+
+def run_ranks(world: int, ckpt: Path, to: str, url: str, **options):
+    """``write_ranks`` on ``world`` threads, each planning from its own read, as ranks do."""
+    import functools
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpttool.api import flatten_tensors, read, select_node
+    from ckpttool.s3_output import write_ranks
+    from ckpttool.writers import writer_for
+    from ckpttool.writers.plan import WriteOptions
+
+    comm = Collectives(world)
+    writer = writer_for(to)
+    opts = WriteOptions(location="cpu", metadata={"source": ckpt.name}, **options)
+
+    def rank_main(rank: int) -> None:
+        loaded = read(str(ckpt))
+        _, node = select_node(loaded, "auto", "auto")
+        plan = writer.plan(flatten_tensors(node), opts)
+        write_ranks(
+            plan,
+            url,
+            layout=writer.layout(opts),
+            force=False,
+            inputs=loaded.files,
+            rank=rank,
+            world=world,
+            broadcast=functools.partial(comm.broadcast, rank),
+            all_gather=functools.partial(comm.all_gather, rank),
+        )
+
+    with ThreadPoolExecutor(world) as pool:
+        return [f.exception() for f in [pool.submit(rank_main, r) for r in range(world)]]
+
+
+@pytest.mark.parametrize(("to", "world"), [("pt", 3), ("safetensors-shards", 2), ("dcp", 2)])
+def test_ranks_write_the_same_bytes(s3, ckpt, tmp_path, to, world):
+    options = {"max_shard_size": 100_000} if to == "safetensors-shards" else {}
+    fmt = to.split("-")[0]
+    folder = fmt == "dcp" or bool(options)
+    key = f"ranks-{to}" + ("" if folder else ".pt")
+    assert run_ranks(world, ckpt, fmt, f"s3://{BUCKET}/{key}", **options) == [None] * world
+    local = tmp_path / ("local" if folder else "local.pt")
+    convert([str(ckpt)], fmt, str(local), max_shard_size=options.get("max_shard_size"))
+    assert remote_files(s3, key, folder) == local_files(local)
+    assert open_uploads(s3) == []
+
+
+def test_ranks_fail_alike_and_abort(s3, ckpt):
+    s3.proxy.fault = lambda method, query: "etag" if "partNumber=2&" in query + "&" else None
+    errors = run_ranks(2, ckpt, "pt", f"s3://{BUCKET}/ranks-bad.pt")
+    assert all(isinstance(e, CkptError) for e in errors)
+    assert len({str(e) for e in errors}) == 1
+    assert "rank 0: " in str(errors[0]) and "aborted" in str(errors[0])
+    assert objects(s3, "ranks-bad") == {} and open_uploads(s3) == []
+
+
+def test_bucket_root(s3, ckpt, tmp_path):
+    """A folder output at a bucket's root; a single file into it under its default name."""
+    s3.direct.create_bucket(Bucket="root")
+    convert([str(ckpt)], "dcp", "s3://root")
+    convert([str(ckpt)], "safetensors", "s3://root/")
+    names = sorted(o["Key"] for o in s3.direct.list_objects_v2(Bucket="root")["Contents"])
+    assert names == [".metadata", "__0_0.distcp", "model.safetensors"]
+    local = tmp_path / "dcp"
+    convert([str(ckpt)], "dcp", str(local))
+    body = s3.direct.get_object(Bucket="root", Key="__0_0.distcp")["Body"].read()
+    assert body == (local / "__0_0.distcp").read_bytes()
+
+
+def test_missing_bucket_one_line(s3, ckpt):
+    with pytest.raises(CkptError, match=r"no such bucket 'nobucket'") as info:
+        convert([str(ckpt)], "pt", "s3://nobucket/x.pt")
+    assert "\n" not in str(info.value)
