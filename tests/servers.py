@@ -274,8 +274,9 @@ class S3Proxy:
 
     ``requests`` holds ``(method, path, query)`` of each request; ``fault`` (settable) is
     called with ``(method, query)`` before forwarding and returns None (forward), an
-    HTTP status to answer instead (503: the client retries), or ``"etag"`` (forward,
-    then answer a wrong ETag). :meth:`uploads` counts UploadPart requests.
+    HTTP status to answer instead (503: the client retries), ``"etag"`` (forward,
+    then answer a wrong ETag) or ``"lost"`` (forward, then answer 500). :meth:`uploads`
+    counts UploadPart requests.
     """
 
     def __init__(self, endpoint: str) -> None:
@@ -326,6 +327,10 @@ class S3Proxy:
                     for k, v in answer.getheaders()
                     if k.lower() not in ("content-length", "transfer-encoding", "connection")
                 }
+                if action == "lost":  # done, but the answer never reaches the client
+                    error = b"<Error><Code>InternalError</Code><Message>x</Message></Error>"
+                    RangeServer.send(self, 500, {"Content-Length": str(len(error))}, error)
+                    return
                 if action == "etag" and "ETag" in out:
                     out["ETag"] = '"00000000000000000000000000000000"'
                 if self.command != "HEAD":  # a HEAD's length is the object's

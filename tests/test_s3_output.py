@@ -450,3 +450,21 @@ def test_missing_bucket_one_line(s3, ckpt):
     with pytest.raises(CkptError, match=r"no such bucket 'nobucket'") as info:
         convert([str(ckpt)], "pt", "s3://nobucket/x.pt")
     assert "\n" not in str(info.value)
+
+
+def test_complete_whose_answer_was_lost(s3, ckpt, tmp_path):
+    """The store completed the upload but its answer was lost (a 500): the retry finds
+    no upload, and the object's size and ETag say it is the one planned."""
+    lost: list[str] = []
+
+    def lose_first_complete(method: str, query: str):
+        if method == "POST" and "uploadId=" in query and not lost:
+            lost.append(query)
+            return "lost"
+        return None
+
+    s3.proxy.fault = lose_first_complete
+    convert([str(ckpt)], "pt", f"s3://{BUCKET}/lost/model.pt")
+    local = tmp_path / "local.pt"
+    convert([str(ckpt)], "pt", str(local))
+    assert lost and objects(s3, "lost/") == {"lost/model.pt": local.read_bytes()}

@@ -206,6 +206,13 @@ class S3Uploads:
     def complete(self, bucket: str, key: str, upload_id: str, parts: Sequence[PartDone]) -> None:
         """Make the upload the object under ``key`` (visible from now on), then check it:
         its size and ETag must be those of the parts."""
+        try:
+            self._complete(bucket, key, upload_id, parts)
+        except _NoSuchUpload:
+            pass  # completed by an attempt whose answer was lost: the check below says
+        self.check_object(bucket, key, sum(p.size for p in parts), multipart_etag(parts))
+
+    def _complete(self, bucket: str, key: str, upload_id: str, parts: Sequence[PartDone]) -> None:
         self._call(
             "complete the upload",
             bucket,
@@ -215,7 +222,6 @@ class S3Uploads:
             UploadId=upload_id,
             MultipartUpload={"Parts": [{"PartNumber": p.number, "ETag": p.etag} for p in parts]},
         )
-        self.check_object(bucket, key, sum(p.size for p in parts), multipart_etag(parts))
 
     def abort(self, bucket: str, key: str, upload_id: str) -> None:
         """Drop an upload and its parts (an upload already gone is fine)."""
