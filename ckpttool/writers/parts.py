@@ -127,7 +127,8 @@ def write_parts(
         raise ValueError(f"parts {first}..{last} of a file of {count} parts")
     start, stop = (first - 1) * part_size, min(file.size, last * part_size)
     known = dict(crcs or {})
-    pieces = [p for p in file.pieces if p.end > start and p.offset < stop] or file.pieces[:0]
+    # the pieces the run holds bytes of, and an empty one at its start (its CRC is this run's)
+    pieces = [p for p in file.pieces if p.offset < stop and (p.end > start or p.offset >= start)]
     run_pieces: list[Piece] = []
     for piece in pieces:
         if piece.build is not None and all(n in known for n in piece.needs):
