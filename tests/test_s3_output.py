@@ -256,10 +256,15 @@ def test_wrong_etag_refused_and_aborted(s3, ckpt):
 
 
 def test_failing_store_leaves_the_upload_for_a_rerun(s3, ckpt, monkeypatch):
+    import fsspec.config
+    from s3fs import S3FileSystem
+
     monkeypatch.setattr(base, "RETRIES", 2)
     monkeypatch.setattr(base, "BACKOFF", 0.01)
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    sources._SOURCES.pop("s3", None)  # a client that reads AWS_MAX_ATTEMPTS
+    conf = {**fsspec.config.conf["s3"], "config_kwargs": {"retries": {"max_attempts": 1}}}
+    monkeypatch.setitem(fsspec.config.conf, "s3", conf)  # botocore: no retries of its own
+    S3FileSystem.clear_instance_cache()
+    sources._SOURCES.pop("s3", None)
     s3.proxy.fault = lambda method, query: 503 if "partNumber=2&" in query + "&" else None
     url = f"s3://{BUCKET}/down/model.safetensors"
     try:
@@ -271,6 +276,7 @@ def test_failing_store_leaves_the_upload_for_a_rerun(s3, ckpt, monkeypatch):
         convert([str(ckpt)], "safetensors", url)
         assert open_uploads(s3) == [] and "down/model.safetensors" in objects(s3, "down/")
     finally:
+        S3FileSystem.clear_instance_cache()
         sources._SOURCES.pop("s3", None)
 
 
