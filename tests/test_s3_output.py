@@ -474,3 +474,21 @@ def test_complete_whose_answer_was_lost(s3, ckpt, tmp_path):
     local = tmp_path / "local.pt"
     convert([str(ckpt)], "pt", str(local))
     assert lost and objects(s3, "lost/") == {"lost/model.pt": local.read_bytes()}
+
+
+def test_torchrun_ranks_into_one_bucket(s3, ckpt, tmp_path):
+    """Two torchrun ranks (gloo) upload the parts of one pt output into the same upload
+    (the parts holding CRC fields of the other rank's tensors once those are known):
+    the bytes one process writes, each part sent once."""
+    from helpers import finish, start_torchrun
+
+    worker = Path(__file__).with_name("s3_rank_worker.py")
+    env = {**s3.env, "CKPTTOOL_S3_PART_SIZE": str(PART)}
+    url = f"s3://{BUCKET}/trun/model.pt"
+    done = finish(start_torchrun(worker, ckpt, "pt", url, nproc=2, env=env), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    local = tmp_path / "local.pt"
+    convert([str(ckpt)], "pt", str(local))
+    assert objects(s3, "trun/") == {"trun/model.pt": local.read_bytes()}
+    assert sorted(s3.proxy.uploads()) == list(range(1, -(-local.stat().st_size // PART) + 1))
+    assert open_uploads(s3) == []
