@@ -243,7 +243,13 @@ def prepare(
     digest = plan_digest(plan, identities, sizes)
     journal_key = _join(key, JOURNAL_NAME) if folder is not None else _hidden(key)
     earlier = _load(store, bucket, journal_key)
-    if earlier is not None and (earlier.digest != digest or [f.key for f in earlier.files] != keys):
+    now = zip(keys, plan.files, sizes, strict=True)
+    layout_now = [(k, f.name, f.size, size) for k, f, size in now]
+    if earlier is not None and (
+        earlier.digest != digest
+        or [(f.key, f.name, f.size, f.part_size) for f in earlier.files] != layout_now
+        or (earlier.scheme, earlier.bucket, earlier.folder) != (scheme, bucket, folder)
+    ):
         abandon(earlier)  # another plan: its uploads can never be completed
         earlier = None
     done = set()
