@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ MISSING = {
 JOURNAL_VERSION = 1
 JOURNAL_NAME = ".ckpttool-upload.json"
 COMPLETE_THREADS = 8
+JOURNAL_EVERY_S = 10.0  # the CRCs computed go into the journal this often
 
 
 def check_writable(out: str) -> None:
@@ -171,6 +173,9 @@ class Session:
     files: list[FileUpload]
     folder: str | None = None  # the prefix of a folder output
     replaced: list[str] = field(default_factory=list)  # owned names --force replaces
+    # CRCs computed of the pieces of each file, by offset (JSON: strings): a rerun
+    # needs not read those tensors again for a zip's CRC fields
+    crcs: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def file(self, name: str) -> FileUpload:
         for upload in self.files:
@@ -299,6 +304,7 @@ def upload_run(
     crcs: dict[int, int] | None = None,
     have: dict[int, PartDone] | None = None,
     progress: Progress | None = None,
+    on_sent: Any = None,
 ) -> RunResult:
     """Write and upload parts ``first..last`` of ``file`` (any process).
 
@@ -317,7 +323,14 @@ def upload_run(
         return store.upload_part(session.bucket, upload.key, upload.upload_id, number, data)
 
     return write_parts(
-        file, upload.part_size, send, first=first, last=last, crcs=crcs, progress=progress
+        file,
+        upload.part_size,
+        send,
+        first=first,
+        last=last,
+        crcs=crcs,
+        progress=progress,
+        on_sent=on_sent,
     )
 
 
@@ -403,14 +416,13 @@ def write(
             if upload.etag and store.head(session.bucket, upload.key) == (upload.size, upload.etag):
                 continue  # completed by the earlier run
             have = store.list_parts(session.bucket, upload.key, upload.upload_id) or {}
-            if all(_fits(have.get(n), upload, n) for n in range(1, upload.parts + 1)):
-                continue  # every part is there
-            for first, last in _runs(file, upload, have):
-                upload_run(session, file, first=first, last=last, have=have, progress=progress)
+            _upload_file(session, file, have, progress)
         finish(session, layout)
     except (KeyboardInterrupt, SystemExit):
-        raise  # the uploads stay: a rerun resumes them
+        _save_quietly(session)  # the uploads stay: a rerun resumes them
+        raise
     except UploadFailed as exc:
+        _save_quietly(session)
         raise UploadFailed(
             f"{exc.message}; nothing is visible under the output; left for a rerun of the "
             f"same command to resume: {session.upload_ids()}",
@@ -432,17 +444,75 @@ def write(
         raise
 
 
-def _runs(file: FilePlan, upload: FileUpload, have: dict[int, PartDone]) -> list[tuple[int, int]]:
-    """The runs of parts to write: all of them in one run where fields need CRCs (a
-    part already there is then checked by its MD5, not sent again); else the runs of
-    parts not there (only their input bytes are read)."""
-    count = upload.parts
-    if not have or any(p.build is not None or p.crc for p in file.pieces):
-        return [(1, count)]
-    runs: list[tuple[int, int]] = []
-    for number in range(1, count + 1):
-        if _fits(have.get(number), upload, number):
+def _upload_file(
+    session: Session, file: FilePlan, have: dict[int, PartDone], progress: Progress | None
+) -> None:
+    """Upload the parts of ``file`` that are not there (all of them on a first run).
+
+    The CRCs computed go into the journal every ``JOURNAL_EVERY_S`` seconds. Parts whose
+    CRC fields need tensors of parts not written again are written once the CRCs are
+    known (the journal's, or this run's).
+    """
+    upload = session.file(file.name)
+    crc_pieces = {p.offset for p in file.pieces if p.crc}
+    saved = session.crcs.setdefault(file.name, {})
+    known = _known_crcs(session, file)
+    last_save = [time.monotonic()]
+
+    def keep(crcs: Any) -> None:
+        saved.update({str(o): c for o, c in crcs.items() if str(o) not in saved})
+        if time.monotonic() - last_save[0] >= JOURNAL_EVERY_S:
+            _save(session)
+            last_save[0] = time.monotonic()
+
+    crcs = dict(known)
+    deferred: list[int] = []
+    for first, last in _runs(file, upload, have, known):
+        result = upload_run(
+            session,
+            file,
+            first=first,
+            last=last,
+            crcs=known,
+            have=have,
+            progress=progress,
+            on_sent=keep if crc_pieces else None,
+        )
+        crcs.update(result.crcs)
+        deferred += result.deferred
+    for number in deferred:
+        upload_run(session, file, first=number, last=number, crcs=crcs, have=have)
+
+
+def _known_crcs(session: Session, file: FilePlan) -> dict[int, int]:
+    """The CRCs the journal holds of ``file``'s pieces (of pieces that keep one only)."""
+    crc_pieces = {p.offset for p in file.pieces if p.crc}
+    saved = session.crcs.get(file.name)
+    found: dict[int, int] = {}
+    for offset, crc in (saved if isinstance(saved, dict) else {}).items():
+        if str(offset).isdigit() and int(offset) in crc_pieces and isinstance(crc, int):
+            found[int(offset)] = crc & 0xFFFFFFFF
+    return found
+
+
+def _runs(
+    file: FilePlan, upload: FileUpload, have: dict[int, PartDone], known: dict[int, int]
+) -> list[tuple[int, int]]:
+    """The runs of parts to write: the parts not there, and, where a missing part holds
+    a field built from CRCs not ``known`` (a zip's), the part where each of those
+    tensors starts (it is read again; that part, already there, is checked by its MD5
+    and not sent)."""
+    size = upload.part_size
+    want = {n for n in range(1, upload.parts + 1) if not _fits(have.get(n), upload, n)}
+    crc_pieces = {p.offset for p in file.pieces if p.crc}
+    for piece in file.pieces:
+        if piece.build is None:
             continue
+        spans = range(piece.offset // size + 1, (max(piece.end, piece.offset + 1) - 1) // size + 2)
+        if want.intersection(spans):
+            want.update(o // size + 1 for o in piece.needs if o in crc_pieces and o not in known)
+    runs: list[tuple[int, int]] = []
+    for number in sorted(want):
         if runs and runs[-1][1] == number - 1:
             runs[-1] = (runs[-1][0], number)
         else:
@@ -541,6 +611,15 @@ def _load(store: S3Uploads, bucket: str, key: str) -> Session | None:
         return None  # not ours, or damaged: a fresh start (the uploads expire by lifecycle)
 
 
+def _save_quietly(session: Session) -> None:
+    """Save the journal (its CRCs) where a failure leaves the uploads for a rerun; a
+    failure to do so only costs the rerun a read."""
+    try:
+        _save(session)
+    except CkptError:
+        pass
+
+
 def _save(session: Session) -> None:
     session.store().put(session.bucket, session.journal_key, session.to_json().encode())
 
@@ -610,6 +689,7 @@ def write_ranks(
     _raise_first([status], None, rank)
     session = Session.from_json(status[1])
     files = {f.name: f for f in plan.files}
+    known = {f.name: _known_crcs(session, f) for f in plan.files}
 
     def upload_mine() -> tuple[dict[str, dict[int, int]], list[tuple[str, int]]]:
         crcs: dict[str, dict[int, int]] = {}
@@ -622,11 +702,17 @@ def write_ranks(
                 listed = store.list_parts(session.bucket, upload.key, upload.upload_id)
                 have_of[name] = listed or {}
             have = have_of[name]
-            wanted = [r for r in _runs(files[name], upload, have) if r[1] >= first and r[0] <= last]
-            for a, b in wanted:
+            runs = _runs(files[name], upload, have, known[name])
+            for a, b in [r for r in runs if r[1] >= first and r[0] <= last]:
                 a, b = max(a, first), min(b, last)
                 result = upload_run(
-                    session, files[name], first=a, last=b, have=have, progress=progress
+                    session,
+                    files[name],
+                    first=a,
+                    last=b,
+                    crcs=known[name],
+                    have=have,
+                    progress=progress,
                 )
                 crcs.setdefault(name, {}).update(result.crcs)
                 deferred += [(name, n) for n in result.deferred]
@@ -634,7 +720,7 @@ def write_ranks(
 
     gathered = all_gather(_attempt(upload_mine))
     _raise_first(gathered, session, rank)
-    every: dict[str, dict[int, int]] = {}
+    every = {name: dict(crcs) for name, crcs in known.items()}
     for _, (crcs, _deferred) in gathered:
         for name, found in crcs.items():
             every.setdefault(name, {}).update(found)

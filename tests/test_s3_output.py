@@ -492,3 +492,51 @@ def test_torchrun_ranks_into_one_bucket(s3, ckpt, tmp_path):
     assert objects(s3, "trun/") == {"trun/model.pt": local.read_bytes()}
     assert sorted(s3.proxy.uploads()) == list(range(1, -(-local.stat().st_size // PART) + 1))
     assert open_uploads(s3) == []
+
+
+def test_zip_resumed_reads_only_what_it_needs(s3, tmp_path, monkeypatch):
+    """A pt output interrupted at 70%: the journal kept the CRCs computed, so the rerun
+    reads the tensors of the missing parts only (not the whole input again: a zip's
+    central directory needs every CRC) and uploads only those parts."""
+    import contextlib
+
+    from ckpttool import s3_output
+
+    monkeypatch.setattr(s3_output, "JOURNAL_EVERY_S", 0.0)
+    gen = torch.Generator().manual_seed(2)
+    sd = {f"t{i}": torch.randn(2048, generator=gen) for i in range(48)}  # 8 KiB each
+    src = tmp_path / "in.pt"
+    torch.save(sd, src)
+    url = f"s3://{BUCKET}/zipres/model.pt"
+
+    def stop_at_70(total, description):
+        done = [0]
+
+        @contextlib.contextmanager
+        def bar():
+            def advance(n):
+                done[0] += n
+                if done[0] > total * 0.7:
+                    raise KeyboardInterrupt
+
+            yield advance
+
+        return bar()
+
+    with pytest.raises(KeyboardInterrupt):
+        convert([str(src)], "pt", url, progress=stop_at_70)
+    (upload,) = s3.direct.list_multipart_uploads(Bucket=BUCKET)["Uploads"]
+    listed = s3.direct.list_parts(Bucket=BUCKET, Key="zipres/model.pt", UploadId=upload["UploadId"])
+    have = {p["PartNumber"] for p in listed.get("Parts") or []}
+    local = tmp_path / "local.pt"
+    before = sources.LOCAL.bytes_read
+    convert([str(src)], "pt", str(local))
+    full = sources.LOCAL.bytes_read - before
+    s3.proxy.reset()
+    before = sources.LOCAL.bytes_read
+    convert([str(src)], "pt", url)
+    resumed = sources.LOCAL.bytes_read - before
+    assert objects(s3, "zipres/") == {"zipres/model.pt": local.read_bytes()}
+    count = -(-local.stat().st_size // PART)
+    assert sorted(s3.proxy.uploads()) == sorted(set(range(1, count + 1)) - have)
+    assert len(have) >= 3 and 0 < resumed < 0.6 * full, (have, resumed, full)

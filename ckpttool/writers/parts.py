@@ -22,6 +22,7 @@ part number be uploaded again before the upload is completed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import zlib
@@ -107,6 +108,7 @@ def write_parts(
     crcs: Mapping[int, int] | None = None,
     progress: Progress | None = None,
     threads: int = UPLOAD_THREADS,
+    on_sent: Callable[[Mapping[int, int]], None] | None = None,
 ) -> RunResult:
     """Write parts ``first..last`` of ``file`` (all by default), handing each to ``send``.
 
@@ -120,6 +122,9 @@ def write_parts(
             built from them are written as they are, never deferred.
         progress: Called with the tensor bytes written.
         threads: Parts sent at once.
+        on_sent: Called (in this thread) each time a part is sent, with the CRCs
+            computed so far, by offset (a journal keeps them: a rerun need not read
+            those tensors again).
     """
     count = part_count(file.size, part_size)
     last = count if last is None else last
@@ -133,6 +138,10 @@ def write_parts(
     for piece in pieces:
         if piece.build is not None and all(n in known for n in piece.needs):
             piece = dataclasses.replace(piece, data=piece.build(known), build=None, needs=())
+        elif piece.build is not None and known:  # waits for the CRCs not known only
+            left = tuple(n for n in piece.needs if n not in known)
+            build = functools.partial(_with_known, piece.build, known)
+            piece = dataclasses.replace(piece, build=build, needs=left)
         elif piece.crc and piece.offset < start:
             piece = dataclasses.replace(piece, crc=False)  # its CRC is another run's
         run_pieces.append(piece)
@@ -164,6 +173,7 @@ def write_parts(
         hold=hold,
         drop=deferred,
         threads=threads,
+        on_sent=on_sent,
     ) as sink:
         if run_pieces:
             # (the sink has OutputFile's surface: plan.write writes into it as into a file)
@@ -171,6 +181,11 @@ def write_parts(
             result.crcs = {o: c for o, c in written.crcs.items() if o in computed}
     result.sent = sink.sent
     return result
+
+
+def _with_known(build: Callable[[Mapping[int, int]], bytes], known: Mapping[int, int],
+                crcs: Mapping[int, int]) -> bytes:  # fmt: skip
+    return build({**known, **crcs})
 
 
 class PartSink:
@@ -189,7 +204,8 @@ class PartSink:
         at: The offset of the first byte written (the first piece's, at or before ``start``).
         hold: Part index -> the position from which its bytes are final (a field
             patched once a CRC is known): it is held until writing passes it.
-        drop: Part numbers never sent (deferred, or already uploaded).
+        drop: Part numbers never sent (deferred).
+        on_sent: Called with :attr:`crcs` each time a part is sent.
     """
 
     def __init__(
@@ -204,6 +220,7 @@ class PartSink:
         hold: Mapping[int, int] | None = None,
         drop: set[int] | frozenset[int] = frozenset(),
         threads: int = UPLOAD_THREADS,
+        on_sent: Callable[[Mapping[int, int]], None] | None = None,
     ) -> None:
         self.size, self.part_size = size, part_size
         self.start, self.stop = start, size if stop is None else stop
@@ -220,6 +237,9 @@ class PartSink:
         self._held: set[int] = set()
         self._scratch: memoryview | None = None
         self._crc: int | None = None
+        self._crc_at = 0
+        self.crcs: dict[int, int] = {}  # the CRC of the pieces written, by offset
+        self._on_sent = on_sent
         self._lock = threading.Lock()
 
     def __enter__(self) -> PartSink:
@@ -232,6 +252,8 @@ class PartSink:
         finally:
             self._pool.shutdown(wait=True)
             self.inputs.close()
+            if self._on_sent is not None:  # also when interrupted: the CRCs are the plan's
+                self._on_sent(self.crcs)
 
     # ------------------------------------------------------------ appending
     def write(self, data: bytes | memoryview) -> None:
@@ -267,6 +289,7 @@ class PartSink:
                 if n == 0:
                     raise CkptError("input ends early (truncated)", path=path)
                 self._filled(target[:n])
+                sources.source_for(path).count(n)
             else:
                 step = max(1, -(-len(target) // SPANS_PER_PART))
                 at = offset + done
@@ -345,6 +368,8 @@ class PartSink:
         number, future, buffer = self._inflight.popleft()
         self.sent[number] = future.result()  # a failed send raises here
         self._free.append(buffer)
+        if self._on_sent is not None:
+            self._on_sent(self.crcs)
 
     def _submit(self, index: int) -> None:
         buffer = self._buffers.pop(index)
@@ -372,12 +397,13 @@ class PartSink:
 
     # ------------------------------------------------------------ checksums, patches
     def begin_crc32(self) -> None:
-        self._crc = 0
+        self._crc, self._crc_at = 0, self.pos
 
     def end_crc32(self) -> int:
         crc, self._crc = self._crc, None
         if crc is None:
             raise RuntimeError("end_crc32 without begin_crc32")
+        self.crcs[self._crc_at] = crc
         return crc
 
     def patch(self, offset: int, data: bytes) -> None:
