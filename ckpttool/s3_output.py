@@ -459,9 +459,11 @@ def _upload_file(
     known = _known_crcs(session, file)
     last_save = [time.monotonic()]
 
-    def keep(crcs: Any) -> None:
-        saved.update({str(o): c for o, c in crcs.items() if str(o) not in saved})
-        if time.monotonic() - last_save[0] >= JOURNAL_EVERY_S:
+    def keep(crcs: Any, last: bool) -> None:
+        due = time.monotonic() - last_save[0] >= JOURNAL_EVERY_S
+        if due or last:  # (copied this seldom: a file may hold 10**5 tensors)
+            saved.update({str(o): c for o, c in crcs.items()})
+        if due:
             _save(session)
             last_save[0] = time.monotonic()
 

@@ -108,7 +108,7 @@ def write_parts(
     crcs: Mapping[int, int] | None = None,
     progress: Progress | None = None,
     threads: int = UPLOAD_THREADS,
-    on_sent: Callable[[Mapping[int, int]], None] | None = None,
+    on_sent: Callable[[Mapping[int, int], bool], None] | None = None,
 ) -> RunResult:
     """Write parts ``first..last`` of ``file`` (all by default), handing each to ``send``.
 
@@ -122,9 +122,10 @@ def write_parts(
             built from them are written as they are, never deferred.
         progress: Called with the tensor bytes written.
         threads: Parts sent at once.
-        on_sent: Called (in this thread) each time a part is sent, with the CRCs
-            computed so far, by offset (a journal keeps them: a rerun need not read
-            those tensors again).
+        on_sent: ``on_sent(crcs, last)``, called (in this thread) each time a part is
+            sent, with the CRCs computed so far by offset, and once more at the end
+            (``last``: also when interrupted; the CRCs are the plan's, whatever was
+            sent): a journal keeps them, so a rerun need not read those tensors again.
     """
     count = part_count(file.size, part_size)
     last = count if last is None else last
@@ -205,7 +206,7 @@ class PartSink:
         hold: Part index -> the position from which its bytes are final (a field
             patched once a CRC is known): it is held until writing passes it.
         drop: Part numbers never sent (deferred).
-        on_sent: Called with :attr:`crcs` each time a part is sent.
+        on_sent: As :func:`write_parts` says.
     """
 
     def __init__(
@@ -220,7 +221,7 @@ class PartSink:
         hold: Mapping[int, int] | None = None,
         drop: set[int] | frozenset[int] = frozenset(),
         threads: int = UPLOAD_THREADS,
-        on_sent: Callable[[Mapping[int, int]], None] | None = None,
+        on_sent: Callable[[Mapping[int, int], bool], None] | None = None,
     ) -> None:
         self.size, self.part_size = size, part_size
         self.start, self.stop = start, size if stop is None else stop
@@ -253,7 +254,7 @@ class PartSink:
             self._pool.shutdown(wait=True)
             self.inputs.close()
             if self._on_sent is not None:  # also when interrupted: the CRCs are the plan's
-                self._on_sent(self.crcs)
+                self._on_sent(self.crcs, True)
 
     # ------------------------------------------------------------ appending
     def write(self, data: bytes | memoryview) -> None:
@@ -369,7 +370,7 @@ class PartSink:
         self.sent[number] = future.result()  # a failed send raises here
         self._free.append(buffer)
         if self._on_sent is not None:
-            self._on_sent(self.crcs)
+            self._on_sent(self.crcs, False)
 
     def _submit(self, index: int) -> None:
         buffer = self._buffers.pop(index)
