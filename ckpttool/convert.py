@@ -13,39 +13,13 @@ from .api import flatten_tensors, read, select_node
 from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
 from .progress import ProgressFactory
+from .sizes import parse_size
 from .writers import WRITERS
 from .writers.atomic import atomic_output, check_output, output_path
 
 TARGETS = tuple(WRITERS)
 CAST_DTYPES = ("float32", "float16", "bfloat16")
-SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "TB": 1000**4,
-    "KIB": 1024,
-    "MIB": 1024**2,
-    "GIB": 1024**3,
-    "TIB": 1024**4,
-}
 DEVICE_RE = re.compile(r"^(cpu|meta|(cuda|xpu|mps|npu|hpu)(:\d+)?)$")
-
-
-def parse_size(text: str | int) -> int:
-    """``2GB`` -> 2_000_000_000, ``1.5GiB`` -> 1610612736, ``1000`` -> 1000 (as huggingface_hub)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
-    if not m or m.group(2) and m.group(2).upper() not in SIZE_UNITS:
-        raise UsageError(
-            f"bad size {text!r}", hint="use bytes or a number with KB/MB/GB or KiB/MiB/GiB"
-        )
-    size = int(float(m.group(1)) * SIZE_UNITS[(m.group(2) or "").upper()])
-    if size <= 0:
-        raise UsageError(f"size must be positive, got {text!r}")
-    return size
 
 
 # Formats whose checkpoint is a folder, whatever file of it was given
@@ -184,6 +158,12 @@ def convert(
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
     total = plan.total_bytes
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
-    with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
-        write_plan(plan, tmp, advance)
+    if sources.is_url(out):  # s3://: multipart uploads, published at the end
+        from .writers.s3_output import write as upload_plan
+
+        with bar as advance:
+            upload_plan(plan, out, layout=layout, force=force, inputs=ckpt.files, progress=advance)
+    else:
+        with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
+            write_plan(plan, tmp, advance)
     return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total)

@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from . import sources
 from .api import read, require_data
 from .errors import translate_errors
 from .progress import ProgressFactory
@@ -62,8 +63,14 @@ def merge(
     plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
     description = f"writing {os.path.basename(out)}"
     bar = progress(plan.total_bytes, description) if progress else nullcontext(None)
-    with bar as advance, atomic_output(out, force=force) as tmp:
-        write_plan(plan, tmp, advance)
+    if sources.is_url(out):  # s3://: multipart uploads, published at the end
+        from .writers.s3_output import write as upload_plan
+
+        with bar as advance:
+            upload_plan(plan, out, layout=None, force=force, inputs=ckpt.files, progress=advance)
+    else:
+        with bar as advance, atomic_output(out, force=force) as tmp:
+            write_plan(plan, tmp, advance)
     return MergeResult(out, len(leaves), total, stand_ins)
 
 

@@ -266,3 +266,116 @@ class S3Server:
 
     def close(self) -> None:
         self.server.stop()
+
+
+class S3Proxy:
+    """A reverse proxy on 127.0.0.1 in front of an S3 server (moto), for the tests of
+    outputs: it logs every request and can answer for the server.
+
+    ``requests`` holds ``(method, path, query)`` of each request; ``fault`` (settable) is
+    called with ``(method, query)`` before forwarding and returns None (forward), an
+    HTTP status to answer instead (503: the client retries), ``"etag"`` (forward,
+    then answer a wrong ETag) or ``"lost"`` (forward, then answer 500). :meth:`uploads`
+    counts UploadPart requests.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        import http.client
+        import urllib.parse
+
+        self.target = urllib.parse.urlsplit(endpoint)
+        self.requests: list[tuple[str, str, str]] = []
+        self.fault: Any = None
+        self.active = 0  # requests being answered
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def relay(self) -> None:
+                with proxy.lock:
+                    proxy.active += 1
+                try:
+                    self.forward()
+                finally:
+                    with proxy.lock:
+                        proxy.active -= 1
+
+            def forward(self) -> None:
+                path, _, query = self.path.partition("?")
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy.lock:
+                    proxy.requests.append((self.command, path, query))
+                    action = proxy.fault(self.command, query) if proxy.fault else None
+                if isinstance(action, int):
+                    error = b"<Error><Code>ServiceUnavailable</Code><Message>x</Message></Error>"
+                    RangeServer.send(self, action, {"Content-Length": str(len(error))}, error)
+                    return
+                conn = http.client.HTTPConnection(proxy.target.hostname, proxy.target.port)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "content-length"}
+                headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body, headers=headers)
+                answer = conn.getresponse()
+                data = answer.read()
+                out = {
+                    k: v
+                    for k, v in answer.getheaders()
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection")
+                }
+                if action == "lost":  # done, but the answer never reaches the client
+                    error = b"<Error><Code>InternalError</Code><Message>x</Message></Error>"
+                    RangeServer.send(self, 500, {"Content-Length": str(len(error))}, error)
+                    return
+                if action == "etag" and "ETag" in out:
+                    out["ETag"] = '"00000000000000000000000000000000"'
+                if self.command != "HEAD":  # a HEAD's length is the object's
+                    out["Content-Length"] = str(len(data))
+                else:
+                    out["Content-Length"] = answer.getheader("Content-Length") or "0"
+                conn.close()
+                RangeServer.send(self, answer.status, out, b"" if self.command == "HEAD" else data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay  # noqa: N815
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client killed mid-request: what some tests do
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def uploads(self) -> list[int]:
+        """The part numbers of the UploadPart requests seen, in order."""
+        import urllib.parse
+
+        numbers = []
+        for method, _path, query in self.requests:
+            args = urllib.parse.parse_qs(query)
+            if method == "PUT" and "partNumber" in args:
+                numbers.append(int(args["partNumber"][0]))
+        return numbers
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.fault = None
+
+    def settle(self, timeout: float = 30) -> None:
+        """Wait until no request is being answered (those of a killed client included)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -16,7 +16,8 @@ import torch
 from helpers import tree_files
 
 from ckpttool.convert import convert
-from ckpttool.writers.atomic import HF_SHARDS, HOST, TEMP_MARK, atomic_output
+from ckpttool.writers.atomic import HOST, TEMP_MARK, atomic_output
+from ckpttool.writers.folder_layout import HF_SHARDS
 
 
 @pytest.fixture

@@ -385,20 +385,20 @@ if __name__ == "__main__":
 @pytest.mark.parametrize(
     "out, shown",
     [
-        ("s3://bucket/out", "s3://bucket/out"),
         # credentials and a pre-signed query never reach the message
         ("https://user:secret@host/out", "https://host/out"),
+        ("gs://bucket/out", "gs://bucket/out"),
     ],
 )
 def test_url_outputs_are_refused_and_nothing_is_written(tmp_path, out, shown):
-    """Inputs may be URLs, outputs are local: a URL -o is exit 2, not a local folder
-    named ``s3:`` that the message would call the bucket."""
+    """Outputs are local or s3:// (tests/test_s3_output.py): another URL -o is exit 2,
+    not a local folder named ``https:`` that the message would call the host."""
     source = fixture_path("ddp/ep0-rank0.pt")
     query = "?X-Amz-Signature=abc" if "secret" in out else ""
     for command, suffix in (("convert", ".safetensors"), ("merge", ".pt")):
         args = ["--to", "safetensors"] if command == "convert" else []
         proc = run_cli(command, source, *args, "-o", out + suffix + query, cwd=tmp_path)
-        line = check_error(proc, 2, f"{shown}{suffix}: the output must be a local path")
+        line = check_error(proc, 2, f"{shown}{suffix}: cannot write the output there")
         assert "secret" not in line and "Signature" not in line
     assert list(tmp_path.iterdir()) == []
 

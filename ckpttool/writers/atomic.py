@@ -21,10 +21,10 @@ import re
 import shutil
 import socket
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 from .. import sources
-from ..errors import CkptError, OutputExistsError, UsageError
+from ..errors import CkptError, OutputExistsError
+from .folder_layout import FOLDER_LAYOUTS, FolderLayout
 
 
 def _host_name() -> str:
@@ -41,36 +41,6 @@ TEMP_MARK = f".ckpttool-tmp-{HOST}_"
 _TEMP_TAIL = re.compile(r"(?:old-)?([1-9]\d{0,9})")  # what follows TEMP_MARK: a pid
 
 
-@dataclass(frozen=True)
-class FolderLayout:
-    """The files a folder output consists of: what a run writes and what ``--force``
-    may replace in that folder (an earlier run's files), and nothing else.
-
-    Attributes:
-        kind: What it is, for messages.
-        pattern: The names of its files, this run's and those of earlier runs.
-        last: The file that makes the folder a checkpoint (index, metadata): moved in
-            after the data files it names, so a reader never finds it before them.
-    """
-
-    kind: str
-    pattern: re.Pattern[str]
-    last: str
-
-    def owns(self, name: str) -> bool:
-        return self.pattern.fullmatch(name) is not None
-
-
-# the names writers/safetensors.py and writers/dcp.py write
-HF_SHARDS = FolderLayout(
-    "Hugging Face shards",
-    re.compile(r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json"),
-    "model.safetensors.index.json",
-)
-DCP_FILES = FolderLayout("a DCP checkpoint", re.compile(r"\.metadata|[^/]*\.distcp"), ".metadata")
-FOLDER_LAYOUTS = (HF_SHARDS, DCP_FILES)
-
-
 def output_path(out: str, default_name: str, *, folder_output: bool) -> str:
     """Where ``-o OUT`` puts the output.
 
@@ -79,15 +49,13 @@ def output_path(out: str, default_name: str, *, folder_output: bool) -> str:
     is written into OUT itself.
 
     Raises:
-        UsageError: OUT is a URL: inputs may be remote, outputs are written locally
-            (``file://`` paths are local).
+        UsageError: OUT is a URL ckpttool cannot write (only ``s3://``; ``file://``
+            paths are local).
     """
-    if sources.is_url(out):
-        raise UsageError(
-            "the output must be a local path: ckpttool reads from URLs but writes locally",
-            path=out,
-            hint="write it to a local -o, then upload it",
-        )
+    if sources.is_url(out):  # s3:// (others are refused there, saying what they lack)
+        from .s3_output import output_url
+
+        return output_url(out, default_name, folder_output=folder_output)
     out = sources.strip_file_scheme(out)
     into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
     if folder_output:
@@ -113,6 +81,11 @@ def check_output(
             ``--force`` would replace something that is not a checkpoint output.
         OutputExistsError: An earlier output is there and not ``force``.
     """
+    if sources.is_url(out):  # what is there is checked when the uploads start
+        from .s3_output import check_inputs
+
+        check_inputs(out, inputs, layout)
+        return
     _check_inputs(out, inputs, layout)
     if layout is None:
         parent = os.path.dirname(os.path.abspath(out))

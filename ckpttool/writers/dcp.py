@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..formats.dcp import METADATA_FILE
 from ..tensors import torch_dtype
 from . import output_dtype, refuse_sparse
-from .atomic import DCP_FILES, FolderLayout
+from .folder_layout import DCP_FILES, FolderLayout
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 from .torch_zip import plan_zip
 

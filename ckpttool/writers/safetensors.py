@@ -8,7 +8,7 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError
 from . import output_dtype, refuse_sparse
-from .atomic import HF_SHARDS, FolderLayout
+from .folder_layout import HF_SHARDS, FolderLayout
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = ["TO", "layout", "plan", "write"]

@@ -48,7 +48,7 @@ from ..zip_records import (
     ZIP64_LOCATOR_SIGNATURE,
 )
 from . import output_dtype
-from .atomic import FolderLayout
+from .folder_layout import FolderLayout
 from .plan import Crcs, FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = [
