@@ -7,6 +7,15 @@ torch: :mod:`ckpttool.tensors` turns leaves into tensors.
 
 from __future__ import annotations
 
+from .call_rules import (
+    HOLDS_CALLABLES,
+    GlobalClass,
+    Kinds,
+    judge_build,
+    judge_class_call,
+    judge_new,
+    judge_objects_handed,
+)
 from .checkpoint import Checkpoint, children, get_path, iter_tensors, verdicts, walk
 from .layout import (
     MODEL_KEYS,
@@ -31,19 +40,11 @@ from .leaves import (
     SparseRef,
     StorageRef,
     TensorRef,
+    check_shape,
     contiguous_stride,
     is_tensor,
 )
-from .opaque import (
-    HOLDS_CALLABLES,
-    CallVerdicts,
-    Opaque,
-    handed_callables,
-    opaque_class,
-    partial_call,
-    state_attrs,
-    state_values,
-)
+from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values
 from .plain_data import TorchValue, recorded_classes, to_plain
 from .sharding import Shard, check_coverage, raw_parts
 from .torch_values import (
@@ -58,7 +59,6 @@ from .torch_values import (
     TorchName,
     TorchSize,
     WrapperStub,
-    check_shape,
     check_storage_reference,
     check_view,
     global_name,
@@ -67,13 +67,15 @@ from .torch_values import (
 
 __all__ = [
     "BUILTIN_TYPES",
-    "CallVerdicts",
     "Checkpoint",
     "DEVICE_TYPES",
     "Device",
+    "FULL_READ",
+    "GlobalClass",
     "HOLDS_CALLABLES",
     "INT_ONLY",
     "KeyPath",
+    "Kinds",
     "Leaf",
     "MODEL_KEYS",
     "NamedGlobal",
@@ -102,22 +104,24 @@ __all__ = [
     "detect_prefix",
     "get_path",
     "global_name",
-    "handed_callables",
     "int_tuple",
     "is_plain",
     "is_tensor",
     "iter_tensors",
+    "judge_build",
+    "judge_class_call",
+    "judge_new",
+    "judge_objects_handed",
     "model_candidates",
     "model_key",
     "model_state",
     "module_state_dict",
     "opaque_class",
     "parse_key_path",
-    "partial_call",
     "plain_values",
     "raw_parts",
-    "resolve_prefix",
     "recorded_classes",
+    "resolve_prefix",
     "state_attrs",
     "state_values",
     "strip_prefix",

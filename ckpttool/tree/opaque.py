@@ -1,124 +1,27 @@
 """``Opaque``: the inert stand-in for an object of a class the unpickler does not build,
-and the rules for what calling such a class, or a callable it holds, would run.
+judged by the call rules (:mod:`ckpttool.tree.call_rules`) as the pickle calls it.
 
 An ``Opaque`` records its class name and the state the pickle gave it, walks as its
-children, and cannot be changed by the pickle afterwards. The call rules here
-(:func:`held_callable_name`, :func:`handed_callables`, :func:`partial_call`) are the
-ones the restricted unpickler applies while it reads.
+children, and cannot be changed by the pickle afterwards. :data:`FULL_READ` says how
+its values answer the call rules' questions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..guard import charge, note_build_on_global, note_call
+from ..guard import note_build_on_global, note_call
 from ..sealed import Sealed
-
-if TYPE_CHECKING:
-    pass
-
-
-# Known classes whose objects exist to hold a callable they are given and call it
-# later, when called themselves: making one calls nothing.
-HOLDS_CALLABLES = frozenset({"functools.partial"})
-
-
-# Verdicts of the partials met during one judgment (id -> name or None): a partial given
-# the same partial twice, thirty levels deep, is a few hundred bytes of pickle and would
-# otherwise be judged 2**30 times.
-CallVerdicts = dict[int, "str | None"]
-
-
-CallableName = Callable[[Any, CallVerdicts], "str | None"]
-
-
-def _callable_name(item: Any, verdicts: CallVerdicts) -> str | None:
-    """What calling ``item`` would be named, where it is a callable of note: an object of
-    a class that holds a callable (a partial, see :func:`held_callable_name`), or a
-    global on no allow-list."""
-    if isinstance(item, _ReadOnlyClass) and not (item.known or item.dangerous):
-        return f"{item.module}.{item.qualname}"
-    return held_callable_name(item, verdicts)
-
-
-def held_callable_name(item: Any, verdicts: CallVerdicts) -> str | None:
-    """``functools.partial()`` where ``item`` is a partial whose call would be of note:
-    one that calls anything but a known class with plain arguments. The function it
-    calls is the one BUILD gives it (``partial.__setstate__`` replaces the one it was
-    made with), so both are judged. ``partial(nn.LayerNorm, eps=1e-6)`` (torchvision's
-    ``norm_layer``, kept by its models) calls nothing of note."""
-    if not (isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES):
-        return None
-    if id(item) in verdicts:
-        return verdicts[id(item)]
-    verdicts[id(item)] = None  # (one it holds itself, through its BUILD, is judged once)
-    state = item.state  # keywords it was made with (NEWOBJ_EX), until a BUILD
-    funcs, args, kwargs = partial_call(item.args, state if type(state) is dict else {}, state)
-    plain_call = (
-        bool(funcs)
-        and all(_is_known_class(func) for func in funcs)
-        and not handed_callables(args, kwargs, verdicts=verdicts)
-        and not any(_is_unverified_object(v) for v in (*args, *kwargs.values()))
-    )
-    verdicts[id(item)] = None if plain_call else f"{type(item).class_name()}()"
-    return verdicts[id(item)]
-
-
-def partial_call(
-    args: tuple[Any, ...], kwargs: dict[str, Any], state: Any
-) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
-    """(functions, arguments, keywords) a pickled partial would call: the function it
-    was made with (``args[0]``) and the one its last BUILD gives it (``state``, as
-    ``partial.__setstate__`` takes it: ``(func, args, keywords, __dict__)``), with the
-    arguments of both. Both functions are judged: the real one calls the second."""
-    funcs, call_args, keywords = args[:1], args[1:], kwargs
-    if type(state) is tuple and state:
-        funcs += state[:1]
-        if len(state) > 1 and type(state[1]) is tuple:
-            call_args += state[1]
-        if len(state) > 2 and type(state[2]) is dict:
-            keywords = {**keywords, **state[2]}
-    return funcs, call_args, keywords
-
-
-def _is_known_class(item: Any) -> bool:
-    return (
-        isinstance(item, _ReadOnlyClass)
-        and item.known
-        and f"{item.module}.{item.qualname}" not in HOLDS_CALLABLES
-    )
-
-
-def _is_unverified_object(item: Any) -> bool:
-    return isinstance(item, Opaque) and not (type(item).known or type(item).dangerous)
-
-
-def handed_callables(
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    callable_name: CallableName = _callable_name,
-    verdicts: CallVerdicts | None = None,
-) -> list[str]:
-    """The callables a pickle hands to a constructor, in its arguments or one level into
-    a list, tuple, dict or set among them (``callable_name``: a partial object, a global
-    on no allow-list). A known class's constructor may call them at once
-    (``LambdaLR(optimizer, partial(...))`` does), so they count as called.
-    ``verdicts``: those of the judgment this one is part of (a partial's arguments).
-    """
-    verdicts = {} if verdicts is None else verdicts
-    found: list[str] = []
-    for value in (*args, *kwargs.values()):
-        if type(value) in (list, tuple, set, frozenset):
-            items: Any = value
-        elif type(value) is dict:
-            items = dict.values(value)
-        else:
-            items = (value,)
-        charge(len(items))  # a shared long list handed to many calls
-        found.extend(name for item in items if (name := callable_name(item, verdicts)))
-    return found
+from .call_rules import (
+    HOLDS_CALLABLES,
+    GlobalClass,
+    Kinds,
+    judge_build,
+    judge_class_call,
+    judge_new,
+)
 
 
 class _ReadOnlyClass(type):
@@ -131,18 +34,13 @@ class _ReadOnlyClass(type):
     known: bool
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        # only a pickle calls a stand-in class (ckpttool's own code uses make()):
-        # calling a global on no allow-list is what gadgets do (FileHandler(path))
-        if not (cls.known or cls.dangerous):
-            note_call(f"{cls.module}.{cls.qualname}")
-        elif cls.known and f"{cls.module}.{cls.qualname}" not in HOLDS_CALLABLES:
-            for name in handed_callables(args, kwargs):
-                note_call(name)
-            for value in (*args, *kwargs.values()):
-                # deque(x) iterates x: an object of a class on no allow-list runs its code
-                if isinstance(value, Opaque) and not (type(value).known or type(value).dangerous):
-                    note_call(f"{cls.module}.{cls.qualname}({type(value).class_name()})")
+        # only a pickle calls a stand-in class (ckpttool's own code uses make())
+        judge_class_call(cls.as_global(), args, kwargs, FULL_READ)
         return cls.make(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def as_global(cls) -> GlobalClass:
+        """The global this stand-in class is, as the call rules see it."""
+        return GlobalClass(f"{cls.module}.{cls.qualname}", cls.known, cls.dangerous)
 
     @property
     def __setstate__(cls) -> Callable[[Any], None]:
@@ -191,9 +89,7 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
         file, and a known class's ``__setstate__`` iterates what BUILD gives it, as
         ``SGD``'s does its ``param_groups``): the callables it is handed count as called.
         """
-        if args and not (cls.known or cls.dangerous):
-            for name in handed_callables(args, kwargs):
-                note_call(name)
+        judge_new(cls.as_global(), args, kwargs, FULL_READ)
         return cls.make(*args, **kwargs)
 
     def __setstate__(self, state: Any) -> None:
@@ -206,10 +102,7 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
         partials in them count as called. A global function among its attributes does
         not: objects hold functions (a pickled module's ``self.act = F.relu``).
         """
-        cls = type(self)
-        if not (cls.known or cls.dangerous):
-            for name in handed_callables(state_values(state), {}, held_callable_name):
-                note_call(name)
+        judge_build(type(self).as_global(), state_values(state), FULL_READ)
         self.state = state
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -362,3 +255,26 @@ def opaque_class(
         cls = type(name if name.isidentifier() else "Opaque", (Opaque,), attrs)
         _OPAQUE_CLASSES[key] = cls
     return cls
+
+
+def _global_class(item: Any) -> GlobalClass | None:
+    return item.as_global() if isinstance(item, _ReadOnlyClass) else None
+
+
+def _unverified_object(item: Any) -> bool:
+    return isinstance(item, Opaque) and not (type(item).known or type(item).dangerous)
+
+
+def _object_name(item: Any) -> str:
+    return type(item).class_name()
+
+
+def _partial(item: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any] | None:
+    if not (isinstance(item, Opaque) and type(item).class_name() in HOLDS_CALLABLES):
+        return None
+    state = item.state  # keywords it was made with (NEWOBJ_EX), until a BUILD
+    return item.args, state if type(state) is dict else {}, state
+
+
+# How a full read's values answer the call rules' questions
+FULL_READ = Kinds(_global_class, _unverified_object, _object_name, _partial)

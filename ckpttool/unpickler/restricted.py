@@ -30,14 +30,17 @@ from ..tree import (
     HOLDS_CALLABLES,
     TORCH_LAYOUTS,
     TORCH_MEMORY_FORMATS,
-    CallVerdicts,
+    GlobalClass,
+    Kinds,
     NamedGlobal,
     Opaque,
     StorageType,
     TorchName,
-    handed_callables,
+    judge_build,
+    judge_class_call,
+    judge_new,
+    judge_objects_handed,
     opaque_class,
-    partial_call,
     state_values,
 )
 from .pickle_scan import CALLED, NESTED_GETATTR, Uses, scan_pickle
@@ -190,46 +193,22 @@ class _Sink:
 
 class _UnverifiedSink(_Sink):
     """An object of a class on no allow-list, in a scan: the partials its BUILD state
-    hands it are judged as called, as ``Opaque.__setstate__`` judges them."""
+    hands it are judged as called (``call_rules.judge_build``), as in a full read."""
 
     def __setstate__(self, state: Any) -> None:
-        for called in handed_callables(state_values(state), {}, _held_name):
-            note_call(called)
+        judge_build(_UNKNOWN, state_values(state), SCAN)
 
 
 class _HeldSink(_Sink):
-    """A partial, in a scan: whether calling it would be of note, judged as
-    :func:`~ckpttool.tree.held_callable_name` judges it (the functions it was made with
-    and BUILD gives it, and their arguments)."""
+    """A partial, in a scan: whether calling it would be of note is judged by
+    ``call_rules.held_callable_name`` (the functions it was made with and BUILD gives
+    it, and their arguments), as in a full read."""
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.args, self.kwargs, self.state = args, kwargs, None
 
     def __setstate__(self, state: Any) -> None:
         self.state = state  # the last BUILD is what the partial calls, as in a full read
-
-
-def _held_name(item: Any, verdicts: CallVerdicts) -> str | None:
-    """:func:`~ckpttool.tree.held_callable_name`'s test, on what a scan builds."""
-    if not isinstance(item, _HeldSink):
-        return None
-    if id(item) in verdicts:
-        return verdicts[id(item)]
-    verdicts[id(item)] = None  # (one it holds itself is judged once)
-    funcs, args, kwargs = partial_call(item.args, item.kwargs, item.state)
-    plain_call = (
-        bool(funcs)
-        and all(
-            isinstance(f, _AbsorbClass)
-            and f.known
-            and f"{f.module}.{f.qualname}" not in HOLDS_CALLABLES
-            for f in funcs
-        )
-        and not handed_callables(args, kwargs, _absorbed_callable, verdicts)
-        and not any(v is _UNVERIFIED for v in (*args, *kwargs.values()))
-    )
-    verdicts[id(item)] = None if plain_call else "functools.partial()"
-    return verdicts[id(item)]
 
 
 _ABSORB = _Sink()
@@ -239,9 +218,7 @@ _UNVERIFIED = _UnverifiedSink()  # an object of a class on no allow-list, in a s
 def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
     """NEWOBJ of a class on no allow-list, in a scan: told apart from other objects, and
     the callables it is handed judged as called (as ``Opaque.__new__`` does)."""
-    if args:
-        for called in handed_callables(args, kwargs, _absorbed_callable):
-            note_call(called)
+    judge_new(_UNKNOWN, args, kwargs, SCAN)
     return _UNVERIFIED
 
 
@@ -331,8 +308,7 @@ def _absorb_judging(full: str) -> Callable[..., Any]:
         return _Absorb
 
     def absorb(*args: Any, **kwargs: Any) -> Any:
-        if any(arg is _UNVERIFIED for arg in args):
-            note_call(f"{full}(<an object>)")
+        judge_objects_handed(full, args, kwargs, SCAN)
         if full in _CONTAINERS and any(type(arg) in _CONTAINER_TYPES for arg in args):
             # a container is built for real (charged as in a full read): a partial in a
             # set(...) that a BUILD state holds is judged there (Opaque.__setstate__)
@@ -374,26 +350,14 @@ class _AbsorbClass(type):
         return build
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        name = f"{cls.module}.{cls.qualname}"
-        if not cls.known:
-            note_call(name)
-        elif name in HOLDS_CALLABLES:
+        if cls.known and f"{cls.module}.{cls.qualname}" in HOLDS_CALLABLES:
             return _HeldSink(args, kwargs)  # told apart when handed to another constructor
-        else:
-            for called in handed_callables(args, kwargs, _absorbed_callable):
-                note_call(called)
-            if any(arg is _UNVERIFIED for arg in (*args, *kwargs.values())):
-                note_call(f"{name}(<an object>)")
+        judge_class_call(cls.as_global(), args, kwargs, SCAN)
         return _ABSORB
 
-
-def _absorbed_callable(item: Any, verdicts: CallVerdicts) -> str | None:
-    """:func:`~ckpttool.tree.handed_callables`'s test, on what a scan builds."""
-    if isinstance(item, _HeldSink):
-        return _held_name(item, verdicts)
-    if isinstance(item, _AbsorbClass) and not item.known:
-        return f"{item.module}.{item.qualname}"
-    return None
+    def as_global(cls) -> GlobalClass:
+        """The global this absorbing class stands for, as the call rules see it."""
+        return GlobalClass(f"{cls.module}.{cls.qualname}", cls.known, False)
 
 
 _NAMED_ABSORB: dict[tuple[str, str, bool], type] = {}
@@ -580,3 +544,19 @@ def split_seen(seen: set[str]) -> tuple[list[str], list[str], list[str]]:
     plain = {g for g in seen if g[:1] not in ("!", "?")}
     unverified = {g[1:] for g in seen if g.startswith("?")} - dangerous
     return sorted(plain | dangerous), sorted(dangerous), sorted(unverified)
+
+
+def _scan_global_class(item: Any) -> GlobalClass | None:
+    return item.as_global() if isinstance(item, _AbsorbClass) else None
+
+
+def _scan_partial(item: Any) -> tuple[tuple[Any, ...], dict[str, Any], Any] | None:
+    return (item.args, item.kwargs, item.state) if isinstance(item, _HeldSink) else None
+
+
+# How a globals scan's values answer the call rules' questions: one object of a class
+# on no allow-list stands for all of them, and a partial is a _HeldSink
+SCAN = Kinds(
+    _scan_global_class, lambda item: item is _UNVERIFIED, lambda item: "<an object>", _scan_partial
+)
+_UNKNOWN = GlobalClass("<a class on no allow-list>", known=False, dangerous=False)

@@ -11,15 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CkptError
-from ..guard import charge, note_call
+from ..guard import charge
 from ..tree import (
     BUILTIN_TYPES,
     DEVICE_TYPES,
+    FULL_READ,
     INT_ONLY,
     Device,
     Opaque,
     TorchName,
     TorchSize,
+    judge_objects_handed,
     opaque_class,
 )
 from .numpy_values import NumpyArrayRef, numpy_frombuffer, numpy_scalar
@@ -212,15 +214,8 @@ def _judging_objects(full: str, function: Any) -> Any:
     module, name = full.rsplit(".", 1)
 
     def stand_in(*args: Any, **kwargs: Any) -> Any:
-        unverified = [
-            type(arg).class_name()
-            for arg in (*args, *kwargs.values())
-            if isinstance(arg, Opaque) and not (type(arg).known or type(arg).dangerous)
-        ]
-        if not unverified:
+        if not judge_objects_handed(full, args, kwargs, FULL_READ):
             return function(*args, **kwargs)
-        for what in unverified:
-            note_call(f"{full}({what})")
         return opaque_class(module, name, known=True).make(*args)
 
     stand_in.__name__ = getattr(function, "__name__", name)
