@@ -232,6 +232,7 @@ def _verify(
 
     ckpt = read(paths, unsafe=unsafe)
     result["format"] = ckpt.format
+    check_sizes(ckpt)  # what the tree places, before the blocks' own metadata is read
     sizes = check_sizes(ckpt, stored_spans(ckpt, resolve=True))
     dcp_spans = _dcp_spans(list(sizes), unsafe)
     bar = progress(sum(sizes.values()), "verifying") if progress else contextlib.nullcontext()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import struct
 import zipfile
 import zlib
@@ -26,7 +27,7 @@ from .errors import CkptError
 from .formats.zip_container import check_local_header, entry_ends, raw_name
 from .formats.zip_pickle import ZipPickle
 from .sources import OpenFiles
-from .spans import read_at
+from .spans import local_fd, read_at
 from .zip_records import LOCAL_HEADER
 
 # one read of the stream: large enough for disk speed, small enough to stay in cache
@@ -139,17 +140,17 @@ class DataTask(Task):
             raise self.entry.damage("deflate stream ends early")
         if self.inflated != info.file_size:
             raise self.entry.damage(f"holds {self.inflated} bytes, declares {info.file_size}")
-        # torch.save with ``config.save.compute_crc32 = False`` records every CRC as 0:
-        # there is nothing to compare (torch.load does not check them either)
-        if info.CRC:
-            if self.crc != info.CRC:
-                raise self.entry.damage(
-                    f"CRC-32 mismatch (the zip records {info.CRC:08x}, its bytes give "
-                    f"{self.crc:08x}): damaged data"
-                )
+        if self.crc == info.CRC:
             self.entry.counts[0] += 1
-        else:
+        elif not info.CRC:
+            # torch.save with ``config.save.compute_crc32 = False`` records every CRC as
+            # 0: nothing to compare (torch.load does not check them either)
             self.entry.counts[1] += 1
+        else:
+            raise self.entry.damage(
+                f"CRC-32 mismatch (the zip records {info.CRC:08x}, its bytes give "
+                f"{self.crc:08x}): damaged data"
+            )
         return []
 
 
@@ -215,6 +216,10 @@ def stream_file(
             a read that fails (truncated while read, an I/O error).
     """
     size = sources.getsize(path)
+    fd = local_fd(path, files)
+    if fd is not None and hasattr(os, "posix_fadvise"):
+        # read front to back: the kernel reads ahead while the CRCs are computed
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     order = itertools.count()
     heap = [(task.start, next(order), task) for task in tasks]
     heapq.heapify(heap)
