@@ -40,6 +40,7 @@ _EXPORTS = {
     "CkptError": "errors",
     "InputNotFoundError": "errors",
     "OutputExistsError": "errors",
+    "SeparateCheckpointsError": "errors",
     "UnsafeError": "errors",
     "UsageError": "errors",
     "Checkpoint": "tree",

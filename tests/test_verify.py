@@ -396,3 +396,35 @@ def test_deflated_records_are_inflated_and_checked(snapshot: Path, tmp_path):
             stream_file(str(damaged), tasks, files)
     finally:
         files.close()
+
+
+def test_remote_inputs_are_verified_by_ranged_reads(snapshot: Path, tmp_path: Path):
+    """A file on an HTTP server (and a DCP folder named by its .metadata) is verified
+    as its local copy is: every byte read once, the same records checked."""
+    from servers import RangeServer
+
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copy(snapshot, served / "snap.pt")
+    shutil.copytree(fixture_path("dcp"), served / "dcp")
+    damaged = served / "damaged.pt"
+    shutil.copy(snapshot, damaged)
+    with zipfile.ZipFile(snapshot) as z:
+        name = next(n for n in z.namelist() if n.endswith("/data/1"))
+    flip(damaged, data_offset(damaged, name))
+    server = RangeServer(served)
+    try:
+        for local, url in (
+            (served / "snap.pt", server.url("snap.pt")),
+            (served / "dcp", server.url("dcp/.metadata")),
+        ):
+            here, there = ckpttool.verify(str(local)), ckpttool.verify(url)
+            assert there["ok"] is True and there["format"] == here["format"]
+            assert there["bytes_checked"] == here["bytes_checked"]
+            strip = [{k: v for k, v in f.items() if k != "file"} for f in here["files"]]
+            assert [{k: v for k, v in f.items() if k != "file"} for f in there["files"]] == strip
+        result = ckpttool.verify(server.url("damaged.pt"))
+        assert result["damage"]["file"] == server.url("damaged.pt")
+        assert result["damage"]["reason"].startswith(f"zip entry {name!r}: CRC-32 mismatch")
+    finally:
+        server.close()
