@@ -14,13 +14,15 @@ bytes, a deflated entry inflated a chunk at a time. No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 
 from . import sources
 from .errors import CkptError
@@ -218,35 +220,27 @@ def stream_file(
     size = sources.getsize(path)
     fd = local_fd(path, files)
     if fd is not None and hasattr(os, "posix_fadvise"):
-        # read front to back: the kernel reads ahead while the CRCs are computed
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger kernel read-ahead
     order = itertools.count()
     heap = [(task.start, next(order), task) for task in tasks]
     heapq.heapify(heap)
-    buffer = bytearray(min(block_bytes, max(size, 1)))
-    view = memoryview(buffer)
-    pos = 0
-    while pos < size or (heap and heap[0][0] <= pos):
-        n = min(len(buffer), size - pos)
-        read_at(path, pos, view[:n], files)
-        block_end = pos + n
-        if advance is not None and n:
-            advance(n)
-        # a task ending at block_end finishes here; an empty one at the end of the file too
-        while heap and (heap[0][0] < block_end or heap[0][0] == block_end == size):
-            task = heap[0][2]
-            lo, hi = max(task.start, pos), min(task.end, block_end)
-            if hi > lo:
-                task.feed(view[lo - pos : hi - pos])
-                task.start = hi  # fed up to here
-            if task.end > block_end:
-                break
-            heapq.heappop(heap)
-            for new in task.finish():
-                heapq.heappush(heap, (new.start, next(order), new))
-        pos = block_end
-        if not n:
-            break
+    with contextlib.closing(_blocks(path, size, files, block_bytes)) as blocks:
+        for pos, view in blocks:
+            block_end = pos + len(view)
+            if advance is not None and view:
+                advance(len(view))
+            # a task ending at block_end finishes here; an empty one at the end of the file too
+            while heap and (heap[0][0] < block_end or heap[0][0] == block_end == size):
+                task = heap[0][2]
+                lo, hi = max(task.start, pos), min(task.end, block_end)
+                if hi > lo:
+                    task.feed(view[lo - pos : hi - pos])
+                    task.start = hi  # fed up to here
+                if task.end > block_end:
+                    break
+                heapq.heappop(heap)
+                for new in task.finish():
+                    heapq.heappush(heap, (new.start, next(order), new))
     if heap:
         task = heap[0][2]
         raise CkptError(
@@ -255,3 +249,30 @@ def stream_file(
             path=path,
         )
     return size
+
+
+def _blocks(
+    path: str, size: int, files: OpenFiles, block_bytes: int
+) -> Generator[tuple[int, memoryview], None, None]:
+    """(position, bytes) of the file's blocks, front to back; the next block is read by
+    another thread while the caller checks this one (reads and zlib.crc32 both release
+    the GIL: a disk read and a CRC overlap), into the other of two buffers."""
+    count = min(block_bytes, max(size, 1))
+    views = [memoryview(bytearray(count)) for _ in range(2)]
+
+    def fill(index: int, pos: int) -> int:
+        n = min(count, size - pos)
+        read_at(path, pos, views[index][:n], files)
+        return n
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") as pool:
+        pending = pool.submit(fill, 0, 0)
+        pos, index = 0, 0
+        while True:
+            n = pending.result()
+            if pos + n < size:
+                pending = pool.submit(fill, 1 - index, pos + n)
+            yield pos, views[index][:n]
+            pos, index = pos + n, 1 - index
+            if pos >= size or not n:
+                return
