@@ -22,7 +22,6 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Callable, Generator
-from concurrent.futures import ThreadPoolExecutor
 
 from . import sources
 from .errors import CkptError
@@ -254,25 +253,18 @@ def stream_file(
 def _blocks(
     path: str, size: int, files: OpenFiles, block_bytes: int
 ) -> Generator[tuple[int, memoryview], None, None]:
-    """(position, bytes) of the file's blocks, front to back; the next block is read by
-    another thread while the caller checks this one (reads and zlib.crc32 both release
-    the GIL: a disk read and a CRC overlap), into the other of two buffers."""
-    count = min(block_bytes, max(size, 1))
-    views = [memoryview(bytearray(count)) for _ in range(2)]
+    """(position, bytes) of the file's blocks, front to back, in one reused buffer.
 
-    def fill(index: int, pos: int) -> int:
-        n = min(count, size - pos)
-        read_at(path, pos, views[index][:n], files)
-        return n
-
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpttool-read") as pool:
-        pending = pool.submit(fill, 0, 0)
-        pos, index = 0, 0
-        while True:
-            n = pending.result()
-            if pos + n < size:
-                pending = pool.submit(fill, 1 - index, pos + n)
-            yield pos, views[index][:n]
-            pos, index = pos + n, 1 - index
-            if pos >= size or not n:
-                return
+    One thread: the kernel's read-ahead (POSIX_FADV_SEQUENTIAL) overlaps the disk with
+    the CRCs. A reader thread filling a second buffer was slower (512 MiB from the page
+    cache on 2 busy cores: 0.77-0.93 s against 0.65-0.70 s).
+    """
+    view = memoryview(bytearray(min(block_bytes, max(size, 1))))
+    pos = 0
+    while True:
+        n = min(len(view), size - pos)
+        read_at(path, pos, view[:n], files)
+        yield pos, view[:n]
+        pos += n
+        if pos >= size or not n:
+            return
