@@ -34,22 +34,24 @@ def verify(
     from ..integrity import verify as verify_checkpoint
 
     progress = progress_factory(quiet or settings.quiet)
-    try:
-        checked = [(paths, verify_checkpoint(paths, unsafe=unsafe, progress=progress))]
-    except SeparateCheckpointsError as exc:  # several checkpoints: each in turn
-        checked = []
-        for path in exc.files:
-            checked.append(([path], verify_checkpoint(path, unsafe=unsafe, progress=progress)))
-            if not checked[-1][1]["ok"]:
-                break
-    for given, result in checked:
+
+    def report(given: list[str], result: dict[str, Any]) -> None:
+        """One checkpoint's verdict: stdout for a whole one (and every --json object),
+        one stderr line and exit 2 for a damaged one."""
         if json_output:
             write(dumps_json(result) + "\n")
         elif result["ok"]:
             write(summary(given, result) + "\n")
-    result = checked[-1][1]
-    if not result["ok"]:
-        fail(f"error: {result['damage']['file']}: {result['damage']['reason']}")
+        if not result["ok"]:
+            fail(f"error: {result['damage']['file']}: {result['damage']['reason']}")
+
+    try:
+        result = verify_checkpoint(paths, unsafe=unsafe, progress=progress)
+    except SeparateCheckpointsError as exc:  # several checkpoints: each in turn
+        for path in exc.files:
+            report([path], verify_checkpoint(path, unsafe=unsafe, progress=progress))
+        return
+    report(paths, result)
 
 
 def summary(given: list[str], result: dict[str, Any]) -> str:
