@@ -126,3 +126,29 @@ def test_one_bad_file_among_several_is_named(tmp_path: Path):
     runs = run_many([["inspect", a, bad, b], ["inspect", a, short]])
     check_error(completed([], runs[0]), 3, f"refused: {bad}: ", "posix.system")
     check_error(completed([], runs[1]), 2, f"error: {short}: truncated or corrupt zip archive")
+
+
+def test_a_whole_checkpoint_given_with_rank_files_is_not_a_rank(tmp_path: Path):
+    """A snapshot given after a sharded rank file was taken for rank 1 of it; it holds
+    no sharded tensors, so it is a checkpoint of its own: inspected in turn, refused by
+    convert with that reason."""
+    a, _, _ = separate(tmp_path)
+    rank0 = fixture_path("composer") / "ep0-ba4-rank0.pt"
+    runs = run_many(
+        [
+            ["inspect", rank0, a, "--json"],
+            ["convert", rank0, a, "--to", "pt", "-o", tmp_path / "out.pt"],
+        ]
+    )
+    reports = [json.loads(line) for line in runs[0]["stdout"].splitlines()]
+    assert [(r["format"], r["files"]) for r in reports] == [
+        ("per-rank", [str(rank0), str(rank0.with_name("ep0-ba4-rank1.pt"))]),
+        ("torch-zip", [str(a)]),
+    ]
+    assert check_error(completed([], runs[1]), 2) == (
+        "ckpttool: error: a.pt holds no sharded tensors: it is a whole torch-zip checkpoint, "
+        "not a rank file of the per-rank checkpoint ep0-ba4-rank0.pt (pass the rank files of "
+        "one checkpoint; `ckpttool inspect` and `ckpttool verify` take separate checkpoints, "
+        "each in turn)"
+    )
+    assert not (tmp_path / "out.pt").exists()

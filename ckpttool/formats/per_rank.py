@@ -212,6 +212,8 @@ def read(
         by_rank: dict[int, str] = {}
         for position, path in enumerate(paths):
             ckpt = first if path == first.files[0] else read_file(path)
+            if not has_local_shards(ckpt.root):  # a whole checkpoint of its own
+                raise _not_a_rank_file(first, ckpt, paths)
             rank = _content_rank(ckpt)
             rank = position if rank is None else rank
             if rank in by_rank:
@@ -239,6 +241,21 @@ def read(
         globals=sorted(globals_),
         dangerous=sorted(dangerous),
         unverified=sorted(unverified - dangerous),
+    )
+
+
+def _not_a_rank_file(first: Checkpoint, other: Checkpoint, paths: list[str]) -> CkptError:
+    """The error for a file given with the rank files of ``first`` that holds no sharded
+    tensors: a checkpoint of its own (``inspect`` reports each in turn)."""
+    from ..errors import SeparateCheckpointsError
+
+    name, first_name = sources.basename(other.files[0]), sources.basename(first.files[0])
+    return SeparateCheckpointsError(
+        f"{name} holds no sharded tensors: it is a whole {other.format} checkpoint, not a "
+        f"rank file of the per-rank checkpoint {first_name}",
+        files=paths,
+        hint="pass the rank files of one checkpoint; `ckpttool inspect` and `ckpttool "
+        "verify` take separate checkpoints, each in turn",
     )
 
 
