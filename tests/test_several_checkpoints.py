@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -152,3 +153,10 @@ def test_a_whole_checkpoint_given_with_rank_files_is_not_a_rank(tmp_path: Path):
         "each in turn)"
     )
     assert not (tmp_path / "out.pt").exists()
+    # named like the next rank of it, but of another run: asked, and not taken either
+    copy = tmp_path / "run"
+    shutil.copytree(fixture_path("composer"), copy)
+    shutil.copy(fixture_path("ddp") / "ep0-rank1.pt", copy / "ep9-rank1.pt")
+    runs = run_many([["inspect", copy / "ep0-ba4-rank0.pt", copy / "ep9-rank1.pt", "--json"]])
+    reports = [json.loads(line) for line in runs[0]["stdout"].splitlines()]
+    assert [(r["format"], len(r["files"])) for r in reports] == [("per-rank", 2), ("torch-zip", 1)]

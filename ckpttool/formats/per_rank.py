@@ -208,7 +208,10 @@ def read(
     """
     loaded: dict[int, Checkpoint] = {}
     named = [rank for rank in map(_name_rank, paths) if rank is not None]
-    if len(named) != len(paths) or len(set(named)) != len(named):  # ask the content
+    # files named as the ranks of different checkpoints (ep0-rank0.pt, ep1-rank1.pt)
+    # are asked too: each must hold sharded tensors
+    stems = {(m.group(1), m.group(3)) for p in paths if (m := RANK_RE.match(sources.basename(p)))}
+    if len(named) != len(paths) or len(set(named)) != len(named) or len(stems) > 1:
         by_rank: dict[int, str] = {}
         for position, path in enumerate(paths):
             ckpt = first if path == first.files[0] else read_file(path)
