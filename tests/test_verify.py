@@ -428,3 +428,24 @@ def test_remote_inputs_are_verified_by_ranged_reads(snapshot: Path, tmp_path: Pa
         assert result["damage"]["reason"].startswith(f"zip entry {name!r}: CRC-32 mismatch")
     finally:
         server.close()
+
+
+def test_progress_is_told_every_byte_read(snapshot: Path, tmp_path: Path):
+    """The progress bar's total is the checkpoint's size, and every byte read is told."""
+    import contextlib
+
+    folder = tmp_path / "dcp"
+    write_dcp(folder, {"model": small_state_dict(), "step": 4})
+    for path in (snapshot, folder):
+        told: list[tuple[int, str]] = []
+        done: list[int] = []
+
+        @contextlib.contextmanager
+        def progress(total: int, description: str, told=told, done=done):
+            told.append((total, description))
+            yield done.append
+
+        result = ckpttool.verify(str(path), progress=progress)
+        total = sum(f["bytes"] for f in result["files"])
+        assert told == [(total, "verifying")]
+        assert sum(done) == result["bytes_checked"] == total
