@@ -6,6 +6,7 @@
 >>> with ckpttool.open("ckpt/") as f:                        # lazy, like safe_open
 ...     rows = f.get_slice("embed.weight")[:128]
 >>> ckpttool.load_into(model, "ckpt/")                       # in place, keys reported
+>>> ckpttool.verify("ckpt/")["ok"]                           # every byte read, CRCs checked
 
 Importing this package imports nothing heavy (no torch, no readers) until a name
 is used, so ``ckpttool --help`` stays fast.
@@ -31,6 +32,7 @@ _EXPORTS = {
     "select_node": "api",
     "flatten_tensors": "api",
     "materialize": "api",
+    "verify": "integrity",
     "WRAPPER_PREFIXES": "tree",
     "MODEL_KEYS": "tree",
     "detect_prefix": "tree",
@@ -38,6 +40,7 @@ _EXPORTS = {
     "CkptError": "errors",
     "InputNotFoundError": "errors",
     "OutputExistsError": "errors",
+    "SeparateCheckpointsError": "errors",
     "UnsafeError": "errors",
     "UsageError": "errors",
     "Checkpoint": "tree",

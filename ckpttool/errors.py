@@ -64,6 +64,19 @@ class OutputExistsError(CkptError):
     """The output exists and --force was not given (exit 2)."""
 
 
+class SeparateCheckpointsError(CkptError):
+    """Several inputs that are checkpoints of their own, not the rank files of one (exit 2).
+
+    Attributes:
+        files: The inputs (globs expanded), each a checkpoint by itself: ``inspect``
+            reports each in turn, the commands that read one checkpoint refuse them.
+    """
+
+    def __init__(self, message: str, *, files: list[str], hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.files = list(files)
+
+
 class UnsafeError(CkptError):
     """A pickle references dangerous callables; nothing was executed (exit 3).
 

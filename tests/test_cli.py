@@ -11,7 +11,7 @@ from helpers import ROOT, check_error, run_cli, small_state_dict
 
 import ckpttool
 
-COMMANDS = ("inspect", "convert", "merge", "diff")
+COMMANDS = ("inspect", "convert", "merge", "diff", "verify")
 
 
 def test_help_lists_every_command():
@@ -279,6 +279,7 @@ def test_help_shows_choices_examples_and_whole_summaries():
         ("diff", "Compare two checkpoints tensor by tensor."),
         ("inspect", "What a checkpoint holds, without reading tensor data."),
         ("merge", "Merge per-rank shards or DCP into one torch.save file."),
+        ("verify", "Check that a checkpoint is whole: every byte read once."),
     ]:
         assert [command, summary] in [line.split(None, 1) for line in top.splitlines()]
     assert "--install-completion" in top and "Examples:" in top

@@ -271,7 +271,7 @@ def test_check_output_refuses_input_as_output(tmp_path: Path):
         with pytest.raises(CkptError, match="overwrite the input"):
             check_output(str(out), [str(src)], force=True)
     existing = tmp_path / "in.pt.bak"
-    existing.write_bytes(b"")
+    torch.save({"w": torch.ones(2)}, existing)  # --force replaces a checkpoint only
     with pytest.raises(OutputExistsError, match="--force"):
         check_output(str(existing), [str(src)], force=False)
     check_output(str(existing), [str(src)], force=True)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from .entry import app, fail, settings
-from .options import Force, Paths, Quiet, Unsafe, examples
+from .options import Force, Paths, Quiet, Select, StripPrefix, Unsafe, examples
 from .render import human_bytes, progress_factory, stderr_console
 
 # What an output's file name says it is: refused when --to says otherwise.
@@ -70,22 +70,8 @@ def convert(
             show_default=False,
         ),
     ] = None,
-    select: Annotated[
-        str,
-        typer.Option(
-            "--select",
-            metavar="auto|all|KEY.PATH",
-            help="auto (the model state dict), all, or a KEY.PATH.",
-        ),
-    ] = "auto",
-    strip_prefix: Annotated[
-        str,
-        typer.Option(
-            "--strip-prefix",
-            metavar="auto|none|PREFIX",
-            help="auto, none, or a PREFIX to remove from names.",
-        ),
-    ] = "auto",
+    select: Select = "auto",
+    strip_prefix: StripPrefix = "auto",
     dtype: Annotated[
         str | None,
         typer.Option(

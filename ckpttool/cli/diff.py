@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from .entry import EXIT_DIFFERENT, app, settings
-from .options import Json, Quiet, Unsafe, examples
+from .options import Json, Quiet, Select, StripPrefix, Unsafe, examples
 from .render import Painter, byte_progress, dumps_json
 from .text import columns, plural, printable, short_dtype, write
 
@@ -22,6 +22,7 @@ PROGRESS_BYTES = 256 << 20
         "ckpttool diff ep3-rank0.pt ep3.safetensors    # bitwise",
         "ckpttool diff model.pt model-bf16.safetensors --atol 1e-2",
         "ckpttool diff a/ b/ --json | jq .counts",
+        "ckpttool diff ep3-rank0.pt resumed-rank0.pt --select all    # optimizer state too",
     )
     + "\n\nTensors of different dtypes are compared by value, both cast to the wider one: "
     "with --atol/--rtol, a bf16 export within tolerance is equal. "
@@ -43,6 +44,8 @@ def diff(
             "--limit", metavar="N", help="At most N lines per kind, largest first; 0: all."
         ),
     ] = DEFAULT_LIMIT,
+    select: Select = "auto",
+    strip_prefix: StripPrefix = "auto",
     json_output: Json = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
@@ -58,7 +61,16 @@ def diff(
     def progress(total: int, description: str) -> Any:
         return byte_progress(total, description, not quiet and total > PROGRESS_BYTES)
 
-    result = diff_checkpoints(a, b, atol=atol, rtol=rtol, unsafe=unsafe, progress=progress)
+    result = diff_checkpoints(
+        a,
+        b,
+        atol=atol,
+        rtol=rtol,
+        select=select,
+        strip_prefix=strip_prefix,
+        unsafe=unsafe,
+        progress=progress,
+    )
     if json_output:
         write(dumps_json(result) + "\n")
     else:

@@ -23,7 +23,8 @@ app = typer.Typer(
     epilog="Examples:\n\n\b\n"
     "  ckpttool inspect model.safetensors\n"
     "  ckpttool convert ep3-rank0.pt --to safetensors\n"
-    "  ckpttool diff model.pt model-bf16.safetensors --atol 1e-2\n\n"
+    "  ckpttool diff model.pt model-bf16.safetensors --atol 1e-2\n"
+    "  ckpttool verify ckpt-dcp/    # every byte read once, CRC-32s checked\n\n"
     "Exit codes: 0 ok, 1 diff found differences, 2 bad input, 3 refused as unsafe. "
     "--debug, --quiet, --no-color and --allow NAME may also follow the command.",
     # plain help: rich markup would import markdown-it on every --help (+0.1 s)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -11,6 +11,9 @@ from .entry import app, settings
 from .options import Json, Paths, Unsafe, examples
 from .render import byte_progress, dumps_json
 from .text import printable, write
+
+if TYPE_CHECKING:
+    from ..tree import Checkpoint
 
 STATS_PROGRESS_BYTES = 256 << 20
 DEFAULT_LIMIT = 40
@@ -65,31 +68,47 @@ def inspect(
     ] = False,
     unsafe: Unsafe = False,
 ) -> None:
-    """Show format, model, size, values and security first, then tensors and structure."""
+    """Show format, model, size, values and security first, then tensors and structure.
+
+    Several separate checkpoints (not the rank files of one) are reported each in turn:
+    one section each, or with --json one object per line."""
     from .. import sources
-    from ..api import read
     from ..errors import UnsafeError, UsageError
     from ..inspection import inspect_report, refused_report
+    from ..integrity import check_sizes
     from ..tree import iter_tensors
 
     if limit < 0:
         raise UsageError("--limit must be >= 0 (0: no limit)")
     before = sources.transferred()  # what this command reads, local or remote
     try:
-        ckpt = read(paths, unsafe=unsafe)
+        checkpoints = read_each(paths, unsafe)
     except UnsafeError as exc:
         if json_output:  # the verdict for scripts too: which globals, and why
             write(dumps_json(refused_report(exc, paths, since=before)) + "\n")
         raise
-    total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
-    enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
-    with byte_progress(total, "reading tensors", enabled) as advance:
-        report = inspect_report(ckpt, filter=filter, stats=stats, progress=advance, since=before)
+    if names and len(checkpoints) > 1:
+        raise UsageError(
+            f"--names lists the tensors of one checkpoint; these are {len(checkpoints)} "
+            "separate ones",
+            hint="pass one of them, or use --json (one object per line, each with its files)",
+        )
+    sections = []
+    for _, ckpt in checkpoints:
+        check_sizes(ckpt)  # every file there, and as long as its metadata says
+        total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
+        enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
+        with byte_progress(total, "reading tensors", enabled) as advance:
+            report = inspect_report(
+                ckpt, filter=filter, stats=stats, progress=advance, since=before
+            )
+        sections.append(report)
     if json_output:
-        write(dumps_json(report) + "\n")
+        write("".join(dumps_json(report) + "\n" for report in sections))
         return
     if names:
-        write("".join(printable(".".join(map(str, t["key"]))) + "\n" for t in report["tensors"]))
+        tensors = sections[0]["tensors"]
+        write("".join(printable(".".join(map(str, t["key"]))) + "\n" for t in tensors))
         return
     from .inspect_text import Options, inspect_lines
     from .render import Painter
@@ -100,4 +119,23 @@ def inspect(
         sort=sort.value if sort else None,
         filter=filter,
     )
-    write("\n".join(inspect_lines(ckpt, report, options, Painter.for_stdout())) + "\n")
+    paint = Painter.for_stdout()
+    lines: list[str] = []
+    for index, ((given, ckpt), report) in enumerate(zip(checkpoints, sections, strict=True)):
+        if len(checkpoints) > 1:
+            head = f"== {printable(given)} ({index + 1} of {len(checkpoints)}) =="
+            lines += [""] * bool(index) + [paint(head, "bold")]
+        lines += inspect_lines(ckpt, report, options, paint)
+    write("\n".join(lines) + "\n")
+
+
+def read_each(paths: list[str], unsafe: bool) -> list[tuple[str, Checkpoint]]:
+    """The checkpoint the paths name, or each of several separate ones (not the rank
+    files of one), with the path it was read from."""
+    from ..api import read
+    from ..errors import SeparateCheckpointsError
+
+    try:
+        return [(" ".join(paths), read(paths, unsafe=unsafe))]
+    except SeparateCheckpointsError as exc:
+        return [(path, read(path, unsafe=unsafe)) for path in exc.files]

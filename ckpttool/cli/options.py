@@ -24,6 +24,23 @@ Unsafe = Annotated[
 ]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite an existing output.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
+# The model selection, as convert and diff take it (the core checks the values).
+Select = Annotated[
+    str,
+    typer.Option(
+        "--select",
+        metavar="auto|all|KEY.PATH",
+        help="auto (the model state dict), all (every tensor: optimizer state too), or a KEY.PATH.",
+    ),
+]
+StripPrefix = Annotated[
+    str,
+    typer.Option(
+        "--strip-prefix",
+        metavar="auto|none|PREFIX",
+        help="auto, none, or a PREFIX to remove from names.",
+    ),
+]
 Quiet = Annotated[
     bool, typer.Option("--quiet", "-q", help="No progress bar (also before the command).")
 ]

@@ -21,7 +21,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from .. import sources
-from ..errors import CkptError, InputNotFoundError, UnsafeError, translate_errors
+from ..errors import (
+    CkptError,
+    InputNotFoundError,
+    SeparateCheckpointsError,
+    UnsafeError,
+    translate_errors,
+)
 from ..tree import Checkpoint
 from ..unpickler import keep_allowed
 from ..zip_records import ZIP_MAGIC
@@ -205,15 +211,33 @@ def _read_checkpoint(
                     raise
     if len(files) == 1:
         return first
-    if first.format in per_rank.PART_FORMATS:
-        raise CkptError(
-            "these files hold no sharded tensors (each is a full copy)",
-            path=first.files[0],
-            hint="pass just one of them",
-        )
-    raise CkptError(
-        f"several inputs must be per-rank torch.save files, this is {first.format}",
-        path=first.files[0],
+    raise separate_checkpoints(first, files)
+
+
+def separate_checkpoints(first: Checkpoint, files: list[str]) -> SeparateCheckpointsError:
+    """The error for several inputs of which the first, ``first``, is a whole checkpoint
+    (no sharded tensors to combine with the others'), saying what they are."""
+    shown = ", ".join(sources.basename(f) or f for f in files[:4])
+    if len(files) > 4:
+        shown += f" and {len(files) - 4} more"
+    ranks = [per_rank.RANK_RE.match(sources.basename(f)) for f in files]
+    if first.format in per_rank.PART_FORMATS and all(ranks):
+        stems = {(m.group(1), m.group(3)) for m in ranks if m}
+        if len(stems) == 1:  # ep0-rank0.pt, ep0-rank1.pt: what DDP saves, one file per rank
+            return SeparateCheckpointsError(
+                f"{shown}: rank files without sharded tensors: each rank saved a full copy "
+                "of the checkpoint (DDP), not a shard of it",
+                files=files,
+                hint="pass just one of them",
+            )
+    name = sources.basename(first.files[0]) if first.files else files[0]
+    return SeparateCheckpointsError(
+        f"{len(files)} separate checkpoints given ({shown}): {name} is a whole "
+        f"{first.format} checkpoint, not one rank's part of a sharded one, so they are "
+        "not read as one",
+        files=files,
+        hint="pass one of them; `ckpttool inspect` and `ckpttool verify` take several, "
+        "each in turn",
     )
 
 

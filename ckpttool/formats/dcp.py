@@ -178,19 +178,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             path=path,
         )
     seen: set[str] = set()
-    from ..unpickler import load_pickle
-
-    with open_input(meta_path) as f:
-        metadata = load_pickle(f, path=meta_path, permissive=permissive, seen=seen)
-    meta = _attrs(metadata)
-    entries = meta.get("state_dict_metadata")
-    if not isinstance(entries, dict):
-        raise CkptError("corrupt DCP .metadata (no state_dict_metadata)", path=meta_path)
-    spans: dict[tuple, dict] = {}
-    for index, info in (meta.get("storage_data") or {}).items():
-        key = _attrs(index)
-        offset = key.get("offset")
-        spans[(key.get("fqn"), tuple(offset) if offset is not None else None)] = _attrs(info)
+    meta, entries, spans = _read_metadata(meta_path, permissive, seen)
     shared = shared_spans(spans, meta_path)
     planner_data = meta.get("planner_data")
     planner = planner_data if isinstance(planner_data, dict) else {}
@@ -226,6 +214,47 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     ckpt = checkpoint(FORMAT, [meta_path, *files], root, seen)
     ckpt.world_size = world_size
     return ckpt
+
+
+def _read_metadata(
+    meta_path: str, permissive: bool, seen: set[str]
+) -> tuple[dict, dict, dict[tuple, dict]]:
+    """(``.metadata``'s attributes, its state_dict_metadata, its storage entries by
+    (fqn, offsets)), read with the restricted unpickler."""
+    from ..unpickler import load_pickle
+
+    with open_input(meta_path) as f:
+        metadata = load_pickle(f, path=meta_path, permissive=permissive, seen=seen)
+    meta = _attrs(metadata)
+    entries = meta.get("state_dict_metadata")
+    if not isinstance(entries, dict):
+        raise CkptError("corrupt DCP .metadata (no state_dict_metadata)", path=meta_path)
+    spans: dict[tuple, dict] = {}
+    for index, info in (meta.get("storage_data") or {}).items():
+        key = _attrs(index)
+        offset = key.get("offset")
+        spans[(key.get("fqn"), tuple(offset) if offset is not None else None)] = _attrs(info)
+    return meta, entries, spans
+
+
+def data_spans(folder: str, *, permissive: bool = False) -> dict[str, list[tuple[int, int]]]:
+    """Every data file's spans as ``.metadata`` names them: ``{file: [(offset, length)]}``,
+    each span once, in file order (tensor chunks and pickled values alike: ``verify``
+    checks each span's archive). Reads ``.metadata`` again (a checkpoint read before
+    judged it; ``permissive`` as then).
+
+    Raises:
+        CkptError: No ``.metadata``, or a storage entry that is not a span of a file in
+            the folder.
+    """
+    meta_path = sources.join(folder, METADATA_FILE)
+    _, _, spans = _read_metadata(meta_path, permissive, set())
+    shared_spans(spans, meta_path)  # (every span a pair of sizes)
+    by_file: dict[str, set[tuple[int, int]]] = {}
+    for info in spans.values():
+        file = _data_file(folder, info, meta_path)
+        by_file.setdefault(file, set()).add((int(info["offset"]), int(info["length"])))
+    return {file: sorted(found) for file, found in by_file.items()}
 
 
 def shared_spans(spans: dict[tuple, dict], meta_path: str) -> set[tuple[str, int]]:

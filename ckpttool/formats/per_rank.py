@@ -215,10 +215,15 @@ def read(
     """
     loaded: dict[int, Checkpoint] = {}
     named = [rank for rank in map(_name_rank, paths) if rank is not None]
-    if len(named) != len(paths) or len(set(named)) != len(named):  # ask the content
+    # files named as the ranks of different checkpoints (ep0-rank0.pt, ep1-rank1.pt)
+    # are asked too: each must hold sharded tensors
+    stems = {(m.group(1), m.group(3)) for p in paths if (m := RANK_RE.match(sources.basename(p)))}
+    if len(named) != len(paths) or len(set(named)) != len(named) or len(stems) > 1:
         by_rank: dict[int, str] = {}
         for position, path in enumerate(paths):
             ckpt = first if path == first.files[0] else read_file(path)
+            if not has_local_shards(ckpt.root):  # a whole checkpoint of its own
+                raise _not_a_rank_file(first, ckpt, paths)
             rank = _content_rank(ckpt)
             rank = position if rank is None else rank
             if rank in by_rank:
@@ -246,6 +251,21 @@ def read(
         globals=sorted(globals_),
         dangerous=sorted(dangerous),
         unverified=sorted(unverified - dangerous),
+    )
+
+
+def _not_a_rank_file(first: Checkpoint, other: Checkpoint, paths: list[str]) -> CkptError:
+    """The error for a file given with the rank files of ``first`` that holds no sharded
+    tensors: a checkpoint of its own (``inspect`` reports each in turn)."""
+    from ..errors import SeparateCheckpointsError
+
+    name, first_name = sources.basename(other.files[0]), sources.basename(first.files[0])
+    return SeparateCheckpointsError(
+        f"{name} holds no sharded tensors: it is a whole {other.format} checkpoint, not a "
+        f"rank file of the per-rank checkpoint {first_name}",
+        files=paths,
+        hint="pass the rank files of one checkpoint; `ckpttool inspect` and `ckpttool "
+        "verify` take separate checkpoints, each in turn",
     )
 
 

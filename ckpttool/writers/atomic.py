@@ -93,8 +93,8 @@ def check_output(
             _check_replace_file(parent, force)
         elif os.path.isdir(out):
             _check_replace_folder(out, force)
-        elif os.path.lexists(out) and not force:
-            raise OutputExistsError("output exists", path=out, hint="pass --force to overwrite it")
+        elif os.path.lexists(out):
+            _check_replace_output_file(out, force)
     elif os.path.isdir(out):
         _owned_entries(out, layout, force)
     elif os.path.lexists(out):
@@ -139,6 +139,20 @@ def _check_replace_file(path: str, force: bool) -> None:
         raise CkptError(
             "a file that is not a checkpoint is where the output needs a folder; "
             "--force replaces only what ckpttool writes",
+            path=path,
+            hint="move it away or choose another -o",
+        )
+
+
+def _check_replace_output_file(path: str, force: bool) -> None:
+    """A file where the output goes: replaced with ``force`` if it is a checkpoint
+    ckpttool could have written (a notes.txt named by -o never is)."""
+    if not force:
+        raise OutputExistsError("output exists", path=path, hint="pass --force to overwrite it")
+    if not is_checkpoint_file(path):
+        raise CkptError(
+            "output exists and is not a checkpoint; --force replaces only what ckpttool "
+            "writes (safetensors, torch.save files)",
             path=path,
             hint="move it away or choose another -o",
         )
@@ -354,8 +368,8 @@ def _check_replaceable(out: str, force: bool, *, want_folder: bool) -> None:
         _check_replace_file(out, force)
     elif os.path.isdir(out):
         _check_replace_folder(out, force)
-    elif not force:
-        raise OutputExistsError("output exists", path=out, hint="pass --force to overwrite it")
+    else:
+        _check_replace_output_file(out, force)
 
 
 @contextlib.contextmanager
