@@ -64,6 +64,19 @@ class OutputExistsError(CkptError):
     """The output exists and --force was not given (exit 2)."""
 
 
+class SeveralCheckpointsError(CkptError):
+    """A folder holds several checkpoints and no rule says which one is meant (exit 2).
+
+    Args:
+        candidates: Their names as shown (``ep3/``, ``ep0-rank*.pt``), newest last.
+    """
+
+    def __init__(self, message: str, *, path: object = None, hint: str | None = None,
+                 candidates: list[str] | None = None):
+        super().__init__(message, path=path, hint=hint)
+        self.candidates = list(candidates or [])
+
+
 class UnsafeError(CkptError):
     """A pickle references dangerous callables; nothing was executed (exit 3).
 

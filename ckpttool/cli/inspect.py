@@ -68,14 +68,20 @@ def inspect(
     """Show format, model, size, values and security first, then tensors and structure."""
     from .. import sources
     from ..api import read
-    from ..errors import UsageError
+    from ..errors import SeveralCheckpointsError, UsageError
     from ..report import inspect_report
     from ..tree import iter_tensors
 
     if limit < 0:
         raise UsageError("--limit must be >= 0 (0: no limit)")
     before = sources.transferred()  # what this command reads, local or remote
-    ckpt = read(paths, unsafe=unsafe)
+    try:
+        ckpt = read(paths, unsafe=unsafe)
+    except SeveralCheckpointsError as exc:
+        if len(paths) != 1 or exc.path is None:
+            raise
+        _list_folder(exc.path, json_output)
+        return
     total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
     enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
     with byte_progress(total, "reading tensors", enabled) as advance:
@@ -96,3 +102,17 @@ def inspect(
         filter=filter,
     )
     write("\n".join(inspect_lines(ckpt, report, options, Painter.for_stdout())) + "\n")
+
+
+def _list_folder(folder: str, json_output: bool) -> None:
+    """A folder of several checkpoints: one row each (``--json``: a list of objects)."""
+    from ..errors import translate_errors
+    from ..formats import folder_checkpoints
+
+    rows = translate_errors(folder_checkpoints)(folder)
+    if json_output:
+        write(dumps_json(rows) + "\n")
+        return
+    from .folder_listing import listing_lines
+
+    write("\n".join(listing_lines(folder, rows)) + "\n")

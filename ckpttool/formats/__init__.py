@@ -24,7 +24,7 @@ from .. import sources
 from ..errors import CkptError, InputNotFoundError, UnsafeError, translate_errors
 from ..tree import Checkpoint
 from ..zip_records import ZIP_MAGIC
-from . import safetensors_file, sharded_index
+from . import catalog, safetensors_file, sharded_index
 from .prescan import Prescan
 
 
@@ -320,16 +320,17 @@ def _single_checkpoint_file(folder: str) -> str | None:
     """
     entries = sources.listdir(folder)
     names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
-    if not names:  # (a pytorch_model.bin that zero_to_fp32.py wrote beside it comes first)
-        return (
+    hf_weights = _hf_weights_file(names)
+    if hf_weights is not None:  # a Hugging Face folder: its weights, as from_pretrained takes
+        return sources.join(folder, hf_weights)
+    if not names:  # (a pytorch_model.bin that zero_to_fp32.py wrote beside it came first)
+        pointed = (
             deepspeed_latest_tag(folder)
             or megatron_latest_iteration(folder)
             or _megatron_rank_file(folder, entries)
         )
-    safetensors_names = [n for n in names if n.endswith(".safetensors")]
-    for candidates in (names, safetensors_names):
-        if len(candidates) == 1:
-            return sources.join(folder, candidates[0])
+        if pointed is not None:
+            return pointed
     model_states = [m for n in names if (m := DEEPSPEED_MODEL_STATES.match(n))]
     if model_states:
         if len({m.group(1) for m in model_states}) > 1:
@@ -340,44 +341,46 @@ def _single_checkpoint_file(folder: str) -> str | None:
                 hint="pass one mp_rank_XX_model_states.pt to read it alone",
             )
         return sources.join(folder, model_states[0].string)  # the lowest data-parallel rank
-    for name in HF_WEIGHT_FILES:  # a Trainer's output: weights beside training_args.bin...
-        if name in names:
-            return sources.join(folder, name)
     models = [n for n in names if n != TORCHTUNE_ADAPTER_FILE]
     if len(names) == 2 and len(models) == 1 and TORCHTUNE_MODEL_FILE.match(models[0]):
         return sources.join(folder, models[0])  # torchtune's LoRA epoch_N/: the merged model
-    ranks = [m for n in names if (m := per_rank.RANK_RE.match(n))]
-    if not names or len(ranks) != len(names):
+    # Otherwise the folder is one checkpoint only if it holds exactly one: one file, or
+    # the rank files of one checkpoint (its lowest rank's file: the caller finds the
+    # siblings). Several, or one in a sub-folder, are named, never picked (catalog).
+    candidates = catalog.find_candidates(folder, names, per_rank.RANK_RE)
+    if not candidates:
         return None
-    ranks = _without_links_to_siblings(folder, ranks)
-    checkpoints = sorted({f"{m.group(1)}*{m.group(3)}" for m in ranks})
-    if len(checkpoints) > 1:
-        raise CkptError(
-            f"folder holds the rank files of several checkpoints ({', '.join(checkpoints)})",
-            path=folder,
-            hint="pass one of them as a quoted glob",
-        )
-    lowest = min(ranks, key=lambda m: int(m.group(2)))
-    return sources.join(folder, lowest.string)
+    if len(candidates) > 1 or (
+        candidates[0].kind == "folder" and not catalog.linked_from(folder, names, candidates[0])
+    ):
+        raise catalog.several_checkpoints(folder, candidates)
+    return candidates[0].paths[0]
 
 
-def _without_links_to_siblings(folder: str, ranks: list[re.Match[str]]) -> list[re.Match[str]]:
-    """Rank files less the local symlinks to other files among them.
+def _hf_weights_file(names: list[str]) -> str | None:
+    """The weights of a Hugging Face folder: one of :data:`HF_WEIGHT_FILES` (the first, as
+    ``from_pretrained`` takes them), where every other checkpoint file beside it is
+    another of them or a Trainer's companion (``training_args.bin``, ``optimizer.pt``,
+    ``scheduler.pt``, ``rng_state.pth``). Beside an unrelated checkpoint file it is none."""
+    weights = [n for n in HF_WEIGHT_FILES if n in names]
+    if not weights:
+        return None
+    others = [n for n in names if n not in HF_WEIGHT_FILES and not catalog.is_hf_companion(n)]
+    return None if others else weights[0]
 
-    Composer's save folder holds ``latest-rank{R}.pt``, a symlink to the newest
-    ``ep{E}-ba{B}-rank{R}.pt`` beside it: one checkpoint under two names, not two
-    checkpoints. Remote folders have no symlinks (their identity is their path).
+
+def folder_checkpoints(folder: str) -> list[dict]:
+    """The checkpoints a folder holds, one row each in natural order (``ckpttool inspect``
+    of a folder of several): see :func:`.catalog.list_checkpoints`.
+
+    Raises:
+        CkptError: The folder cannot be listed.
     """
-    local = sources.local_path(folder)
-    if local is None or len(ranks) < 2:
-        return ranks
-    paths = {m.string: os.path.join(local, m.string) for m in ranks}
-    files = {os.path.realpath(p) for p in paths.values() if not os.path.islink(p)}
-    return [
-        m
-        for m in ranks
-        if not (os.path.islink(paths[m.string]) and os.path.realpath(paths[m.string]) in files)
-    ]
+    entries = sources.listdir(folder)
+    names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
+    return catalog.list_checkpoints(
+        folder, catalog.find_candidates(folder, names, per_rank.RANK_RE)
+    )
 
 
 def deepspeed_latest_tag(folder: str) -> str | None:
