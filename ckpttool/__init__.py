@@ -38,6 +38,7 @@ _EXPORTS = {
     "CkptError": "errors",
     "InputNotFoundError": "errors",
     "OutputExistsError": "errors",
+    "SeveralCheckpointsError": "errors",
     "UnsafeError": "errors",
     "UsageError": "errors",
     "Checkpoint": "tree",

@@ -71,8 +71,14 @@ class SeveralCheckpointsError(CkptError):
         candidates: Their names as shown (``ep3/``, ``ep0-rank*.pt``), newest last.
     """
 
-    def __init__(self, message: str, *, path: object = None, hint: str | None = None,
-                 candidates: list[str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: object = None,
+        hint: str | None = None,
+        candidates: list[str] | None = None,
+    ):
         super().__init__(message, path=path, hint=hint)
         self.candidates = list(candidates or [])
 

@@ -13,9 +13,9 @@ MAX_NAME_CELL = 36
 
 def listing_lines(folder: str, rows: list[dict[str, Any]]) -> list[str]:
     """The human view of :func:`ckpttool.formats.folder_checkpoints`'s rows."""
-    head = [
-        f"{printable(folder)}: a folder of {plural(len(rows), 'checkpoint')} "
-        "(the other commands take one of them)",
+    head = [  # the path whole on its own line, however long
+        printable(folder),
+        f"a folder of {plural(len(rows), 'checkpoint')} (the other commands take one of them)",
         "",
     ]
     table: list[list[str]] = [["name", "format", "world", "size", "epoch", "step", "complete"]]

@@ -299,10 +299,11 @@ def _read_one(path: str, unsafe: bool, *, run_folders_ok: bool = True) -> Checkp
 def _single_checkpoint_file(folder: str) -> str | None:
     """The file that stands for a folder's one checkpoint, if it holds exactly one.
 
-    That is its only checkpoint file; or, in a Hugging Face model folder holding the
-    same weights twice (``model.safetensors`` and ``pytorch_model.bin``), the
-    safetensors file, as ``from_pretrained`` takes; or the weights file of a Trainer's
-    output beside ``training_args.bin`` & co. (a ``checkpoint-N/`` with its
+    That is its only checkpoint file (no checkpoint sub-folder beside it); or, in a
+    Hugging Face model folder holding the same weights twice (``model.safetensors`` and
+    ``pytorch_model.bin``), the safetensors file, as ``from_pretrained`` takes; or the
+    weights file of a Trainer's output beside ``training_args.bin`` & co., and no other
+    checkpoint file (a ``checkpoint-N/`` with its
     ``trainer_state.json`` is a run folder: :mod:`.run_folders`); or torchtune's merged
     model ``model-00001-of-00001.bin`` beside its LoRA adapter ``adapter_model.pt``
     (``epoch_N/``); or the lowest rank's file when every file is one rank of the same
@@ -315,8 +316,10 @@ def _single_checkpoint_file(folder: str) -> str | None:
     ``mp_rank_00/model_optim_rng.pt``.
 
     Raises:
-        CkptError: The rank files of several checkpoints (a trainer's snapshot folder),
-            or DeepSpeed or Megatron model states split over model-parallel ranks.
+        SeveralCheckpointsError: Several checkpoints (the rank files of several steps,
+            sub-folders ``ep3/``, unrelated files), or one in a sub-folder: named, newest
+            last, never picked (:mod:`.catalog`; ``ckpttool inspect`` lists them).
+        CkptError: DeepSpeed or Megatron model states split over model-parallel ranks.
     """
     entries = sources.listdir(folder)
     names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
@@ -347,7 +350,7 @@ def _single_checkpoint_file(folder: str) -> str | None:
     # Otherwise the folder is one checkpoint only if it holds exactly one: one file, or
     # the rank files of one checkpoint (its lowest rank's file: the caller finds the
     # siblings). Several, or one in a sub-folder, are named, never picked (catalog).
-    candidates = catalog.find_candidates(folder, names, per_rank.RANK_RE)
+    candidates = catalog.find_candidates(folder, _hf_one_candidate(names), per_rank.RANK_RE)
     if not candidates:
         return None
     if len(candidates) > 1 or (
@@ -369,6 +372,16 @@ def _hf_weights_file(names: list[str]) -> str | None:
     return None if others else weights[0]
 
 
+def _hf_one_candidate(names: list[str]) -> list[str]:
+    """``names`` with a Hugging Face folder's weights as one candidate: the file
+    ``from_pretrained`` takes, its other serializations and Trainer companions left out."""
+    weights = [n for n in HF_WEIGHT_FILES if n in names]
+    if not weights:
+        return names
+    others = [n for n in names if n not in HF_WEIGHT_FILES and not catalog.is_hf_companion(n)]
+    return sorted([weights[0], *others])
+
+
 def folder_checkpoints(folder: str) -> list[dict]:
     """The checkpoints a folder holds, one row each in natural order (``ckpttool inspect``
     of a folder of several): see :func:`.catalog.list_checkpoints`.
@@ -379,7 +392,7 @@ def folder_checkpoints(folder: str) -> list[dict]:
     entries = sources.listdir(folder)
     names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
     return catalog.list_checkpoints(
-        folder, catalog.find_candidates(folder, names, per_rank.RANK_RE)
+        folder, catalog.find_candidates(folder, _hf_one_candidate(names), per_rank.RANK_RE)
     )
 
 

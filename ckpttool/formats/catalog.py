@@ -135,7 +135,10 @@ def _one_per_target(candidates: list[Candidate]) -> list[Candidate]:
     out = []
     for c in candidates:
         locals_ = [sources.local_path(p) for p in c.paths]
-        key = tuple(os.path.realpath(p) if p is not None else q for p, q in zip(locals_, c.paths))
+        key = tuple(
+            os.path.realpath(p) if p is not None else q
+            for p, q in zip(locals_, c.paths, strict=True)
+        )
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -405,4 +408,3 @@ def _size(path: str, depth: int = 0) -> int:
         return sum(_size(sources.join(path, n), depth + 1) for n in names)
     except (OSError, CkptError):
         return 0
-
