@@ -6,13 +6,13 @@ import os
 import re
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import sources
 from .api import flatten_tensors, read, select_node
 from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
-from .output import atomic_output, check_output, output_path
+from .output import StaleTemp, atomic_output, check_output, output_path
 from .progress import ProgressFactory
 from .writers import WRITERS
 
@@ -94,6 +94,8 @@ class ConvertResult:
     files: list[str]
     num_tensors: int
     nbytes: int
+    # temp outputs of killed runs removed from the output's folder on the way
+    removed: list[StaleTemp] = field(default_factory=list)
 
 
 @translate_errors
@@ -184,6 +186,7 @@ def convert(
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
     total = plan.total_bytes
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
-    with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
+    removed: list[StaleTemp] = []
+    with bar as advance, atomic_output(out, force=force, layout=layout, removed=removed) as tmp:
         write_plan(plan, tmp, advance)
-    return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total)
+    return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total, removed)

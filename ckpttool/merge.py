@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .api import read, require_data
 from .errors import translate_errors
-from .output import atomic_output, check_output, output_path
+from .output import StaleTemp, atomic_output, check_output, output_path
 from .plain import stand_in_names
 from .progress import ProgressFactory
 from .tree import iter_tensors
@@ -20,6 +20,8 @@ class MergeResult:
     num_tensors: int
     nbytes: int
     stand_ins: list[str] = field(default_factory=list)
+    # temp outputs of killed runs removed from the output's folder on the way
+    removed: list[StaleTemp] = field(default_factory=list)
 
 
 @translate_errors
@@ -63,9 +65,10 @@ def merge(
     plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
     description = f"writing {os.path.basename(out)}"
     bar = progress(plan.total_bytes, description) if progress else nullcontext(None)
-    with bar as advance, atomic_output(out, force=force) as tmp:
+    removed: list[StaleTemp] = []
+    with bar as advance, atomic_output(out, force=force, removed=removed) as tmp:
         write_plan(plan, tmp, advance)
-    return MergeResult(out, len(leaves), total, stand_ins)
+    return MergeResult(out, len(leaves), total, stand_ins, removed)
 
 
 def default_name(inputs: Sequence[str], folder: str) -> str:

@@ -43,3 +43,17 @@ def listing_lines(folder: str, rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"  {long_names[i]}")
         out.append(line)
     return head + out
+
+
+def report_removed(removed: list[Any]) -> None:
+    """One stderr line for the temp outputs of killed runs that a write removed
+    (:class:`ckpttool.output.StaleTemp`); nothing when there were none."""
+    if not removed:
+        return
+    import sys
+
+    total = human_bytes(sum(t.nbytes for t in removed))
+    names = ", ".join(f"{printable(t.path)} (pid {t.pid})" for t in removed)
+    what = "a temporary file" if len(removed) == 1 else f"{len(removed)} temporary files"
+    sys.stderr.write(f"ckpttool: removed {what} of killed runs ({total}): {names}\n")
+    sys.stderr.flush()
