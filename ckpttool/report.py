@@ -14,6 +14,7 @@ from . import sources
 from .dtypes import NO_NUMBERS, DType
 from .errors import CkptError, translate_errors
 from .layout import detect_prefix, model_key, model_state, plain_values
+from .params import count_parameters
 from .progress import Progress
 from .torch_values import Device, TorchName, TorchSize, global_name
 from .tree import (
@@ -89,8 +90,9 @@ def inspect_report(
         nbytes += ref.nbytes
     # counted over the state dict itself: for a pickled module, its non-persistent
     # buffers are tensors in the file but not part of its state dict
-    num_params = sum(
-        ref.numel
+    # (a tied embedding, one storage under two names, counts once: model.num_parameters())
+    num_params = count_parameters(
+        ref
         for path, ref in iter_tensors(model or {})
         if not pattern or pattern.search(dotted((*(model_path or ()), *path)))
     )

@@ -53,15 +53,29 @@ def inspect(
         ),
     ] = False,
     limit: Annotated[
-        int,
-        typer.Option("--limit", metavar="N", help="At most N rows per table; 0: no limit."),
-    ] = DEFAULT_LIMIT,
+        int | None,
+        typer.Option(
+            "--limit",
+            metavar="N",
+            help=f"At most N rows per table; 0: no limit. Default: {DEFAULT_LIMIT} tensor "
+            "rows, the values what is left of one screen.",
+        ),
+    ] = None,
     sort: Annotated[
         SortBy | None,
         typer.Option("--sort", help="Order of the tensor rows (default: as stored)."),
     ] = None,
     names: Annotated[
-        bool, typer.Option("--names", help="Only the tensor names, one per line (for scripts).")
+        bool,
+        typer.Option(
+            "--names",
+            help="Only the tensor names, one per line (for scripts): the names convert "
+            "writes and ckpttool.open().keys() gives.",
+        ),
+    ] = False,
+    raw: Annotated[
+        bool,
+        typer.Option("--raw", help="With --names: the key paths in the file, wrappers and all."),
     ] = False,
     unsafe: Unsafe = False,
 ) -> None:
@@ -72,7 +86,7 @@ def inspect(
     from ..report import inspect_report
     from ..tree import iter_tensors
 
-    if limit < 0:
+    if limit is not None and limit < 0:
         raise UsageError("--limit must be >= 0 (0: no limit)")
     before = sources.transferred()  # what this command reads, local or remote
     try:
@@ -90,7 +104,8 @@ def inspect(
         write(dumps_json(report) + "\n")
         return
     if names:
-        write("".join(printable(".".join(map(str, t["key"]))) + "\n" for t in report["tensors"]))
+        shown = _raw_names(report) if raw else _output_names(ckpt, report, filter)
+        write("".join(printable(name) + "\n" for name in shown))
         return
     from .inspect_text import Options, inspect_lines
     from .render import Painter
@@ -116,3 +131,25 @@ def _list_folder(folder: str, json_output: bool) -> None:
     from .folder_listing import listing_lines
 
     write("\n".join(listing_lines(folder, rows)) + "\n")
+
+
+def _raw_names(report: dict) -> list[str]:
+    return [".".join(map(str, t["key"])) for t in report["tensors"]]
+
+
+def _output_names(ckpt, report: dict, filter: str | None) -> list[str]:
+    """The names ``convert`` writes (``--select auto``: the model state dict, its wrapper
+    prefix stripped) and ``ckpttool.open().keys()`` gives; where no model state dict is
+    found, what ``--select all`` writes: the key paths."""
+    import re
+
+    from ..api import flatten_tensors, select_node
+    from ..errors import CkptError
+
+    try:
+        path, node = select_node(ckpt, "auto", "auto")
+    except CkptError:
+        return _raw_names(report)
+    found = list(flatten_tensors(node, str(path[-1]) if path else ""))
+    pattern = re.compile(filter) if filter else None
+    return [name for name in found if pattern is None or pattern.search(name)]

@@ -408,3 +408,33 @@ def _size(path: str, depth: int = 0) -> int:
         return sum(_size(sources.join(path, n), depth + 1) for n in names)
     except (OSError, CkptError):
         return 0
+
+
+# --- a checkpoint of parts in several formats (a run folder) -------------------------
+
+# the files a checkpoint of this format is made of, by their own first bytes
+_OWN_FILE_FORMATS = {
+    "safetensors-sharded": {"safetensors", "safetensors-sharded"},
+    "dcp": {"dcp", "megatron"},
+    "megatron": {"dcp", "megatron", "torch-zip"},
+    "deepspeed": {"torch-zip", "torch-legacy"},
+    "per-rank": {"torch-zip", "torch-legacy"},
+}
+MAX_PART_FILES = 64  # read the first bytes of this many files at most
+
+
+def other_formats(fmt: str, files: list[str]) -> list[tuple[str, list[str]]]:
+    """The files of a checkpoint whose own format is not ``fmt`` (a run folder's
+    ``optimizer.pt`` beside its ``model.safetensors``): (format, file names), by format.
+    Empty for a checkpoint of one format, or one of too many files to look at."""
+    if len(files) < 2 or len(files) > MAX_PART_FILES:
+        return []
+    own = _OWN_FILE_FORMATS.get(fmt, {fmt})
+    found: dict[str, list[str]] = {}
+    for path in files:
+        if sources.basename(path).endswith(".index.json"):
+            continue
+        part = file_format(path)
+        if part is not None and part not in own:
+            found.setdefault(part, []).append(sources.basename(path))
+    return sorted(found.items())
