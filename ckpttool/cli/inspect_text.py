@@ -20,6 +20,7 @@ from .collapse import Row, collapse
 from .fit import MAX_WIDTH, cut, fit_columns
 from .structure import structure_lines
 from .text import (
+    columns,
     human_bytes,
     human_count,
     plural,
@@ -285,7 +286,8 @@ def tensor_lines(report: dict, options: Options, paint: Paint) -> list[str]:
         for table_row in table:  # no repeated rows: no count column
             del table_row[count]
         right = {i - (i > count) for i in right}
-    text = fit_columns(table, right=right)
+    # --full: no limits anywhere, each row whole on its line (for grep)
+    text = columns(table, right=right) if options.full else fit_columns(table, right=right)
 
     collapsed = (
         f" in {plural(len(rows), 'row')}, repeated layers collapsed"
@@ -365,7 +367,11 @@ def value_lines(report: dict, options: Options, paint: Paint, used: int = 0) -> 
     title = f"values: {len(rest):,}" + (
         " more (the others are in the summary)" if in_summary else ""
     )
-    out = ["", paint(title, "bold"), *fit_columns(table, shrink=2, header=False)]
+    out = [
+        "",
+        paint(title, "bold"),
+        *(columns(table) if options.full else fit_columns(table, shrink=2, header=False)),
+    ]
     if len(shown) < len(rows):
         out.append(f"  … {plural(len(rows) - len(shown), 'more row')} (--limit 0 or --full)")
     return out
@@ -384,7 +390,7 @@ def metadata_lines(report: dict, options: Options, paint: Paint) -> list[str]:
     table = [
         [printable(k), short_value(v, limit) if limit else printable(repr(v))] for k, v in shown
     ]
-    text = fit_columns(table, shrink=None if options.full else 1, header=False)
+    text = columns(table) if options.full else fit_columns(table, shrink=1, header=False)
     out = ["", paint(f"metadata: {plural(len(items), 'key')}", "bold"), *text]
     if len(shown) < len(items):
         out.append(f"  … {plural(len(items) - len(shown), 'more key')} (--limit 0 or --full)")
