@@ -138,9 +138,9 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
 def _format_text(fmt: str, world: str, files: list[str]) -> str:
     """The format id, and where the checkpoint's parts are in others (a run folder's
     ``optimizer.pt`` beside ``model.safetensors``), which: the label is the model's."""
-    from ..formats.catalog import other_formats
+    from ..formats import other_file_formats
 
-    others = other_formats(fmt, files)
+    others = other_file_formats(fmt, files)
     if not others:
         return f"{fmt}{world}"
     text = f"{fmt}{world} (the model)"

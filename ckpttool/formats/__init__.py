@@ -99,6 +99,7 @@ per_rank = _OnFirstUse(
 )
 deepspeed = _OnFirstUse("deepspeed")
 run_folders = _OnFirstUse("run_folders")
+entry_formats = _OnFirstUse("entries")  # what a folder's entry is, for catalog's listings
 
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
 # a DCP folder's data files are read as their folder, so DCP comes first; a Megatron
@@ -350,7 +351,9 @@ def _single_checkpoint_file(folder: str) -> str | None:
     # Otherwise the folder is one checkpoint only if it holds exactly one: one file, or
     # the rank files of one checkpoint (its lowest rank's file: the caller finds the
     # siblings). Several, or one in a sub-folder, are named, never picked (catalog).
-    candidates = catalog.find_candidates(folder, _hf_one_candidate(names), per_rank.RANK_RE)
+    candidates = catalog.find_candidates(
+        folder, _hf_one_candidate(names), per_rank.RANK_RE, entry_formats.folder_format
+    )
     if not candidates:
         return None
     if len(candidates) > 1 or (
@@ -391,9 +394,18 @@ def folder_checkpoints(folder: str) -> list[dict]:
     """
     entries = sources.listdir(folder)
     names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
-    return catalog.list_checkpoints(
-        folder, catalog.find_candidates(folder, _hf_one_candidate(names), per_rank.RANK_RE)
+    found = catalog.find_candidates(
+        folder, _hf_one_candidate(names), per_rank.RANK_RE, entry_formats.folder_format
     )
+    return catalog.list_checkpoints(
+        folder, found, entry_formats.folder_format, entry_formats.file_format
+    )
+
+
+def other_file_formats(fmt: str, files: list[str]) -> list[tuple[str, list[str]]]:
+    """The files of a checkpoint of format ``fmt`` that are of another format (a run
+    folder's ``optimizer.pt`` beside its ``model.safetensors``): (format, names)."""
+    return catalog.other_formats(fmt, files, entry_formats.file_format)
 
 
 def deepspeed_latest_tag(folder: str) -> str | None:

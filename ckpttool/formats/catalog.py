@@ -16,12 +16,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import sources
 from ..errors import CkptError, SeveralCheckpointsError
+
+FolderFormat = Callable[[str], "str | None"]  # a sub-folder's format id, if a checkpoint
+FileFormat = Callable[[str], "str | None"]  # a file's, from its first bytes
 
 # What the number in a checkpoint's name counts: Composer ep3-ba120, Lightning
 # epoch=3-step=120, torchtune epoch_3, the reference trainer ep3; HF Trainer
@@ -92,7 +95,9 @@ def is_hf_companion(name: str) -> bool:
     return HF_COMPANIONS.match(name) is not None
 
 
-def find_candidates(folder: str, names: list[str], rank_re: re.Pattern[str]) -> list[Candidate]:
+def find_candidates(
+    folder: str, names: list[str], rank_re: re.Pattern[str], folder_format: FolderFormat
+) -> list[Candidate]:
     """The checkpoints a folder holds, in natural order: its checkpoint files (rank files
     of one checkpoint grouped), and its sub-folders that are checkpoints by their contents.
 
@@ -100,6 +105,7 @@ def find_candidates(folder: str, names: list[str], rank_re: re.Pattern[str]) -> 
         folder: The folder.
         names: Its entries whose names end with a checkpoint suffix (``.pt``, ...).
         rank_re: ``(prefix)(rank)(suffix)`` of a rank file's name.
+        folder_format: A sub-folder's format id if it is a checkpoint, else None.
     """
     entries = sources.listdir(folder)
     names = _without_links_to_siblings(folder, names, entries)
@@ -182,71 +188,6 @@ def linked_from(folder: str, names: list[str], candidate: Candidate) -> bool:
     )
 
 
-def folder_format(path: str) -> str | None:
-    """The format id of a sub-folder that is a checkpoint by its contents, else None.
-
-    Cheap: its listing, and the first bytes of one file at most.
-    """
-    from . import FOLDER_FORMATS, run_folders
-
-    try:
-        names = sources.listdir(path)
-    except (OSError, CkptError):
-        return None
-    rule = run_folders.find_rule(path)
-    if rule is not None:
-        return _rule_format(path, rule.name, names)
-    if any(DCP_DATA_FILE.match(n) or n.endswith(".distcp") for n in names):
-        return "megatron" if "metadata.json" in names else "dcp"  # (.metadata or not)
-    for fmt in FOLDER_FORMATS:
-        if fmt.detect(path, b""):
-            return str(fmt.FORMAT)
-    from . import CHECKPOINT_SUFFIXES, HF_WEIGHT_FILES
-
-    for name in HF_WEIGHT_FILES:
-        if name in names:
-            return file_format(sources.join(path, name))
-    files = [n for n in names if n.endswith(CHECKPOINT_SUFFIXES)]
-    if len(files) == 1 and sources.isfile(sources.join(path, files[0])):
-        return file_format(sources.join(path, files[0]))
-    if any(n.startswith("mp_rank_") for n in names):  # a legacy Megatron iteration
-        return "torch-zip"
-    return None
-
-
-def _rule_format(path: str, rule: str, names: list[str]) -> str:
-    from .run_folders import TRAINER_MODELS
-
-    if "FSDP" in rule or "Lightning" in rule:
-        return "dcp"
-    if "DeepSpeed" in rule:
-        return "deepspeed"
-    if "verl" in rule:
-        return "per-rank"
-    for name in TRAINER_MODELS:
-        if name in names:
-            if name.endswith(".json"):
-                return "safetensors-sharded"
-            return file_format(sources.join(path, name)) or "unknown"
-    return "unknown"
-
-
-def file_format(path: str) -> str | None:
-    """A file's format id from its first bytes (and a zip's directory), or None."""
-    from . import FILE_FORMATS
-
-    try:
-        head = sources.read_head(path)
-        if not head:
-            return None
-        for fmt in FILE_FORMATS:
-            if fmt.detect(path, head):
-                return str(fmt.FORMAT)
-    except (OSError, CkptError):
-        return None
-    return None
-
-
 def several_checkpoints(folder: str, candidates: list[Candidate]) -> SeveralCheckpointsError:
     """The error for a folder of several checkpoints: their names, newest last."""
     ordered = _newest_last(candidates)
@@ -287,8 +228,14 @@ def _mtime(paths: list[str]) -> float:
 # --- the rows `ckpttool inspect FOLDER` shows --------------------------------------------
 
 
-def list_checkpoints(folder: str, candidates: Iterable[Candidate]) -> list[dict[str, Any]]:
-    """One row per checkpoint of ``folder``, in natural order.
+def list_checkpoints(
+    folder: str,
+    candidates: Iterable[Candidate],
+    folder_format: FolderFormat,
+    file_format: FileFormat,
+) -> list[dict[str, Any]]:
+    """One row per checkpoint of ``folder``, in natural order; ``folder_format`` and
+    ``file_format`` tell an entry's format id from its listing or first bytes.
 
     Each row: ``name``, ``path``, ``format`` (an id of the contract's table, or None),
     ``world_size``, ``nbytes`` (on disk), ``epoch``, ``step`` (where the name says),
@@ -301,7 +248,7 @@ def list_checkpoints(folder: str, candidates: Iterable[Candidate]) -> list[dict[
     widest = max((max(c.ranks) + 1 for c in candidates if c.kind == "ranks"), default=0)
     rows = []
     for c in candidates:
-        fmt, world_size, missing = _describe(c, widest)
+        fmt, world_size, missing = _describe(c, widest, folder_format, file_format)
         epoch = c.epoch
         if markers is not None and epoch is not None and missing is None:
             missing = _marker_says(folder, markers.get(epoch), epoch)
@@ -321,7 +268,9 @@ def list_checkpoints(folder: str, candidates: Iterable[Candidate]) -> list[dict[
     return rows
 
 
-def _describe(c: Candidate, widest: int = 0) -> tuple[str | None, int | None, str | None]:
+def _describe(
+    c: Candidate, widest: int, folder_format: FolderFormat, file_format: FileFormat
+) -> tuple[str | None, int | None, str | None]:
     """(format, world size, what is missing or None) of one candidate; ``widest``: the
     most rank files of one checkpoint in its folder."""
     if c.kind == "file":
@@ -423,7 +372,9 @@ _OWN_FILE_FORMATS = {
 MAX_PART_FILES = 64  # read the first bytes of this many files at most
 
 
-def other_formats(fmt: str, files: list[str]) -> list[tuple[str, list[str]]]:
+def other_formats(
+    fmt: str, files: list[str], file_format: FileFormat
+) -> list[tuple[str, list[str]]]:
     """The files of a checkpoint whose own format is not ``fmt`` (a run folder's
     ``optimizer.pt`` beside its ``model.safetensors``): (format, file names), by format.
     Empty for a checkpoint of one format, or one of too many files to look at."""
