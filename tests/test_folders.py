@@ -198,3 +198,27 @@ def test_listing_a_folder_imports_no_torch(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "ep1-rank*.pt" in proc.stdout
+
+
+def test_deepspeed_and_megatron_save_folders_list_their_steps(tmp_path):
+    """global_stepN/ without `latest`, iter_NNNNNNN/ without the tracker: listed by step."""
+    ds = tmp_path / "ds"
+    for step in (20, 10):
+        shutil.copytree(
+            fixture_path("deepspeed") / "zero2" / "global_step3", ds / f"global_step{step}"
+        )
+    mg = tmp_path / "mg"
+    for step in (200, 100):
+        shutil.copytree(fixture_path("megatron") / "gpt", mg / f"iter_{step:07d}")
+    runs = run_many([["inspect", ds, "--json"], ["inspect", mg, "--json"], ["diff", ds, mg]])
+    rows = json.loads(runs[0]["stdout"])
+    assert [(r["name"], r["format"], r["world_size"], r["step"], r["complete"]) for r in rows] == [
+        ("global_step10/", "deepspeed", 2, 10, True),
+        ("global_step20/", "deepspeed", 2, 20, True),
+    ]
+    rows = json.loads(runs[1]["stdout"])
+    assert [(r["name"], r["format"], r["world_size"], r["step"]) for r in rows] == [
+        ("iter_0000100/", "megatron", 2, 100),
+        ("iter_0000200/", "megatron", 2, 200),
+    ]
+    check_error(completed([], runs[2]), 2, "(global_step10/, global_step20/; newest last)")

@@ -290,7 +290,7 @@ def _describe(
     fmt = folder_format(path)
     names = sources.listdir(path)
     ranks = {int(m.group(1)) for n in names if (m := DCP_DATA_FILE.match(n))}
-    if fmt in ("dcp", "megatron"):
+    if fmt in ("dcp", "megatron") and (ranks or ".metadata" in names):  # (not a run folder's)
         missing = None if ".metadata" in names else ".metadata"
         return fmt, (max(ranks) + 1 if ranks else None), missing
     if fmt == "deepspeed":

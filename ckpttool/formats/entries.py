@@ -10,6 +10,9 @@ from . import (
     FILE_FORMATS,
     FOLDER_FORMATS,
     HF_WEIGHT_FILES,
+    deepspeed_latest_tag,
+    megatron,
+    megatron_latest_iteration,
     run_folders,
 )
 from .catalog import DCP_DATA_FILE
@@ -35,11 +38,19 @@ def folder_format(path: str) -> str | None:
     for name in HF_WEIGHT_FILES:
         if name in names:
             return file_format(sources.join(path, name))
-    files = [n for n in names if n.endswith(CHECKPOINT_SUFFIXES)]
-    if len(files) == 1 and sources.isfile(sources.join(path, files[0])):
-        return file_format(sources.join(path, files[0]))
+    if deepspeed_latest_tag(path) is not None:  # a DeepSpeed run folder, by its `latest`
+        return "deepspeed"
+    iteration = megatron_latest_iteration(path)  # a Megatron save folder, by its tracker
+    if iteration is not None:
+        return "megatron" if megatron.detect(iteration, b"") else "torch-zip"
     if any(n.startswith("mp_rank_") for n in names):  # a legacy Megatron iteration
         return "torch-zip"
+    files = [n for n in names if n.endswith(CHECKPOINT_SUFFIXES)]
+    # one checkpoint file, and no sub-folder that could be another (a folder of those
+    # is a folder of checkpoints, not one)
+    folders = [n for n in names if "." not in n and sources.isdir(sources.join(path, n))]
+    if len(files) == 1 and not folders and sources.isfile(sources.join(path, files[0])):
+        return file_format(sources.join(path, files[0]))
     return None
 
 
@@ -50,6 +61,16 @@ def _rule_format(path: str, rule: str, names: list[str]) -> str:
         return "deepspeed"
     if "verl" in rule:
         return "per-rank"
+    if "torchtune" in rule:  # its one epoch_N/ is the model
+        epochs = [n for n in names if run_folders.TORCHTUNE_EPOCH.match(n)]
+        found = folder_format(sources.join(path, epochs[0])) if len(epochs) == 1 else None
+        return found or "unknown"
+    if "accelerate" in rule:
+        models = [n for n in names if run_folders.ACCELERATE_MODELS.match(n)]
+        if len(models) == 1:
+            model = sources.join(path, models[0])
+            found = folder_format(model) if sources.isdir(model) else file_format(model)
+            return found or "unknown"
     for name in run_folders.TRAINER_MODELS:
         if name in names:
             if name.endswith(".json"):
