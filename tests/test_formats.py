@@ -69,8 +69,9 @@ def test_hf_folder_with_both_serializations_reads_the_safetensors(tmp_path):
     assert ckpttool.read(single).files == [str(single / "model.safetensors")]
     (single / "model.safetensors").rename(single / "other.pt")
     (single / "pytorch_model.bin").rename(single / "weights.bin")  # no HF names: ambiguous
-    with pytest.raises(ckpttool.CkptError, match=r"holds 2 checkpoints \(other.pt, weights.bin"):
+    with pytest.raises(ckpttool.SeveralCheckpointsError, match="holds 2 checkpoints") as raised:
         ckpttool.read(single)
+    assert sorted(raised.value.candidates) == ["other.pt", "weights.bin"]  # newest last
 
 
 def test_trainer_checkpoint_folder_reads_its_weights(tmp_path):
