@@ -111,9 +111,12 @@ def find_candidates(
     names = _without_links_to_siblings(folder, names, entries)
     groups: dict[str, dict[int, str]] = {}
     out: list[Candidate] = []
+    local = sources.local_path(folder) is not None
     for name in names:
         path = sources.join(folder, name)
-        if sources.isdir(path):  # a Lightning sharded .ckpt/, a Composer latest-rank0.pt link
+        # a Lightning sharded .ckpt/, a Composer latest-rank0.pt link (local only: in an
+        # object store, a request per name where most are files)
+        if local and sources.isdir(path):
             if folder_format(path) is not None:
                 out.append(Candidate(f"{name}/", "folder", [path]))
             continue
