@@ -41,6 +41,7 @@ _EXPORTS = {
     "InputNotFoundError": "errors",
     "OutputExistsError": "errors",
     "SeparateCheckpointsError": "errors",
+    "SeveralCheckpointsError": "errors",
     "UnsafeError": "errors",
     "UsageError": "errors",
     "Checkpoint": "tree",

@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import sources
 from .api import flatten_tensors, read, select_node
@@ -14,8 +14,8 @@ from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
 from .progress import ProgressFactory
 from .sizes import parse_size
-from .writers import WRITERS
-from .writers.atomic import atomic_output, check_output, output_path
+from .writers import WRITERS, hf_output
+from .writers.atomic import StaleTemp, atomic_output, check_output, output_path
 
 TARGETS = tuple(WRITERS)
 CAST_DTYPES = ("float32", "float16", "bfloat16")
@@ -68,6 +68,8 @@ class ConvertResult:
     files: list[str]
     num_tensors: int
     nbytes: int
+    # temp outputs of killed runs removed from the output's folder on the way
+    removed: list[StaleTemp] = field(default_factory=list)
 
 
 @translate_errors
@@ -147,7 +149,13 @@ def convert(
         metadata={"source": sources.input_name(first)},
     )
     layout = writer.layout(options)
-    if out is None:
+    hf_folder = _hf_folder_in_and_out(inputs, out, select, to, shard_limit is not None)
+    carried: list[str] = []
+    if hf_folder is not None and out is not None:  # DIR/model.safetensors + config & co.
+        carried = hf_output.carried_files(hf_folder)
+        layout = hf_output.layout_for(to, shard_limit is not None)
+        out = output_path(out, "", folder_output=True)
+    elif out is None:
         out = default_output(named_after, to, shard_limit is not None)
     elif layout is None:  # -o DIR/: the default name inside it
         name = os.path.basename(default_output(named_after, to, False, folder=out))
@@ -158,12 +166,37 @@ def convert(
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
     total = plan.total_bytes
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
+    removed: list[StaleTemp] = []
     if sources.is_url(out):  # s3://: multipart uploads, published at the end
         from .writers.s3_output import write as upload_plan
 
         with bar as advance:
             upload_plan(plan, out, layout=layout, force=force, inputs=ckpt.files, progress=advance)
     else:
-        with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
-            write_plan(plan, tmp, advance)
-    return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total)
+        with bar as advance, atomic_output(out, force=force, layout=layout, removed=removed) as tmp:
+            if hf_folder is None:
+                write_plan(plan, tmp, advance)
+            else:
+                single = shard_limit is None
+                write_plan(
+                    plan, os.path.join(tmp, hf_output.weights_name(to)) if single else tmp, advance
+                )
+                hf_output.copy_carried(hf_folder, carried, tmp)
+    if hf_folder is not None:
+        names = plan.names or [hf_output.weights_name(to)]
+        return ConvertResult(out, [*names, *carried], len(tensors), total, removed)
+    return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total, removed)
+
+
+def _hf_folder_in_and_out(
+    inputs: list[str], out: str | None, select: str, to: str, sharded: bool
+) -> str | None:
+    """The input's Hugging Face folder where a model folder is converted into a folder
+    (``-o DIR/``, an existing DIR, or shards) as safetensors or pt: then DIR is a model
+    folder."""
+    if out is None or to not in ("safetensors", "pt") or sources.is_url(out):
+        return None
+    out = sources.strip_file_scheme(out)
+    into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
+    into = into or os.path.isdir(out) or sharded
+    return hf_output.hf_source_folder(inputs, select) if into else None

@@ -77,6 +77,25 @@ class SeparateCheckpointsError(CkptError):
         self.files = list(files)
 
 
+class SeveralCheckpointsError(CkptError):
+    """A folder holds several checkpoints and no rule says which one is meant (exit 2).
+
+    Args:
+        candidates: Their names as shown (``ep3/``, ``ep0-rank*.pt``), newest last.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: object = None,
+        hint: str | None = None,
+        candidates: list[str] | None = None,
+    ):
+        super().__init__(message, path=path, hint=hint)
+        self.candidates = list(candidates or [])
+
+
 class UnsafeError(CkptError):
     """A pickle references dangerous callables; nothing was executed (exit 3).
 

@@ -26,6 +26,7 @@ from .tree import (
     TensorRef,
     TorchName,
     TorchSize,
+    count_parameters,
     detect_prefix,
     get_path,
     global_name,
@@ -95,8 +96,9 @@ def inspect_report(
         nbytes += ref.nbytes
     # counted over the state dict itself: for a pickled module, its non-persistent
     # buffers are tensors in the file but not part of its state dict
-    num_params = sum(
-        ref.numel
+    # (a tied embedding, one storage under two names, counts once: model.num_parameters())
+    num_params = count_parameters(
+        ref
         for path, ref in iter_tensors(model or {})
         if not pattern or pattern.search(dotted((*(model_path or ()), *path)))
     )

@@ -11,7 +11,7 @@ from .api import read, require_data
 from .errors import translate_errors
 from .progress import ProgressFactory
 from .tree import iter_tensors, recorded_classes
-from .writers.atomic import atomic_output, check_output, output_path
+from .writers.atomic import StaleTemp, atomic_output, check_output, output_path
 
 
 @dataclass
@@ -20,6 +20,8 @@ class MergeResult:
     num_tensors: int
     nbytes: int
     stand_ins: list[str] = field(default_factory=list)
+    # temp outputs of killed runs removed from the output's folder on the way
+    removed: list[StaleTemp] = field(default_factory=list)
 
 
 @translate_errors
@@ -63,15 +65,16 @@ def merge(
     plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
     description = f"writing {os.path.basename(out)}"
     bar = progress(plan.total_bytes, description) if progress else nullcontext(None)
+    removed: list[StaleTemp] = []
     if sources.is_url(out):  # s3://: multipart uploads, published at the end
         from .writers.s3_output import write as upload_plan
 
         with bar as advance:
             upload_plan(plan, out, layout=None, force=force, inputs=ckpt.files, progress=advance)
     else:
-        with bar as advance, atomic_output(out, force=force) as tmp:
+        with bar as advance, atomic_output(out, force=force, removed=removed) as tmp:
             write_plan(plan, tmp, advance)
-    return MergeResult(out, len(leaves), total, stand_ins)
+    return MergeResult(out, len(leaves), total, stand_ins, removed)
 
 
 def default_name(inputs: Sequence[str], folder: str) -> str:

@@ -21,7 +21,7 @@ from helpers import (
     tree_files,
 )
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import ckpttool
 from ckpttool.convert import convert, default_output, parse_size
@@ -400,7 +400,7 @@ def test_existing_output_refused_without_force(snap: Path):
 
 def test_force_replaces_file_and_folder(snap: Path, tmp_path: Path):
     out = tmp_path / "o.safetensors"
-    out.write_bytes(b"old")
+    save_file({"old": torch.zeros(1)}, out)  # an earlier output (--force replaces no other file)
     convert([str(snap)], "safetensors", str(out), force=True)
     assert_identical({k: load_file(out)[k] for k in MODEL_KEYS}, expected_model())
 

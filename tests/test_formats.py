@@ -9,9 +9,7 @@ import pytest
 import torch
 from helpers import (
     assert_identical,
-    check_error,
     fixture_path,
-    run_cli,
     small_state_dict,
     write_hf_shards,
 )
@@ -70,8 +68,10 @@ def test_hf_folder_with_both_serializations_reads_the_safetensors(tmp_path):
     (single / "config.json").write_text("{}")
     assert ckpttool.read(single).files == [str(single / "model.safetensors")]
     (single / "model.safetensors").rename(single / "other.pt")
-    (single / "pytorch_model.bin").rename(single / "weights.bin")  # two pickles: ambiguous
-    check_error(run_cli("inspect", single), 2, "not exactly one checkpoint file")
+    (single / "pytorch_model.bin").rename(single / "weights.bin")  # no HF names: ambiguous
+    with pytest.raises(ckpttool.SeveralCheckpointsError, match="holds 2 checkpoints") as raised:
+        ckpttool.read(single)
+    assert sorted(raised.value.candidates) == ["other.pt", "weights.bin"]  # newest last
 
 
 def test_trainer_checkpoint_folder_reads_its_weights(tmp_path):
@@ -114,14 +114,11 @@ def test_folder_of_one_checkpoints_rank_files_is_read_as_that_checkpoint(tmp_pat
     ckpt = ckpttool.read(ddp)
     assert ckpt.format == "torch-zip" and ckpt.files == [str(ddp / "ep0-rank0.pt")]
     # a trainer's snapshot folder holds several checkpoints: which one is not guessed
+    # (tests/test_folders.py: `inspect` lists them)
     shutil.copy(ddp / "ep0-rank1.pt", ddp / "ep1-rank1.pt")
     shutil.copy(ddp / "ep0-rank0.pt", ddp / "ep1-rank0.pt")
-    check_error(
-        run_cli("inspect", ddp),
-        2,
-        "folder holds the rank files of several checkpoints (ep0-rank*.pt, ep1-rank*.pt)",
-        "quoted glob",
-    )
+    with pytest.raises(ckpttool.CkptError, match=r"holds 2 checkpoints \(ep0-rank\*.pt, ep1-"):
+        ckpttool.read(ddp)
 
 
 def test_several_full_copies_are_not_per_rank(tmp_path):

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
 import torch
-from helpers import FIXTURES, assert_identical, check_error, run_cli, safetensors_header
+from helpers import FIXTURES, assert_identical, run_cli, safetensors_header
 from safetensors.torch import load_file
 
 import ckpttool
@@ -196,11 +197,9 @@ def test_composer_save_folder_reads_as_its_checkpoint(tmp_path):
     # two checkpoints beside the symlink: which one is not guessed, and the symlink is
     # not named as a third
     shutil.copy(plain / "ep0-ba2-rank0.pt", plain / "ep0-ba1-rank0.pt")
-    check_error(
-        run_cli("inspect", plain),
-        2,
-        "folder holds the rank files of several checkpoints (ep0-ba1-rank*.pt, ep0-ba2-rank*.pt)",
-    )
+    want = "holds 2 checkpoints (ep0-ba1-rank*.pt, ep0-ba2-rank*.pt;"
+    with pytest.raises(ckpttool.CkptError, match=re.escape(want)):
+        ckpttool.read(plain)
     # FSDP: the DCP folder and latest-rank0.pt, a symlink to the folder
     fsdp = tmp_path / "fsdp"
     fsdp.mkdir()
@@ -218,8 +217,6 @@ def test_a_symlink_to_a_file_elsewhere_still_counts(tmp_path):
     shutil.copy(COMPOSER / "plain" / "ep0-ba2-rank0.pt", tmp_path / "ep0-ba2-rank0.pt")
     shutil.copy(COMPOSER / "plain" / "ep0-ba2-rank0.pt", tmp_path / "run" / "ep0-ba1-rank0.pt")
     os.symlink(tmp_path / "ep0-ba2-rank0.pt", tmp_path / "run" / "latest-rank0.pt")
-    check_error(
-        run_cli("inspect", tmp_path / "run"),
-        2,
-        "folder holds the rank files of several checkpoints (ep0-ba1-rank*.pt, latest-rank*.pt)",
-    )
+    with pytest.raises(ckpttool.CkptError, match="holds 2 checkpoints") as raised:
+        ckpttool.read(tmp_path / "run")
+    assert sorted(raised.value.candidates) == ["ep0-ba1-rank*.pt", "latest-rank*.pt"]

@@ -488,10 +488,11 @@ def test_a_run_folders_parts_are_not_read_as_run_folders(tmp_path, monkeypatch):
         return read_one(*args, **kwargs)
 
     monkeypatch.setattr(formats, "_read_one", counted)
-    with pytest.raises(ckpttool.CkptError, match="holds no checkpoint"):
+    # d1 (d0's model) is no checkpoint by a rule: its one sub-folder is named, not read
+    with pytest.raises(ckpttool.CkptError, match="holds a checkpoint in optimizer_0/"):
         ckpttool.read(tmp_path / "d0")
     monkeypatch.undo()
-    check_error(run_cli("inspect", tmp_path / "d0", timeout=60), 2, "holds no checkpoint")
+    check_error(run_cli("convert", tmp_path / "d0", "--to", "pt", timeout=60), 2, "holds a check")
 
 
 def test_a_run_folder_reads_a_file_once_however_many_parts_name_it(tmp_path, monkeypatch):

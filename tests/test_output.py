@@ -174,9 +174,13 @@ def test_stale_temp_of_dead_run_removed_live_one_kept(tmp_path: Path):
         other = tmp_path / f".other.safetensors{TEMP_MARK}{dead.pid}"
         for path in (stale, stale_old, running, other):
             path.write_bytes(b"partial")
-        convert([str(tmp_path / "in.pt")], "safetensors", str(tmp_path / "out.safetensors"))
-        assert tree_files(tmp_path) == sorted(
-            [running.name, other.name, "in.pt", "out.safetensors"]
+        result = convert(
+            [str(tmp_path / "in.pt")], "safetensors", str(tmp_path / "out.safetensors")
+        )
+        # another output's dead temp goes too: whatever it was for, its writer is gone
+        assert tree_files(tmp_path) == sorted([running.name, "in.pt", "out.safetensors"])
+        assert sorted(t.path for t in result.removed) == sorted(
+            str(p) for p in (stale, stale_old, other)
         )
         assert torch.equal(load_file(tmp_path / "out.safetensors")["w"], torch.ones(3))
     finally:

@@ -7,17 +7,21 @@ shared through a module-scoped fixture to keep the file under two minutes on 2 c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, assert_identical, finish, run_cli, start_torchrun
+from helpers import ROOT, _descendants, assert_identical, finish, run_cli, start_torchrun
 
 import ckpttool
 
@@ -201,6 +205,17 @@ def test_lr_schedule_does_not_depend_on_total_epochs():
     assert factor(40) == pytest.approx(0.1) and factor(400) == pytest.approx(0.1)
 
 
+def test_schedule_position_keeps_samples_seen():
+    # 2 epochs of 4 steps (2 ranks) are 2 epochs of 8 steps on 1 rank, of 3 on 3 ranks
+    assert snapshot_io.schedule_position(8, 2, 8) == 16
+    assert snapshot_io.schedule_position(8, 2, 3) == 6
+    assert snapshot_io.schedule_position(8, 2, 4) == 8
+    assert snapshot_io.schedule_position(0, 0, 4) == 0
+    # not whole epochs (a snapshot saved mid-epoch, elsewhere): cannot be placed
+    assert snapshot_io.schedule_position(7, 2, 8) is None
+    assert snapshot_io.schedule_position(5, 0, 8) is None
+
+
 # --- torchrun end to end -----------------------------------------------------------------
 
 
@@ -368,3 +383,75 @@ def test_nccl_resume_is_bitwise_exact(tmp_path, fmt):
     # Saved on GPUs, read on the CPU.
     model = ckpttool.load(first, map_location="cpu")
     assert all(t.device.type == "cpu" and torch.isfinite(t).all() for t in model.values())
+
+
+def _lr_after(epochs: int, steps_per_epoch: int, lr: float = 3e-3, decay_epochs: int = 10) -> str:
+    """The lr the trainer logs after ``epochs`` epochs of ``steps_per_epoch`` steps."""
+    factor = ddp_trainer.lr_schedule(decay_epochs * steps_per_epoch)
+    return f"{lr * factor(epochs * steps_per_epoch):.2e}"
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size_keeps_the_schedule_by_samples(tmp_path, straight_run):
+    """2 epochs on 2 ranks (4 steps an epoch) resumed on 1 rank (8 steps an epoch): the
+    schedule continues at 2 epochs of 8 steps, as a 1-rank run would, instead of jumping
+    back to step 8 of the longer horizon (issue 32: 3.0e-4 back to 9.1e-4)."""
+    snapshot = straight_run("ddp") / "ep1-rank0.pt"
+    run_dir = tmp_path / "one"
+    run = torchrun(run_dir, "--epochs", "3", "--resume", str(snapshot), nproc=1)
+    assert "the snapshot counted 8 steps for 2 epoch(s), this run takes 8 an epoch: " \
+        "continuing at step 16" in run.stdout  # fmt: skip
+    assert "epoch 2 (3 of 3) | steps 8 | loss" in run.stdout
+    assert re.search(rf"^epoch 2 .*\| lr {_lr_after(3, 8)} \|", run.stdout, re.M), run.stdout
+    # a schedule that is not at whole epochs cannot be placed: refused, naming the flag
+    state = torch.load(snapshot, weights_only=True)
+    state["SCHEDULER_STATE"]["last_epoch"] = 7
+    odd = tmp_path / "odd.pt"
+    torch.save(state, odd)
+    refused = torchrun(tmp_path / "two", "--epochs", "3", "--resume", str(odd), nproc=1,
+                       check=False)  # fmt: skip
+    assert refused.returncode != 0
+    assert "cannot be carried over to 8 steps an epoch" in refused.stderr
+    assert "--lr-schedule-reset" in refused.stderr
+    reset = torchrun(tmp_path / "three", "--epochs", "3", "--resume", str(odd),
+                     "--lr-schedule-reset", nproc=1)  # fmt: skip
+    assert "continuing at step 0" in reset.stdout
+
+
+@pytest.mark.slow
+def test_workers_exit_when_their_launcher_is_killed(tmp_path):
+    """SIGKILL of torchrun (or the OOM killer) left its workers training on: they die
+    with it (PR_SET_PDEATHSIG)."""
+    run_dir = tmp_path / "run"
+    proc = start_torchrun(
+        TRAINER, "--snapshot-dir", str(run_dir), *TINY, "--epochs", "100000", nproc=2,
+        cwd=tmp_path,
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (run_dir / "ep0.complete").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no snapshot written"
+            time.sleep(0.2)
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() and _running(pid) for pid in workers):
+            assert time.monotonic() < deadline, "workers outlived their launcher"
+            time.sleep(0.2)
+    finally:  # (orphaned workers would hold our pipes open: communicate would hang)
+        for pid in [proc.pid, *_descendants(proc.pid), *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead worker whose launcher is gone waits for init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

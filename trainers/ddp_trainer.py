@@ -60,6 +60,7 @@ from snapshot_io import (
     get_rng_state,
     optim_state_by_index,
     optim_state_by_name,
+    schedule_position,
     set_rng_state,
     snapshot_layout,
     snapshot_part,
@@ -83,6 +84,26 @@ for _noise in (
 
 KILL_AT_EPOCH_ENV = "CKPTTOOL_TRAINER_KILL_AT_EPOCH"
 DIE_DURING_SAVE_ENV = "CKPTTOOL_TRAINER_DIE_DURING_SAVE"
+
+
+def exit_with_launcher() -> int:
+    """Die with the launcher: a SIGKILLed (or OOM-killed) torchrun must not leave its
+    workers training on with nobody watching. Returns the launcher's pid, which
+    ``Trainer`` checks every step as well (where the parent-death signal is missing).
+
+    Linux delivers PR_SET_PDEATHSIG when the parent dies; a parent that died before the
+    call is caught by the pid check after it (we were re-parented already).
+    """
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if launcher == 1 or os.getppid() != launcher:
+        sys.exit("ddp_trainer.py: the launcher is gone; exiting")
+    return launcher
 
 
 def log(*parts: object) -> None:
@@ -154,8 +175,9 @@ def lr_schedule(decay_steps: int, warmup_steps: int = 4, min_factor: float = 0.1
 
 
 class Trainer:
-    def __init__(self, args: argparse.Namespace, device: torch.device):
+    def __init__(self, args: argparse.Namespace, device: torch.device, launcher: int = 0):
         self.args = args
+        self.launcher = launcher  # the parent pid to outlive never (0: not checked)
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -280,6 +302,7 @@ class Trainer:
                 self.optimizer.load_state_dict(optim_state_by_index(by_name, self.param_names))
         if snapshot.scheduler is not None:
             self.scheduler.load_state_dict(snapshot.scheduler)
+            self._keep_schedule_by_samples()
         # The snapshot holds this rank's RNG (ddp) or every rank's (sharded, dcp). From
         # another world size there is no exact match: reseed, deterministically.
         rng = snapshot.rng
@@ -292,6 +315,37 @@ class Trainer:
             torch.manual_seed(self.args.seed + 1 + self.rank + 1000 * self.epochs_run)
             random.seed(self.args.seed + 1 + self.rank + 1000 * self.epochs_run)
 
+    def _keep_schedule_by_samples(self) -> None:
+        """The schedule counts steps; on another world size (or batch size) an epoch is
+        another number of steps, and the saved count would put the cosine elsewhere
+        (3.0e-4 back to 9.1e-4). Continue at the same samples seen instead: the epochs
+        run, in this run's steps. The same steps per epoch (a resume on the same world
+        size) change nothing: resuming stays bitwise exact."""
+        saved = self.scheduler.last_epoch
+        steps = len(self.loader)
+        if saved == self.epochs_run * steps:
+            return
+        position = schedule_position(saved, self.epochs_run, steps)
+        if position is None:
+            if not self.args.lr_schedule_reset:
+                sys.exit(
+                    f"ddp_trainer.py: the snapshot's learning-rate schedule is at step {saved}, "
+                    f"not whole epochs of {self.epochs_run}: it cannot be carried over to "
+                    f"{steps} steps an epoch by samples seen (pass --lr-schedule-reset to "
+                    "restart the schedule from its first step)"
+                )
+            position = 0
+        factor = self.scheduler.lr_lambdas[0](position)
+        self.scheduler.last_epoch = position
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        log(
+            f"schedule: the snapshot counted {saved} steps for {self.epochs_run} epoch(s), "
+            f"this run takes {steps} an epoch: continuing at step {position} "
+            f"(lr {self.scheduler._last_lr[0]:.2e})"
+        )
+
     # -- training -------------------------------------------------------------------------
 
     def _run_epoch(self, epoch: int) -> float:
@@ -299,6 +353,8 @@ class Trainer:
         self.model.train()
         total = 0.0
         for step, (inputs, targets) in enumerate(self.loader):
+            if self.launcher and os.getppid() != self.launcher:  # (no parent-death signal)
+                sys.exit("ddp_trainer.py: the launcher is gone; exiting")
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.model(inputs, targets)
@@ -452,6 +508,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (gpt)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument(
+        "--lr-schedule-reset",
+        action="store_true",
+        help="resuming a snapshot whose schedule cannot be carried over by samples seen: "
+        "restart the schedule instead of refusing",
+    )
+    p.add_argument(
         "--lr-decay-epochs",
         type=int,
         default=10,
@@ -466,6 +528,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @record  # a failing rank's traceback goes into torchrun's error summary
 def main() -> None:
     args = parse_args()
+    launcher = exit_with_launcher() if "LOCAL_RANK" in os.environ else 0
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     if os.environ.get(KILL_AT_EPOCH_ENV) and restarted and os.environ.get("RANK") == "1":
         # Test hook: the killed rank comes back late, as a slow node would, so its peers
@@ -473,7 +536,7 @@ def main() -> None:
         time.sleep(2)
     device = setup(args.backend)
     try:
-        Trainer(args, device).train()
+        Trainer(args, device, launcher).train()
     finally:
         dist.destroy_process_group()
 

@@ -137,6 +137,22 @@ def find_latest_snapshot(snapshot_dir: str | os.PathLike) -> dict | None:
     return None
 
 
+def schedule_position(saved_steps: int, epochs_run: int, steps_per_epoch: int) -> int | None:
+    """Where a resumed run's step-counting schedule continues, by samples seen.
+
+    A snapshot is taken at the end of an epoch, so its scheduler has counted
+    ``epochs_run`` whole epochs of the saving run's steps. On another world size (or
+    batch size) an epoch is another number of steps: the same samples seen are
+    ``epochs_run`` epochs of this run's steps. None where the saved count is not whole
+    epochs (a snapshot from elsewhere, mid-epoch): it cannot be placed.
+    """
+    if epochs_run <= 0 or steps_per_epoch <= 0:
+        return saved_steps if saved_steps == 0 else None
+    if saved_steps <= 0 or saved_steps % epochs_run:
+        return None
+    return epochs_run * steps_per_epoch
+
+
 def _get(tree, path: tuple):
     for key in path:
         if not isinstance(tree, Mapping):

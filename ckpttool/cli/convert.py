@@ -118,6 +118,9 @@ def convert(
         unsafe=unsafe,
         progress=progress_factory(quiet or settings.quiet),
     )
+    from .folder_listing import report_removed
+
+    report_removed(result.removed)
     if not (quiet or settings.quiet):
         from rich.markup import escape  # a path is never markup
 

@@ -56,15 +56,29 @@ def inspect(
         ),
     ] = False,
     limit: Annotated[
-        int,
-        typer.Option("--limit", metavar="N", help="At most N rows per table; 0: no limit."),
-    ] = DEFAULT_LIMIT,
+        int | None,
+        typer.Option(
+            "--limit",
+            metavar="N",
+            help=f"At most N rows per table; 0: no limit. Default: {DEFAULT_LIMIT} tensor "
+            "rows, the values what is left of one screen.",
+        ),
+    ] = None,
     sort: Annotated[
         SortBy | None,
         typer.Option("--sort", help="Order of the tensor rows (default: as stored)."),
     ] = None,
     names: Annotated[
-        bool, typer.Option("--names", help="Only the tensor names, one per line (for scripts).")
+        bool,
+        typer.Option(
+            "--names",
+            help="Only the tensor names, one per line (for scripts): the names convert "
+            "writes and ckpttool.open().keys() gives.",
+        ),
+    ] = False,
+    raw: Annotated[
+        bool,
+        typer.Option("--raw", help="With --names: the key paths in the file, wrappers and all."),
     ] = False,
     unsafe: Unsafe = False,
 ) -> None:
@@ -73,12 +87,12 @@ def inspect(
     Several separate checkpoints (not the rank files of one) are reported each in turn:
     one section each, or with --json one object per line."""
     from .. import sources
-    from ..errors import UnsafeError, UsageError
+    from ..errors import SeveralCheckpointsError, UnsafeError, UsageError
     from ..inspection import inspect_report, refused_report
     from ..integrity import check_sizes
     from ..tree import iter_tensors
 
-    if limit < 0:
+    if limit is not None and limit < 0:
         raise UsageError("--limit must be >= 0 (0: no limit)")
     before = sources.transferred()  # what this command reads, local or remote
     try:
@@ -87,6 +101,11 @@ def inspect(
         if json_output:  # the verdict for scripts too: which globals, and why
             write(dumps_json(refused_report(exc, paths, since=before)) + "\n")
         raise
+    except SeveralCheckpointsError as exc:
+        if len(paths) != 1 or exc.path is None:
+            raise
+        _list_folder(exc.path, json_output)
+        return
     if names and len(checkpoints) > 1:
         raise UsageError(
             f"--names lists the tensors of one checkpoint; these are {len(checkpoints)} "
@@ -107,8 +126,9 @@ def inspect(
         write("".join(dumps_json(report) + "\n" for report in sections))
         return
     if names:
-        tensors = sections[0]["tensors"]
-        write("".join(printable(".".join(map(str, t["key"]))) + "\n" for t in tensors))
+        (_, ckpt), report = checkpoints[0], sections[0]
+        shown = _raw_names(report) if raw else _output_names(ckpt, report, filter)
+        write("".join(printable(name) + "\n" for name in shown))
         return
     from .inspect_text import Options, inspect_lines
     from .render import Painter
@@ -139,3 +159,39 @@ def read_each(paths: list[str], unsafe: bool) -> list[tuple[str, Checkpoint]]:
         return [(" ".join(paths), read(paths, unsafe=unsafe))]
     except SeparateCheckpointsError as exc:
         return [(path, read(path, unsafe=unsafe)) for path in exc.files]
+
+
+def _list_folder(folder: str, json_output: bool) -> None:
+    """A folder of several checkpoints: one row each (``--json``: a list of objects)."""
+    from ..errors import translate_errors
+    from ..formats import folder_checkpoints
+
+    rows = translate_errors(folder_checkpoints)(folder)
+    if json_output:
+        write(dumps_json(rows) + "\n")
+        return
+    from .folder_listing import listing_lines
+
+    write("\n".join(listing_lines(folder, rows)) + "\n")
+
+
+def _raw_names(report: dict) -> list[str]:
+    return [".".join(map(str, t["key"])) for t in report["tensors"]]
+
+
+def _output_names(ckpt, report: dict, filter: str | None) -> list[str]:
+    """The names ``convert`` writes (``--select auto``: the model state dict, its wrapper
+    prefix stripped) and ``ckpttool.open().keys()`` gives; where no model state dict is
+    found, what ``--select all`` writes: the key paths."""
+    import re
+
+    from ..api import flatten_tensors, select_node
+    from ..errors import CkptError
+
+    try:
+        path, node = select_node(ckpt, "auto", "auto")
+    except CkptError:
+        return _raw_names(report)
+    found = list(flatten_tensors(node, str(path[-1]) if path else ""))
+    pattern = re.compile(filter) if filter else None
+    return [name for name in found if pattern is None or pattern.search(name)]

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..sources import is_url
 from .collapse import Row, collapse
+from .fit import MAX_WIDTH, cut, fit_columns
 from .structure import structure_lines
 from .text import columns, human_bytes, human_count, plural, printable, short_dtype, short_value
 
@@ -31,12 +32,17 @@ KEY_VALUES = re.compile(
     r"timestamp|seed|world_size)$"
 )
 STATS_COLUMNS = ("min", "max", "mean", "std", "nan/inf")
+# Rows per table unless --limit says; the values table (the summary names the key ones)
+# gets what is left of one screen, at least VALUE_ROWS_MIN rows
+DEFAULT_ROWS = 40
+SCREEN_LINES = 40
+VALUE_ROWS_MIN = 3
 
 
 @dataclass
 class Options:
     full: bool = False
-    limit: int = 40  # rows per table; 0: all
+    limit: int | None = None  # rows per table; 0: all; None: DEFAULT_ROWS, values fit a screen
     sort: str | None = None  # name, size, dtype; None: as stored
     filter: str | None = None
 
@@ -49,7 +55,7 @@ def inspect_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
         return lines
     lines += tensor_lines(report, options, paint)
     lines += tree_lines(ckpt, report, options, paint)
-    lines += value_lines(report, options, paint)
+    lines += value_lines(report, options, paint, used=len(lines))
     lines += metadata_lines(report, options, paint)
     return lines
 
@@ -58,18 +64,17 @@ def inspect_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
 
 
 def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> list[str]:
-    from ..tree import get_path, iter_tensors, model_state
+    from ..tree import count_parameters, get_path, iter_tensors, model_state
 
     def label(name: str, text: str, style: str | None = None) -> str:
         return paint(f"{name}:", "bold") + " " + (paint(text, style) if style else text)
 
     files = report["files"]
     world = f", world size {report['world_size']}" if report["world_size"] else ""
-    lines = [label("format", f"{report['format']}{world}")]
+    lines = [label("format", _format_text(report["format"], world, files))]
     shown = files if options.full else files[:MAX_FILES_SHOWN]
     more = f" … ({len(files)} files; --full lists them)" if len(shown) < len(files) else ""
-    lines.append(label("files" if len(files) > 1 else "file", ", ".join(map(printable, shown))))
-    lines[-1] += more
+    lines += _file_lines(files, shown, more, label)
     if any(is_url(f) for f in files) and "transfer" in report:
         read = report["transfer"]
         text = f"{human_bytes(read['bytes'])} in {plural(read['requests'], 'request')}"
@@ -81,7 +86,7 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
     else:
         model = model_state(get_path(ckpt.root, model_key)) or {}
         refs = [ref for _, ref in iter_tensors(model)]
-        params = sum(ref.numel for ref in refs)
+        params = count_parameters(refs)  # a tied embedding once, as model.num_parameters()
         where = printable(".".join(map(str, model_key))) if model_key else "(root)"
         count = human_count(params) + " parameters" + (f" ({params:,})" if params >= 1000 else "")
         prefix = report["prefix"]
@@ -106,9 +111,7 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
     values = report["values"]
     shown = summary_values(values, options)
     if shown:
-        text = ", ".join(f"{name}={value}" for name, value, _ in shown)
-        rest = len(values) - sum(row.count for _, _, row in shown)
-        lines.append(label("values", text + (f" (+{rest} below)" if rest else "")))
+        lines.append(label("values", _values_text(values, shown)))
     elif values:
         lines.append(label("values", f"{len(values)} (below)"))
     metadata = report.get("metadata") or {}
@@ -120,6 +123,63 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
         lines.append(label("metadata", text))
     lines.append(security_line(report, paint))
     return lines
+
+
+def _format_text(fmt: str, world: str, files: list[str]) -> str:
+    """The format id, and where the checkpoint's parts are in others (a run folder's
+    ``optimizer.pt`` beside ``model.safetensors``), which: the label is the model's."""
+    from ..formats import other_file_formats
+
+    others = other_file_formats(fmt, files)
+    if not others:
+        return f"{fmt}{world}"
+    text = f"{fmt}{world} (the model)"
+    for other, names in others:
+        text += f"; {other}: " + ", ".join(map(printable, names))
+    return cut(text, MAX_WIDTH - len("format: "))
+
+
+def _file_lines(files: list[str], shown: list[str], more: str, label: Callable) -> list[str]:
+    """``file: PATH`` or ``files: A, B``; where that passes MAX_WIDTH, each path whole on
+    a line of its own."""
+    name = "files" if len(files) > 1 else "file"
+    line = label(name, ", ".join(map(printable, shown))) + more
+    if len(name) + 2 + len(", ".join(map(printable, shown))) + len(more) <= MAX_WIDTH:
+        return [line]
+    head = label(name, f"{len(files)}{more}") if len(files) > 1 else label(name, "")
+    return [head.rstrip(), *(f"  {printable(f)}" for f in shown)]
+
+
+VALUES_ROOM = MAX_WIDTH - len("values: ")
+
+
+def _fitting(values: list[dict], shown: list[tuple[str, str, Row]]) -> int:
+    """How many of ``shown`` the summary's ``values:`` line holds within MAX_WIDTH."""
+    parts: list[str] = []
+    counted = 0
+    for name, value, row in shown:
+        rest = len(values) - counted - row.count
+        tail = f" (+{rest} below)" if rest else ""
+        if parts and len(", ".join([*parts, f"{name}={value}"])) + len(tail) > VALUES_ROOM:
+            break
+        parts.append(f"{name}={value}")
+        counted += row.count
+    return len(parts)
+
+
+def summary_shown(values: list[dict], options: Options) -> list[tuple[str, str, Row]]:
+    """The key values the summary line shows (all of them with --full)."""
+    shown = summary_values(values, options)
+    return shown if options.full else shown[: _fitting(values, shown)]
+
+
+def _values_text(values: list[dict], shown: list[tuple[str, str, Row]]) -> str:
+    """``name=value, ...`` of the summary, as many as fit MAX_WIDTH, ``(+N below)``."""
+    shown = shown[: _fitting(values, shown)]
+    text = ", ".join(f"{name}={value}" for name, value, _ in shown)
+    rest = len(values) - sum(row.count for _, _, row in shown)
+    text += f" (+{rest} below)" if rest else ""
+    return text if len(text) <= VALUES_ROOM else cut(text, VALUES_ROOM)
 
 
 def summary_values(values: list[dict], options: Options) -> list[tuple[str, str, Row]]:
@@ -188,7 +248,8 @@ def tensor_lines(report: dict, options: Options, paint: Paint) -> list[str]:
     else:
         rows = collapse((name, signature(t)) for name, t in zip(names, tensors, strict=True))
     rows = _sorted_rows(rows, tensors, options.sort)
-    shown = rows[: options.limit] if options.limit else rows
+    limit = DEFAULT_ROWS if options.limit is None else options.limit
+    shown = rows[:limit] if limit else rows
 
     header = ["name", "dtype", "shape"]
     header += ["device"] if devices else []
@@ -217,7 +278,8 @@ def tensor_lines(report: dict, options: Options, paint: Paint) -> list[str]:
         for table_row in table:  # no repeated rows: no count column
             del table_row[count]
         right = {i - (i > count) for i in right}
-    text = columns(table, right=right)
+    # --full: no limits anywhere, each row whole on its line (for grep)
+    text = columns(table, right=right) if options.full else fit_columns(table, right=right)
 
     collapsed = (
         f" in {plural(len(rows), 'row')}, repeated layers collapsed"
@@ -275,12 +337,13 @@ def _value_rows(values: list[dict]) -> list[tuple[str, str, Row]]:
     return [(row.name, texts[row.members[0]], row) for row in rows]
 
 
-def value_lines(report: dict, options: Options, paint: Paint) -> list[str]:
-    """The values the summary did not show (all of them with --full)."""
+def value_lines(report: dict, options: Options, paint: Paint, used: int = 0) -> list[str]:
+    """The values the summary did not show (all of them with --full); without --limit, as
+    many rows as the ``used`` lines above leave of one screen (at least VALUE_ROWS_MIN)."""
     values = report["values"]
     in_summary = set()
     if not options.full:
-        in_summary = {i for _, _, row in summary_values(values, options) for i in row.members}
+        in_summary = {i for _, _, row in summary_shown(values, options) for i in row.members}
     rest = [v for i, v in enumerate(values) if i not in in_summary]
     if not rest:
         return []
@@ -288,12 +351,19 @@ def value_lines(report: dict, options: Options, paint: Paint) -> list[str]:
         (printable(".".join(map(str, v["key"]))), short_value(v["value"]), Row("", [i]))
         for i, v in enumerate(rest)
     ]  # fmt: skip
-    shown = rows[: options.limit] if options.limit else rows
+    limit = options.limit
+    if limit is None:
+        limit = max(VALUE_ROWS_MIN, SCREEN_LINES - used - 3)  # (blank, title, "… more")
+    shown = rows[:limit] if limit else rows
     table = [[name, rest[row.members[0]]["type"], text] for name, text, row in shown]
     title = f"values: {len(rest):,}" + (
         " more (the others are in the summary)" if in_summary else ""
     )
-    out = ["", paint(title, "bold"), *columns(table)]
+    out = [
+        "",
+        paint(title, "bold"),
+        *(columns(table) if options.full else fit_columns(table, shrink=2, header=False)),
+    ]
     if len(shown) < len(rows):
         out.append(f"  … {plural(len(rows) - len(shown), 'more row')} (--limit 0 or --full)")
     return out
@@ -306,12 +376,14 @@ def metadata_lines(report: dict, options: Options, paint: Paint) -> list[str]:
     ):
         return []  # the summary showed it whole
     items = list(metadata.items())
-    shown = items[: options.limit] if options.limit else items
+    rows_limit = DEFAULT_ROWS if options.limit is None else options.limit
+    shown = items[:rows_limit] if rows_limit else items
     limit = None if options.full else 200
     table = [
         [printable(k), short_value(v, limit) if limit else printable(repr(v))] for k, v in shown
     ]
-    out = ["", paint(f"metadata: {plural(len(items), 'key')}", "bold"), *columns(table)]
+    text = columns(table) if options.full else fit_columns(table, shrink=1, header=False)
+    out = ["", paint(f"metadata: {plural(len(items), 'key')}", "bold"), *text]
     if len(shown) < len(items):
         out.append(f"  … {plural(len(items) - len(shown), 'more key')} (--limit 0 or --full)")
     return out

@@ -47,6 +47,9 @@ def merge(
     result = merge_checkpoint(
         paths, out, force=force, unsafe=unsafe, progress=progress_factory(quiet or settings.quiet)
     )
+    from .folder_listing import report_removed
+
+    report_removed(result.removed)
     console = stderr_console()
     if result.stand_ins:
         console.print(

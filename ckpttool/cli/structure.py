@@ -18,6 +18,7 @@ MAX_CHILDREN = 12
 MAX_DEPTH = 6
 # a container whose children are all leaves is one line naming them (this many at most)
 MAX_INLINE_LEAVES = 8
+MAX_WIDTH = 100  # (cli/fit.py): inline names that do not fit are counted
 
 
 def _dotted(path: tuple) -> str:
@@ -81,9 +82,11 @@ def structure_lines(
         if _inline(kids):
             names = [key for key, _, _ in kids]
             shown = names if full else names[:MAX_INLINE_LEAVES]
+            head = text
             text += ": " + ", ".join(shown)
             if len(shown) < len(names):
                 text += f", … {len(names) - len(shown)} more"
+            inline[text] = (head, names)
         return text
 
     def _inline(kids: list) -> bool:
@@ -93,12 +96,27 @@ def structure_lines(
         )
 
     lines: list[str] = []
+    inline: dict[str, tuple[str, list[str]]] = {}  # text -> (kind of N, the names listed)
+
+    def fitted(start: str, desc: str) -> str:
+        """``desc`` with as many inline names as fit MAX_WIDTH after ``start``."""
+        if full or len(start) + len(desc) <= MAX_WIDTH or desc not in inline:
+            return desc
+        head, names = inline[desc]
+        text = f"{head}: {names[0]}"
+        for i, name in enumerate(names[1:], start=1):
+            tail = f", … {len(names) - i - 1} more" if i + 1 < len(names) else ""
+            if len(start) + len(text) + len(f", {name}") + len(tail) > MAX_WIDTH:
+                return f"{text}, … {len(names) - i} more"
+            text += f", {name}"
+        return text
 
     def emit(items: list, depth: int) -> None:
         shown = items if full else items[:MAX_CHILDREN]
         width = max((len(key) for key, _, _ in shown), default=0)
         for key, desc, sub in shown:
-            lines.append(f"{'  ' * (depth + 1)}{key.ljust(width)}  {desc}")
+            start = f"{'  ' * (depth + 1)}{key.ljust(width)}  "
+            lines.append(start + fitted(start, desc))
             if sub and (full or depth + 1 < MAX_DEPTH):
                 emit(sub, depth + 1)
             elif sub:

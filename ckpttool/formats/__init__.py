@@ -31,7 +31,7 @@ from ..errors import (
 from ..tree import Checkpoint
 from ..unpickler import keep_allowed
 from ..zip_records import ZIP_MAGIC
-from . import safetensors_file, sharded_index
+from . import catalog, safetensors_file, sharded_index
 from .prescan import Prescan
 
 
@@ -106,6 +106,7 @@ per_rank = _OnFirstUse(
 )
 deepspeed = _OnFirstUse("deepspeed")
 run_folders = _OnFirstUse("run_folders")
+entry_formats = _OnFirstUse("entries")  # what a folder's entry is, for catalog's listings
 
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
 # a DCP folder's data files are read as their folder, so DCP comes first; a Megatron
@@ -329,10 +330,11 @@ def _read_one(path: str, unsafe: bool, *, run_folders_ok: bool = True) -> Checkp
 def _single_checkpoint_file(folder: str) -> str | None:
     """The file that stands for a folder's one checkpoint, if it holds exactly one.
 
-    That is its only checkpoint file; or, in a Hugging Face model folder holding the
-    same weights twice (``model.safetensors`` and ``pytorch_model.bin``), the
-    safetensors file, as ``from_pretrained`` takes; or the weights file of a Trainer's
-    output beside ``training_args.bin`` & co. (a ``checkpoint-N/`` with its
+    That is its only checkpoint file (no checkpoint sub-folder beside it); or, in a
+    Hugging Face model folder holding the same weights twice (``model.safetensors`` and
+    ``pytorch_model.bin``), the safetensors file, as ``from_pretrained`` takes; or the
+    weights file of a Trainer's output beside ``training_args.bin`` & co., and no other
+    checkpoint file (a ``checkpoint-N/`` with its
     ``trainer_state.json`` is a run folder: :mod:`.run_folders`); or torchtune's merged
     model ``model-00001-of-00001.bin`` beside its LoRA adapter ``adapter_model.pt``
     (``epoch_N/``); or the lowest rank's file when every file is one rank of the same
@@ -345,21 +347,24 @@ def _single_checkpoint_file(folder: str) -> str | None:
     ``mp_rank_00/model_optim_rng.pt``.
 
     Raises:
-        CkptError: The rank files of several checkpoints (a trainer's snapshot folder),
-            or DeepSpeed or Megatron model states split over model-parallel ranks.
+        SeveralCheckpointsError: Several checkpoints (the rank files of several steps,
+            sub-folders ``ep3/``, unrelated files), or one in a sub-folder: named, newest
+            last, never picked (:mod:`.catalog`; ``ckpttool inspect`` lists them).
+        CkptError: DeepSpeed or Megatron model states split over model-parallel ranks.
     """
     entries = sources.listdir(folder)
     names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
-    if not names:  # (a pytorch_model.bin that zero_to_fp32.py wrote beside it comes first)
-        return (
+    hf_weights = _hf_weights_file(names)
+    if hf_weights is not None:  # a Hugging Face folder: its weights, as from_pretrained takes
+        return sources.join(folder, hf_weights)
+    if not names:  # (a pytorch_model.bin that zero_to_fp32.py wrote beside it came first)
+        pointed = (
             deepspeed_latest_tag(folder)
             or megatron_latest_iteration(folder)
             or _megatron_rank_file(folder, entries)
         )
-    safetensors_names = [n for n in names if n.endswith(".safetensors")]
-    for candidates in (names, safetensors_names):
-        if len(candidates) == 1:
-            return sources.join(folder, candidates[0])
+        if pointed is not None:
+            return pointed
     model_states = [m for n in names if (m := DEEPSPEED_MODEL_STATES.match(n))]
     if model_states:
         if len({m.group(1) for m in model_states}) > 1:
@@ -370,44 +375,67 @@ def _single_checkpoint_file(folder: str) -> str | None:
                 hint="pass one mp_rank_XX_model_states.pt to read it alone",
             )
         return sources.join(folder, model_states[0].string)  # the lowest data-parallel rank
-    for name in HF_WEIGHT_FILES:  # a Trainer's output: weights beside training_args.bin...
-        if name in names:
-            return sources.join(folder, name)
     models = [n for n in names if n != TORCHTUNE_ADAPTER_FILE]
     if len(names) == 2 and len(models) == 1 and TORCHTUNE_MODEL_FILE.match(models[0]):
         return sources.join(folder, models[0])  # torchtune's LoRA epoch_N/: the merged model
-    ranks = [m for n in names if (m := per_rank.RANK_RE.match(n))]
-    if not names or len(ranks) != len(names):
+    # Otherwise the folder is one checkpoint only if it holds exactly one: one file, or
+    # the rank files of one checkpoint (its lowest rank's file: the caller finds the
+    # siblings). Several, or one in a sub-folder, are named, never picked (catalog).
+    candidates = catalog.find_candidates(
+        folder, _hf_one_candidate(names), per_rank.RANK_RE, entry_formats.folder_format
+    )
+    if not candidates:
         return None
-    ranks = _without_links_to_siblings(folder, ranks)
-    checkpoints = sorted({f"{m.group(1)}*{m.group(3)}" for m in ranks})
-    if len(checkpoints) > 1:
-        raise CkptError(
-            f"folder holds the rank files of several checkpoints ({', '.join(checkpoints)})",
-            path=folder,
-            hint="pass one of them as a quoted glob",
-        )
-    lowest = min(ranks, key=lambda m: int(m.group(2)))
-    return sources.join(folder, lowest.string)
+    if len(candidates) > 1 or (
+        candidates[0].kind == "folder" and not catalog.linked_from(folder, names, candidates[0])
+    ):
+        raise catalog.several_checkpoints(folder, candidates)
+    return candidates[0].paths[0]
 
 
-def _without_links_to_siblings(folder: str, ranks: list[re.Match[str]]) -> list[re.Match[str]]:
-    """Rank files less the local symlinks to other files among them.
+def _hf_weights_file(names: list[str]) -> str | None:
+    """The weights of a Hugging Face folder: one of :data:`HF_WEIGHT_FILES` (the first, as
+    ``from_pretrained`` takes them), where every other checkpoint file beside it is
+    another of them or a Trainer's companion (``training_args.bin``, ``optimizer.pt``,
+    ``scheduler.pt``, ``rng_state.pth``). Beside an unrelated checkpoint file it is none."""
+    weights = [n for n in HF_WEIGHT_FILES if n in names]
+    if not weights:
+        return None
+    others = [n for n in names if n not in HF_WEIGHT_FILES and not catalog.is_hf_companion(n)]
+    return None if others else weights[0]
 
-    Composer's save folder holds ``latest-rank{R}.pt``, a symlink to the newest
-    ``ep{E}-ba{B}-rank{R}.pt`` beside it: one checkpoint under two names, not two
-    checkpoints. Remote folders have no symlinks (their identity is their path).
+
+def _hf_one_candidate(names: list[str]) -> list[str]:
+    """``names`` with a Hugging Face folder's weights as one candidate: the file
+    ``from_pretrained`` takes, its other serializations and Trainer companions left out."""
+    weights = [n for n in HF_WEIGHT_FILES if n in names]
+    if not weights:
+        return names
+    others = [n for n in names if n not in HF_WEIGHT_FILES and not catalog.is_hf_companion(n)]
+    return sorted([weights[0], *others])
+
+
+def folder_checkpoints(folder: str) -> list[dict]:
+    """The checkpoints a folder holds, one row each in natural order (``ckpttool inspect``
+    of a folder of several): see :func:`.catalog.list_checkpoints`.
+
+    Raises:
+        CkptError: The folder cannot be listed.
     """
-    local = sources.local_path(folder)
-    if local is None or len(ranks) < 2:
-        return ranks
-    paths = {m.string: os.path.join(local, m.string) for m in ranks}
-    files = {os.path.realpath(p) for p in paths.values() if not os.path.islink(p)}
-    return [
-        m
-        for m in ranks
-        if not (os.path.islink(paths[m.string]) and os.path.realpath(paths[m.string]) in files)
-    ]
+    entries = sources.listdir(folder)
+    names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
+    found = catalog.find_candidates(
+        folder, _hf_one_candidate(names), per_rank.RANK_RE, entry_formats.folder_format
+    )
+    return catalog.list_checkpoints(
+        folder, found, entry_formats.folder_format, entry_formats.file_format
+    )
+
+
+def other_file_formats(fmt: str, files: list[str]) -> list[tuple[str, list[str]]]:
+    """The files of a checkpoint of format ``fmt`` that are of another format (a run
+    folder's ``optimizer.pt`` beside its ``model.safetensors``): (format, names)."""
+    return catalog.other_formats(fmt, files, entry_formats.file_format)
 
 
 def deepspeed_latest_tag(folder: str) -> str | None:

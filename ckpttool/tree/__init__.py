@@ -45,6 +45,7 @@ from .leaves import (
     is_tensor,
 )
 from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values
+from .params import count_parameters
 from .plain_data import TorchValue, recorded_classes, to_plain
 from .sharding import Shard, check_coverage, raw_parts
 from .torch_values import (
@@ -101,6 +102,7 @@ __all__ = [
     "check_view",
     "children",
     "contiguous_stride",
+    "count_parameters",
     "detect_prefix",
     "get_path",
     "global_name",

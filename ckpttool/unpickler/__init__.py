@@ -11,13 +11,15 @@ from .allow_list import ALLOWED, allowing, keep_allowed
 from .pickle_scan import is_pickle_start
 from .policy import MAX_NESTING, allowed_globals, api_allow_list, check_structure, parse_allow
 from .restricted import load_pickle, split_seen
-from .sharded import LocalShards, own_dtensor_block
+from .sharded import DTENSOR_CLASSES, SHARDED_TENSOR, LocalShards, own_dtensor_block
 from .text_persid import text_persistent_id
 
 __all__ = [
     "ALLOWED",
+    "DTENSOR_CLASSES",
     "LocalShards",
     "MAX_NESTING",
+    "SHARDED_TENSOR",
     "allowed_globals",
     "allowing",
     "api_allow_list",

@@ -2,9 +2,10 @@
 
 An interrupted run (SIGKILL, disk full) leaves no partial output and never
 touches the input; a temp file left by a killed run is removed by the next one on
-the same host. Temp names carry the host and the process id: on a file system that
+the same host that writes into that folder (whatever output it was for; the caller
+reports it). Temp names carry the host and the process id: on a file system that
 several nodes share, a process id says nothing about another node's processes, so
-a node never takes another's running output for a dead run's.
+a node never takes another's running output for a dead run's (docs/folders.md).
 
 ``--force`` replaces only what a ckpttool output consists of: the output file, or the
 files of a folder output (HF shards and their index, DCP's ``.metadata`` and
@@ -21,6 +22,7 @@ import re
 import shutil
 import socket
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from .. import sources
 from ..errors import CkptError, OutputExistsError
@@ -234,22 +236,85 @@ def _remove(path: str) -> None:
             os.remove(path)
 
 
-def _clean_stale(folder: str, stem: str) -> None:
-    """Remove temp outputs of earlier runs on this host that were killed (their pid is gone).
+@dataclass(frozen=True)
+class StaleTemp:
+    """A temporary output of a killed run on this host, removed by a later run.
 
-    ``stem`` ends with :data:`TEMP_MARK`, which names this host: another host's temp
-    files never match it (its processes cannot be checked from here). Only a name this
-    host's ckpttool gives (the stem, then a pid or ``old-`` and a pid), owned by this
-    user, is removed: never a file another user or program made.
+    Attributes:
+        path: What was removed (a file, or a folder output's temp folder).
+        nbytes: The bytes it held.
+        pid: The process that wrote it.
     """
+
+    path: str
+    nbytes: int
+    pid: int
+
+
+def clean_stale_temps(folder: str) -> list[StaleTemp]:
+    """Remove the temp outputs of earlier runs on this host whose writer is gone.
+
+    Whatever output they were for: a killed run leaves ``.NAME.ckpttool-tmp-HOST_PID``
+    (a folder output's ``.ckpttool-tmp-HOST_PID``), full size, hidden from ``ls``. Its
+    writer is gone when that process is not alive, or when the temp is older than this
+    host's boot (the id may belong to another process since). Only names that this
+    host's ckpttool gives (:data:`TEMP_MARK`, then a pid or ``old-`` and a pid), owned
+    by this user, are removed: another host's (a shared file system; its processes
+    cannot be checked from here), another user's or program's files never.
+
+    Returns:
+        What was removed, for the caller to report (the core prints nothing).
+    """
+    booted = _boot_time()
+    removed = []
     for entry in os.listdir(folder):
-        match = _TEMP_TAIL.fullmatch(entry[len(stem) :]) if entry.startswith(stem) else None
-        if match is None or int(match.group(1)) > _MAX_PID or _alive(int(match.group(1))):
+        at = entry.rfind(TEMP_MARK)
+        if at < 0 or (at > 0 and not entry.startswith(".")):
             continue
+        match = _TEMP_TAIL.fullmatch(entry[at + len(TEMP_MARK) :])
+        if match is None or int(match.group(1)) > _MAX_PID:
+            continue
+        pid = int(match.group(1))
         path = os.path.join(folder, entry)
-        with contextlib.suppress(FileNotFoundError):
-            if os.lstat(path).st_uid == os.getuid():
-                _remove(path)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if info.st_uid != os.getuid() or pid == os.getpid():
+            continue
+        if _alive(pid) and (booted is None or info.st_mtime >= booted):
+            continue
+        nbytes = _tree_bytes(path)
+        _remove(path)
+        if not os.path.lexists(path):
+            removed.append(StaleTemp(path, nbytes, pid))
+    return removed
+
+
+def _boot_time() -> float | None:
+    """When this host booted (Linux ``/proc/stat``), or None where that is not known."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _tree_bytes(path: str) -> int:
+    if os.path.isdir(path) and not os.path.islink(path):
+        total = 0
+        for root, _, files in os.walk(path):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(root, name)).st_size
+        return total
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 _MAX_PID = (1 << 31) - 1  # no process has a larger id (os.kill would overflow)
@@ -296,7 +361,12 @@ def _fsync(path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_output(
-    out: str, *, force: bool, folder: bool = False, layout: FolderLayout | None = None
+    out: str,
+    *,
+    force: bool,
+    folder: bool = False,
+    layout: FolderLayout | None = None,
+    removed: list[StaleTemp] | None = None,
 ) -> Iterator[str]:
     """Yield a temp path beside ``out``; on success it becomes ``out`` in one rename.
 
@@ -320,25 +390,31 @@ def atomic_output(
     if folder and os.path.isdir(out):
         if layout is None:
             raise OutputExistsError("output exists", path=out, hint="choose another -o")
-        with _into_folder(out, layout, force) as tmp:
+        with _into_folder(out, layout, force, removed) as tmp:
             yield tmp
         return
     if not folder and _is_file(parent):  # OUT/name where OUT is a checkpoint file
         _check_replace_file(parent, force)
-        with atomic_output(parent, force=force, folder=True) as tmp:
+        with atomic_output(parent, force=force, folder=True, removed=removed) as tmp:
             yield os.path.join(tmp, name)
         return
     created = _missing_folders(parent)  # made for the output: removed again if it fails
     try:
         os.makedirs(parent, exist_ok=True)
-        _clean_stale(parent, f".{name}{TEMP_MARK}")
+        stale = clean_stale_temps(parent)
     except OSError as exc:
         _remove_empty(created)
         raise CkptError(f"cannot create the output folder ({exc.strerror})", path=parent) from None
+    if removed is not None:
+        removed.extend(stale)
     tmp = os.path.join(parent, f".{name}{TEMP_MARK}{os.getpid()}")
-    _remove(tmp)
-    if folder:
-        os.mkdir(tmp)
+    try:
+        _remove(tmp)
+        if folder:
+            os.mkdir(tmp)
+    except OSError as exc:
+        _remove_empty(created)
+        raise _write_error(exc, out, parent) from None
     try:
         yield tmp
         fsync_tree(tmp)
@@ -353,7 +429,7 @@ def atomic_output(
     except OSError as exc:
         _remove(tmp)
         _remove_empty(created)
-        raise _write_error(exc, out) from None
+        raise _write_error(exc, out, parent) from None
     except BaseException:
         _remove(tmp)
         _remove_empty(created)
@@ -373,7 +449,9 @@ def _check_replaceable(out: str, force: bool, *, want_folder: bool) -> None:
 
 
 @contextlib.contextmanager
-def _into_folder(folder: str, layout: FolderLayout, force: bool) -> Iterator[str]:
+def _into_folder(
+    folder: str, layout: FolderLayout, force: bool, removed: list[StaleTemp] | None = None
+) -> Iterator[str]:
     """A folder output written into an existing folder, beside what else it holds.
 
     The files are written into a temp folder inside it, synced, then moved in one by
@@ -381,15 +459,17 @@ def _into_folder(folder: str, layout: FolderLayout, force: bool) -> Iterator[str
     then an earlier run's files that this run did not write again (stale shards) go.
     """
     try:
-        _clean_stale(folder, TEMP_MARK)
+        stale = clean_stale_temps(folder)
     except OSError as exc:
         raise CkptError(
             f"cannot write into the output folder ({exc.strerror})", path=folder
         ) from None
+    if removed is not None:
+        removed.extend(stale)
     _owned_entries(folder, layout, force)
     tmp = os.path.join(folder, f"{TEMP_MARK}{os.getpid()}")
-    _remove(tmp)
     try:
+        _remove(tmp)
         os.mkdir(tmp)
         yield tmp
         fsync_tree(tmp)
@@ -403,14 +483,22 @@ def _into_folder(folder: str, layout: FolderLayout, force: bool) -> Iterator[str
         os.rmdir(tmp)
     except OSError as exc:
         _remove(tmp)
-        raise _write_error(exc, folder) from None
+        raise _write_error(exc, folder, folder) from None
     except BaseException:
         _remove(tmp)
         raise
     _fsync_entry(folder)
 
 
-def _write_error(exc: OSError, out: str) -> CkptError:
+def _write_error(exc: OSError, out: str, folder: str) -> CkptError:
+    """The error of a failed write, naming what the user named: the output, or the
+    folder it goes into where that refuses new files, never the hidden temp path."""
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CkptError(
+            f"cannot write into this folder ({exc.strerror}); nothing was written",
+            path=folder,
+            hint="choose another -o",
+        )
     reason = (
         "disk full or file too large" if exc.errno in (errno.ENOSPC, errno.EFBIG) else exc.strerror
     )

@@ -4,5 +4,6 @@ into fp32 master weights (``zero``, ``flat``), and universal checkpoints (``univ
 from __future__ import annotations
 
 from .folder import detect, read
+from .tag_folder import FORMAT
 
-__all__ = ["detect", "read"]
+__all__ = ["FORMAT", "detect", "read"]

@@ -1,0 +1,90 @@
+"""inspect's small things (issue 32, item 9): --names gives the names convert writes,
+parameters count shared storage once, a run folder of several formats says so, and the
+human view fits 100 columns (long names whole on their own line) and a tiny snapshot
+one screen."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from helpers import fixture_path, run_many
+
+import ckpttool
+
+DDP = fixture_path("ddp") / "ep0-rank0.pt"
+TRAINER_CHECKPOINTS = fixture_path("transformers")
+
+
+def test_names_are_output_names_and_raw_the_key_paths(tmp_path):
+    nested = tmp_path / "nested.pt"
+    torch.save({"optimizer": {"lr": 0.1}, "counts": torch.ones(2)}, nested)  # no model
+    runs = run_many(
+        [
+            ["inspect", DDP, "--names"],
+            ["inspect", DDP, "--names", "--raw"],
+            ["inspect", DDP, "--names", "--filter", "fc1"],
+            ["inspect", nested, "--names"],
+        ]
+    )
+    assert runs[0]["stdout"].splitlines() == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    with ckpttool.open(str(DDP)) as f:
+        assert list(f.keys()) == runs[0]["stdout"].splitlines()
+    raw = runs[1]["stdout"].splitlines()
+    assert raw[:4] == [f"MODEL_STATE.module.{n}" for n in ("fc1.weight", "fc1.bias",
+                       "fc2.weight", "fc2.bias")]  # fmt: skip
+    assert "RNG.torch" in raw and len(raw) == 17
+    assert runs[2]["stdout"].splitlines() == ["fc1.weight", "fc1.bias"]
+    # no model state dict: what `convert --select all` names, the key paths
+    assert runs[3]["stdout"].splitlines() == ["counts"]
+
+
+def test_parameters_count_a_tied_embedding_once():
+    """transformers 4's pytorch_model.bin keeps lm_head.weight on wte's storage: the
+    model has 1,272 parameters (model.num_parameters()), not 1,272 + 96."""
+    folder = TRAINER_CHECKPOINTS / "gpt2_bin" / "checkpoint-2"
+    state = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    assert state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    unique = {t.data_ptr(): t.numel() for t in state.values()}
+    runs = run_many([["inspect", folder, "--json"], ["inspect", folder]])
+    assert json.loads(runs[0]["stdout"])["num_params"] == sum(unique.values()) == 1272
+    model_line = next(line for line in runs[1]["stdout"].splitlines() if line.startswith("model:"))
+    assert "1.27K parameters (1,272)" in model_line
+
+
+def test_a_run_folder_of_several_formats_says_which():
+    runs = run_many(
+        [
+            ["inspect", TRAINER_CHECKPOINTS / "gpt2_tied" / "checkpoint-2"],
+            ["inspect", fixture_path("dcp")],
+            ["inspect", fixture_path("safetensors_sharded")],
+        ]
+    )
+    assert runs[0]["stdout"].splitlines()[0] == (
+        "format: safetensors (the model); torch-zip: optimizer.pt, rng_state.pth, scheduler.pt"
+    )
+    assert runs[1]["stdout"].splitlines()[0] == "format: dcp, world size 2"
+    assert runs[2]["stdout"].splitlines()[0] == "format: safetensors-sharded"
+
+
+def test_tiny_snapshot_fits_one_screen_of_100_columns(tmp_path):
+    long = "encoder." + ".".join(f"block{i}" for i in range(20)) + ".attention.weight"
+    wide = tmp_path / "wide.pt"
+    torch.save(
+        {"model": {long: torch.ones(2), "short.weight": torch.ones(3)}, "note": "x" * 300}, wide
+    )
+    runs = run_many([["inspect", DDP], ["inspect", wide], ["inspect", wide, "--full"]])
+    lines = runs[0]["stdout"].splitlines()
+    assert len(lines) <= 41, "\n".join(lines)
+    assert max(len(line) for line in lines) <= 100
+    assert lines[-1].startswith("  … ") and "(--limit 0 or --full)" in lines[-1]
+    lines = runs[1]["stdout"].splitlines()
+    name = f"  model.{long}"
+    assert name in lines  # whole, on its own line, its row below it
+    row = lines[lines.index(name) + 1]
+    assert row.split() == ["fp32", "[2]", "8", "B"]
+    assert all(len(line) <= 100 for line in lines if line != name)
+    assert any(line.endswith("…") and "'xxx" in line for line in lines)  # the value, cut
+    # --full: every row whole on one line, for grep
+    assert any(line.startswith(name) and line.split()[1:] == ["fp32", "[2]", "8", "B"]
+               for line in runs[2]["stdout"].splitlines())  # fmt: skip
