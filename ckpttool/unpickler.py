@@ -133,8 +133,8 @@ class SafeUnpickler(pickle.Unpickler):
 def global_verdict(module: str, name: str) -> str:
     """What :meth:`SafeUnpickler.find_class` makes of ``module.name`` (already resolved
     to its Python 3 name), as a verdict: SAFE for what ckpttool rebuilds itself, else
-    :func:`~ckpttool.policy.judge`'s. ``getattr``, whose uses the full read judges one by
-    one, is DANGEROUS here: a static walk cannot tell them apart."""
+    :func:`~ckpttool.policy.judge`'s (``getattr`` is DANGEROUS: :func:`static_verdict`
+    lets through its calls on a torch class and a nested class's name, as ``_getattr``)."""
     full = f"{module}.{name}"
     if (
         full in SAFE_GLOBALS
