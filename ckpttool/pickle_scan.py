@@ -350,7 +350,9 @@ def _walk(
             if mark:
                 items = pop_mark()
             if taken:
-                if len(stack) - taken < fence:
+                # (APPENDS, SETITEMS, ADDITEMS: C takes the container below the MARK
+                # whatever other marks say)
+                if len(stack) - taken < (0 if mark else fence):
                     raise _Stop("stack underflow")
                 items += stack[-taken:]
                 del stack[-taken:]

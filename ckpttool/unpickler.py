@@ -544,7 +544,7 @@ def _static_scan(stream: IO[bytes], start: int, unpickler: SafeUnpickler) -> Use
         uses = scan_pickle(data, python3_name, encoding=encoding)
         if not uses.truncated or len(data) < chunk or chunk >= MAX_STATIC_SCAN_BYTES:
             return uses
-        chunk *= 8
+        chunk = min(chunk * 8, MAX_STATIC_SCAN_BYTES)
 
 
 def _reason(name: str, guard: ReadGuard, static: dict[str, str]) -> str:
