@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from attack_corpus import write_torch_zip
-from helpers import check_error, completed, run_child, run_many
+from helpers import check_error, completed, run_child, run_many, write_dcp
 
 import ckpttool
 from ckpttool.errors import UnsafeError
@@ -73,6 +73,12 @@ def p0_global_reduce(m: str) -> bytes:
 def p0_hex_int(m: str) -> bytes:
     """Protocol 0 INT in hex (C's unpickler takes ``0x1``), popped, then the call."""
     return b"I0x1\n0" + p0_global_reduce(m)
+
+
+def p0_mark_pop(m: str) -> bytes:
+    """MARK then POP: C's POP takes the MARK off (a walk that calls it an underflow
+    stops before the call)."""
+    return b"(0" + p0_global_reduce(m)
 
 
 def p0_inst(m: str) -> bytes:
@@ -135,6 +141,7 @@ def p5_stack_global_memo(m: str) -> bytes:
 PAYLOADS: dict[str, tuple[Callable[[str], bytes], str]] = {
     "p0-global-reduce": (p0_global_reduce, "posix.system"),
     "p0-hex-int": (p0_hex_int, "posix.system"),
+    "p0-mark-pop": (p0_mark_pop, "posix.system"),
     "p0-inst": (p0_inst, "posix.system"),
     "p0-persid": (p0_persid_then_eval, "builtins.eval"),
     "p1-obj": (p1_obj, "builtins.exec"),
@@ -318,6 +325,18 @@ def test_a_global_named_by_computed_strings_is_refused():
     data = body + b"\x85R" + short4("system") + b"\x93K\x00\x85R" + b"t."
     uses = scan_pickle(data)
     assert any(name.startswith("<a global named by") for name in uses.uses)
+
+
+@pytest.mark.parametrize("name", ["p0-global-reduce", "p1-obj", "p2-module-override"])
+def test_dcp_metadata_of_any_protocol_is_judged(tmp_path, name):
+    build, expected = PAYLOADS[name]
+    folder = tmp_path / "dcp"
+    write_dcp(folder, {"w": torch.ones(2)})
+    (folder / ".metadata").write_bytes(build(str(tmp_path / "marker")))
+    (result,) = run_many([["inspect", "--json", folder]])
+    line = check_error_json_ok(result, "inspect")
+    assert expected in line
+    assert json.loads(result["stdout"])["format"] == "dcp"
 
 
 # ------------------------------------------------------------ benign pickles

@@ -62,15 +62,15 @@ def judge_tar(path: str, *, permissive: bool = False) -> None:
                 raise UnsafeError([f"<tar member {name!r} is a link>"], path=path)
             if info.offset_data + info.size > size or info.size > MAX_MEMBER_BYTES:
                 raise CkptError(f"tar member {name!r} runs past the end of the file", path=path)
-            f.seek(info.offset_data)
-            data = f.read(info.size)
-            stream = io.BytesIO(data)
+            # read in place (a member holds every storage's bytes): pickles are read
+            # from the file, the data between them skipped
+            member = _Member(f, info.offset_data, info.offset_data + info.size, path)
             if name == "storages":
-                _judge_storages(stream, path, seen, permissive)
+                _judge_storages(member, seen, permissive)
             elif name == "tensors":
-                _judge_tensors(stream, path, seen, permissive)
+                _judge_tensors(member, seen, permissive)
             else:
-                load_pickle(stream, path=path, seen=seen, permissive=permissive, scan_only=True)
+                member.load(seen, permissive, scan_only=True)
             judged.append(name)
     what = "its pickles reference no dangerous global" if judged else "no torch member in it"
     raise CkptError(
@@ -102,46 +102,61 @@ def _members(f: IO[bytes], path: str) -> dict[str, tarfile.TarInfo]:
     return found
 
 
-def _load(stream: IO[bytes], path: str, seen: set[str], permissive: bool) -> Any:
-    return load_pickle(stream, path=path, seen=seen, permissive=permissive)
+class _Member:
+    """A member of the tar, read in place from the file: its pickles in turn, its raw
+    numbers and data checked against its end."""
+
+    def __init__(self, f: IO[bytes], start: int, end: int, path: str):
+        self.f, self.end, self.path = f, end, path
+        f.seek(start)
+
+    def left(self) -> int:
+        return self.end - self.f.tell()
+
+    def load(self, seen: set[str], permissive: bool, *, scan_only: bool = False) -> Any:
+        value = load_pickle(
+            self.f, path=self.path, seen=seen, permissive=permissive, scan_only=scan_only
+        )
+        if self.left() < 0:
+            raise CkptError("corrupt tar archive: a pickle runs past its member", path=self.path)
+        return value
+
+    def read(self, size: int) -> bytes:
+        if not 0 <= size <= self.left():
+            raise CkptError("corrupt tar archive: a member ends early", path=self.path)
+        return self.f.read(size)
+
+    def skip(self, size: int) -> None:
+        if not 0 <= size <= self.left():
+            raise CkptError("corrupt tar archive: a storage past its member", path=self.path)
+        self.f.seek(size, io.SEEK_CUR)
+
+    def count(self, value: Any, what: str) -> int:
+        """A pickled count, bounded by the bytes left (each item is a pickle and more)."""
+        if type(value) is not int or not 0 <= value <= self.left():
+            raise CkptError(f"corrupt tar archive: {what} count {value!r:.40}", path=self.path)
+        return value
 
 
-def _count(value: Any, stream: IO[bytes], path: str, what: str) -> int:
-    """A pickled count, bounded by the bytes left (each item is a pickle and more)."""
-    left = len(stream.getbuffer()) - stream.tell()  # type: ignore[attr-defined]
-    if type(value) is not int or not 0 <= value <= left:
-        raise CkptError(f"corrupt tar archive: {what} count {value!r:.40}", path=path)
-    return value
-
-
-def _judge_storages(stream: io.BytesIO, path: str, seen: set[str], permissive: bool) -> None:
-    count = _count(_load(stream, path, seen, permissive), stream, path, "storage")
+def _judge_storages(member: _Member, seen: set[str], permissive: bool) -> None:
+    count = member.count(member.load(seen, permissive), "storage")
     for _ in range(count):
-        args = _load(stream, path, seen, permissive)
+        args = member.load(seen, permissive)
         storage_type = args[2] if isinstance(args, tuple) and len(args) == 3 else None
         if not isinstance(storage_type, StorageType):
-            raise CkptError("corrupt tar archive: a storage record", path=path)
-        numel = struct.unpack("<q", _exactly(stream, 8, path))[0]
+            raise CkptError("corrupt tar archive: a storage record", path=member.path)
+        numel = struct.unpack("<q", member.read(8))[0]
         if numel < 0:
-            raise CkptError("corrupt tar archive: a negative storage size", path=path)
-        stream.seek(numel * storage_type.dtype.itemsize, io.SEEK_CUR)
-        if stream.tell() > len(stream.getbuffer()):
-            raise CkptError("corrupt tar archive: a storage past its member", path=path)
-    _load(stream, path, seen, permissive)  # the storage views
+            raise CkptError("corrupt tar archive: a negative storage size", path=member.path)
+        member.skip(numel * storage_type.dtype.itemsize)
+    member.load(seen, permissive)  # the storage views
 
 
-def _judge_tensors(stream: io.BytesIO, path: str, seen: set[str], permissive: bool) -> None:
-    count = _count(_load(stream, path, seen, permissive), stream, path, "tensor")
+def _judge_tensors(member: _Member, seen: set[str], permissive: bool) -> None:
+    count = member.count(member.load(seen, permissive), "tensor")
     for _ in range(count):
-        _load(stream, path, seen, permissive)
-        ndim = struct.unpack("<i", _exactly(stream, 4, path))[0]
+        member.load(seen, permissive)
+        ndim = struct.unpack("<i", member.read(4))[0]
         if ndim < 0:
-            raise CkptError("corrupt tar archive: a negative tensor rank", path=path)
-        _exactly(stream, 4 + 16 * ndim + 8, path)
-
-
-def _exactly(stream: IO[bytes], size: int, path: str) -> bytes:
-    data = stream.read(size)
-    if len(data) != size:
-        raise CkptError("corrupt tar archive: a member ends early", path=path)
-    return data
+            raise CkptError("corrupt tar archive: a negative tensor rank", path=member.path)
+        member.read(4 + 16 * ndim + 8)

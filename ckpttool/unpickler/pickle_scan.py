@@ -153,7 +153,7 @@ class _Stop(Exception):
 # How each opcode is walked (a kind, and what it needs), precomputed from pickletools.
 (_PUSH, _STR, _GENERIC, _MARK_OP, _STOP, _GLOBAL, _INST, _STACK_GLOBAL, _REDUCE, _OBJ,
  _NEWOBJ, _NEWOBJ_EX, _BUILD, _EXT, _PERSID, _BINPERSID, _PUT, _MEMOIZE, _GET, _DUP,
- _PROTO, _SKIP, _NEXT_BUFFER) = range(23)  # fmt: skip
+ _PROTO, _SKIP, _NEXT_BUFFER, _POP, _APPEND, _SETITEM) = range(26)  # fmt: skip
 _SPECIAL = {
     "MARK": _MARK_OP, "STOP": _STOP, "GLOBAL": _GLOBAL, "INST": _INST,
     "STACK_GLOBAL": _STACK_GLOBAL, "REDUCE": _REDUCE, "OBJ": _OBJ, "NEWOBJ": _NEWOBJ,
@@ -162,6 +162,8 @@ _SPECIAL = {
     "LONG_BINPUT": _PUT, "MEMOIZE": _MEMOIZE, "GET": _GET, "BINGET": _GET,
     "LONG_BINGET": _GET, "DUP": _DUP, "PROTO": _PROTO, "FRAME": _SKIP,
     "NEXT_BUFFER": _NEXT_BUFFER,
+    # where C's unpickler reads the stack its own way (see _walk)
+    "POP": _POP, "APPEND": _APPEND, "SETITEM": _SETITEM,
 }  # fmt: skip
 _STRINGS = frozenset(
     "STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8".split()
@@ -348,7 +350,9 @@ def _walk(
             if mark:
                 items = pop_mark()
             if taken:
-                if len(stack) - taken < fence:
+                # (APPENDS, SETITEMS, ADDITEMS: C takes the container below the MARK
+                # whatever other marks say)
+                if len(stack) - taken < (0 if mark else fence):
                     raise _Stop("stack underflow")
                 items += stack[-taken:]
                 del stack[-taken:]
@@ -461,6 +465,22 @@ def _walk(
                 raise _Stop("unsupported pickle protocol")
         elif kind == _SKIP:
             argument(fixed, length)
+        elif kind == _POP:
+            if marks and marks[-1] == len(stack):  # C's POP takes a MARK on top too
+                marks.pop()
+                fence = marks[-1] if marks else 0
+            else:
+                pop()
+        elif kind == _APPEND or kind == _SETITEM:
+            # C's APPEND and SETITEM take their items whatever the marks say (do_append,
+            # do_setitems): they need the container and the items, nothing more
+            count = 1 if kind == _APPEND else 2
+            if len(stack) <= count:
+                raise _Stop("stack underflow")
+            items = stack[-count:]
+            del stack[-count:]
+            held = stack[-1]
+            stack[-1] = _sym(_head(held), held, *items)
         else:  # NEXT_BUFFER
             raise _Stop("out-of-band buffers (torch.load passes none)")
         if kind in _ACTING:  # it parsed: the real unpickler imports or calls here

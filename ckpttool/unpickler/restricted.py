@@ -140,8 +140,8 @@ class SafeUnpickler(pickle.Unpickler):
 def global_verdict(module: str, name: str) -> str:
     """What :meth:`SafeUnpickler.find_class` makes of ``module.name`` (already resolved
     to its Python 3 name), as a verdict: SAFE for what ckpttool rebuilds itself, else
-    :func:`~ckpttool.policy.judge`'s. ``getattr``, whose uses the full read judges one by
-    one, is DANGEROUS here: a static walk cannot tell them apart."""
+    :func:`~ckpttool.policy.judge`'s (``getattr`` is DANGEROUS: :func:`static_verdict`
+    lets through its calls on a torch class and a nested class's name, as ``_getattr``)."""
     full = f"{module}.{name}"
     if (
         full in SAFE_GLOBALS
@@ -512,7 +512,7 @@ def _static_scan(stream: IO[bytes], start: int, unpickler: SafeUnpickler) -> Use
         uses = scan_pickle(data, python3_name, encoding=encoding)
         if not uses.truncated or len(data) < chunk or chunk >= MAX_STATIC_SCAN_BYTES:
             return uses
-        chunk *= 8
+        chunk = min(chunk * 8, MAX_STATIC_SCAN_BYTES)
 
 
 def _reason(name: str, guard: ReadGuard, static: dict[str, str]) -> str:
