@@ -2,16 +2,21 @@
 
 Everything is generated in ``tmp_path`` / ``tmp_path_factory`` from real ``torch.save`` /
 ``torch.jit.save`` / safetensors / torchrun + gloo runs; the expensive inputs (the torchrun
-runs) are session-scoped and shared. Plain helpers live in ``helpers.py``.
+runs) are session-scoped and shared. The code the tests share (the CLI runner, servers,
+the attack corpus, the programs child processes run) lives in ``support/``, importable
+by its module names.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+import pytest  # noqa: E402
 from helpers import CountingSource, finish, run_cli, start_torchrun
 from payloads import MALICIOUS_KINDS, WRITERS, MaliciousFile, make_payloads
 
@@ -23,7 +28,7 @@ def cli():
 
 # ---------------------------------------------------------- torchrun + gloo runs
 
-DIST_WORKERS = Path(__file__).with_name("dist_workers.py")
+DIST_WORKERS = Path(__file__).parent / "support" / "dist_workers.py"
 TORCHRUN_TIMEOUT_S = 300
 
 

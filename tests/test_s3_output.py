@@ -482,7 +482,7 @@ def test_torchrun_ranks_into_one_bucket(s3, ckpt, tmp_path):
     the bytes one process writes, each part sent once."""
     from helpers import finish, start_torchrun
 
-    worker = Path(__file__).with_name("s3_rank_worker.py")
+    worker = Path(__file__).parent / "support" / "s3_rank_worker.py"
     env = {**s3.env, "CKPTTOOL_S3_PART_SIZE": str(PART)}
     url = f"s3://{BUCKET}/trun/model.pt"
     done = finish(start_torchrun(worker, ckpt, "pt", url, nproc=2, env=env), timeout=240)
