@@ -3,7 +3,7 @@
     python benchmarks/remote.py --scale 0.125          # 512 MiB snapshot, 4 x 256 MiB ranks
     python benchmarks/remote.py --scale 1 --markdown   # the sizes (4 GB file)
 
-Servers run in this process, on 127.0.0.1 only (tests/servers.py): a Range-capable
+Servers run in this process, on 127.0.0.1 only (tests/support/servers.py): a Range-capable
 HTTP file server and moto's S3 server. Cases and targets:
 
 - ``inspect`` of the ~4 GB torch-zip snapshot over HTTP: at most 1 MiB and 5 requests

@@ -1,4 +1,4 @@
-"""Hostile containers (``tests/hostile_zips.py``): bounded work on any input.
+"""Hostile containers (``tests/support/hostile_zips.py``): bounded work on any input.
 
 Every case, through every command: the contract's exit code (2 with one stderr line
 naming what is wrong, or 0 for the valid controls), nothing written, the input

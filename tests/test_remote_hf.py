@@ -1,5 +1,5 @@
 """hf:// through huggingface_hub's HfFileSystem, its endpoint a loopback server that
-answers the Hub's routes (revision, tree, resolve) over local files (tests/servers.py)."""
+answers the Hub's routes (revision, tree, resolve) over local files (tests/support/servers.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The https:// byte source against a loopback server: exact bytes, few requests, and one
-clear error for each way a server can go wrong (tests/servers.py has the variants)."""
+clear error for each way a server can go wrong (tests/support/servers.py has the variants)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The torchrun workers behind the suite's multi-process checkpoints (CPU, gloo).
 
-Run as ``torchrun --nproc_per_node=N tests/dist_workers.py OUT`` (see ``dist_runs`` in
+Run as ``torchrun --nproc_per_node=N tests/support/dist_workers.py OUT`` (see ``dist_runs`` in
 conftest.py, which starts N = 2, 3 and 4 at once). Each world size writes, in one process
 group, what its scenarios need, each scenario into a folder of its own under ``OUT``:
 

@@ -5,7 +5,7 @@ part of the file a reader believes.
 Nothing here imports torch: the pickles are assembled from opcodes, the zip records from
 ``struct``. Each builder returns the file's bytes; :data:`CASES` says what ckpttool must
 make of each (exit code, a phrase of its one stderr line). Used by
-``tests/test_hostile_inputs.py``; ``python tests/hostile_zips.py DIR`` writes them all
+``tests/test_hostile_inputs.py``; ``python tests/support/hostile_zips.py DIR`` writes them all
 for a look by hand.
 """
 
