@@ -179,7 +179,7 @@ def _raw_names(report: dict) -> list[str]:
     return [".".join(map(str, t["key"])) for t in report["tensors"]]
 
 
-def _output_names(ckpt, report: dict, filter: str | None) -> list[str]:
+def _output_names(ckpt: Checkpoint, report: dict, filter: str | None) -> list[str]:
     """The names ``convert`` writes (``--select auto``: the model state dict, its wrapper
     prefix stripped) and ``ckpttool.open().keys()`` gives; where no model state dict is
     found, what ``--select all`` writes: the key paths."""

@@ -25,6 +25,7 @@ import codecs
 import pickletools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # What a pickle may do with a global, strongest first (the reason shown for it).
 CALLED = "called"
@@ -518,7 +519,7 @@ def _number(raw: bytes, fixed: int) -> int:
     return int.from_bytes(raw, "little")
 
 
-def _string(name: str, span: tuple[int, int], data: bytes, text) -> _Value:
+def _string(name: str, span: tuple[int, int], data: bytes, text: Any) -> _Value:
     """The value of a string opcode: its text where it may name a global, else None."""
     start, end = span
     if end - start > MAX_NAME_BYTES + 2:

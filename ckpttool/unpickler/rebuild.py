@@ -30,16 +30,16 @@ from .sharded import DTENSOR_CLASSES, SHARDED_TENSOR, dtensor_local, sharded_ten
 
 
 def rebuild_tensor(
-    storage,
-    storage_offset,
-    size,
-    stride,
-    requires_grad=False,
-    backward_hooks=None,
-    metadata=None,
-    *_,
-    dtype=None,
-):
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+    *_: Any,
+    dtype: Any = None,
+) -> Any:
     """Stand-in for ``torch._utils._rebuild_tensor_v2``: a lazy TensorRef, bounds-checked.
 
     ``metadata`` carries the conjugate / negative bits of a lazy view (``{"conj": True}``).
@@ -76,13 +76,21 @@ def rebuild_tensor(
     )
 
 
-def rebuild_tensor_v1(storage, storage_offset, size, stride):
+def rebuild_tensor_v1(storage: Any, storage_offset: Any, size: Any, stride: Any) -> Any:
     return rebuild_tensor(storage, storage_offset, size, stride)
 
 
 def rebuild_tensor_v3(
-    storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None, *_
-):
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+    *_: Any,
+) -> Any:
     return rebuild_tensor(
         storage,
         storage_offset,
@@ -95,14 +103,21 @@ def rebuild_tensor_v3(
     )
 
 
-def rebuild_parameter(data, requires_grad=False, *_):
+def rebuild_parameter(data: Any, requires_grad: Any = False, *_: Any) -> Any:
     if isinstance(data, (TensorRef, SparseRef)):
         data.parameter = True
         data.requires_grad = bool(requires_grad)
     return data
 
 
-def rebuild_qtensor(storage, storage_offset, size, stride, quantizer_params=None, *rest):
+def rebuild_qtensor(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    quantizer_params: Any = None,
+    *rest: Any,
+) -> Any:
     """Stand-in for ``torch._utils._rebuild_qtensor``: a tensor of the quantized dtype
     (its stored bytes are the integer representation) with its quantizer."""
     requires_grad = rest[0] if rest else False
@@ -147,7 +162,7 @@ def _quantizer(params: Any) -> tuple | None:
     return None
 
 
-def rebuild_meta(dtype, size, stride, requires_grad=False):
+def rebuild_meta(dtype: Any, size: Any, stride: Any, requires_grad: Any = False) -> Any:
     shape = int_tuple(size, "shape")
     check_shape(shape)
     return TensorRef(
@@ -161,7 +176,7 @@ def rebuild_meta(dtype, size, stride, requires_grad=False):
     )
 
 
-def rebuild_sparse_tensor(layout, data):
+def rebuild_sparse_tensor(layout: Any, data: Any) -> Any:
     """Stand-in for ``torch._utils._rebuild_sparse_tensor``: a :class:`SparseRef` of the
     stored index and value tensors. torch checks their invariants when it is read."""
     name = layout.removeprefix("torch.") if isinstance(layout, TorchName) else None
@@ -199,7 +214,7 @@ def rebuild_sparse_tensor(layout, data):
 PLAIN_TENSOR_CLASSES = ("torch.Tensor", "torch._tensor.Tensor", "torch.nn.parameter.Parameter")
 
 
-def rebuild_from_type_v2(func, new_type, args, state):
+def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     """Stand-in for ``torch._tensor._rebuild_from_type_v2`` (tensor subclasses)."""
     base = func(*args)
     name = (
@@ -227,6 +242,13 @@ def rebuild_from_type_v2(func, new_type, args, state):
 
 
 def rebuild_wrapper_subclass(
-    cls, dtype, size, stride, storage_offset, layout, device, requires_grad=False
-):
+    cls: Any,
+    dtype: Any,
+    size: Any,
+    stride: Any,
+    storage_offset: Any,
+    layout: Any,
+    device: Any,
+    requires_grad: Any = False,
+) -> Any:
     return WrapperStub(cls, dtype, size, stride, storage_offset, layout, device, requires_grad)

@@ -53,7 +53,7 @@ KNOWN_TORCH_PREFIXES = (
 MAX_BYTES_CONSTRUCTOR = 1 << 24
 
 
-def _torch_size(values=()):
+def _torch_size(values: Any = ()) -> Any:
     # torch.Size holds int64s: one made of a bigger int cannot be printed, compared with
     # another or saved (a merged output holding it would not load)
     if (
@@ -65,7 +65,7 @@ def _torch_size(values=()):
     return TorchSize(values)
 
 
-def _torch_device(kind, index=None):
+def _torch_device(kind: Any, index: Any = None) -> Any:
     """``torch.device("cuda:0")`` or ``torch.device("cuda", 0)``, checked as torch checks it:
     the string is written back into outputs, so it must be a device torch can parse."""
     if isinstance(kind, Device) and index is None:
@@ -84,11 +84,11 @@ def _torch_device(kind, index=None):
     return Device(text)
 
 
-def _get_layout(name):
+def _get_layout(name: Any) -> Any:
     return TorchName(name)
 
 
-def _codecs_encode(obj, encoding="utf-8", errors="strict"):
+def _codecs_encode(obj: Any, encoding: Any = "utf-8", errors: Any = "strict") -> Any:
     # Protocol 2 pickles bytes as _codecs.encode(str, "latin1").
     if (
         not isinstance(obj, str)
@@ -149,7 +149,7 @@ def calls(target: Any) -> None:
         target()
 
 
-def _reconstructor(cls, base, state=None):
+def _reconstructor(cls: Any, base: Any, state: Any = None) -> Any:
     # copyreg._reconstructor(cls, base, state) runs base.__new__(cls, state) and, where
     # base has its own __init__, base.__init__(obj, state): a call of base
     # (object, or dict for a dict subclass, in real files)
@@ -189,13 +189,13 @@ CALLS_ARGUMENT = {
 }
 
 
-def _newobj(cls, *args):
+def _newobj(cls: Any, *args: Any) -> Any:
     if isinstance(cls, type) and issubclass(cls, Opaque):
         return cls.__new__(cls, *args)  # as NEWOBJ: creates, judges what it is handed
     return opaque_class("copyreg", "__newobj__").make(cls, *args)
 
 
-def _defaultdict(default_factory=None, *args):
+def _defaultdict(default_factory: Any = None, *args: Any) -> Any:
     # Keep the mapping, drop the factory: we never call it, and a plain dict
     # stays loadable with weights_only=True.
     return _constructor(dict)(*args)
