@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from .. import sources
 from ..errors import CkptError
-from . import (
+from . import FILE_FORMATS, FOLDER_FORMATS, megatron, run_folders
+from .catalog import DCP_DATA_FILE
+from .folders import (
     CHECKPOINT_SUFFIXES,
-    FILE_FORMATS,
-    FOLDER_FORMATS,
     HF_WEIGHT_FILES,
     deepspeed_latest_tag,
-    megatron,
     megatron_latest_iteration,
-    run_folders,
 )
-from .catalog import DCP_DATA_FILE
 
 
 def folder_format(path: str) -> str | None:

@@ -55,7 +55,8 @@ from .. import sources
 from ..errors import CkptError
 from ..tree import Checkpoint, model_key, verdicts
 from ..unpickler import check_structure
-from . import dcp, deepspeed_latest_tag
+from . import dcp
+from .folders import deepspeed_latest_tag
 
 ReadPart = Callable[[Any], Checkpoint]  # one path or a list of rank files -> Checkpoint
 
