@@ -16,6 +16,7 @@ from .progress import ProgressFactory
 from .sizes import parse_size
 from .writers import WRITERS, hf_output
 from .writers.atomic import StaleTemp, atomic_output, check_output, output_path
+from .writers.naming import default_output
 
 TARGETS = tuple(WRITERS)
 CAST_DTYPES = ("float32", "float16", "bfloat16")
@@ -24,42 +25,6 @@ DEVICE_RE = re.compile(r"^(cpu|meta|(cuda|xpu|mps|npu|hpu)(:\d+)?)$")
 
 # Formats whose checkpoint is a folder, whatever file of it was given
 FOLDER_READ_FORMATS = ("dcp", "megatron", "safetensors-sharded")
-
-
-def output_stem(inputs: Sequence[str]) -> tuple[str, str]:
-    """(folder, stem) of the input an output is named after: ``/d/ep0-rank0.pt`` ->
-    (``/d``, ``ep0``). Per-rank inputs drop their rank: one output for all ranks."""
-    first = sources.strip_file_scheme(inputs[0])
-    # the output is local: a URL input's goes in the current folder
-    folder = "" if sources.is_url(first) else os.path.dirname(os.path.normpath(first))
-    name = sources.input_name(first)
-    stem = name.split(".", 1)[0] if not sources.isdir(first) else name
-    return folder, re.sub(r"[-_]?rank\*?\d*$", "", stem) or stem
-
-
-def unused_name(folder: str, stem: str, suffix: str, inputs: Sequence[str]) -> str:
-    """``folder/stem.pt``, or ``folder/stem-suffix.pt`` where that is an input."""
-    candidate = os.path.join(folder, f"{stem}.pt")
-    local_inputs = [sources.strip_file_scheme(p) for p in inputs]
-    real_inputs = {os.path.realpath(p) for p in local_inputs if not sources.is_url(p)}
-    if os.path.realpath(candidate) not in real_inputs:
-        return candidate
-    return os.path.join(folder, f"{stem}-{suffix}.pt")
-
-
-def default_output(inputs: Sequence[str], to: str, sharded: bool, folder: str | None = None) -> str:
-    """A name beside the input: ``ep0.safetensors``, ``ep0-safetensors/``, ``ep0.pt``, ``ep0-dcp/``.
-
-    Per-rank inputs drop their rank (``ep0-rank0.pt`` -> ``ep0``): one output for all ranks.
-    ``folder`` puts it there instead (``-o DIR/``).
-    """
-    beside, stem = output_stem(inputs)
-    folder = beside if folder is None else folder
-    if to == "dcp":
-        return os.path.join(folder, f"{stem}-dcp")
-    if to == "safetensors":
-        return os.path.join(folder, f"{stem}-safetensors" if sharded else f"{stem}.safetensors")
-    return unused_name(folder, stem, "converted", inputs)
 
 
 @dataclass

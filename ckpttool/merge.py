@@ -12,6 +12,7 @@ from .errors import translate_errors
 from .progress import ProgressFactory
 from .tree import iter_tensors, recorded_classes
 from .writers.atomic import StaleTemp, atomic_output, check_output, output_path
+from .writers.naming import default_name
 
 
 @dataclass
@@ -75,11 +76,3 @@ def merge(
         with bar as advance, atomic_output(out, force=force, removed=removed) as tmp:
             write_plan(plan, tmp, advance)
     return MergeResult(out, len(leaves), total, stand_ins, removed)
-
-
-def default_name(inputs: Sequence[str], folder: str) -> str:
-    """The merged file's name in ``folder`` (``-o DIR/``): the input's, its rank dropped
-    (``ep0-rank0.pt``, ``ep0/`` -> ``ep0.pt``); ``ep0-merged.pt`` where that is an input."""
-    from .convert import output_stem, unused_name
-
-    return os.path.basename(unused_name(folder, output_stem(inputs)[1], "merged", inputs))

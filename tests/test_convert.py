@@ -24,8 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import ckpttool
-from ckpttool.convert import convert, default_output, parse_size
+from ckpttool.convert import convert, parse_size
 from ckpttool.errors import OutputExistsError, UsageError
+from ckpttool.writers.naming import default_output
 
 MODEL_KEYS = ["emb.weight", "head.weight", "proj.weight", "norm.bias", "bn.num_batches_tracked"]
 

@@ -360,8 +360,8 @@ def test_source_file_reads_spans_the_same_both_ways(tmp_path, counting_source):
 def test_outputs_named_after_url_inputs_are_local(tmp_path, counting_source):
     """An output is local: named after a URL input, it goes to the current folder; a
     remote input is never taken for the output's path."""
-    from ckpttool.convert import default_output, output_stem
     from ckpttool.writers.atomic import check_output
+    from ckpttool.writers.naming import default_output, output_stem
 
     (tmp_path / "ep3").mkdir()
     (tmp_path / "ep0-rank0.pt").write_bytes(b"x")

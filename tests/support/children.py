@@ -1,4 +1,5 @@
-"""Child programs the tests start in a fresh interpreter: ``python tests/support/children.py NAME ...``
+"""Child programs the tests start in a fresh interpreter:
+``python tests/support/children.py NAME ...``
 (see :func:`helpers.run_child`).
 
 A fresh process where the test needs one: to run the whole attack corpus through the CLI
