@@ -79,7 +79,7 @@ class _PinnedBlock:
     """A shard's block whose stored tensor is resolved once (the DCP reader opens the
     ``.distcp`` file to find it; the test then points its bytes at a URL)."""
 
-    cast_to = None  # read as stored (tree.sharding.Block)
+    cast_to = None  # read as stored (tree.leaves.Block)
 
     def __init__(self, ref: TensorRef):
         self.ref = ref

@@ -65,7 +65,7 @@ class DcpChunk:
     The span is a ``torch.save`` zip, or the start of the file's safetensors blob.
     """
 
-    cast_to = None  # read as stored (tree.sharding.Block)
+    cast_to = None  # read as stored (tree.leaves.Block)
 
     def __init__(
         self,

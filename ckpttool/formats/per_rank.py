@@ -161,7 +161,7 @@ def _check_plain_tensors(base: Any, other: Any, path: str) -> None:
 class RankShard:
     """A ShardedTensor block that another rank's file holds, read only when its data is needed."""
 
-    cast_to = None  # read as stored (tree.sharding.Block)
+    cast_to = None  # read as stored (tree.leaves.Block)
 
     def __init__(
         self,

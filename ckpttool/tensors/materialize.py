@@ -48,7 +48,7 @@ def load_leaf(leaf: Any, map_location: Any = "cpu") -> torch.Tensor:
         return load_sharded(leaf, map_location)
     if isinstance(leaf, SparseRef):
         return load_sparse(leaf, map_location)
-    # a block of a sharded tensor (tree.sharding.Block): its stored tensor, maybe cast
+    # a block of a sharded tensor (tree.leaves.Block): its stored tensor, maybe cast
     if leaf.cast_to is None:
         return load_tensor(leaf.tensor_ref(), map_location)
     return load_tensor(leaf.tensor_ref(), "cpu").to(torch_dtype(leaf.cast_to))

@@ -8,8 +8,8 @@ torch: :mod:`ckpttool.tensors` turns leaves into tensors.
 from __future__ import annotations
 
 from .call_rules import (
-    HOLDS_CALLABLES,
     GlobalClass,
+    HOLDS_CALLABLES,
     Kinds,
     judge_build,
     judge_class_call,
@@ -33,9 +33,11 @@ from .layout import (
     strip_prefix,
 )
 from .leaves import (
-    SPARSE_PARTS,
+    Block,
     KeyPath,
     Leaf,
+    SPARSE_PARTS,
+    Shard,
     ShardedRef,
     SparseRef,
     StorageRef,
@@ -47,16 +49,16 @@ from .leaves import (
 from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values
 from .params import count_parameters
 from .plain_data import TorchValue, recorded_classes, to_plain
-from .sharding import Shard, check_coverage, raw_parts
+from .sharding import check_coverage, raw_parts
 from .torch_values import (
     BUILTIN_TYPES,
     DEVICE_TYPES,
-    INT_ONLY,
-    TORCH_LAYOUTS,
-    TORCH_MEMORY_FORMATS,
     Device,
+    INT_ONLY,
     NamedGlobal,
     StorageType,
+    TORCH_LAYOUTS,
+    TORCH_MEMORY_FORMATS,
     TorchName,
     TorchSize,
     WrapperStub,
@@ -68,6 +70,7 @@ from .torch_values import (
 
 __all__ = [
     "BUILTIN_TYPES",
+    "Block",
     "Checkpoint",
     "DEVICE_TYPES",
     "Device",

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, Union
+from typing import Any, Protocol, TypeAlias, TypeGuard, Union
 
 from ..dtypes import DType
 from ..errors import CkptError
 from ..sealed import Sealed
 from ..sources import ByteSpan
-
-if TYPE_CHECKING:
-    from .sharding import Shard
 
 
 @dataclass(eq=False)
@@ -107,7 +104,7 @@ class TensorRef(_Sized):
     quantizer: Any = None
 
     sharded = False
-    cast_to = None  # as a block of a sharded tensor (tree.sharding.Block): read as stored
+    cast_to = None  # as a block of a sharded tensor (tree.leaves.Block): read as stored
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -119,7 +116,7 @@ class TensorRef(_Sized):
             )
 
     def tensor_ref(self) -> TensorRef:
-        """Itself: a stored tensor is its own :class:`~ckpttool.tree.sharding.Block`."""
+        """Itself: a stored tensor is its own :class:`~ckpttool.tree.leaves.Block`."""
         return self
 
     def is_contiguous(self) -> bool:
@@ -130,6 +127,32 @@ class TensorRef(_Sized):
         """A storage saved on its own (``torch.save(t.untyped_storage())``), as the flat
         tensor of all its elements: how its bytes are read and written."""
         return cls(storage.dtype, (storage.numel,), (1,), 0, storage, device=storage.device)
+
+
+class Block(Protocol):
+    """One stored block of a sharded tensor (a rank's local shard, a DCP chunk, a ZeRO
+    partition's slice): what merging and writing need from it. Its elements are those of
+    :meth:`tensor_ref`, read as ``cast_to`` where that is not None (ZeRO buffers, which
+    ``zero_to_fp32`` gives in fp32); :func:`ckpttool.tensors.load_leaf` reads it."""
+
+    @property
+    def cast_to(self) -> DType | None:
+        """The dtype the stored elements are read as, or None for their own."""
+        ...
+
+    def tensor_ref(self) -> TensorRef:
+        """The stored tensor holding the block's elements (metadata only, no bytes read)."""
+        ...
+
+
+@dataclass(eq=False)
+class Shard(Sealed):
+    """One block of a sharded tensor: ``sizes`` elements starting at ``offsets``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: Block
+    rank: int | None = None
 
 
 @dataclass(eq=False)

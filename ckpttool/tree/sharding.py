@@ -2,47 +2,18 @@
 
 Blocks come from ShardedTensor and DTensor pickles (their per-rank state is read by
 :mod:`ckpttool.unpickler.sharded`), DCP chunks, DeepSpeed partitions and Megatron
-shards. Every block is a :class:`Block`: it names the stored tensor that holds its
-elements (``tensor_ref``), which is how a writer copies a sharded tensor's bytes
-without torch (:func:`raw_parts`).
+shards. Every block is a :class:`~ckpttool.tree.leaves.Block`: it names the stored
+tensor that holds its elements (``tensor_ref``), which is how a writer copies a sharded
+tensor's bytes without torch (:func:`raw_parts`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from ..dtypes import DType
 from ..errors import CkptError
-from ..sealed import Sealed
-from .leaves import Leaf, ShardedRef, TensorRef
-
-
-class Block(Protocol):
-    """One stored block of a sharded tensor (a rank's local shard, a DCP chunk, a ZeRO
-    partition's slice): what merging and writing need from it. Its elements are those of
-    :meth:`tensor_ref`, read as ``cast_to`` where that is not None (ZeRO buffers, which
-    ``zero_to_fp32`` gives in fp32); :func:`ckpttool.tensors.load_leaf` reads it."""
-
-    @property
-    def cast_to(self) -> DType | None:
-        """The dtype the stored elements are read as, or None for their own."""
-        ...
-
-    def tensor_ref(self) -> TensorRef:
-        """The stored tensor holding the block's elements (metadata only, no bytes read)."""
-        ...
-
-
-@dataclass(eq=False)
-class Shard(Sealed):
-    """One block of a sharded tensor: ``sizes`` elements starting at ``offsets``."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    tensor: Block
-    rank: int | None = None
+from .leaves import Leaf, Shard, ShardedRef, TensorRef
 
 
 def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
