@@ -7,8 +7,9 @@ import re
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
-from . import sources
+from . import distributed, sources
 from .api import flatten_tensors, read, select_node
 from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
@@ -94,8 +95,11 @@ class ConvertResult:
     files: list[str]
     num_tensors: int
     nbytes: int
+    # several processes: what they did (a distributed.runner.Outcome), else None
+    outcome: Any = None
 
 
+@distributed.collective
 @translate_errors
 def convert(
     paths: Sequence[str],
@@ -183,6 +187,14 @@ def convert(
     check_output(out, [*inputs, *ckpt.files], force=force, layout=layout)
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
     total = plan.total_bytes
+    group = distributed.current()
+    if group is not None:  # under torchrun: every rank writes its share
+        from .distributed.runner import write_distributed
+
+        files = [*inputs, *ckpt.files]
+        outcome = write_distributed(group, plan, out, layout=layout, force=force, inputs=files)
+        names = plan.names or [os.path.basename(out)]
+        return ConvertResult(out, names, len(tensors), total, outcome)
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
     with bar as advance, atomic_output(out, force=force, layout=layout) as tmp:
         write_plan(plan, tmp, advance)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from . import distributed
 from .api import read, require_data
 from .errors import translate_errors
 from .output import atomic_output, check_output, output_path
@@ -20,8 +22,11 @@ class MergeResult:
     num_tensors: int
     nbytes: int
     stand_ins: list[str] = field(default_factory=list)
+    # several processes: what they did (a distributed.runner.Outcome), else None
+    outcome: Any = None
 
 
+@distributed.collective
 @translate_errors
 def merge(
     paths: Sequence[str],
@@ -61,6 +66,13 @@ def merge(
     total = sum(leaf.nbytes for leaf in leaves)
     stand_ins = stand_in_names(ckpt.root)
     plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
+    group = distributed.current()
+    if group is not None:  # under torchrun: every rank writes its share
+        from .distributed.runner import write_distributed
+
+        files = [*inputs, *ckpt.files]
+        outcome = write_distributed(group, plan, out, layout=None, force=force, inputs=files)
+        return MergeResult(out, len(leaves), total, stand_ins, outcome)
     description = f"writing {os.path.basename(out)}"
     bar = progress(plan.total_bytes, description) if progress else nullcontext(None)
     with bar as advance, atomic_output(out, force=force) as tmp:
