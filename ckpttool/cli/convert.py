@@ -161,9 +161,11 @@ def run_workers(workers: int | None) -> None:
 
 def outcome_note(outcome) -> str:
     """What several processes did beyond writing: work reused, or why it was not."""
+    from .text import plural
+
     if outcome is None:
         return ""
-    parts = [f"{outcome.units} units"]
+    parts = [plural(outcome.units, "unit")]
     if outcome.reused:
         parts.append(
             f"reused {outcome.reused} ({human_bytes(outcome.reused_bytes)}) from an interrupted run"

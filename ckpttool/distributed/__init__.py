@@ -57,6 +57,7 @@ def collective(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except Failed:
+            group.leave()
             raise
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
@@ -67,6 +68,7 @@ def collective(func: F) -> F:
                 code, message = 2, f"{type(exc).__name__}: {exc}"
             try:
                 mine = group.post(message, code)
+                group.leave()
             except Exception:  # the store is gone: say it here
                 mine = True
             if mine:

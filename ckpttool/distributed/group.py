@@ -142,6 +142,16 @@ class Group:
             except Exception:  # the store went away (torchrun ended): nothing to watch
                 return
 
+    def leave(self) -> None:
+        """After an error: wait (boundedly) until every live rank has seen it, so that
+        torchrun, which ends the others once one exits, finds them all exiting with
+        the same code."""
+        self.stop_watching()
+        self.counter("left", 1)
+        deadline = time.monotonic() + min(dead_after(), 5.0)
+        while self.counter("left") < self.size and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
     def stop_watching(self) -> None:
         """The others may end now (the output is published): their silence is no failure."""
         self._watching = False
