@@ -231,6 +231,7 @@ def kill_then_resume(tmp_path: Path, seed: int, first: int, second: int) -> None
     assert done.returncode != 0
     assert not out.exists()
     durable, _ = journal_lines(out)
+    assert durable >= killed  # the others went on until torchrun ended them
     total = len(plan_units_of(want))
     proc = torchrun([*args], second, unit=4096)
     done = finish(proc, 300)
