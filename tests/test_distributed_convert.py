@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from helpers import FIXTURES, finish, sha256, subprocess_env
 
 from ckpttool.convert import convert
 from ckpttool.distributed import journal as journal_mod
@@ -29,8 +30,6 @@ from ckpttool.distributed.units import crc32_combine, piece_crcs, plan_units, wr
 from ckpttool.merge import merge
 from ckpttool.writers.output_file import OutputFile
 from ckpttool.writers.plan import Written, allocate, complete, file_path
-
-from helpers import FIXTURES, finish, sha256, subprocess_env
 
 TRIALS = bool(os.environ.get("CKPTTOOL_DIST_TRIALS"))
 trials = pytest.mark.skipif(not TRIALS, reason="CKPTTOOL_DIST_TRIALS=1 runs the trial set")
@@ -49,6 +48,7 @@ OUTPUTS = {
     "hf-shards": ("convert", ["--to", "safetensors", "--max-shard-size", "200"], "hf"),
     "pt": ("convert", ["--to", "pt"], "out.pt"),
     "dcp": ("convert", ["--to", "dcp"], "out-dcp"),
+    "bf16": ("convert", ["--to", "safetensors", "--dtype", "bfloat16"], "bf16.safetensors"),
     "merge": ("merge", [], "merged.pt"),
 }
 
@@ -100,13 +100,20 @@ def reference(tmp_path: Path, inputs: list[str], output: str) -> Path:
     if command == "merge":
         merge(inputs, str(out))
     else:
-        to = options[1]
-        shard = options[3] if len(options) > 2 else None
-        convert(inputs, to, str(out), max_shard_size=shard)
+        given = dict(zip(options[::2], options[1::2], strict=True))
+        convert(
+            inputs,
+            given["--to"],
+            str(out),
+            max_shard_size=given.get("--max-shard-size"),
+            dtype=given.get("--dtype"),
+        )
     return out
 
 
-def start(tmp_path: Path, inputs: str, output: str, nproc: int, **kw) -> tuple[subprocess.Popen, Path]:
+def start(
+    tmp_path: Path, inputs: str, output: str, nproc: int, **kw
+) -> tuple[subprocess.Popen, Path]:
     command, options, name = OUTPUTS[output]
     out = tmp_path / f"n{nproc}" / name
     out.parent.mkdir(exist_ok=True)
@@ -144,6 +151,7 @@ def test_same_bytes_as_one_process(tmp_path):
             ("deepspeed", "pt", 4, 64),
             ("st-sharded", "dcp", 2, 64),
             ("per-rank", "merge", 3, 64),
+            ("dcp", "bf16", 2, 4096),
             ("ddp", "safetensors", 3, None),  # more ranks than units: one unit
         ],
     )
@@ -255,8 +263,8 @@ torch.save({"model": sd, "step": 5}, sys.argv[1])
 
 def plan_units_of(path: Path) -> list:
     from ckpttool.api import read
-    from ckpttool.writers.torch_zip import plan as plan_torch
     from ckpttool.writers.plan import WriteOptions
+    from ckpttool.writers.torch_zip import plan as plan_torch
 
     return plan_units(plan_torch(read(str(path)).root, WriteOptions()), 4096)
 
@@ -389,16 +397,21 @@ def test_crc32_combine_matches_zlib():
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
-@pytest.mark.parametrize("size", [1, 7, 64, 4096, 1 << 20])
-def test_units_in_any_order_make_the_same_file(tmp_path, size):
+@pytest.mark.parametrize("size", [997, 4096, 1 << 20])
+@pytest.mark.parametrize("cast", [None, "bfloat16"])
+def test_units_in_any_order_make_the_same_file(tmp_path, size, cast, monkeypatch):
     """Every unit written on its own, in a shuffled order, then the CRC-built pieces:
-    the bytes of the front-to-back write (a zip: CRCs split across units combined)."""
+    the bytes of the front-to-back write (a zip: CRCs split across units combined; a
+    cast made a few elements at a time)."""
     from ckpttool.api import read
+    from ckpttool.distributed import units
+    from ckpttool.dtypes import DTYPES
     from ckpttool.writers.plan import WriteOptions, write_plan
     from ckpttool.writers.torch_zip import plan as plan_torch
 
-    ckpt = read(INPUTS["per-rank"])
-    plan = plan_torch(ckpt.root, WriteOptions())
+    monkeypatch.setattr(units, "CAST_ELEMENTS", 3)
+    ckpt = read(INPUTS["dcp"])
+    plan = plan_torch(ckpt.root, WriteOptions(cast=DTYPES[cast] if cast else None))
     write_plan(plan, str(tmp_path / "want.pt"))
     target = str(tmp_path / "got.pt")
     allocate(plan, target)

@@ -24,13 +24,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .. import sharding
+from ..dtypes import DType
 from ..errors import CkptError
 from ..progress import Progress
-from ..writers import CHUNK_BYTES, raw_parts, tensor_bytes, tensor_for_write
+from ..writers import CHUNK_BYTES, output_dtype, raw_parts, tensor_bytes, tensor_for_write
 from ..writers.plan import FilePlan, Piece, Plan
 
 UNIT_BYTES = 64 << 20  # big enough that a unit's fsync and journal line cost nothing
 UNIT_BYTES_ENV = "CKPTTOOL_UNIT_BYTES"  # tests cut small outputs into many units
+CAST_ELEMENTS = 4 << 20  # a cast (--dtype) reads and casts this many elements at a time
 
 # (piece offset, start within the piece, length, CRC-32 of those bytes)
 CrcRun = tuple[int, int, int, int]
@@ -97,9 +100,7 @@ def pieces_in(file: FilePlan, start: int, end: int) -> Iterator[tuple[Piece, int
         i += 1
 
 
-def write_unit(
-    plan: Plan, unit: Unit, out: Any, progress: Progress | None = None
-) -> list[CrcRun]:
+def write_unit(plan: Plan, unit: Unit, out: Any, progress: Progress | None = None) -> list[CrcRun]:
     """Write ``unit``'s bytes into ``out`` (a sink positioned at ``unit.start``).
 
     Returns:
@@ -128,10 +129,15 @@ def write_leaf_range(
     """Append bytes ``[start, start + length)`` of one tensor's output bytes to ``out``.
 
     Stored bytes that need no change are copied from their file, only the range asked
-    for (memory: the sink's buffers). Bytes that need torch (a cast, a view, shards
-    split along other dims) are made for the whole tensor, then the range is taken.
+    for (memory: the sink's buffers); stored bytes that need a cast only, the range's
+    elements a chunk at a time. Bytes that need more of torch (a view, a byte swap,
+    shards split along other dims) are made for the whole tensor, then the range taken.
     """
     parts = raw_parts(leaf, cast)
+    stored = sharding.raw_parts(leaf) if parts is None else None
+    if stored is not None:  # only a cast: the range's elements, a chunk at a time
+        _cast_range(out, stored, leaf.dtype, output_dtype(leaf, cast), start, length, progress)
+        return
     if parts is None:
         tensor = tensor_for_write(leaf, cast)
         view = tensor_bytes(tensor)[start : start + length]
@@ -150,6 +156,48 @@ def write_leaf_range(
         pos += ref.nbytes
         if pos >= end:
             break
+
+
+def _cast_range(
+    out: Any, parts: list, dtype: DType, target: DType, start: int, length: int, progress: Any
+) -> None:
+    """Bytes ``[start, start + length)`` of stored elements cast to ``target``: only the
+    elements they hold are read and cast, :data:`CAST_ELEMENTS` at a time (what the whole
+    tensor's ``.to()`` gives, element by element)."""
+    import torch
+
+    from ..tensors import torch_dtype
+
+    size_in, size_out = dtype.itemsize, target.itemsize
+    first, end = start // size_out, -(-(start + length) // size_out)
+    for at in range(first, end, CAST_ELEMENTS):
+        n = min(CAST_ELEMENTS, end - at)
+        data = _read_stored(parts, at * size_in, n * size_in)
+        cast = torch.frombuffer(data, dtype=torch_dtype(dtype)).to(torch_dtype(target))
+        view = tensor_bytes(cast)
+        lo = max(start - at * size_out, 0)
+        hi = min(start + length - at * size_out, n * size_out)
+        out.write(view[lo:hi])
+        if progress:
+            progress(hi - lo)
+        del view, cast
+
+
+def _read_stored(parts: list, start: int, nbytes: int) -> bytearray:
+    """``nbytes`` from ``start`` of the stored parts' bytes, one after the other."""
+    data, pos, end = bytearray(), 0, start + nbytes
+    for ref in parts:
+        lo, hi = max(start, pos), min(end, pos + ref.nbytes)
+        if hi > lo:
+            source = ref.storage.source if ref.storage is not None else None
+            if source is None:
+                raise CkptError("tensor has no stored data (saved on the meta device)")
+            source.resolve()
+            data += source.read(ref.offset * ref.dtype.itemsize + lo - pos, hi - lo)
+        pos += ref.nbytes
+        if pos >= end:
+            break
+    return data
 
 
 def _copy_range(out: Any, ref: Any, skip: int, nbytes: int, progress: Progress | None) -> None:
