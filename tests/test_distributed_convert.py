@@ -32,7 +32,13 @@ from ckpttool.writers.output_file import OutputFile
 from ckpttool.writers.plan import Written, allocate, complete, file_path
 
 TRIALS = bool(os.environ.get("CKPTTOOL_DIST_TRIALS"))
-trials = pytest.mark.skipif(not TRIALS, reason="CKPTTOOL_DIST_TRIALS=1 runs the trial set")
+
+
+def trials(test):
+    """The larger trial set: marker ``trials``, skipped unless CKPTTOOL_DIST_TRIALS=1."""
+    skip = pytest.mark.skipif(not TRIALS, reason="CKPTTOOL_DIST_TRIALS=1 runs the trial set")
+    return pytest.mark.trials(skip(test))
+
 
 # input name -> the paths given to ckpttool
 INPUTS = {
