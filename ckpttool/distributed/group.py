@@ -35,6 +35,7 @@ TIMEOUT_ENV = "CKPTTOOL_DIST_TIMEOUT"  # seconds without a heartbeat before a ra
 DEFAULT_DEAD_AFTER = 30.0
 HEARTBEAT_S = 0.5
 POLL_S = 0.05
+JOIN_GRACE_S = 120.0  # a rank that never beat: dead after this long
 _calls = itertools.count()  # the commands run in this process: each its own keys
 
 
@@ -129,9 +130,11 @@ class Group:
                 values = _multi_counter(store, [f"hb/{r}" for r in watched])
                 for r, value in zip(watched, values, strict=True):
                     last, since = seen[r]
+                    # a rank not beating yet may still be importing torch on a busy node
+                    allowed = limit if value > 0 else max(limit, JOIN_GRACE_S)
                     if value != last:
                         seen[r] = (value, now)
-                    elif now - since > limit:
+                    elif now - since > allowed:
                         who = _text(store, f"who/{r}") or "not started"
                         self.post(
                             f"rank {r} ({who}) stopped answering: no heartbeat for {limit:.0f} s",
