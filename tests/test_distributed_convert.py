@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from helpers import FIXTURES, finish, sha256, subprocess_env
+from helpers import _descendants as descendants
 
 from ckpttool.convert import convert
 from ckpttool.distributed import journal as journal_mod
@@ -261,8 +262,9 @@ def kill_then_resume(tmp_path: Path, seed: int, first: int, second: int) -> None
 SAVE_INPUT = """
 import sys, torch
 g = torch.Generator().manual_seed(int(sys.argv[2]))
-sd = {f"layer{i}.weight": torch.randn(256 + 7 * i, 97, generator=g) for i in range(12)}
-sd["embed"] = torch.randn(3000, 64, generator=g).to(torch.bfloat16)
+layers = int(sys.argv[3]) if len(sys.argv) > 3 else 12
+sd = {f"layer{i}.weight": torch.randn(256 + 7 * i, 97, generator=g) for i in range(layers)}
+sd["embed"] = torch.randn(250 * layers, 64, generator=g).to(torch.bfloat16)
 torch.save({"model": sd, "step": 5}, sys.argv[1])
 """
 
@@ -291,16 +293,17 @@ def test_killed_rank_trials(tmp_path, seed):
 @pytest.mark.slow
 def test_input_changed_between_runs_starts_over(tmp_path):
     src = tmp_path / "in.pt"
-    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "3"], check=True)
+    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "3", "3"], check=True)
     out = tmp_path / "o.safetensors"
     args = ["convert", str(src), "--to", "safetensors", "-o", str(out)]
     proc = torchrun(args, 2, unit=4096)
     while proc.poll() is None and journal_lines(out)[0] < 5:
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole job: a lost node
+    for pid in [proc.pid, *descendants(proc.pid)]:  # the whole job: a lost node
+        os.kill(pid, signal.SIGKILL)
     finish(proc, 60)
     assert not out.exists() and journal_lines(out)[0] >= 5
-    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "4"], check=True)  # changed
+    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "4", "3"], check=True)  # changed
     done = finish(torchrun(args, 2, unit=4096), 300)
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = ours(done.stderr)
@@ -316,7 +319,7 @@ def test_input_changed_between_runs_starts_over(tmp_path):
 @pytest.mark.slow
 def test_stopped_rank_fails_the_others_naming_it(tmp_path):
     src = tmp_path / "in.pt"
-    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "5"], check=True)
+    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "5", "3"], check=True)
     out = tmp_path / "o.pt"
     proc = torchrun(
         ["convert", str(src), "--to", "pt", "-o", str(out)],

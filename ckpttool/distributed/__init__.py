@@ -37,6 +37,13 @@ def prints_summary() -> bool:
     return not launched() or os.environ.get("RANK", "0") == "0"
 
 
+def _store_error(exc: BaseException) -> bool:
+    """A failed call to the store (torch's DistError family)."""
+    import torch.distributed as dist
+
+    return isinstance(exc, getattr(dist, "DistError", ())) or "TCPStore" in str(exc)
+
+
 def collective(func: F) -> F:
     """Run ``func`` (a verb: convert, merge) as this rank's part of one command.
 
@@ -64,6 +71,11 @@ def collective(func: F) -> F:
                 code, message = EXIT_INTERRUPTED, "interrupted"
             elif isinstance(exc, CkptError):
                 code, message = exc.exit_code, exc.one_line()
+            elif _store_error(exc):  # nothing left to post to: say it here
+                raise CkptError(
+                    f"lost the conversion's store (torchrun's, at {group.address}): "
+                    "its node is gone or stopped answering"
+                ) from None
             else:
                 code, message = 2, f"{type(exc).__name__}: {exc}"
             try:

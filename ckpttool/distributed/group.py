@@ -46,6 +46,12 @@ def dead_after() -> float:
         return DEFAULT_DEAD_AFTER
 
 
+def store_timeout() -> timedelta:
+    """How long a store call may take: a store gone (torchrun's node lost) fails the
+    ranks left within about the heartbeat timeout, as a silent rank does."""
+    return timedelta(seconds=max(10.0, dead_after()))
+
+
 def world_size() -> int:
     """The number of processes torchrun started (1 outside torchrun)."""
     try:
@@ -94,21 +100,26 @@ class Group:
         self._port = int(os.environ["MASTER_PORT"])
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"ckpttool/{restart}/{next(_calls)}/"
-        timeout = timedelta(seconds=max(60.0, dead_after() * 4))
+        timeout = store_timeout()
         store, _, _ = next(dist.rendezvous("env://", self.rank, self.size, timeout=timeout))
         self.store = dist.PrefixStore(self._prefix, store)
         self.store.set(f"who/{self.rank}", f"{socket.gethostname()} pid {os.getpid()}")
+        self.store.add(f"hb/{self.rank}", 1)  # joined: from now on silence counts
         self._stop = threading.Event()
         self._watching = True
         self._thread = threading.Thread(target=self._heartbeat, name="ckpttool-hb", daemon=True)
         self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self._addr}:{self._port}"
 
     # ------------------------------------------------------------ liveness
 
     def _client(self) -> Any:
         import torch.distributed as dist
 
-        timeout = timedelta(seconds=max(10.0, dead_after()))
+        timeout = store_timeout()
         client = dist.TCPStore(self._addr, self._port, is_master=False, timeout=timeout)
         return dist.PrefixStore(self._prefix, client)
 
