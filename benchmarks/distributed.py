@@ -10,11 +10,13 @@ both sides, so start-up and the torch import count on both):
   bytes in the same 64 MiB units (rank r takes units r, r + N, ...), into a file
   created at full size: a parallel copy with nothing else to do.
 
-Prints wall times (median of ``--repeat``), the ratio ckpttool / floor and the scaling
-from 1 to N (time at 1 / time at N, both sides). On a small machine the launch itself
-(torchrun, N interpreters importing torch) is much of the time: a null launch (N
-processes importing ``torch.distributed`` and exiting) is timed too, and the ratio of
-the times past it is printed beside (``net``). The input is a ``torch.save`` file of
+Both sides run as torchrun workers that wait for each other after their imports, then
+time their work (ckpttool: the Python API's ``convert``, the code the CLI runs: read
+the metadata, plan, write the units, publish). Printed (median of ``--repeat``): the
+work span (first rank's start to last rank's end), the ratio ckpttool / floor, the
+scaling from 1 to N (span at 1 / span at N, both sides), and beside them the wall time
+of whole launches, a null launch's included (N processes importing torch and exiting):
+on a small machine the launch is most of it. The input is a ``torch.save`` file of
 ``--size-mib`` MiB of float32 tensors, in the page cache (warm), as in benchmarks/run.py.
 
     .venv/bin/python benchmarks/distributed.py --size-mib 1024 --repeat 3
@@ -39,10 +41,31 @@ def null_worker() -> None:
     import torch.distributed  # noqa: F401
 
 
+def synced(work: str, name: str, run) -> None:
+    """Under torchrun: wait for every rank (after the imports), run ``run()``, write this
+    rank's start and end times to ``work/name-rR.t`` (the parent takes the span)."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = next(dist.rendezvous("env://", rank, world))[0]
+    store.add(f"{name}-ready", 1)
+    while int(store.add(f"{name}-ready", 0)) < world:
+        time.sleep(0.001)
+    start = time.time()
+    run()
+    end = time.time()
+    Path(work, f"{name}-r{rank}.t").write_text(f"{start} {end}")
+
+
+def ckpttool_worker(src: str, dst: str) -> None:
+    """One rank of the conversion, through the Python API (the same code as the CLI)."""
+    from ckpttool.convert import convert
+
+    convert([src], "safetensors", dst)
+
+
 def floor_worker(src: str, dst: str, nbytes: int) -> None:
     """One rank of the copy floor (run under torchrun: RANK, WORLD_SIZE from it)."""
-    import torch.distributed  # noqa: F401  (the same import the ckpttool ranks pay)
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     fin = os.open(src, os.O_RDONLY)
     fout = os.open(dst, os.O_WRONLY)
@@ -78,13 +101,20 @@ def torchrun(n: int, *args: str) -> list[str]:
     ]
 
 
-def timed(cmd: list[str], before=None) -> float:
+def timed(cmd: list[str], before=None, work: Path | None = None) -> tuple[float, float]:
+    """(wall time of the launch, span of the ranks' work: first start to last end)."""
     if before:
         before()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    if work is None:
+        return wall, 0.0
+    times = [tuple(map(float, p.read_text().split())) for p in work.glob("*.t")]
+    for p in work.glob("*.t"):
+        p.unlink()
+    return wall, max(t[1] for t in times) - min(t[0] for t in times)
 
 
 def main() -> None:
@@ -94,6 +124,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", default=str(ROOT / "bench-data" / "distributed"))
     parser.add_argument("--floor-worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--ckpttool-worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--null-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.null_worker:
@@ -101,7 +132,11 @@ def main() -> None:
         return
     if args.floor_worker:
         src, dst, nbytes = args.floor_worker
-        floor_worker(src, dst, int(nbytes))
+        synced(args.workdir, "floor", lambda: floor_worker(src, dst, int(nbytes)))
+        return
+    if args.ckpttool_worker:
+        src, dst = args.ckpttool_worker
+        synced(args.workdir, "ckpttool", lambda: ckpttool_worker(src, dst))
         return
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -125,28 +160,34 @@ def main() -> None:
         with open(floor_out, "wb") as f:
             f.truncate(nbytes)
 
-    convert = ["-m", "ckpttool", "convert", str(src), "--to", "safetensors", "-o", str(out), "-q"]
-    floor = [__file__, "--floor-worker", str(src), str(floor_out), str(nbytes)]
+    ours_cmd = [__file__, "--workdir", str(work), "--ckpttool-worker", str(src), str(out)]
+    floor_cmd = [__file__, "--workdir", str(work), "--floor-worker", str(src), str(floor_out)]
+    floor_cmd.append(str(nbytes))
     rows = []
     for n in [int(x) for x in args.ranks.split(",")]:
         ours, base, null = [], [], []
         for _ in range(args.repeat):  # interleaved: the machine's load drifts over all
-            ours.append(timed(torchrun(n, *convert), clean))
-            base.append(timed(torchrun(n, *floor), allocate))
-            null.append(timed(torchrun(n, __file__, "--null-worker")))
-        rows.append((n, *(statistics.median(x) for x in (ours, base, null))))
+            ours.append(timed(torchrun(n, *ours_cmd), clean, work))
+            base.append(timed(torchrun(n, *floor_cmd), allocate, work))
+            null.append(timed(torchrun(n, __file__, "--null-worker"))[0])
+        med = statistics.median
+        rows.append(
+            (n, med(w for w, _ in ours), med(w for w, _ in base), med(null))
+            + (med(s for _, s in ours), med(s for _, s in base))
+        )
     clean()
     print(f"input {nbytes / 2**20:.0f} MiB, units of {UNIT >> 20} MiB, median of {args.repeat}")
+    print("launch = the whole torchrun launch; work = first rank's start to last rank's end,")
+    print("after every rank has imported and joined (ckpttool: read, plan, write, publish)")
     print(
-        f"{'N':>3} {'ckpttool s':>11} {'floor s':>9} {'null s':>7} {'ratio':>7} {'net':>7}"
-        f" {'scaling':>8} {'floor sc.':>9}"
+        f"{'N':>3} {'launch s':>9} {'floor':>7} {'null':>6} | {'work s':>7} {'floor':>7}"
+        f" {'ratio':>7} {'scaling':>8} {'floor sc.':>9}"
     )
-    t1, f1 = rows[0][1], rows[0][2]
-    for n, t, f, z in rows:
-        net = (t - z) / max(f - z, 1e-3)
+    s1, b1 = rows[0][4], rows[0][5]
+    for n, t, f, z, s_ours, s_base in rows:
         print(
-            f"{n:>3} {t:>11.2f} {f:>9.2f} {z:>7.2f} {t / f:>6.2f}x {net:>6.2f}x"
-            f" {t1 / t:>7.2f}x {f1 / f:>8.2f}x"
+            f"{n:>3} {t:>9.2f} {f:>7.2f} {z:>6.2f} | {s_ours:>7.2f} {s_base:>7.2f}"
+            f" {s_ours / s_base:>6.2f}x {s1 / s_ours:>7.2f}x {b1 / s_base:>8.2f}x"
         )
 
 
