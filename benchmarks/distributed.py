@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -54,7 +55,8 @@ def synced(work: str, name: str, run) -> None:
     start = time.time()
     run()
     end = time.time()
-    Path(work, f"{name}-r{rank}.t").write_text(f"{start} {end}")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    Path(work, f"{name}-r{rank}.t").write_text(f"{start} {end} {rss}")
 
 
 def ckpttool_worker(src: str, dst: str) -> None:
@@ -101,8 +103,9 @@ def torchrun(n: int, *args: str) -> list[str]:
     ]
 
 
-def timed(cmd: list[str], before=None, work: Path | None = None) -> tuple[float, float]:
-    """(wall time of the launch, span of the ranks' work: first start to last end)."""
+def timed(cmd: list[str], before=None, work: Path | None = None) -> tuple[float, float, float]:
+    """(wall time of the launch, span of the ranks' work: first start to last end, the
+    largest rank's peak RSS in MiB)."""
     if before:
         before()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -110,11 +113,12 @@ def timed(cmd: list[str], before=None, work: Path | None = None) -> tuple[float,
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wall = time.perf_counter() - start
     if work is None:
-        return wall, 0.0
+        return wall, 0.0, 0.0
     times = [tuple(map(float, p.read_text().split())) for p in work.glob("*.t")]
     for p in work.glob("*.t"):
         p.unlink()
-    return wall, max(t[1] for t in times) - min(t[0] for t in times)
+    span = max(t[1] for t in times) - min(t[0] for t in times)
+    return wall, span, max(t[2] for t in times)
 
 
 def main() -> None:
@@ -172,8 +176,8 @@ def main() -> None:
             null.append(timed(torchrun(n, __file__, "--null-worker"))[0])
         med = statistics.median
         rows.append(
-            (n, med(w for w, _ in ours), med(w for w, _ in base), med(null))
-            + (med(s for _, s in ours), med(s for _, s in base))
+            (n, med(r[0] for r in ours), med(r[0] for r in base), med(null))
+            + (med(r[1] for r in ours), med(r[1] for r in base), max(r[2] for r in ours))
         )
     clean()
     print(f"input {nbytes / 2**20:.0f} MiB, units of {UNIT >> 20} MiB, median of {args.repeat}")
@@ -181,13 +185,13 @@ def main() -> None:
     print("after every rank has imported and joined (ckpttool: read, plan, write, publish)")
     print(
         f"{'N':>3} {'launch s':>9} {'floor':>7} {'null':>6} | {'work s':>7} {'floor':>7}"
-        f" {'ratio':>7} {'scaling':>8} {'floor sc.':>9}"
+        f" {'ratio':>7} {'scaling':>8} {'floor sc.':>9} {'RSS MiB':>8}"
     )
     s1, b1 = rows[0][4], rows[0][5]
-    for n, t, f, z, s_ours, s_base in rows:
+    for n, t, f, z, s_ours, s_base, rss in rows:
         print(
             f"{n:>3} {t:>9.2f} {f:>7.2f} {z:>6.2f} | {s_ours:>7.2f} {s_base:>7.2f}"
-            f" {s_ours / s_base:>6.2f}x {s1 / s_ours:>7.2f}x {b1 / s_base:>8.2f}x"
+            f" {s_ours / s_base:>6.2f}x {s1 / s_ours:>7.2f}x {b1 / s_base:>8.2f}x {rss:>8.0f}"
         )
 
 
