@@ -6,10 +6,10 @@ number of processes, so work done at one world size is reused at any other. A un
 covers parts of pieces: a tensor larger than a unit is split over several, headers
 and small tensors share one.
 
-:func:`write_unit` writes one unit's bytes through any sink that has the four methods
-of :class:`~ckpttool.writers.output_file.OutputFile` it uses (``write``, ``copy_from``,
-``begin_crc32``/``end_crc32``): a local file opened at the unit's offset here, a
-multipart upload's part elsewhere. Pieces built from CRCs (a zip's CRC fields and
+:func:`write_unit` writes one unit's bytes through any sink that has what it uses of
+:class:`~ckpttool.writers.output_file.OutputFile` (``write``, ``copy_from``,
+``begin_crc32``/``end_crc32`` and ``inputs``, the open input files): a local file
+opened at the unit's offset here, a multipart upload's part elsewhere. Pieces built from CRCs (a zip's CRC fields and
 central directory) are written as zeros; :func:`piece_crcs` combines the CRCs of the
 tensor runs the units wrote (:func:`crc32_combine`, no byte read back), and the one
 who completes the output builds them (see :mod:`.runner`).
