@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from helpers import FIXTURES, finish, sha256, subprocess_env
+from helpers import FIXTURES, finish, run_many, sha256, subprocess_env
 from helpers import _descendants as descendants
 
 from ckpttool.convert import convert
@@ -460,3 +460,34 @@ def test_journal_ignores_a_cut_line_and_refuses_a_live_lease(tmp_path):
     lease.write_text(f'{{"host": "{socket.gethostname()}", "pid": 999999999}}')  # dead
     assert "started over" in journal.open("k2", [[out, 1, 2]])
     assert journal.done() == {}
+
+
+def test_workers_taken_out_of_the_command_line():
+    from ckpttool.distributed.launch import without_workers
+
+    argv = ["convert", "a.pt", "--workers", "3", "--to", "pt", "--workers=2", "-q"]
+    assert without_workers(argv) == ["convert", "a.pt", "--to", "pt", "-q"]
+    assert without_workers(["merge", "--", "--workers"]) == ["merge", "--", "--workers"]
+
+
+def test_launched_only_as_torchrun_starts_workers(monkeypatch):
+    from ckpttool.distributed import launched
+
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    assert not launched()
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launched()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not launched()  # one process without torchrun's run id: a plain run
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert launched()  # torchrun --nproc-per-node=1: resumable like the others
+
+
+def test_bad_worker_count_is_one_line():
+    (run,) = run_many([["merge", *INPUTS["per-rank"], "-o", "/nonexistent/x.pt", "--workers", "0"]])
+    assert run["code"] == 2
+    assert run["stderr"] == "ckpttool: error: --workers must be at least 1, got 0\n"
