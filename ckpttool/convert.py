@@ -7,8 +7,9 @@ import re
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
-from . import sources
+from . import distributed, sources
 from .api import flatten_tensors, read, select_node
 from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
@@ -35,8 +36,11 @@ class ConvertResult:
     nbytes: int
     # temp outputs of killed runs removed from the output's folder on the way
     removed: list[StaleTemp] = field(default_factory=list)
+    # several processes: what they did (a distributed.runner.Outcome), else None
+    outcome: Any = None
 
 
+@distributed.collective
 @translate_errors
 def convert(
     paths: Sequence[str],
@@ -130,6 +134,29 @@ def convert(
     check_output(out, [*inputs, *ckpt.files], force=force, layout=layout)
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
     total = plan.total_bytes
+    group = distributed.current()
+    if group is not None and sources.is_url(out):  # s3:// from every rank: one upload each
+        from .writers.s3_output import write_ranks
+
+        write_ranks(
+            plan,
+            out,
+            layout=layout,
+            force=force,
+            inputs=ckpt.files,
+            rank=group.rank,
+            world=group.size,
+            broadcast=group.broadcast,
+            all_gather=group.all_gather,
+        )
+        return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total)
+    if group is not None:  # under torchrun: every rank writes its share
+        from .distributed.runner import write_distributed
+
+        files = [*inputs, *ckpt.files]
+        outcome = write_distributed(group, plan, out, layout=layout, force=force, inputs=files)
+        names = plan.names or [os.path.basename(out)]
+        return ConvertResult(out, names, len(tensors), total, outcome=outcome)
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
     removed: list[StaleTemp] = []
     if sources.is_url(out):  # s3://: multipart uploads, published at the end

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from . import sources
+from . import distributed, sources
 from .api import read, require_data
 from .errors import translate_errors
 from .progress import ProgressFactory
@@ -23,8 +24,11 @@ class MergeResult:
     stand_ins: list[str] = field(default_factory=list)
     # temp outputs of killed runs removed from the output's folder on the way
     removed: list[StaleTemp] = field(default_factory=list)
+    # several processes: what they did (a distributed.runner.Outcome), else None
+    outcome: Any = None
 
 
+@distributed.collective
 @translate_errors
 def merge(
     paths: Sequence[str],
@@ -64,6 +68,28 @@ def merge(
     total = sum(leaf.nbytes for leaf in leaves)
     stand_ins = recorded_classes(ckpt.root)
     plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
+    group = distributed.current()
+    if group is not None and sources.is_url(out):  # s3:// from every rank: one upload each
+        from .writers.s3_output import write_ranks
+
+        write_ranks(
+            plan,
+            out,
+            layout=None,
+            force=force,
+            inputs=ckpt.files,
+            rank=group.rank,
+            world=group.size,
+            broadcast=group.broadcast,
+            all_gather=group.all_gather,
+        )
+        return MergeResult(out, len(leaves), total, stand_ins)
+    if group is not None:  # under torchrun: every rank writes its share
+        from .distributed.runner import write_distributed
+
+        files = [*inputs, *ckpt.files]
+        outcome = write_distributed(group, plan, out, layout=None, force=force, inputs=files)
+        return MergeResult(out, len(leaves), total, stand_ins, outcome=outcome)
     description = f"writing {os.path.basename(out)}"
     bar = progress(plan.total_bytes, description) if progress else nullcontext(None)
     removed: list[StaleTemp] = []

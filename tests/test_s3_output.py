@@ -540,3 +540,26 @@ def test_zip_resumed_reads_only_what_it_needs(s3, tmp_path, monkeypatch):
     count = -(-local.stat().st_size // PART)
     assert sorted(s3.proxy.uploads()) == sorted(set(range(1, count + 1)) - have)
     assert len(have) >= 3 and 0 < resumed < 0.6 * full, (have, resumed, full)
+
+
+@pytest.mark.parametrize("to", ["pt", "safetensors"])
+def test_torchrun_cli_into_one_bucket(s3, ckpt, tmp_path, to):
+    """``torchrun -m ckpttool convert ... -o s3://...``: every rank uploads its share of
+    the parts of one multipart upload (the ranks exchange CRCs and the upload's session
+    through torchrun's store); the object is byte for byte what one process writes."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    url = f"s3://{BUCKET}/cli-{to}/model.{'pt' if to == 'pt' else 'safetensors'}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "ckpttool", "convert", str(ckpt), "--to", to, "-o", url]  # fmt: skip
+    env = subprocess_env(**s3.env, CKPTTOOL_S3_PART_SIZE=str(PART))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    local = tmp_path / f"local.{to}"
+    convert([str(ckpt)], to, str(local))
+    key = url.split(f"{BUCKET}/", 1)[1]
+    assert objects(s3, f"cli-{to}/") == {key: local.read_bytes()}
+    assert open_uploads(s3) == []

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from .entry import app, fail, settings
-from .options import Force, Paths, Quiet, Select, StripPrefix, Unsafe, examples
+from .options import Force, Paths, Quiet, Select, StripPrefix, Unsafe, Workers, examples
 from .render import human_bytes, progress_factory, stderr_console
 
 # What an output's file name says it is: refused when --to says otherwise.
@@ -41,6 +41,8 @@ def _complete(name: str) -> Any:
         "ckpttool convert model.pt --to safetensors --dtype bfloat16 -o model-bf16.safetensors",
         "ckpttool convert 'ep0-ba1-rank*.pt' --to safetensors --max-shard-size 5GB -o hf-model/",
         "ckpttool convert ckpt.pt --to dcp -o ckpt-dcp/",
+        "ckpttool convert 'ep9-rank*.pt' --to safetensors -o ep9.safetensors --workers 4",
+        "torchrun --nproc-per-node=8 -m ckpttool convert ckpt-dcp/ --to safetensors -o out/",
     )
     + "\n\nWithout -o the output goes beside the first input, named after it without its "
     "extension and rank (NAME): NAME.safetensors, NAME-safetensors/ with --max-shard-size, "
@@ -100,11 +102,15 @@ def convert(
     force: Force = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
+    workers: Workers = None,
 ) -> None:
     """Write the selected tensors as safetensors, pt or dcp; sharded inputs are merged."""
     from ..convert import convert as convert_checkpoint
+    from ..distributed import prints_summary
 
     check_extension(out, to, max_shard_size)
+    run_workers(workers)
+    quiet = quiet or not prints_summary()
     result = convert_checkpoint(
         paths,
         to,
@@ -128,9 +134,34 @@ def convert(
 
         stderr_console().print(
             f"wrote {escape(printable(result.output))} ({plural(result.num_tensors, 'tensor')}, "
-            f"{human_bytes(result.nbytes)})",
+            f"{human_bytes(result.nbytes)}){escape(printable(outcome_note(result.outcome)))}",
             highlight=False,
         )
+
+
+def run_workers(workers: int | None) -> None:
+    """``--workers N``: run this command line again in N processes, exit with their code."""
+    if workers is None:
+        return
+    from ..distributed.launch import run_workers as launch
+
+    raise typer.Exit(launch(settings.argv, workers))
+
+
+def outcome_note(outcome: Any) -> str:
+    """What several processes did beyond writing: work reused, or why it was not."""
+    from .text import plural
+
+    if outcome is None:
+        return ""
+    parts = [plural(outcome.units, "unit")]
+    if outcome.reused:
+        parts.append(
+            f"reused {outcome.reused} ({human_bytes(outcome.reused_bytes)}) from an interrupted run"
+        )
+    if outcome.note:
+        parts.append(outcome.note)
+    return "; " + ", ".join(parts)
 
 
 def check_extension(out: str | None, to: str, max_shard_size: str | None) -> None:

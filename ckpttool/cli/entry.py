@@ -43,6 +43,7 @@ class Settings:
     quiet = False
     no_color = False
     allow: tuple[str, ...] = ()  # --allow NAME, repeatable, on every command
+    argv: list[str] = []  # the command line as main() got it (``--workers`` reruns it)
 
 
 settings = Settings()
@@ -68,6 +69,7 @@ VALUE_OPTIONS = frozenset(
         "--max-shard-size",
         "--atol",
         "--rtol",
+        "--workers",
     }
 )
 
@@ -171,6 +173,8 @@ def exit_code_for(exc: BaseException) -> int:
 
     With ``--debug`` the traceback comes first; the exit code is the same either way.
     """
+    if getattr(exc, "silent", False):  # another torchrun rank printed the error
+        return int(getattr(exc, "exit_code", EXIT_BAD_INPUT))
     if isinstance(exc, BrokenPipeError):  # `ckpttool inspect | head`: the reader left
         # Later flushes would fail again: send what is left of stdout to /dev/null.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -205,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console-script entry point: run one command, map whatever it raises to an exit code."""
     settings.debug = settings.quiet = settings.no_color = False  # main() may run twice
     settings.allow = ()
-    args = pull_global_flags(sys.argv[1:] if argv is None else argv)
+    settings.argv = list(sys.argv[1:] if argv is None else argv)
+    args = pull_global_flags(settings.argv)
     try:
         if not args:  # bare `ckpttool`: typer shows the help (and exits 2, as click does)
             app(args=[], prog_name="ckpttool")

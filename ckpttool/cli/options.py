@@ -44,6 +44,15 @@ StripPrefix = Annotated[
 Quiet = Annotated[
     bool, typer.Option("--quiet", "-q", help="No progress bar (also before the command).")
 ]
+Workers = Annotated[
+    int | None,
+    typer.Option(
+        "--workers",
+        metavar="N",
+        help="Write with N processes on this machine (torch's launcher; as under torchrun).",
+        show_default=False,
+    ),
+]
 
 
 def examples(*lines: str) -> str:

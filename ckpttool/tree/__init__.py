@@ -8,8 +8,8 @@ torch: :mod:`ckpttool.tensors` turns leaves into tensors.
 from __future__ import annotations
 
 from .call_rules import (
-    GlobalClass,
     HOLDS_CALLABLES,
+    GlobalClass,
     Kinds,
     judge_build,
     judge_class_call,
@@ -33,10 +33,10 @@ from .layout import (
     strip_prefix,
 )
 from .leaves import (
+    SPARSE_PARTS,
     Block,
     KeyPath,
     Leaf,
-    SPARSE_PARTS,
     Shard,
     ShardedRef,
     SparseRef,
@@ -53,12 +53,12 @@ from .sharding import check_coverage, raw_parts
 from .torch_values import (
     BUILTIN_TYPES,
     DEVICE_TYPES,
-    Device,
     INT_ONLY,
-    NamedGlobal,
-    StorageType,
     TORCH_LAYOUTS,
     TORCH_MEMORY_FORMATS,
+    Device,
+    NamedGlobal,
+    StorageType,
     TorchName,
     TorchSize,
     WrapperStub,

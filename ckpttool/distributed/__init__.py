@@ -1,0 +1,93 @@
+"""``convert`` and ``merge`` with several processes: under torchrun, or ``--workers N``.
+
+Every rank runs the same command: reads the input's metadata, plans the output
+(the writers' plan: every piece at its offset), then the ranks write it together, a
+unit (a fixed-size byte range of an output file) at a time, through the c10d store
+torchrun provides (:mod:`.group`), resumably (:mod:`.journal`), and rank 0 publishes
+it (:mod:`.runner`). The bytes are the single-process output's, at any world size.
+
+Outside torchrun nothing here imports torch, and :func:`collective` is a no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .group import Failed, launched
+
+__all__ = ["Failed", "collective", "current", "launched", "prints_summary"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+EXIT_INTERRUPTED = 130
+
+_current: list[Any] = []  # the Group of the command running now, under torchrun
+
+
+def current() -> Any:
+    """The :class:`.group.Group` of the running command, or None (one process)."""
+    return _current[-1] if _current else None
+
+
+def prints_summary() -> bool:
+    """Whether this process prints the summary line: rank 0, or the only process."""
+    import os
+
+    return not launched() or os.environ.get("RANK", "0") == "0"
+
+
+def _store_error(exc: BaseException) -> bool:
+    """A failed call to the store (torch's DistError family)."""
+    import torch.distributed as dist
+
+    return isinstance(exc, getattr(dist, "DistError", ())) or "TCPStore" in str(exc)
+
+
+def collective(func: F) -> F:
+    """Run ``func`` (a verb: convert, merge) as this rank's part of one command.
+
+    Under torchrun the rank joins the group first; the first error of any rank is
+    posted: the rank that had it raises it (its one line), every other rank raises
+    :class:`Failed` with the same exit code (silent).
+    """
+
+    @functools.wraps(func)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not launched():
+            return func(*args, **kwargs)
+        from ..errors import CkptError
+        from .group import Group
+
+        group = Group()
+        _current.append(group)
+        try:
+            return func(*args, **kwargs)
+        except Failed:
+            group.leave()
+            raise
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                code, message = EXIT_INTERRUPTED, "interrupted"
+            elif isinstance(exc, CkptError):
+                code, message = exc.exit_code, exc.one_line()
+            elif _store_error(exc):  # nothing left to post to: say it here
+                raise CkptError(
+                    f"lost the conversion's store (torchrun's, at {group.address}): "
+                    "its node is gone or stopped answering"
+                ) from None
+            else:
+                code, message = 2, f"{type(exc).__name__}: {exc}"
+            try:
+                mine = group.post(message, code)
+                group.leave()
+            except Exception:  # the store is gone: say it here
+                mine = True
+            if mine:
+                raise
+            raise Failed(code) from None
+        finally:
+            _current.pop()
+            group.close()
+
+    return run  # type: ignore[return-value]

@@ -1,0 +1,276 @@
+"""Write one planned output with every process of the group.
+
+1. Every rank has the plan (each computed it from the metadata; rank 0 posts the
+   work's key and every other rank checks its own against it).
+2. Rank 0 opens the resume folder (:mod:`.journal`): keeps the journaled units when
+   the key matches, else starts afresh; creates the files at full size; posts the
+   units still to do.
+3. Every rank claims units one at a time (an atomic counter), writes each at its
+   offsets (:func:`.units.write_unit` into an :class:`OutputFile` opened there),
+   fsyncs, then journals it.
+4. Once every unit is counted done, rank 0 combines the CRCs, writes the pieces built
+   from them (zip CRC fields, central directory), fsyncs, and publishes: the files
+   move under their final names, a folder output's index or ``.metadata`` last.
+   Every other rank waits for that and ends with rank 0's outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import CkptError
+from ..writers.atomic import (
+    FolderLayout,
+    _check_replaceable,
+    _fsync_entry,
+    _owned_entries,
+    _remove,
+    _write_error,
+    fsync_tree,
+)
+from ..writers.output_file import OutputFile, _preallocate
+from ..writers.plan import Plan, Written, complete
+from . import units as unit_mod
+from .group import Group
+from .journal import LEASE_REFRESH_S, Journal, UnitLog, input_identities, work_key
+
+SINGLE_FILE = "output"  # a single-file output's name inside the resume folder
+
+
+@dataclass
+class Outcome:
+    """What the distributed write did, for the summary line.
+
+    Attributes:
+        units: Units in the output.
+        reused: Units an interrupted run had made durable, not written again.
+        reused_bytes: Their bytes.
+        note: Why earlier work was dropped, or "".
+    """
+
+    units: int
+    reused: int = 0
+    reused_bytes: int = 0
+    note: str = ""
+
+
+def write_distributed(
+    group: Group,
+    plan: Plan,
+    out: str,
+    *,
+    layout: FolderLayout | None,
+    force: bool,
+    inputs: list[str],
+) -> Outcome:
+    """Write ``plan`` as ``out`` with every rank of ``group`` (see the module's doc).
+
+    Raises:
+        CkptError: Writing failed, another run writes this output, the ranks planned
+            different outputs, or a rank died (:class:`.group.Failed` on the ranks
+            that did not post the error).
+    """
+    size = unit_mod.unit_bytes()
+    all_units = unit_mod.plan_units(plan, size)
+    key = work_key(unit_mod.plan_digest(plan, size), out, input_identities(inputs))
+    journal = Journal(out)
+    if group.rank == 0:
+        group.store.set("key", key)
+    elif group.wait_key("key") != key:
+        raise CkptError(
+            f"rank {group.rank} planned another output than rank 0",
+            hint="every rank must see the same input files and options",
+        )
+    group.counter("planned", 1)  # rank 0 publishes only once every rank got this far
+    lease: threading.Event | None = None
+    try:
+        if group.rank == 0:
+            lease = _start(journal, plan, out, key, inputs, all_units, group)
+        state = json.loads(group.wait_key("todo"))
+        todo = state["todo"]
+        _work(group, plan, journal, [all_units[i] for i in todo], out)
+        group.wait(lambda: group.counter("finished") >= len(todo))
+        if group.rank == 0:
+            group.wait(lambda: group.counter("planned") >= group.size)
+            group.stop_watching()
+            _finish(journal, plan, out, layout, force)
+            group.store.set("published", "1")
+        else:
+            group.wait_key("published")
+            group.stop_watching()
+    finally:
+        if lease is not None:
+            lease.set()
+            journal.release()
+    return Outcome(len(all_units), state["reused"], state["reused_bytes"], state["note"])
+
+
+def _start(
+    journal: Journal,
+    plan: Plan,
+    out: str,
+    key: str,
+    inputs: list[str],
+    all_units: list[unit_mod.Unit],
+    group: Group,
+) -> threading.Event:
+    """Rank 0: take the resume folder, create the files, post what is left to do."""
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        note = journal.open(key, input_identities(inputs))
+    except OSError as exc:
+        raise CkptError(
+            f"cannot create the output's work folder ({exc.strerror})", path=parent
+        ) from None
+    done = journal.done() if note == "resumed" else {}
+    if done and not all(_has_size(journal, f.name, f.size) for f in plan.files):
+        journal.remove()
+        journal.open(key, input_identities(inputs))
+        done, note = {}, "the interrupted run's files were missing: started over"
+    stop = threading.Event()
+    threading.Thread(target=_keep_lease, args=(journal, stop), daemon=True).start()
+    for file in plan.files:
+        path = _file_path(journal, file.name)
+        if done:
+            continue
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, file.size)
+            _preallocate(fd, file.size)
+        finally:
+            os.close(fd)
+    todo = [u.id for u in all_units if u.id not in done]
+    reused = [u for u in all_units if u.id in done]
+    state = {
+        "todo": todo,
+        "reused": len(reused),
+        "reused_bytes": sum(u.nbytes for u in reused),
+        "note": "" if note == "resumed" else note,
+    }
+    group.store.set("todo", json.dumps(state))
+    return stop
+
+
+def _has_size(journal: Journal, name: str, size: int) -> bool:
+    path = _file_path(journal, name)
+    return os.path.isfile(path) and os.path.getsize(path) == size
+
+
+def _keep_lease(journal: Journal, stop: threading.Event) -> None:
+    while not stop.wait(LEASE_REFRESH_S):
+        journal.refresh_lease()
+
+
+def _file_path(journal: Journal, name: str) -> str:
+    return os.path.join(journal.files, name or SINGLE_FILE)
+
+
+def _work(group: Group, plan: Plan, journal: Journal, todo: list, out: str) -> None:
+    """Claim units until none is left: write, fsync, journal each."""
+    log: UnitLog | None = None
+    try:
+        log = journal.log(group.rank)
+        while True:
+            group.check()
+            index = group.counter("claimed", 1) - 1
+            if index >= len(todo):
+                return
+            unit = todo[index]
+            path = _file_path(journal, plan.files[unit.file].name)
+            try:
+                with OutputFile(path, offset=unit.start) as sink:
+                    runs = unit_mod.write_unit(plan, unit, sink)
+                _fsync(path)
+            except OSError as exc:
+                raise _write_error(exc, out, os.path.dirname(os.path.abspath(out))) from None
+            log.record(unit.id, runs)
+            group.counter("finished", 1)
+    finally:
+        if log is not None:
+            log.close()
+
+
+def _finish(
+    journal: Journal, plan: Plan, out: str, layout: FolderLayout | None, force: bool
+) -> None:
+    """Rank 0: the pieces built from CRCs, fsync, then the final names."""
+    done = journal.done()
+    crcs = unit_mod.piece_crcs(plan, _runs_by_file(plan, done))
+    try:
+        for index, file in enumerate(plan.files):
+            pending = [p.offset for p in file.pieces if p.build is not None]
+            if not pending:
+                continue
+            fd = os.open(_file_path(journal, file.name), os.O_WRONLY)
+            try:
+                complete(file, Written(dict(crcs[index]), pending), _pwriter(fd))
+            finally:
+                os.close(fd)
+        fsync_tree(journal.files)
+        _publish(journal, plan, out, layout, force)
+    except OSError as exc:
+        raise _write_error(exc, out, os.path.dirname(os.path.abspath(out))) from None
+    journal.remove()
+
+
+def _runs_by_file(plan: Plan, done: dict[int, list]) -> list[tuple[int, unit_mod.CrcRun]]:
+    size = unit_mod.unit_bytes()
+    units = unit_mod.plan_units(plan, size)
+    return [(units[uid].file, tuple(run)) for uid, runs in done.items() for run in runs]  # type: ignore[misc]
+
+
+def _pwriter(fd: int) -> Callable[[int, bytes], None]:
+    def patch(offset: int, data: bytes) -> None:
+        view = memoryview(data)
+        while len(view):
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    return patch
+
+
+def _publish(
+    journal: Journal, plan: Plan, out: str, layout: FolderLayout | None, force: bool
+) -> None:
+    """Move the written files under their final names (nothing is there before)."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    aside = os.path.join(journal.root, "old")
+    if layout is None:
+        source = _file_path(journal, "")
+        if os.path.lexists(out):
+            _check_replaceable(out, force, want_folder=False)
+            if os.path.isdir(out) and not os.path.islink(out):
+                os.replace(out, aside)
+        os.replace(source, out)
+    elif os.path.isdir(out):
+        earlier = _owned_entries(out, layout, force)
+        written = sorted(os.listdir(journal.files), key=lambda n: (n == layout.last, n))
+        for name in written:
+            os.replace(os.path.join(journal.files, name), os.path.join(out, name))
+        for name in earlier:
+            if name not in written:
+                _remove(os.path.join(out, name))
+        _fsync_entry(out)
+    else:
+        if os.path.lexists(out):
+            _check_replaceable(out, force, want_folder=True)
+            os.replace(out, aside)
+        os.replace(journal.files, out)
+    _fsync_entry(parent)
+    with contextlib.suppress(OSError):
+        _remove(aside)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

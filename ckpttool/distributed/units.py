@@ -1,0 +1,325 @@
+"""Units of work: fixed-size byte ranges of a plan's output files, and how one is written.
+
+A unit is ``[k * unit_bytes, (k + 1) * unit_bytes)`` of one planned file (the last one
+of a file shorter). The cut depends only on the plan and the unit size, never on the
+number of processes, so work done at one world size is reused at any other. A unit
+covers parts of pieces: a tensor larger than a unit is split over several, headers
+and small tensors share one.
+
+:func:`write_unit` writes one unit's bytes through any sink that has what it uses of
+:class:`~ckpttool.writers.output_file.OutputFile` (``write``, ``copy_from``,
+``begin_crc32``/``end_crc32`` and ``inputs``, the open input files): a local file
+opened at the unit's offset here, a multipart upload's part elsewhere. Pieces built from
+CRCs (a zip's CRC fields and central directory) are written as zeros; :func:`piece_crcs`
+combines the CRCs of the tensor runs the units wrote (:func:`crc32_combine`, no byte
+read back), and the one who completes the output builds them (see :mod:`.runner`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..dtypes import DType
+from ..errors import CkptError
+from ..progress import Progress
+from ..tree import sharding
+from ..writers import CHUNK_BYTES, output_dtype, raw_parts, tensor_bytes, tensor_for_write
+from ..writers.plan import FilePlan, Piece, Plan
+
+UNIT_BYTES = 64 << 20  # big enough that a unit's fsync and journal line cost nothing
+UNIT_BYTES_ENV = "CKPTTOOL_UNIT_BYTES"  # tests cut small outputs into many units
+CAST_ELEMENTS = 4 << 20  # a cast (--dtype) reads and casts this many elements at a time
+
+# (piece offset, start within the piece, length, CRC-32 of those bytes)
+CrcRun = tuple[int, int, int, int]
+
+
+def unit_bytes() -> int:
+    """The unit size: :data:`UNIT_BYTES`, or ``$CKPTTOOL_UNIT_BYTES`` (a multiple of 4096
+    keeps the writes aligned for ``O_DIRECT``)."""
+    value = os.environ.get(UNIT_BYTES_ENV, "")
+    try:
+        size = int(value) if value else UNIT_BYTES
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise CkptError(f"bad {UNIT_BYTES_ENV}={value!r}", hint="a positive number of bytes")
+    return size
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of work: ``[start, end)`` of ``plan.files[file]``; ``id`` its index in
+    :func:`plan_units`' list (the same for every process and every run of one plan)."""
+
+    id: int
+    file: int
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def plan_units(plan: Plan, size: int) -> list[Unit]:
+    """Every unit of ``plan``, file by file, front to back.
+
+    Raises:
+        CkptError: The pieces of a file do not tile it (an internal error).
+    """
+    units: list[Unit] = []
+    for index, file in enumerate(plan.files):
+        at = 0
+        for piece in file.pieces:
+            if piece.offset != at:
+                raise CkptError(f"internal error: {file.name or 'output'} has a gap at {at}")
+            at = piece.end
+        if at != file.size:
+            raise CkptError(f"internal error: {file.name or 'output'} planned {file.size} bytes")
+        for start in range(0, file.size, size):
+            units.append(Unit(len(units), index, start, min(start + size, file.size)))
+    return units
+
+
+def pieces_in(file: FilePlan, start: int, end: int) -> Iterator[tuple[Piece, int, int]]:
+    """The pieces of ``file`` that ``[start, end)`` covers: (piece, start within the
+    piece, length)."""
+    offsets = [p.offset for p in file.pieces]
+    i = max(0, bisect.bisect_right(offsets, start) - 1)
+    while i < len(file.pieces) and file.pieces[i].offset < end:
+        piece = file.pieces[i]
+        lo, hi = max(start, piece.offset), min(end, piece.end)
+        if hi > lo:
+            yield piece, lo - piece.offset, hi - lo
+        i += 1
+
+
+def write_unit(plan: Plan, unit: Unit, out: Any, progress: Progress | None = None) -> list[CrcRun]:
+    """Write ``unit``'s bytes into ``out`` (a sink positioned at ``unit.start``).
+
+    Returns:
+        The CRC-32 of every run of a CRC-keeping piece (a zip entry's tensor) it wrote.
+    """
+    runs: list[CrcRun] = []
+    for piece, start, length in pieces_in(plan.files[unit.file], unit.start, unit.end):
+        if piece.data is not None:
+            out.write(memoryview(piece.data)[start : start + length])
+        elif piece.build is not None:
+            out.write(bytes(length))  # built from the CRCs once every unit is written
+        else:
+            if piece.check is not None and start == 0:
+                piece.check.load("cpu")  # torch.load would refuse an invalid sparse tensor
+            if piece.crc:
+                out.begin_crc32()
+            write_leaf_range(out, piece.leaf, piece.cast, start, length, progress)
+            if piece.crc:
+                runs.append((piece.offset, start, length, out.end_crc32()))
+    return runs
+
+
+def write_leaf_range(
+    out: Any, leaf: Any, cast: Any, start: int, length: int, progress: Progress | None = None
+) -> None:
+    """Append bytes ``[start, start + length)`` of one tensor's output bytes to ``out``.
+
+    Stored bytes that need no change are copied from their file, only the range asked
+    for (memory: the sink's buffers); stored bytes that need a cast only, the range's
+    elements a chunk at a time. Bytes that need more of torch (a view, a byte swap,
+    shards split along other dims) are made for the whole tensor, then the range taken.
+    """
+    parts = raw_parts(leaf, cast)
+    stored = sharding.raw_parts(leaf) if parts is None else None
+    if stored is not None:  # only a cast: the range's elements, a chunk at a time
+        _cast_range(out, stored, leaf.dtype, output_dtype(leaf, cast), start, length, progress)
+        return
+    if parts is None:
+        tensor = tensor_for_write(leaf, cast)
+        view = tensor_bytes(tensor)[start : start + length]
+        for at in range(0, len(view), CHUNK_BYTES):
+            chunk = view[at : at + CHUNK_BYTES]
+            out.write(chunk)
+            if progress:
+                progress(len(chunk))
+        del view, tensor
+        return
+    pos, end = 0, start + length
+    for ref in parts:
+        lo, hi = max(start, pos), min(end, pos + ref.nbytes)
+        if hi > lo:
+            _copy_range(out, ref, lo - pos, hi - lo, progress)
+        pos += ref.nbytes
+        if pos >= end:
+            break
+
+
+def _cast_range(
+    out: Any, parts: list, dtype: DType, target: DType, start: int, length: int, progress: Any
+) -> None:
+    """Bytes ``[start, start + length)`` of stored elements cast to ``target``: only the
+    elements they hold are read and cast, :data:`CAST_ELEMENTS` at a time (what the whole
+    tensor's ``.to()`` gives, element by element)."""
+    import torch
+
+    from ..tensors import torch_dtype
+
+    size_in, size_out = dtype.itemsize, target.itemsize
+    first, end = start // size_out, -(-(start + length) // size_out)
+    for at in range(first, end, CAST_ELEMENTS):
+        n = min(CAST_ELEMENTS, end - at)
+        data = _read_stored(parts, at * size_in, n * size_in)
+        cast = torch.frombuffer(data, dtype=torch_dtype(dtype)).to(torch_dtype(target))
+        view = tensor_bytes(cast)
+        lo = max(start - at * size_out, 0)
+        hi = min(start + length - at * size_out, n * size_out)
+        out.write(view[lo:hi])
+        if progress:
+            progress(hi - lo)
+        del view, cast
+
+
+def _read_stored(parts: list, start: int, nbytes: int) -> bytearray:
+    """``nbytes`` from ``start`` of the stored parts' bytes, one after the other."""
+    data, pos, end = bytearray(), 0, start + nbytes
+    for ref in parts:
+        lo, hi = max(start, pos), min(end, pos + ref.nbytes)
+        if hi > lo:
+            source = ref.storage.source if ref.storage is not None else None
+            if source is None:
+                raise CkptError("tensor has no stored data (saved on the meta device)")
+            source.resolve()
+            data += source.read(ref.offset * ref.dtype.itemsize + lo - pos, hi - lo)
+        pos += ref.nbytes
+        if pos >= end:
+            break
+    return data
+
+
+def _copy_range(out: Any, ref: Any, skip: int, nbytes: int, progress: Progress | None) -> None:
+    source = ref.storage.source if ref.storage is not None else None
+    if source is None:
+        raise CkptError("tensor has no stored data (saved on the meta device)")
+    base = ref.offset * ref.dtype.itemsize + skip
+    if source.data is None:
+        if base < 0 or base + nbytes > source.length:
+            raise CkptError("read outside of the stored bytes (truncated file?)", path=source.path)
+        if source.path is None:
+            raise CkptError("tensor bytes have no file")
+        source.resolve(out.inputs)
+        out.copy_from(source.path, source.offset + base, nbytes, progress)
+        return
+    for at in range(0, nbytes, CHUNK_BYTES):
+        chunk = source.read(base + at, min(CHUNK_BYTES, nbytes - at))
+        out.write(chunk)
+        if progress:
+            progress(len(chunk))
+
+
+# ------------------------------------------------------------------ CRC-32 of pieces
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, i = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, row) for row in matrix]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's
+    ``crc32_combine``: ``crc1`` advanced over ``len2`` zero bytes in GF(2), then xor)."""
+    if len2 <= 0:
+        return crc1  # crc32(b"") is 0
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four
+    while True:
+        even = _gf2_square(odd)  # the first pass: one zero byte
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def piece_crcs(plan: Plan, runs: Iterable[tuple[int, CrcRun]]) -> list[dict[int, int]]:
+    """The CRC-32 of every CRC-keeping piece, by file index then piece offset, from the
+    runs the units wrote (``(file index, run)``).
+
+    Raises:
+        CkptError: A piece's runs do not cover it exactly (an internal error).
+    """
+    by_piece: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for index, (offset, start, length, crc) in runs:
+        by_piece.setdefault((index, offset), []).append((start, length, crc))
+    crcs: list[dict[int, int]] = [{} for _ in plan.files]
+    for index, file in enumerate(plan.files):
+        for piece in file.pieces:
+            if piece.leaf is None or not piece.crc:
+                continue
+            crc, at = 0, 0
+            for start, length, run_crc in sorted(by_piece.get((index, piece.offset), [])):
+                if start != at:
+                    raise CkptError(f"internal error: no CRC for bytes {at}.. of a piece")
+                crc = crc32_combine(crc, run_crc, length) if at else run_crc
+                at += length
+            if at != piece.nbytes:
+                raise CkptError(f"internal error: no CRC for bytes {at}.. of a piece")
+            crcs[index][piece.offset] = crc
+    return crcs
+
+
+# ------------------------------------------------------------------ the plan's identity
+
+
+def plan_digest(plan: Plan, size: int) -> str:
+    """A hash of everything that decides the output's bytes, but the input bytes
+    themselves (the inputs' identities are hashed beside it, see :mod:`.journal`):
+    the files, every piece's place and kind, the bytes known now, where each tensor's
+    bytes are read from and how they are cast; and the unit size."""
+    h = hashlib.sha256(f"units {size}\n".encode())
+    for planned in plan.files:
+        h.update(f"file {planned.name!r} {planned.size} {len(planned.pieces)}\n".encode())
+        for piece in planned.pieces:
+            h.update(f"{piece.offset} {piece.nbytes} ".encode())
+            if piece.data is not None:
+                h.update(b"d" + hashlib.sha256(piece.data).digest())
+            elif piece.build is not None:
+                h.update(f"b{piece.needs}".encode())
+            else:
+                h.update(f"t{piece.crc} {getattr(piece.cast, 'name', None)}".encode())
+                h.update(_leaf_identity(piece.leaf).encode())
+    return h.hexdigest()
+
+
+def _leaf_identity(leaf: Any) -> str:
+    parts = raw_parts(leaf, None)
+    if parts is None:
+        return f" {getattr(leaf, 'dtype', None)} {getattr(leaf, 'shape', None)}"
+    where = []
+    for ref in parts:
+        source = ref.storage.source if ref.storage is not None else None
+        where.append(
+            f"{getattr(source, 'path', None)}@{getattr(source, 'offset', 0)}+{ref.offset}"
+            f":{ref.nbytes}"
+        )
+    return " " + ",".join(where)

@@ -1,0 +1,493 @@
+"""``convert`` / ``merge`` under torchrun and ``--workers``: byte identity with one
+process at any world size, resume after a killed rank, a stopped rank, inputs changed
+between runs, two "nodes" on 127.0.0.1. Units are made tiny (``CKPTTOOL_UNIT_BYTES``) so
+that KB-sized fixtures make dozens of units, tensors split across them.
+
+The default suite runs a few launches side by side; ``CKPTTOOL_DIST_TRIALS=1`` (marker
+``trials``, run by ``.ci/run``) adds every world size (1, 2, 3, 4, 7) and more seeds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from helpers import FIXTURES, finish, run_many, sha256, subprocess_env
+from helpers import _descendants as descendants
+
+from ckpttool.convert import convert
+from ckpttool.distributed import journal as journal_mod
+from ckpttool.distributed.units import crc32_combine, piece_crcs, plan_units, write_unit
+from ckpttool.merge import merge
+from ckpttool.writers.output_file import OutputFile
+from ckpttool.writers.plan import Written, allocate, complete, file_path
+
+TRIALS = bool(os.environ.get("CKPTTOOL_DIST_TRIALS"))
+
+
+def trials(test):
+    """The larger trial set: marker ``trials``, skipped unless CKPTTOOL_DIST_TRIALS=1."""
+    skip = pytest.mark.skipif(not TRIALS, reason="CKPTTOOL_DIST_TRIALS=1 runs the trial set")
+    return pytest.mark.trials(skip(test))
+
+
+# input name -> the paths given to ckpttool
+INPUTS = {
+    "per-rank": [str(FIXTURES / "fsdp_uneven" / f"model-rank{r}.pt") for r in range(3)],
+    "ddp": [str(FIXTURES / "ddp" / "ep0-rank0.pt")],
+    "dcp": [str(FIXTURES / "dcp")],
+    "deepspeed": [str(FIXTURES / "deepspeed" / "zero2")],
+    "st-sharded": [str(FIXTURES / "safetensors_sharded")],
+}
+# output kind -> (command, its options, output name)
+OUTPUTS = {
+    "safetensors": ("convert", ["--to", "safetensors"], "out.safetensors"),
+    "hf-shards": ("convert", ["--to", "safetensors", "--max-shard-size", "200"], "hf"),
+    "pt": ("convert", ["--to", "pt"], "out.pt"),
+    "dcp": ("convert", ["--to", "dcp"], "out-dcp"),
+    "bf16": ("convert", ["--to", "safetensors", "--dtype", "bfloat16"], "bf16.safetensors"),
+    "merge": ("merge", [], "merged.pt"),
+}
+
+
+def torchrun(
+    args: list[str],
+    nproc: int,
+    *,
+    unit: int | None = 64,
+    env: dict[str, str] | None = None,
+    launcher: list[str] | None = None,
+) -> subprocess.Popen:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=N -m ckpttool ARGS``."""
+    extra = dict(env or {})
+    if unit is not None:
+        extra["CKPTTOOL_UNIT_BYTES"] = str(unit)
+    extra.setdefault("CKPTTOOL_DIST_TIMEOUT", "10")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *(launcher or ["--standalone"]),
+        f"--nproc-per-node={nproc}",
+        "--monitor-interval=0.1",
+        "-m",
+        "ckpttool",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(**extra),
+        start_new_session=True,
+    )
+
+
+def ours(stderr: str) -> list[str]:
+    """ckpttool's own lines of a torchrun's stderr (torchrun's banner and logs left out)."""
+    return [ln for ln in stderr.splitlines() if ln.startswith(("ckpttool:", "wrote "))]
+
+
+def reference(tmp_path: Path, inputs: list[str], output: str) -> Path:
+    """The single-process output, written in this process."""
+    command, options, name = OUTPUTS[output]
+    out = tmp_path / "one" / name
+    out.parent.mkdir(exist_ok=True)
+    if command == "merge":
+        merge(inputs, str(out))
+    else:
+        given = dict(zip(options[::2], options[1::2], strict=True))
+        convert(
+            inputs,
+            given["--to"],
+            str(out),
+            max_shard_size=given.get("--max-shard-size"),
+            dtype=given.get("--dtype"),
+        )
+    return out
+
+
+def start(
+    tmp_path: Path, inputs: str, output: str, nproc: int, **kw
+) -> tuple[subprocess.Popen, Path]:
+    command, options, name = OUTPUTS[output]
+    out = tmp_path / f"n{nproc}" / name
+    out.parent.mkdir(exist_ok=True)
+    return torchrun([command, *INPUTS[inputs], *options, "-o", str(out)], nproc, **kw), out
+
+
+def check_same(tmp_path: Path, cases: list[tuple[str, str, int, int | None]]) -> None:
+    """Run the cases side by side; every output equals the single-process one."""
+    runs = []
+    for i, (inputs, output, nproc, unit) in enumerate(cases):
+        base = tmp_path / f"case{i}"
+        base.mkdir()
+        proc, out = start(base, inputs, output, nproc, unit=unit)
+        runs.append((base, inputs, output, proc, out))
+    for base, inputs, output, proc, out in runs:
+        done = finish(proc, 300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = ours(done.stderr)
+        assert len(lines) == 1 and lines[0].startswith("wrote "), done.stderr[-3000:]
+        want = reference(base, INPUTS[inputs], output)
+        assert sha256(out) == sha256(want), (inputs, output)
+        assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no work left
+
+
+# ---------------------------------------------------------------- byte identity
+
+
+@pytest.mark.slow
+def test_same_bytes_as_one_process(tmp_path):
+    check_same(
+        tmp_path,
+        [
+            ("per-rank", "safetensors", 3, 64),
+            ("dcp", "hf-shards", 2, 4096),
+            ("deepspeed", "pt", 4, 64),
+            ("st-sharded", "dcp", 2, 64),
+            ("per-rank", "merge", 3, 64),
+            ("dcp", "bf16", 2, 4096),
+            ("ddp", "safetensors", 3, None),  # more ranks than units: one unit
+        ],
+    )
+
+
+@trials
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2, 3, 4, 7])
+def test_same_bytes_every_world_size(tmp_path, nproc):
+    cases = [
+        (inputs, output, nproc, 4096 if inputs == "dcp" else 64)
+        for inputs in INPUTS
+        for output in OUTPUTS
+        if not (output == "merge" and inputs == "st-sharded")
+    ]
+    for batch in range(0, len(cases), 4):
+        folder = tmp_path / f"b{batch}"
+        folder.mkdir()
+        check_same(folder, cases[batch : batch + 4])
+
+
+@pytest.mark.slow
+def test_one_error_line_same_exit_code(tmp_path):
+    """A missing input: every rank fails; one line in all, the exit code 2."""
+    proc = torchrun(
+        ["convert", str(tmp_path / "missing.pt"), "--to", "pt", "-o", str(tmp_path / "o.pt")], 3
+    )
+    done = finish(proc, 300)
+    assert done.returncode != 0
+    lines = ours(done.stderr)
+    assert len(lines) == 1 and lines[0].startswith("ckpttool: error:"), done.stderr[-3000:]
+    assert re.findall(r"exitcode\s*: (\d+)", done.stderr) and set(
+        re.findall(r"exitcode\s*: (\d+)", done.stderr)
+    ) == {"2"}
+    assert not (tmp_path / "o.pt").exists()
+
+
+# ---------------------------------------------------------------- resume
+
+
+def journal_lines(out: Path) -> tuple[int, dict[str, int]]:
+    """(units journaled, {pid: rank}) from an output's resume folder."""
+    folder = Path(journal_mod.resume_dir(str(out))) / journal_mod.JOURNAL
+    count, pids = 0, {}
+    if folder.is_dir():
+        for log in folder.iterdir():
+            host_pid, _, rank = log.stem.rpartition("-r")
+            pids[host_pid.rpartition("-")[2]] = int(rank)
+            count += log.read_bytes().count(b"\n")
+    return count, pids
+
+
+def kill_then_resume(tmp_path: Path, seed: int, first: int, second: int) -> None:
+    """Kill one rank (SIGKILL) once a seeded number of units is durable; rerun at another
+    world size: the same bytes, every journaled unit reused, no final name before."""
+    rng = random.Random(seed)
+    src = tmp_path / "in.pt"
+    subprocess.run(
+        [sys.executable, "-c", SAVE_INPUT, str(src), str(seed)], check=True, env=subprocess_env()
+    )
+    out = tmp_path / "out" / "model.pt"
+    out.parent.mkdir()
+    want = tmp_path / "want.pt"
+    convert([str(src)], "pt", str(want))
+    args = ["convert", str(src), "--to", "pt", "-o", str(out)]
+    proc = torchrun(args, first, unit=4096)
+    target = rng.randrange(1, 60)
+    victim_rank = rng.randrange(first)
+    killed = None
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        assert not out.exists()  # nothing under the final name before the end
+        count, pids = journal_lines(out)
+        victims = [int(pid) for pid, rank in pids.items() if rank == victim_rank]
+        if count >= target and victims:
+            os.kill(victims[0], signal.SIGKILL)
+            killed = count
+            break
+        time.sleep(0.01)
+    done = finish(proc, 240)
+    if killed is None:  # it ended first (a slow poll): then it must have ended well
+        assert done.returncode == 0
+        assert sha256(out) == sha256(want)
+        return
+    assert done.returncode != 0
+    assert not out.exists()
+    durable, _ = journal_lines(out)
+    assert durable >= killed  # the others went on until torchrun ended them
+    total = len(plan_units_of(want))
+    proc = torchrun([*args], second, unit=4096)
+    done = finish(proc, 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sha256(out) == sha256(want)
+    (line,) = ours(done.stderr)
+    if durable:
+        reused = int(re.search(r"reused (\d+)", line).group(1))
+        assert reused == min(durable, total), line  # every durable unit, none redone
+    assert sorted(os.listdir(out.parent)) == ["model.pt"]
+
+
+SAVE_INPUT = """
+import sys, torch
+g = torch.Generator().manual_seed(int(sys.argv[2]))
+layers = int(sys.argv[3]) if len(sys.argv) > 3 else 12
+sd = {f"layer{i}.weight": torch.randn(256 + 7 * i, 97, generator=g) for i in range(layers)}
+sd["embed"] = torch.randn(250 * layers, 64, generator=g).to(torch.bfloat16)
+torch.save({"model": sd, "step": 5}, sys.argv[1])
+"""
+
+
+def plan_units_of(path: Path) -> list:
+    from ckpttool.api.reading import read
+    from ckpttool.writers.plan import WriteOptions
+    from ckpttool.writers.torch_zip import plan as plan_torch
+
+    return plan_units(plan_torch(read(str(path)).root, WriteOptions()), 4096)
+
+
+@pytest.mark.slow
+def test_killed_rank_then_resume_at_another_world_size(tmp_path):
+    kill_then_resume(tmp_path, seed=1, first=3, second=2)
+
+
+@trials
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 12))
+def test_killed_rank_trials(tmp_path, seed):
+    rng = random.Random(seed)
+    kill_then_resume(tmp_path, seed, rng.choice([2, 3, 4]), rng.choice([1, 2, 3]))
+
+
+@pytest.mark.slow
+def test_input_changed_between_runs_starts_over(tmp_path):
+    src = tmp_path / "in.pt"
+    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "3", "3"], check=True)
+    out = tmp_path / "o.safetensors"
+    args = ["convert", str(src), "--to", "safetensors", "-o", str(out)]
+    proc = torchrun(args, 2, unit=4096)
+    while proc.poll() is None and journal_lines(out)[0] < 5:
+        time.sleep(0.01)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # the whole job: a lost node
+        os.kill(pid, signal.SIGKILL)
+    finish(proc, 60)
+    assert not out.exists() and journal_lines(out)[0] >= 5
+    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "4", "3"], check=True)  # changed
+    done = finish(torchrun(args, 2, unit=4096), 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = ours(done.stderr)
+    assert "changed since the interrupted run: started over" in line and "reused" not in line
+    want = tmp_path / "want.safetensors"
+    convert([str(src)], "safetensors", str(want))
+    assert sha256(out) == sha256(want)
+
+
+# ---------------------------------------------------------------- a stopped rank
+
+
+@pytest.mark.slow
+def test_stopped_rank_fails_the_others_naming_it(tmp_path):
+    src = tmp_path / "in.pt"
+    subprocess.run([sys.executable, "-c", SAVE_INPUT, str(src), "5", "3"], check=True)
+    out = tmp_path / "o.pt"
+    proc = torchrun(
+        ["convert", str(src), "--to", "pt", "-o", str(out)],
+        3,
+        unit=4096,
+        env={"CKPTTOOL_DIST_TIMEOUT": "3"},
+    )
+    stopped = None
+    while proc.poll() is None and stopped is None:
+        pids = {rank: int(pid) for pid, rank in journal_lines(out)[1].items()}
+        if 0 in pids:
+            stopped = pids[0]
+            os.kill(stopped, signal.SIGSTOP)
+        time.sleep(0.01)
+    assert stopped is not None
+    at = time.monotonic()
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    while not any("stopped answering" in ln for ln in lines) and time.monotonic() - at < 60:
+        time.sleep(0.05)
+    took = time.monotonic() - at
+    os.kill(stopped, signal.SIGCONT)  # torchrun's SIGTERM, pending, ends it now
+    proc.wait(120)
+    reader.join(10)
+    named = [ln for ln in lines if "stopped answering" in ln]
+    assert len(named) == 1, "".join(lines)[-3000:]
+    assert f"rank 0 ({socket.gethostname()} pid {stopped}) stopped answering" in named[0]
+    assert took < 3 + 10  # the timeout, then a poll or two
+    assert proc.returncode != 0 and not out.exists()
+
+
+# ---------------------------------------------------------------- --workers, two nodes
+
+
+@pytest.mark.slow
+def test_workers_option(tmp_path):
+    out = tmp_path / "w.pt"
+    done = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "merge", *INPUTS["per-rank"], "-o", str(out)]
+        + ["--workers", "2"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(CKPTTOOL_UNIT_BYTES="64"),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ours(done.stderr) == [ln for ln in done.stderr.splitlines() if ln.strip()]
+    (line,) = ours(done.stderr)
+    assert line.startswith(f"wrote {out} (")
+    assert sha256(out) == sha256(reference(tmp_path, INPUTS["per-rank"], "merge"))
+
+
+@pytest.mark.slow
+def test_two_nodes_c10d_rendezvous(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "hf"
+    launcher = [
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=ckpttool-{port}",
+    ]
+    args = ["convert", *INPUTS["dcp"], "--to", "safetensors", "--max-shard-size", "30KB"]
+    args += ["-o", str(out)]
+    nodes = [torchrun(args, 2, unit=4096, launcher=launcher) for _ in range(2)]
+    results = [finish(node, 300) for node in nodes]
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
+    assert sum(len(ours(r.stderr)) for r in results) == 1  # rank 0's summary only
+    want = tmp_path / "want"
+    convert(INPUTS["dcp"], "safetensors", str(want), max_shard_size="30KB")
+    assert sha256(out) == sha256(want)
+
+
+# ---------------------------------------------------------------- in one process
+
+
+def test_crc32_combine_matches_zlib():
+    rng = random.Random(0)
+    for n in [0, 1, 3, 64, 4095, 4096, 100_000]:
+        a, b = rng.randbytes(rng.randrange(200)), rng.randbytes(n)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("size", [997, 4096, 1 << 20])
+@pytest.mark.parametrize("cast", [None, "bfloat16"])
+def test_units_in_any_order_make_the_same_file(tmp_path, size, cast, monkeypatch):
+    """Every unit written on its own, in a shuffled order, then the CRC-built pieces:
+    the bytes of the front-to-back write (a zip: CRCs split across units combined; a
+    cast made a few elements at a time)."""
+    from ckpttool.api.reading import read
+    from ckpttool.distributed import units
+    from ckpttool.dtypes import DTYPES
+    from ckpttool.writers.plan import WriteOptions, write_plan
+    from ckpttool.writers.torch_zip import plan as plan_torch
+
+    monkeypatch.setattr(units, "CAST_ELEMENTS", 3)
+    ckpt = read(INPUTS["dcp"])
+    plan = plan_torch(ckpt.root, WriteOptions(cast=DTYPES[cast] if cast else None))
+    write_plan(plan, str(tmp_path / "want.pt"))
+    target = str(tmp_path / "got.pt")
+    allocate(plan, target)
+    units = plan_units(plan, size)
+    assert sum(u.nbytes for u in units) == plan.files[0].size
+    runs = []
+    for unit in random.Random(size).sample(units, len(units)):
+        with OutputFile(file_path(target, plan.files[unit.file]), offset=unit.start) as out:
+            runs += [(unit.file, run) for run in write_unit(plan, unit, out)]
+    crcs = piece_crcs(plan, runs)
+    file = plan.files[0]
+    pending = [p.offset for p in file.pieces if p.build is not None]
+    with open(target, "r+b") as f:
+
+        def patch(offset: int, data: bytes) -> None:
+            f.seek(offset)
+            f.write(data)
+
+        complete(file, Written(crcs[0], pending), patch)
+    assert sha256(Path(target)) == sha256(tmp_path / "want.pt")
+
+
+def test_journal_ignores_a_cut_line_and_refuses_a_live_lease(tmp_path):
+    out = str(tmp_path / "o.pt")
+    journal = journal_mod.Journal(out)
+    assert journal.open("k1", []) == ""
+    log = journal.log(0)
+    log.record(3, [(10, 0, 5, 1234)])
+    os.write(log.fd, b"4 [[10,5")  # a kill in the middle of a line
+    log.close()
+    assert journal.done() == {3: [(10, 0, 5, 1234)]}
+    assert journal.open("k1", []) == "resumed"  # our own lease
+    lease = Path(journal.root) / journal_mod.LEASE
+    lease.write_text(f'{{"host": "{socket.gethostname()}", "pid": {os.getppid()}}}')
+    with pytest.raises(Exception, match="another ckpttool run .* is writing this output"):
+        journal.open("k1", [])
+    lease.write_text(f'{{"host": "{socket.gethostname()}", "pid": 999999999}}')  # dead
+    assert "started over" in journal.open("k2", [[out, 1, 2]])
+    assert journal.done() == {}
+
+
+def test_workers_taken_out_of_the_command_line():
+    from ckpttool.distributed.launch import without_workers
+
+    argv = ["convert", "a.pt", "--workers", "3", "--to", "pt", "--workers=2", "-q"]
+    assert without_workers(argv) == ["convert", "a.pt", "--to", "pt", "-q"]
+    assert without_workers(["merge", "--", "--workers"]) == ["merge", "--", "--workers"]
+
+
+def test_launched_only_as_torchrun_starts_workers(monkeypatch):
+    from ckpttool.distributed import launched
+
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    assert not launched()
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launched()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not launched()  # one process without torchrun's run id: a plain run
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert launched()  # torchrun --nproc-per-node=1: resumable like the others
+
+
+def test_bad_worker_count_is_one_line():
+    (run,) = run_many([["merge", *INPUTS["per-rank"], "-o", "/nonexistent/x.pt", "--workers", "0"]])
+    assert run["code"] == 2
+    assert run["stderr"] == "ckpttool: error: --workers must be at least 1, got 0\n"
