@@ -65,6 +65,10 @@ class DcpChunk:
     The span is a ``torch.save`` zip, or the start of the file's safetensors blob.
     """
 
+    # (millions of them in a folder saved by thousands of ranks)
+    __slots__ = ("path", "shared", "offset", "length", "dtype", "sizes", "transforms")
+    __slots__ += ("fqn", "offsets")
+
     def __init__(
         self,
         path: str,
@@ -178,6 +182,11 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             "a DCP data file, but its folder has no .metadata (incomplete checkpoint)",
             path=path,
         )
+    from . import dcp_metadata
+
+    fast = dcp_metadata.read(path, meta_path, permissive)  # (None: not plain, read here)
+    if fast is not None:
+        return fast
     seen: set[str] = set()
     from ..unpickler import load_pickle
 
