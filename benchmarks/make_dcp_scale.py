@@ -166,8 +166,9 @@ def build_dcp(out: str, ranks: int, layers: int, fresh_keys: bool = False) -> No
 
 
 def build_per_rank(out: str, ranks: int, layers: int, kind: str) -> None:
-    """One ``torch.save`` per rank of its DTensors or ShardedTensors (fake pg, fake tensors,
-    ``skip_data``: the storages' records are laid out, their bytes never written)."""
+    """One ``torch.save`` per rank of its DTensors or ShardedTensors (a fake process group
+    of ``ranks`` joined as each rank in turn, fake tensors, ``skip_data``: the storages'
+    records are laid out, their bytes never written)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -176,23 +177,23 @@ def build_per_rank(out: str, ranks: int, layers: int, kind: str) -> None:
     os.makedirs(out, exist_ok=True)
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     tensors = entries(layers)
-    store = FakeStore()
-    dist.init_process_group("fake", store=store, rank=0, world_size=ranks)
-    try:
-        if kind == "dtensor":
-            from torch.distributed.device_mesh import init_device_mesh
+    for rank in range(ranks):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
+        try:
+            mesh = None
+            if kind == "dtensor":
+                from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh("cpu", (ranks,))
-        for rank in range(ranks):
+                mesh = init_device_mesh("cpu", (ranks,))
             with FakeTensorMode():
                 state: dict = {}
                 for _, path, shape, dtype in tensors:
                     start, length = chunk_rows(shape[0], rank, ranks)
                     local = torch.empty((length, *shape[1:]), dtype=dtypes[dtype])
                     if kind == "dtensor":
-                        value = _dtensor(local, mesh, rank, shape)
+                        value = _dtensor(local, mesh, shape)
                     else:
-                        value = _sharded(local, start, shape, rank, ranks)
+                        value = _sharded(local, shape, rank, ranks)
                     node = state
                     for part in path[:-1]:
                         node = node.setdefault(part, {})
@@ -204,24 +205,23 @@ def build_per_rank(out: str, ranks: int, layers: int, kind: str) -> None:
                 with torch.serialization.skip_data(materialize_fake_tensors=True):
                     torch.save(state, tmp)
             os.replace(tmp, os.path.join(out, f"ep0-rank{rank}.pt"))
-            if rank % 32 == 0:
-                print(f"  rank {rank}", file=sys.stderr, flush=True)
-    finally:
-        dist.destroy_process_group()
+        finally:
+            dist.destroy_process_group()
+        if rank % 32 == 0:
+            print(f"  rank {rank}", file=sys.stderr, flush=True)
 
 
-def _dtensor(local, mesh, rank, shape):
+def _dtensor(local, mesh, shape):
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
     stride = torch.empty(shape, device="meta").stride()
-    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
-    # as a rank of the job pickles it: its own coordinate on the mesh
-    dt._spec.mesh._coordinate_on_dim = [rank]
-    return dt
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
-def _sharded(local, start, shape, rank, ranks):
+def _sharded(local, shape, rank, ranks):
+    """FSDP1's ``SHARDED_STATE_DICT``: every rank's file names every rank's shard."""
+    import torch
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (
@@ -236,15 +236,9 @@ def _sharded(local, start, shape, rank, ranks):
             ShardMetadata([s, *[0] * (len(shape) - 1)], [n, *shape[1:]], f"rank:{r}/cpu")
         )
     props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False)
-    meta = ShardedTensorMetadata(shards_md, local.new_empty(shape, device="meta").shape, props)
-    own = [Shard(local, shards_md[rank])] if local.shape[0] else []
-    st = ShardedTensor.__new__(ShardedTensor, shape, dtype=local.dtype, layout=local.layout)
-    st._metadata = meta
-    st._local_shards = own
-    st._sharding_spec = None
-    st._process_group = None
-    st._init_rrefs = False
-    return st
+    meta = ShardedTensorMetadata(shards_md, torch.Size(shape), props)
+    own = [Shard(local, shards_md[rank])]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(own, meta)
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ TORCH_DCP = (
     "for e in md.state_dict_metadata.values()))"
 )
 TORCH_RANKS = (
-    "import sys, glob, torch; "
+    "import sys, glob, torch, torch.distributed.tensor; "
     "files = sorted(glob.glob(sys.argv[1] + '/ep0-rank*.pt')); "
     "n = sum(len(torch.load(f, weights_only=True, mmap=True)['model']) for f in files); "
     "print(len(files), n)"

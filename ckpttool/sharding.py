@@ -95,14 +95,23 @@ def _row_blocks(shape: tuple, shards: list[Shard]) -> bool:
     shard whole rows, the non-empty ones' row ranges following each other from 0 to
     the end. A 2048-rank checkpoint has millions of shards. False means only "not this
     case": :func:`_tiles` and the general check decide."""
-    if not shape or not shards or not math.prod(shape[1:]):
+    if not shape or not shards:
         return False
-    offsets = list(map(_OFFSETS, shards))
-    sizes = list(map(_SIZES, shards))
+    return row_blocks(shape, list(map(_OFFSETS, shards)), list(map(_SIZES, shards)))
+
+
+def row_blocks(shape: tuple, offsets: list[tuple], sizes: list[tuple]) -> bool:
+    """:func:`_row_blocks` of the blocks at ``offsets`` of ``sizes`` (tuples)."""
+    if not shape or not offsets or not math.prod(shape[1:]):
+        return False
     tail = tuple(shape[1:])
+    # (2-D, the commonest: the second number, no slice made per block)
+    rest = operator.itemgetter(1) if len(tail) == 1 else _TAIL
     if (
-        set(map(_TAIL, sizes)) != {tail}
-        or set(map(_TAIL, offsets)) != {(0,) * len(tail)}
+        set(map(len, offsets)) != {len(shape)}
+        or set(map(len, sizes)) != {len(shape)}
+        or set(map(rest, sizes)) != {tail[0] if len(tail) == 1 else tail}
+        or set(map(rest, offsets)) != {0 if len(tail) == 1 else (0,) * len(tail)}
         or set(map(type, itertools.chain(map(_ROW, offsets), map(_ROW, sizes)))) != {int}
     ):
         return False

@@ -69,17 +69,23 @@ def inspect(
     from .. import sources
     from ..api import read
     from ..errors import UsageError
+    from ..formats import gc_paused
     from ..report import inspect_report
     from ..tree import iter_tensors
 
     if limit < 0:
         raise UsageError("--limit must be >= 0 (0: no limit)")
     before = sources.transferred()  # what this command reads, local or remote
-    ckpt = read(paths, unsafe=unsafe)
-    total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
-    enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
-    with byte_progress(total, "reading tensors", enabled) as advance:
-        report = inspect_report(ckpt, filter=filter, stats=stats, progress=advance, since=before)
+    # no cyclic collection while the report is made either: it would walk the whole tree
+    # (a 2048-rank DCP folder: millions of chunks), and there are no cycles to find
+    with gc_paused():
+        ckpt = read(paths, unsafe=unsafe)
+        total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
+        enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
+        with byte_progress(total, "reading tensors", enabled) as advance:
+            report = inspect_report(
+                ckpt, filter=filter, stats=stats, progress=advance, since=before
+            )
     if json_output:
         write(dumps_json(report) + "\n")
         return

@@ -135,7 +135,7 @@ def _alone(items: Any, holders: int = 1) -> None:
         raise NotPlain
 
 
-def _states(records: list, cls: type, holders: int = 1) -> list[dict]:
+def _states(records: list, cls: type, holders: int = 1, walked: bool = True) -> list[dict]:
     """The one dict state of each record, every record of ``cls`` and held once
     (``holders``: 0 where ``records`` is the container the pickle made, not a copy)."""
     if not records:
@@ -146,7 +146,8 @@ def _states(records: list, cls: type, holders: int = 1) -> list[dict]:
     states = list(map(itemgetter(0), records))
     if set(map(type, states)) != {dict}:
         raise NotPlain
-    _alone(states)
+    if walked:  # (a dict key's state is never walked: it may be shared)
+        _alone(states)
     return states
 
 
@@ -194,7 +195,7 @@ def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
                 check=False,
             )
         return _read(folder, meta_path, metadata, permissive, seen)
-    except (NotPlain, CkptError):
+    except Exception:  # NotPlain, CkptError, or a TypeError on a hostile value
         return None
 
 
@@ -231,24 +232,33 @@ def _read(
 
     # storage_data: MetadataIndex -> _StorageInfo, each of plain fields
     keys, infos = list(storage), list(storage.values())
-    key_states, info_states = _states(keys, IndexRecord), _states(infos, InfoRecord)
+    key_states = _states(keys, IndexRecord, walked=False)
+    info_states = _states(infos, InfoRecord)
     fqns = _field(key_states, "fqn")
+    # (an offset that is no chunk's finds none: the generic reader words that)
     offsets = list(map(dict.get, key_states, itertools.repeat("offset")))
     if set(map(type, fqns)) - {str}:
         raise NotPlain
-    _sizes([o for o in offsets if o is not None], holders=2)
     if info_states and set(map(len, info_states)) != {3}:
         raise NotPlain  # (transform descriptors: the generic reader refuses them by name)
     rels, starts, lengths = (_field(info_states, f) for f in ("relative_path", "offset", "length"))
     if (set(map(type, rels)) - {str}) or (set(map(type, starts + lengths)) - {int}):
         raise NotPlain
-    spans = dict(zip(zip(fqns, offsets, strict=True), info_states, strict=True))
-    if len(spans) != len(keys):
+    # each tensor's spans by offsets: a small table per tensor (a lookup in one table
+    # of every chunk costs a cache miss per chunk)
+    tables: dict[str, dict[Any, dict]] = {}
+    table_of = tables.get
+    for fqn, offset, info in zip(fqns, offsets, info_states, strict=True):
+        table = table_of(fqn)
+        if table is None:
+            table = tables[fqn] = {}
+        table[offset] = info
+    if sum(map(len, tables.values())) != len(keys):
         raise NotPlain  # two indexes of one chunk: the generic reader keeps the last
     if _disjoint(rels, starts, lengths):
         shared: set[tuple[str, int]] = set()
-    else:
-        shared = shared_spans(spans, meta_path)  # (raises on overlaps, as ever)
+    else:  # (raises on overlaps, as ever)
+        shared = shared_spans(dict(zip(zip(fqns, offsets), info_states)), meta_path)
 
     # every data file's name checked once (not once per chunk)
     distinct = list(dict.fromkeys(rels))
@@ -278,10 +288,11 @@ def _read(
         if len(obj_path) > MAX_NESTING or type(fqn) is not str:
             raise NotPlain
         kind = type(entry).__name__
+        table = tables.get(fqn, {})
         if kind == "TensorStorageMetadata":
-            value = _tensor(folder, fqn, entry, spans, files_of, world_size, shared)
-        elif kind == "BytesStorageMetadata":
-            value = _bytes_value(folder, fqn, spans, permissive, seen, shared)
+            value = _tensor(folder, fqn, entry, table, files_of, world_size, shared)
+        elif kind == "BytesStorageMetadata" and None in table:
+            value = _bytes_value(folder, fqn, {(fqn, None): table[None]}, permissive, seen, shared)
         else:
             raise NotPlain
         root = set_element(root, obj_path, value, len(entries))
@@ -313,12 +324,12 @@ def _tensor(
     folder: str,
     fqn: str,
     entry: Opaque,
-    spans: dict,
+    spans: dict,  # offsets -> storage info, of this tensor
     files_of: dict[str, str],
     world_size: int | None,
     shared: set[tuple[str, int]],
 ) -> ShardedRef:
-    from ..sharding import check_coverage
+    from ..sharding import check_coverage, row_blocks
     from .dcp import DcpChunk, _tensor_properties
 
     attrs = entry.attrs()
@@ -336,7 +347,7 @@ def _tensor(
     offsets, sizes = _field(states, "offsets"), _field(states, "sizes")
     _sizes(offsets)
     _sizes(sizes)
-    infos = list(map(spans.get, zip(itertools.repeat(fqn), offsets)))
+    infos = list(map(spans.get, offsets))
     if None in infos:
         raise NotPlain  # a chunk with no stored data: the generic reader says so
     # one call per chunk: its DcpChunk and its Shard, the rest in bulk
@@ -362,7 +373,8 @@ def _tensor(
         )
     )
     shards = list(map(Shard, offsets_t, sizes_t, chunks))
-    check_coverage(fqn, size, shards)
+    if not row_blocks(size, offsets_t, sizes_t):
+        check_coverage(fqn, size, shards)
     return ShardedRef(
         dt,
         size,
