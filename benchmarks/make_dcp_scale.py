@@ -5,8 +5,10 @@ as ``FileSystemWriter.finish`` pickles it (``pickle.dump``, the default protocol
 the object graph a real save leaves: every rank's write items go through a
 ``gather_object`` (a pickle round trip) before rank 0 builds the metadata, and its
 write results through another, so each chunk's ``MetadataIndex`` and
-``ChunkStorageMetadata`` hold their own ``torch.Size`` and key string, as in a real
-file. The state is what ``get_state_dict`` gives for a Llama-2-70B-shaped model
+``ChunkStorageMetadata`` hold their own ``torch.Size``s, as in a real file. The key
+string is pickled once per tensor (the folder issue 31 measured: 72 MB at 256 ranks,
+531 MB at 2048); ``--fresh-keys`` gives every index its own string, as a gather does
+(101 MB at 256). The state is what ``get_state_dict`` gives for a Llama-2-70B-shaped model
 trained with Adam under FSDP2 (``Shard(0)`` on every rank): the model in bf16 and both
 Adam moments in fp32, 723 parameters x 3 = 2,169 tensors, one chunk per rank each,
 plus the optimizer's param groups as byte values (real ``torch.save`` bytes).
@@ -14,7 +16,7 @@ plus the optimizer's param groups as byte values (real ``torch.save`` bytes).
 Every ``__R_0.distcp`` file is truncated to its size and holds no bytes (a sparse
 file: ~1 TB apparent, a few KB on disk), except rank 0's byte values.
 
-    .venv/bin/python benchmarks/make_dcp_scale.py --ranks 256 --out bench-data/dcp70b-256
+    .venv/bin/python benchmarks/make_dcp_scale.py --ranks 256 --out bench-data/scale-dcp-256
 
 ``--per-rank dtensor|sharded``: instead, one ``torch.save`` file per rank
 (``ep0-rank{R}.pt``) holding that rank's DTensors or ShardedTensors, written with

@@ -116,7 +116,9 @@ def row_blocks(shape: tuple, offsets: list[tuple], sizes: list[tuple]) -> bool:
     ):
         return False
     counts = list(map(_ROW, sizes))
-    rows = sorted(itertools.compress(zip(map(_ROW, offsets), counts), counts))  # non-empty
+    rows = sorted(
+        itertools.compress(zip(map(_ROW, offsets), counts, strict=True), counts)
+    )  # non-empty
     if not rows or min(counts) < 0:
         return False
     starts = list(map(_ROW, rows))

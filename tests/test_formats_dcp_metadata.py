@@ -65,7 +65,9 @@ def write_folder(folder, ranks, shapes, tweak=None, value=None):
         torch.save(value, buf)
         md["extra"] = BytesStorageMetadata()
         planner["extra"] = ("extra",)
-        storage[MetadataIndex("extra")] = _StorageInfo("__0_0.distcp", sizes[0], len(buf.getvalue()))
+        storage[MetadataIndex("extra")] = _StorageInfo(
+            "__0_0.distcp", sizes[0], len(buf.getvalue())
+        )
         with open(folder / "__0_0.distcp", "wb") as f:
             f.seek(sizes[0])
             f.write(buf.getvalue())
@@ -85,7 +87,9 @@ def summary(ckpt):
         out.append((key, ref.dtype.name, ref.shape, type(ref.shape), ref.requires_grad))
         for s in ref.shards:
             c = s.tensor
-            out.append((s.offsets, s.sizes, c.path, c.offset, c.length, c.sizes, c.offsets, c.shared))
+            out.append(
+                (s.offsets, s.sizes, c.path, c.offset, c.length, c.sizes, c.offsets, c.shared)
+            )
     return out
 
 
@@ -114,7 +118,11 @@ def test_plain_folder_is_read_in_bulk_as_the_generic_reader_reads_it(tmp_path, m
     assert summary(fast) == summary(generic_read(folder, monkeypatch))
     assert fast.world_size == 16
     assert ckpttool.load(folder, select="extra") == {"lr": 0.1, "names": ["a", "b"]}
-    assert [k for k, _ in iter_tensors(fast.root)] == [("model", "w"), ("model", "b"), ("model", "e")]
+    assert [k for k, _ in iter_tensors(fast.root)] == [
+        ("model", "w"),
+        ("model", "b"),
+        ("model", "e"),
+    ]
 
 
 def test_chunk_sizes_shared_with_the_index_go_to_the_generic_reader(tmp_path, monkeypatch):
@@ -138,9 +146,7 @@ RANKS = 100
 MANY = {f"layers.{i}.w": (RANKS, 4) for i in range(CHUNKS // RANKS)}
 
 
-@pytest.mark.parametrize(
-    "path", ["../outside.distcp", "sub/__0_0.distcp"]
-)
+@pytest.mark.parametrize("path", ["../outside.distcp", "sub/__0_0.distcp"])
 def test_a_data_file_outside_the_folder_is_refused_at_the_100000th_chunk(
     tmp_path, monkeypatch, path
 ):

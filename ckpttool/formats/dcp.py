@@ -66,8 +66,10 @@ class DcpChunk:
     """
 
     # (millions of them in a folder saved by thousands of ranks)
-    __slots__ = ("path", "shared", "offset", "length", "dtype", "sizes", "transforms")
-    __slots__ += ("fqn", "offsets")
+    __slots__ = (
+        *("path", "shared", "offset", "length", "dtype"),
+        *("sizes", "transforms", "fqn", "offsets"),
+    )
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ reads it again from the start: it decides, and words any error, exactly as befor
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import operator
@@ -30,9 +31,7 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
-from .. import sources
 from ..dtypes import DType
-from ..errors import CkptError
 from ..policy import MAX_NESTING, check_structure
 from ..sharding import Shard
 from ..torch_values import TorchSize
@@ -79,9 +78,11 @@ class Record(list, metaclass=_RecordClass):
     __ne__ = object.__ne__  # type: ignore[assignment]
 
 
-def _record(full: str) -> type[Record]:
+def _record(full: str) -> Any:
     module, qualname = full.rsplit(".", 1)
-    return _RecordClass(qualname, (Record,), {"__slots__": (), "module": module, "qualname": qualname})
+    return _RecordClass(
+        qualname, (Record,), {"__slots__": (), "module": module, "qualname": qualname}
+    )
 
 
 _RECORDS = {full: _record(full) for full in (CHUNK, INDEX, STORAGE_INFO)}
@@ -135,15 +136,19 @@ def _alone(items: Any, holders: int = 1) -> None:
         raise NotPlain
 
 
+_LAST = itemgetter(-1)
+
+
 def _states(records: list, cls: type, holders: int = 1, walked: bool = True) -> list[dict]:
     """The one dict state of each record, every record of ``cls`` and held once
     (``holders``: 0 where ``records`` is the container the pickle made, not a copy)."""
     if not records:
         return []
-    if set(map(type, records)) != {cls} or set(map(len, records)) != {1}:
+    if set(map(type, records)) != {cls}:
         raise NotPlain
     _alone(records, holders)
-    states = list(map(itemgetter(0), records))
+    # the last BUILD's, as an object keeps (none: an IndexError, the generic reader's)
+    states = list(map(_LAST, records))
     if set(map(type, states)) != {dict}:
         raise NotPlain
     if walked:  # (a dict key's state is never walked: it may be shared)
@@ -151,7 +156,7 @@ def _states(records: list, cls: type, holders: int = 1, walked: bool = True) -> 
     return states
 
 
-def _sizes(values: list, holders: int = 1) -> None:
+def _sizes(values: list, holders: int = 1, numbers_checked: bool = False) -> None:
     """Every one a ``torch.Size`` (a tuple here) of int64s, each held once (the empty
     one is Python's one empty tuple: it holds nothing)."""
     if not values:
@@ -159,11 +164,11 @@ def _sizes(values: list, holders: int = 1) -> None:
     if set(map(type, values)) != {tuple}:
         raise NotPlain
     _alone(list(filter(None, values)), holders + 1)  # (+1: that list)
+    if numbers_checked:
+        return
     numbers = list(itertools.chain.from_iterable(values))
     if numbers and (
-        set(map(type, numbers)) != {int}
-        or min(numbers) < _INT64_MIN
-        or max(numbers) > _INT64_MAX
+        set(map(type, numbers)) != {int} or min(numbers) < _INT64_MIN or max(numbers) > _INT64_MAX
     ):
         raise NotPlain
 
@@ -205,10 +210,8 @@ def _read(
     from .dcp import (
         FORMAT,
         RANK_FILE_RE,
-        DcpChunk,
         _bytes_value,
         _data_file,
-        _tensor_properties,
         set_element,
         shared_spans,
     )
@@ -246,19 +249,18 @@ def _read(
         raise NotPlain
     # each tensor's spans by offsets: a small table per tensor (a lookup in one table
     # of every chunk costs a cache miss per chunk)
-    tables: dict[str, dict[Any, dict]] = {}
-    table_of = tables.get
-    for fqn, offset, info in zip(fqns, offsets, info_states, strict=True):
-        table = table_of(fqn)
-        if table is None:
-            table = tables[fqn] = {}
-        table[offset] = info
+    tables: dict[str, dict[Any, dict]] = collections.defaultdict(dict)
+    collections.deque(  # (a loop in C: tables[fqn][offset] = info)
+        map(operator.setitem, map(tables.__getitem__, fqns), offsets, info_states), maxlen=0
+    )
     if sum(map(len, tables.values())) != len(keys):
         raise NotPlain  # two indexes of one chunk: the generic reader keeps the last
     if _disjoint(rels, starts, lengths):
         shared: set[tuple[str, int]] = set()
     else:  # (raises on overlaps, as ever)
-        shared = shared_spans(dict(zip(zip(fqns, offsets), info_states)), meta_path)
+        shared = shared_spans(
+            dict(zip(zip(fqns, offsets, strict=True), info_states, strict=True)), meta_path
+        )
 
     # every data file's name checked once (not once per chunk)
     distinct = list(dict.fromkeys(rels))
@@ -288,7 +290,7 @@ def _read(
         if len(obj_path) > MAX_NESTING or type(fqn) is not str:
             raise NotPlain
         kind = type(entry).__name__
-        table = tables.get(fqn, {})
+        table = tables.get(fqn) or {}
         if kind == "TensorStorageMetadata":
             value = _tensor(folder, fqn, entry, table, files_of, world_size, shared)
         elif kind == "BytesStorageMetadata" and None in table:
@@ -318,6 +320,7 @@ def _disjoint(rels: list[str], starts: list[int], lengths: list[int]) -> bool:
 
 
 _RELATIVE_PATH, _OFFSET, _LENGTH = map(itemgetter, ("relative_path", "offset", "length"))
+_ROW, _COL = itemgetter(0), itemgetter(1)
 
 
 def _tensor(
@@ -339,15 +342,27 @@ def _tensor(
     if not isinstance(dt, DType):
         raise NotPlain
     _sizes([size], holders=2)  # (its place in the entry, and here)
-    size = TorchSize(size)  # (what the stand-in gives)
+    size = TorchSize(size)  # type: ignore[arg-type]  # (a tuple: what the stand-in gives)
     chunks = attrs["chunks"]
     states = _states(chunks, ChunkRecord, holders=0)
     if states and set(map(len, states)) != {2}:
         raise NotPlain
     offsets, sizes = _field(states, "offsets"), _field(states, "sizes")
-    _sizes(offsets)
-    _sizes(sizes)
-    infos = list(map(spans.get, offsets))
+    # whole rows one after the other (FSDP, DCP): their numbers are ints within the
+    # tensor's, but for the rows where empty chunks start, checked here
+    rows = (
+        len(size) in (1, 2)
+        and set(map(type, offsets)) == {tuple}
+        and set(map(type, sizes)) == {tuple}
+        and row_blocks(size, offsets, sizes)  # (the rows' types too)
+        and _INT64_MIN <= min(map(_ROW, offsets))
+        and max(map(_ROW, offsets)) <= _INT64_MAX
+        # a column's 0 or width compares equal to False, or to a float
+        and (len(size) == 1 or set(map(type, map(_COL, offsets + sizes))) == {int})
+    )
+    _sizes(offsets, numbers_checked=rows)
+    _sizes(sizes, numbers_checked=rows)
+    infos: list[Any] = list(map(spans.get, offsets))
     if None in infos:
         raise NotPlain  # a chunk with no stored data: the generic reader says so
     # one call per chunk: its DcpChunk and its Shard, the rest in bulk
@@ -357,7 +372,9 @@ def _tensor(
     sizes_t = list(map(interned.setdefault, sizes_t, sizes_t))
     rels = list(map(_RELATIVE_PATH, infos))
     starts = list(map(_OFFSET, infos))
-    many = list(map(shared.__contains__, zip(rels, starts))) if shared else repeat(False)
+    many = (
+        list(map(shared.__contains__, zip(rels, starts, strict=True))) if shared else repeat(False)
+    )
     chunks = list(
         map(
             DcpChunk,
@@ -373,7 +390,7 @@ def _tensor(
         )
     )
     shards = list(map(Shard, offsets_t, sizes_t, chunks))
-    if not row_blocks(size, offsets_t, sizes_t):
+    if not rows:
         check_coverage(fqn, size, shards)
     return ShardedRef(
         dt,
