@@ -6,6 +6,7 @@ Only metadata is read, unless ``stats`` asks for min/max/mean/std and NaN/Inf co
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -196,12 +197,24 @@ def tensor_file(ref: Any) -> str | None:
     if isinstance(ref, SparseRef):
         files = {tensor_file(part) for part in ref.parts}
     elif isinstance(ref, ShardedRef):
-        files = {tensor_file(shard.tensor) for shard in ref.shards}
+        blocks = list(map(_BLOCK, ref.shards))
+        if not any(map(_may_hold_storage, set(map(type, blocks)))):
+            return None  # (DCP chunks: a 2048-rank folder has millions)
+        files = {tensor_file(block) for block in blocks}
     else:
         storage = getattr(ref, "storage", None)
         source = getattr(storage, "source", None)
         return getattr(source, "path", None)
     return files.pop() if len(files) == 1 else None
+
+
+_BLOCK = operator.attrgetter("tensor")
+
+
+def _may_hold_storage(kind: type) -> bool:
+    """Whether objects of ``kind`` may have a ``storage`` (:func:`tensor_file` reads it):
+    not where the class names none and its objects have no ``__dict__``."""
+    return hasattr(kind, "storage") or any("__dict__" in vars(c) for c in kind.__mro__)
 
 
 def value_entry(path: KeyPath, value: Any) -> dict[str, Any]:

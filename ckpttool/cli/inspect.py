@@ -88,6 +88,7 @@ def inspect(
     one section each, or with --json one object per line."""
     from .. import sources
     from ..errors import SeveralCheckpointsError, UnsafeError, UsageError
+    from ..formats import gc_paused
     from ..inspection import inspect_report, refused_report
     from ..integrity import check_sizes
     from ..tree import iter_tensors
@@ -96,7 +97,8 @@ def inspect(
         raise UsageError("--limit must be >= 0 (0: no limit)")
     before = sources.transferred()  # what this command reads, local or remote
     try:
-        checkpoints = read_each(paths, unsafe)
+        with gc_paused():  # (the read builds millions of objects, none in a cycle)
+            checkpoints = read_each(paths, unsafe)
     except UnsafeError as exc:
         if json_output:  # the verdict for scripts too: which globals, and why
             write(dumps_json(refused_report(exc, paths, since=before)) + "\n")
@@ -113,15 +115,18 @@ def inspect(
             hint="pass one of them, or use --json (one object per line, each with its files)",
         )
     sections = []
-    for _, ckpt in checkpoints:
-        check_sizes(ckpt)  # every file there, and as long as its metadata says
-        total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
-        enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
-        with byte_progress(total, "reading tensors", enabled) as advance:
-            report = inspect_report(
-                ckpt, filter=filter, stats=stats, progress=advance, since=before
-            )
-        sections.append(report)
+    # no cyclic collection while the report is made: it would walk the whole tree (a
+    # 2048-rank DCP folder: millions of chunks), and there are no cycles to find
+    with gc_paused():
+        for _, ckpt in checkpoints:
+            check_sizes(ckpt)  # every file there, and as long as its metadata says
+            total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
+            enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
+            with byte_progress(total, "reading tensors", enabled) as advance:
+                report = inspect_report(
+                    ckpt, filter=filter, stats=stats, progress=advance, since=before
+                )
+            sections.append(report)
     if json_output:
         write("".join(dumps_json(report) + "\n" for report in sections))
         return

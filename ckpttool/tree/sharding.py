@@ -9,7 +9,9 @@ tensor's bytes without torch (:func:`raw_parts`).
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import Any
 
 from ..errors import CkptError
@@ -18,6 +20,8 @@ from .leaves import Leaf, Shard, ShardedRef, TensorRef
 
 def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
     """Every element of the global tensor is in exactly one shard."""
+    if _row_blocks(shape, shards):
+        return
     nonempty = [s for s in shards if math.prod(s.sizes)]  # empty ranks hold nothing
     if _tiles(shape, nonempty, 0):
         return
@@ -57,6 +61,46 @@ def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
 
 
 MAX_IRREGULAR_SHARDS = 4096
+
+
+def _row_blocks(shape: tuple, shards: list[Shard]) -> bool:
+    """The commonest layout (FSDP, DCP, DTensor ``Shard(0)``), checked in bulk: every
+    shard whole rows, the non-empty ones' row ranges following each other from 0 to
+    the end. A 2048-rank checkpoint has millions of shards. False means only "not this
+    case": :func:`_tiles` and the general check decide."""
+    if not shape or not shards:
+        return False
+    return row_blocks(shape, list(map(_OFFSETS, shards)), list(map(_SIZES, shards)))
+
+
+def row_blocks(shape: tuple, offsets: list[tuple], sizes: list[tuple]) -> bool:
+    """:func:`_row_blocks` of the blocks at ``offsets`` of ``sizes`` (tuples)."""
+    if not shape or not offsets or not math.prod(shape[1:]):
+        return False
+    tail = tuple(shape[1:])
+    # (2-D, the commonest: the second number, no slice made per block)
+    rest = operator.itemgetter(1) if len(tail) == 1 else _TAIL
+    if (
+        set(map(len, offsets)) != {len(shape)}
+        or set(map(len, sizes)) != {len(shape)}
+        or set(map(rest, sizes)) != {tail[0] if len(tail) == 1 else tail}
+        or set(map(rest, offsets)) != {0 if len(tail) == 1 else (0,) * len(tail)}
+        or set(map(type, itertools.chain(map(_ROW, offsets), map(_ROW, sizes)))) != {int}
+    ):
+        return False
+    counts = list(map(_ROW, sizes))
+    rows = sorted(
+        itertools.compress(zip(map(_ROW, offsets), counts, strict=True), counts)
+    )  # non-empty
+    if not rows or min(counts) < 0:
+        return False
+    starts = list(map(_ROW, rows))
+    ends = list(map(operator.add, starts, map(_COUNT, rows)))
+    return starts[0] == 0 and ends[-1] == shape[0] and ends[:-1] == starts[1:]
+
+
+_OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
+_TAIL, _ROW, _COUNT = (operator.itemgetter(i) for i in (slice(1, None), 0, 1))
 
 
 def _tiles(shape: tuple, shards: list[Shard], dim: int) -> bool:

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from .allow_list import ALLOWED, allowing, keep_allowed
 from .pickle_scan import is_pickle_start
-from .policy import MAX_NESTING, allowed_globals, api_allow_list, check_structure, parse_allow
-from .restricted import load_pickle, split_seen
-from .sharded import DTENSOR_CLASSES, SHARDED_TENSOR, LocalShards, own_dtensor_block
+from .policy import (
+    MAX_NESTING,
+    allowed_globals,
+    api_allow_list,
+    check_structure,
+    parse_allow,
+    python3_name,
+)
+from .restricted import SafeUnpickler, load_pickle, split_seen
+from .sharded import DTENSOR_CLASSES, LocalShards, SHARDED_TENSOR, own_dtensor_block
 from .text_persid import text_persistent_id
 
 __all__ = [
@@ -20,6 +27,7 @@ __all__ = [
     "LocalShards",
     "MAX_NESTING",
     "SHARDED_TENSOR",
+    "SafeUnpickler",
     "allowed_globals",
     "allowing",
     "api_allow_list",
@@ -29,6 +37,7 @@ __all__ = [
     "load_pickle",
     "own_dtensor_block",
     "parse_allow",
+    "python3_name",
     "split_seen",
     "text_persistent_id",
 ]

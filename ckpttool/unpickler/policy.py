@@ -343,7 +343,9 @@ TENSOR_BYTES_PER_STORED_BYTE = 16
 MAX_TENSOR_BYTES_BASE = 64 << 20
 
 
-def check_structure(root: Any, path: object = None) -> None:
+def check_structure(
+    root: Any, path: object = None, checked: tuple[set[int], set[int]] | None = None
+) -> None:
     """Refuse shapes that a few bytes of pickle can build and no checkpoint has.
 
     The memo lets a pickle share one container many times: a list holding the same
@@ -353,6 +355,12 @@ def check_structure(root: Any, path: object = None) -> None:
     text.) Children are found with the types' own methods (``dict.values(node)``):
     a BUILD may have given an OrderedDict an attribute ``values`` of its own.
 
+    ``checked``: (containers, their contents), by id, that the caller has checked
+    already in bulk (a DCP ``.metadata``'s chunk lists: flat records of numbers, none
+    shared; see :mod:`ckpttool.formats.dcp_metadata`). Such a container is not walked
+    on its first visit; its contents count as visited, so a second path to any of them
+    counts as the walk would count it.
+
     Raises:
         CkptError: nesting deeper than MAX_NESTING, shared containers that expand to
             more than MAX_SHARED_ENTRIES entries, a dict/list/tuple that holds itself,
@@ -361,7 +369,7 @@ def check_structure(root: Any, path: object = None) -> None:
     """
     tensor_bytes = 0
     stored: dict[int, int] = {}  # id(storage) -> its bytes
-    expanded: set[int] = set()
+    flat, expanded = (set(), set()) if checked is None else (set(checked[0]), set(checked[1]))
     ancestors: set[int] = set()
     shared_entries = 0
     containers = (dict, list, tuple, Opaque)
@@ -385,6 +393,10 @@ def check_structure(root: Any, path: object = None) -> None:
             kids = [child for _, child in Opaque.parts(node)]  # all it holds, not a view
         else:
             kids = node
+        if id(node) in flat:  # checked by the caller: walked from its second path on
+            flat.discard(id(node))
+            expanded.add(id(node))
+            continue
         if id(node) in expanded:  # every entry counts: a walk visits leaves too
             shared_entries += len(kids)
             if shared_entries > MAX_SHARED_ENTRIES:

@@ -407,6 +407,8 @@ def load_pickle(
     permissive: bool = False,
     seen: set[str] | None = None,
     scan_only: bool = False,
+    unpickler_class: type[SafeUnpickler] | None = None,
+    check: bool = True,
 ) -> Any:
     """Unpickle ``data`` safely and return the object (with lazy tensor leaves).
 
@@ -417,6 +419,9 @@ def load_pickle(
         permissive: Keep dangerous globals as inert stand-ins instead of refusing.
         seen: A set that collects every global referenced (and ``!name`` for refused ones).
         scan_only: Only judge the globals (:class:`GlobalsScanner`); returns None.
+        unpickler_class: A :class:`SafeUnpickler` of another kind (a DCP ``.metadata``'s).
+        check: Run :func:`~ckpttool.policy.check_structure` on the result; False only
+            where the caller checks it itself.
 
     Raises:
         UnsafeError: The pickle references dangerous globals (and not ``permissive``).
@@ -424,7 +429,7 @@ def load_pickle(
     """
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     start = stream.tell()
-    unpickler_class = GlobalsScanner if scan_only else SafeUnpickler
+    unpickler_class = unpickler_class or (GlobalsScanner if scan_only else SafeUnpickler)
     unpickler = unpickler_class(stream, persistent_load, permissive=permissive)
     error: BaseException | None = None
     result = None
@@ -488,7 +493,8 @@ def load_pickle(
         raise CkptError(f"{reason} pickle ({type(error).__name__}: {error})", path=path) from None
     if scan_only:
         return None
-    check_structure(result, path)
+    if check:
+        check_structure(result, path)
     return result
 
 
