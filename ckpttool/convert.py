@@ -135,26 +135,13 @@ def convert(
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
     total = plan.total_bytes
     group = distributed.current()
-    if group is not None and sources.is_url(out):  # s3:// from every rank: one upload each
-        from .writers.s3_output import write_ranks
-
-        write_ranks(
-            plan,
-            out,
-            layout=layout,
-            force=force,
-            inputs=ckpt.files,
-            rank=group.rank,
-            world=group.size,
-            broadcast=group.broadcast,
-            all_gather=group.all_gather,
-        )
-        return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total)
     if group is not None:  # under torchrun: every rank writes its share
-        from .distributed.runner import write_distributed
+        from .distributed.runner import write_on_every_rank
 
-        files = [*inputs, *ckpt.files]
-        outcome = write_distributed(group, plan, out, layout=layout, force=force, inputs=files)
+        outcome = write_on_every_rank(
+            group, plan, out, layout=layout, force=force, inputs=[*inputs, *ckpt.files],
+            files=ckpt.files,
+        )  # fmt: skip
         names = plan.names or [os.path.basename(out)]
         return ConvertResult(out, names, len(tensors), total, outcome=outcome)
     bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)

@@ -69,26 +69,13 @@ def merge(
     stand_ins = recorded_classes(ckpt.root)
     plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
     group = distributed.current()
-    if group is not None and sources.is_url(out):  # s3:// from every rank: one upload each
-        from .writers.s3_output import write_ranks
-
-        write_ranks(
-            plan,
-            out,
-            layout=None,
-            force=force,
-            inputs=ckpt.files,
-            rank=group.rank,
-            world=group.size,
-            broadcast=group.broadcast,
-            all_gather=group.all_gather,
-        )
-        return MergeResult(out, len(leaves), total, stand_ins)
     if group is not None:  # under torchrun: every rank writes its share
-        from .distributed.runner import write_distributed
+        from .distributed.runner import write_on_every_rank
 
-        files = [*inputs, *ckpt.files]
-        outcome = write_distributed(group, plan, out, layout=None, force=force, inputs=files)
+        outcome = write_on_every_rank(
+            group, plan, out, layout=None, force=force, inputs=[*inputs, *ckpt.files],
+            files=ckpt.files,
+        )  # fmt: skip
         return MergeResult(out, len(leaves), total, stand_ins, outcome=outcome)
     description = f"writing {os.path.basename(out)}"
     bar = progress(plan.total_bytes, description) if progress else nullcontext(None)

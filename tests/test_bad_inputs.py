@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import zipfile
 
@@ -27,7 +28,10 @@ def empty_file(d):
 
 
 def random_bytes(d):
-    (d / "random.bin").write_bytes(os.urandom(4096).replace(b"PK", b"pk"))
+    # seeded: bytes whose first opcode a pickle has (a text PERSID...) are judged as the
+    # pickle torch.load would start to unpickle, and said to be a corrupt one
+    data = random.Random(4096).randbytes(4096).replace(b"PK", b"pk")
+    (d / "random.bin").write_bytes(data)
     return d / "random.bin", "not a checkpoint"
 
 

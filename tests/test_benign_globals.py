@@ -102,7 +102,7 @@ FRAMEWORK_FIXTURES = [
     "legacy/model.pt",
     "ddp/ep0-rank0.pt",
     "snapshots/custom_objects.pt",
-    "accelerate/fsdp2",
+    "accelerate/fsdp2/state",
     "lightning/fsdp/last.ckpt",
     "lightning/ddp/last.ckpt",
     "megatron/gpt",

@@ -149,10 +149,11 @@ def test_merge_refuses_missing_rank(fsdp3: Path, tmp_path: Path):
 
 def test_merge_refuses_existing_output_and_input_as_output(fsdp2: Path, tmp_path: Path):
     out = tmp_path / "m.pt"
-    out.write_bytes(b"keep")
+    torch.save({"earlier": torch.zeros(1)}, out)  # an earlier output: --force replaces it
+    kept = out.read_bytes()
     with pytest.raises(OutputExistsError, match="--force"):
         merge(str(fsdp2 / "ep0-ba2-rank0.pt"), str(out))
-    assert out.read_bytes() == b"keep"
+    assert out.read_bytes() == kept
     merge(str(fsdp2 / "ep0-ba2-rank0.pt"), str(out), force=True)
     assert_identical(torch.load(out, weights_only=True), expected_snapshot(fsdp2))
     # one rank file of the set as -o: refused even with --force, every rank file untouched

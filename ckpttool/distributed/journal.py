@@ -30,6 +30,7 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
+from ..writers.atomic import pid_alive
 from .units import CrcRun
 
 SUFFIX = ".ckpttool-resume"
@@ -112,7 +113,7 @@ class Journal:
         host, pid = lease.get("host"), int(lease.get("pid", 0))
         live = False
         if host == socket.gethostname():
-            live = pid != os.getpid() and _alive(pid)
+            live = pid != os.getpid() and pid_alive(pid)
         else:
             with contextlib.suppress(OSError):
                 live = time.time() - os.stat(path).st_mtime < LEASE_STALE_S
@@ -216,15 +217,3 @@ def _rmtree(path: str) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

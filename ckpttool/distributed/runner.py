@@ -26,14 +26,15 @@ from dataclasses import dataclass
 from ..errors import CkptError
 from ..writers.atomic import (
     FolderLayout,
-    _check_replaceable,
-    _fsync_entry,
-    _owned_entries,
-    _remove,
-    _write_error,
+    check_replaceable,
+    fsync_entry,
+    fsync_file,
     fsync_tree,
+    owned_entries,
+    remove_output,
+    write_error,
 )
-from ..writers.output_file import OutputFile, _preallocate
+from ..writers.output_file import OutputFile, preallocate
 from ..writers.plan import Plan, Written, complete
 from . import units as unit_mod
 from .group import Group
@@ -57,6 +58,44 @@ class Outcome:
     reused: int = 0
     reused_bytes: int = 0
     note: str = ""
+
+
+def write_on_every_rank(
+    group: Group,
+    plan: Plan,
+    out: str,
+    *,
+    layout: FolderLayout | None,
+    force: bool,
+    inputs: list[str],
+    files: list[str],
+) -> Outcome | None:
+    """This rank's share of writing ``plan`` as ``out``: a local (or shared) path through
+    :func:`write_distributed`, an ``s3://`` URL as the parts of the same multipart uploads
+    (``writers.s3_output.write_ranks``, the session and CRCs exchanged through the store).
+
+    Args:
+        inputs: The inputs as given and the files read (their identities key the work).
+        files: The files the checkpoint was read from.
+    """
+    from .. import sources
+
+    if not sources.is_url(out):
+        return write_distributed(group, plan, out, layout=layout, force=force, inputs=inputs)
+    from ..writers.s3_output import write_ranks
+
+    write_ranks(
+        plan,
+        out,
+        layout=layout,
+        force=force,
+        inputs=files,
+        rank=group.rank,
+        world=group.size,
+        broadcast=group.broadcast,
+        all_gather=group.all_gather,
+    )
+    return None
 
 
 def write_distributed(
@@ -142,7 +181,7 @@ def _start(
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.ftruncate(fd, file.size)
-            _preallocate(fd, file.size)
+            preallocate(fd, file.size)
         finally:
             os.close(fd)
     todo = [u.id for u in all_units if u.id not in done]
@@ -186,9 +225,9 @@ def _work(group: Group, plan: Plan, journal: Journal, todo: list, out: str) -> N
             try:
                 with OutputFile(path, offset=unit.start) as sink:
                     runs = unit_mod.write_unit(plan, unit, sink)
-                _fsync(path)
+                fsync_file(path)
             except OSError as exc:
-                raise _write_error(exc, out, os.path.dirname(os.path.abspath(out))) from None
+                raise write_error(exc, out, os.path.dirname(os.path.abspath(out))) from None
             log.record(unit.id, runs)
             group.counter("finished", 1)
     finally:
@@ -215,7 +254,7 @@ def _finish(
         fsync_tree(journal.files)
         _publish(journal, plan, out, layout, force)
     except OSError as exc:
-        raise _write_error(exc, out, os.path.dirname(os.path.abspath(out))) from None
+        raise write_error(exc, out, os.path.dirname(os.path.abspath(out))) from None
     journal.remove()
 
 
@@ -245,32 +284,24 @@ def _publish(
     if layout is None:
         source = _file_path(journal, "")
         if os.path.lexists(out):
-            _check_replaceable(out, force, want_folder=False)
+            check_replaceable(out, force, want_folder=False)
             if os.path.isdir(out) and not os.path.islink(out):
                 os.replace(out, aside)
         os.replace(source, out)
     elif os.path.isdir(out):
-        earlier = _owned_entries(out, layout, force)
+        earlier = owned_entries(out, layout, force)
         written = sorted(os.listdir(journal.files), key=lambda n: (n == layout.last, n))
         for name in written:
             os.replace(os.path.join(journal.files, name), os.path.join(out, name))
         for name in earlier:
             if name not in written:
-                _remove(os.path.join(out, name))
-        _fsync_entry(out)
+                remove_output(os.path.join(out, name))
+        fsync_entry(out)
     else:
         if os.path.lexists(out):
-            _check_replaceable(out, force, want_folder=True)
+            check_replaceable(out, force, want_folder=True)
             os.replace(out, aside)
         os.replace(journal.files, out)
-    _fsync_entry(parent)
+    fsync_entry(parent)
     with contextlib.suppress(OSError):
-        _remove(aside)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        remove_output(aside)

@@ -18,7 +18,7 @@ from .policy import (
     python3_name,
 )
 from .restricted import SafeUnpickler, load_pickle, split_seen
-from .sharded import DTENSOR_CLASSES, LocalShards, SHARDED_TENSOR, own_dtensor_block
+from .sharded import DTENSOR_CLASSES, SHARDED_TENSOR, LocalShards, own_dtensor_block
 from .text_persid import text_persistent_id
 
 __all__ = [

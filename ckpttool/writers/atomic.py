@@ -98,7 +98,7 @@ def check_output(
         elif os.path.lexists(out):
             _check_replace_output_file(out, force)
     elif os.path.isdir(out):
-        _owned_entries(out, layout, force)
+        owned_entries(out, layout, force)
     elif os.path.lexists(out):
         _check_replace_file(out, force)
 
@@ -177,7 +177,7 @@ def _check_replace_folder(path: str, force: bool) -> None:
         )
 
 
-def _owned_entries(folder: str, layout: FolderLayout, force: bool) -> list[str]:
+def owned_entries(folder: str, layout: FolderLayout, force: bool) -> list[str]:
     """The files of an earlier output of this layout in ``folder`` (replaced by this run)."""
     owned = sorted(name for name in os.listdir(folder) if layout.owns(name))
     for name in owned:
@@ -228,7 +228,7 @@ def is_checkpoint_folder(path: str) -> bool:
     )
 
 
-def _remove(path: str) -> None:
+def remove_output(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -282,10 +282,10 @@ def clean_stale_temps(folder: str) -> list[StaleTemp]:
             continue
         if info.st_uid != os.getuid() or pid == os.getpid():
             continue
-        if _alive(pid) and (booted is None or info.st_mtime >= booted):
+        if pid_alive(pid) and (booted is None or info.st_mtime >= booted):
             continue
         nbytes = _tree_bytes(path)
-        _remove(path)
+        remove_output(path)
         if not os.path.lexists(path):
             removed.append(StaleTemp(path, nbytes, pid))
     return removed
@@ -320,7 +320,10 @@ def _tree_bytes(path: str) -> int:
 _MAX_PID = (1 << 31) - 1  # no process has a larger id (os.kill would overflow)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this id lives on this host (0 and negative ids name groups)."""
+    if not 0 < pid <= _MAX_PID:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -338,20 +341,20 @@ def fsync_tree(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         for entry in os.listdir(path):
             fsync_tree(os.path.join(path, entry))
-    _fsync(path)
+    fsync_file(path)
 
 
-def _fsync_entry(folder: str) -> None:
+def fsync_entry(folder: str) -> None:
     """Make a rename in ``folder`` durable: fsync the folder itself, never what it holds.
 
     Best effort: the output is in place and its data on disk; some file systems
     refuse fsync on a folder.
     """
     with contextlib.suppress(OSError):
-        _fsync(folder)
+        fsync_file(folder)
 
 
-def _fsync(path: str) -> None:
+def fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -409,35 +412,35 @@ def atomic_output(
         removed.extend(stale)
     tmp = os.path.join(parent, f".{name}{TEMP_MARK}{os.getpid()}")
     try:
-        _remove(tmp)
+        remove_output(tmp)
         if folder:
             os.mkdir(tmp)
     except OSError as exc:
         _remove_empty(created)
-        raise _write_error(exc, out, parent) from None
+        raise write_error(exc, out, parent) from None
     try:
         yield tmp
         fsync_tree(tmp)
         if os.path.lexists(out):
-            _check_replaceable(out, force, want_folder=folder)
+            check_replaceable(out, force, want_folder=folder)
             old = os.path.join(parent, f".{name}{TEMP_MARK}old-{os.getpid()}")
             os.replace(out, old)
             os.replace(tmp, out)
-            _remove(old)
+            remove_output(old)
         else:
             os.replace(tmp, out)
     except OSError as exc:
-        _remove(tmp)
+        remove_output(tmp)
         _remove_empty(created)
-        raise _write_error(exc, out, parent) from None
+        raise write_error(exc, out, parent) from None
     except BaseException:
-        _remove(tmp)
+        remove_output(tmp)
         _remove_empty(created)
         raise
-    _fsync_entry(parent)
+    fsync_entry(parent)
 
 
-def _check_replaceable(out: str, force: bool, *, want_folder: bool) -> None:
+def check_replaceable(out: str, force: bool, *, want_folder: bool) -> None:
     """What is at ``out`` may be replaced by the new output (checked again at the end:
     something may have appeared there while we wrote)."""
     if want_folder:
@@ -466,31 +469,31 @@ def _into_folder(
         ) from None
     if removed is not None:
         removed.extend(stale)
-    _owned_entries(folder, layout, force)
+    owned_entries(folder, layout, force)
     tmp = os.path.join(folder, f"{TEMP_MARK}{os.getpid()}")
     try:
-        _remove(tmp)
+        remove_output(tmp)
         os.mkdir(tmp)
         yield tmp
         fsync_tree(tmp)
-        earlier = _owned_entries(folder, layout, force)
+        earlier = owned_entries(folder, layout, force)
         written = sorted(os.listdir(tmp), key=lambda n: (n == layout.last, n))
         for name in written:
             os.replace(os.path.join(tmp, name), os.path.join(folder, name))
         for name in earlier:
             if name not in written:
-                _remove(os.path.join(folder, name))
+                remove_output(os.path.join(folder, name))
         os.rmdir(tmp)
     except OSError as exc:
-        _remove(tmp)
-        raise _write_error(exc, folder, folder) from None
+        remove_output(tmp)
+        raise write_error(exc, folder, folder) from None
     except BaseException:
-        _remove(tmp)
+        remove_output(tmp)
         raise
-    _fsync_entry(folder)
+    fsync_entry(folder)
 
 
-def _write_error(exc: OSError, out: str, folder: str) -> CkptError:
+def write_error(exc: OSError, out: str, folder: str) -> CkptError:
     """The error of a failed write, naming what the user named: the output, or the
     folder it goes into where that refuses new files, never the hidden temp path."""
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

@@ -79,7 +79,7 @@ class OutputFile:
         # the unaligned ends of a part go through the page cache (see the module's doc)
         self._plain_fd = os.open(path, os.O_WRONLY) if self.direct and not self.whole else None
         if size_hint > 0 and self.whole:
-            _preallocate(self.fd, size_hint)
+            preallocate(self.fd, size_hint)
         self.pos = start
         self.inputs = OpenFiles()  # the files we copy from
         size = _round_up(BUFFER_BYTES)  # module constants, read here so tests can shrink them
@@ -310,7 +310,7 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         func(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only costs speed
 
 
-def _preallocate(fd: int, nbytes: int) -> None:
+def preallocate(fd: int, nbytes: int) -> None:
     """Allocate the file's blocks (and set its size) up front, where the file system can.
 
     Linux's ``fallocate``, not ``posix_fallocate``: where the file system cannot,
