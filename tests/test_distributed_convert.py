@@ -32,6 +32,9 @@ from ckpttool.merge import merge
 from ckpttool.writers.output_file import OutputFile
 from ckpttool.writers.plan import Written, allocate, complete, file_path
 
+# most tests here launch torchrun: run after the quick suite (see .ci/run)
+pytestmark = pytest.mark.slow
+
 TRIALS = bool(os.environ.get("CKPTTOOL_DIST_TRIALS"))
 
 

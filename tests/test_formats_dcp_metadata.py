@@ -147,6 +147,7 @@ MANY = {f"layers.{i}.w": (RANKS, 4) for i in range(CHUNKS // RANKS)}
 
 
 @pytest.mark.parametrize("path", ["../outside.distcp", "sub/__0_0.distcp"])
+@pytest.mark.slow  # a .metadata of 100,000 chunks
 def test_a_data_file_outside_the_folder_is_refused_at_the_100000th_chunk(
     tmp_path, monkeypatch, path
 ):
@@ -183,6 +184,7 @@ class _Call:
     ],
     ids=["os.system", "unverified-class-called", "record-class-called-with-one"],
 )
+@pytest.mark.slow  # a .metadata of a million chunks, read twice
 def test_a_hostile_global_deep_in_a_huge_metadata_is_refused(tmp_path, monkeypatch, value, named):
     folder = tmp_path / "ckpt"
 

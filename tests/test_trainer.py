@@ -30,6 +30,9 @@ sys.path.insert(0, str(TRAINER.parent))
 import ddp_trainer  # noqa: E402  (hook names)
 import snapshot_io  # noqa: E402  (the trainer's snapshot helpers, tested directly below)
 
+# every test here launches the trainer under torchrun: run after the quick suite (see .ci/run)
+pytestmark = pytest.mark.slow
+
 # Small and quick: ~4 steps an epoch on 2 ranks; dropout keeps the RNG in play.
 TINY = ["--backend", "gloo", "--model", "gpt", "--dim", "16", "--layers", "1"]
 TIMEOUT_S = 180
