@@ -476,6 +476,7 @@ def test_complete_whose_answer_was_lost(s3, ckpt, tmp_path):
     assert lost and objects(s3, "lost/") == {"lost/model.pt": local.read_bytes()}
 
 
+@pytest.mark.slow  # a torchrun launch
 def test_torchrun_ranks_into_one_bucket(s3, ckpt, tmp_path):
     """Two torchrun ranks (gloo) upload the parts of one pt output into the same upload
     (the parts holding CRC fields of the other rank's tensors once those are known):
@@ -542,6 +543,7 @@ def test_zip_resumed_reads_only_what_it_needs(s3, tmp_path, monkeypatch):
     assert len(have) >= 3 and 0 < resumed < 0.6 * full, (have, resumed, full)
 
 
+@pytest.mark.slow  # torchrun launches
 @pytest.mark.parametrize("to", ["pt", "safetensors"])
 def test_torchrun_cli_into_one_bucket(s3, ckpt, tmp_path, to):
     """``torchrun -m ckpttool convert ... -o s3://...``: every rank uploads its share of

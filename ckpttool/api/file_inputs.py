@@ -13,7 +13,7 @@ import weakref
 from typing import Any
 
 from ..errors import CkptError
-from ..tree import ShardedRef, SparseRef, StorageRef, TensorRef, walk
+from ..tree import Node, ShardedRef, SparseRef, StorageRef, TensorRef, walk
 
 COPY_CHUNK = 16 << 20
 
@@ -63,7 +63,7 @@ class FileInput:
                     ref.source.keep = self  # type: ignore[attr-defined]
 
 
-def _storage_refs(node: Any) -> list[StorageRef]:
+def _storage_refs(node: Node) -> list[StorageRef]:
     if isinstance(node, StorageRef):
         return [node]
     if isinstance(node, TensorRef):

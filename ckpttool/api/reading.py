@@ -14,6 +14,7 @@ from ..tensors import loading
 from ..tree import (
     Checkpoint,
     KeyPath,
+    Node,
     Opaque,
     ShardedRef,
     TensorRef,
@@ -131,7 +132,7 @@ def select_node(
     return path, node
 
 
-def require_data(node: Any) -> None:
+def require_data(node: Node) -> None:
     """Refuse, naming it, a tensor whose data is not all there: saved without data
     (``device="meta"``), or sharded with some ranks' shards never saved. There is
     nothing to load, write or compare. (``inspect`` shows such tensors.)"""
@@ -146,7 +147,7 @@ def require_data(node: Any) -> None:
             raise CkptError(f"tensor {name!r} {leaf.incomplete}", hint="--select other tensors")
 
 
-def flatten_tensors(node: Any, name: str = "") -> dict[str, Any]:
+def flatten_tensors(node: Node, name: str = "") -> dict[str, Any]:
     """Every tensor leaf under ``node``, named by its key path joined with ``.``;
     ``node`` itself a tensor is named ``name`` (its key, where it was selected)."""
     if is_tensor(node):
@@ -160,7 +161,7 @@ def flatten_tensors(node: Any, name: str = "") -> dict[str, Any]:
     return out
 
 
-def materialize(node: Any, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
+def materialize(node: Node, map_location: Any = "cpu", *, mmap: bool = False) -> Any:
     """The same structure with every lazy tensor read (shards merged into full tensors).
 
     Tensors saved as ``nn.Parameter`` or with ``requires_grad`` come back so, as from

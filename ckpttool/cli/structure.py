@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..tree import Node
 from .collapse import is_number, number_set
 from .text import plural, printable
 
@@ -51,7 +52,7 @@ def structure_lines(
             return None
         return type(value).__name__
 
-    def entries(node: Any, path: tuple, depth: int) -> list[tuple[Any, str, list]]:
+    def entries(node: Node, path: tuple, depth: int) -> list[tuple[Any, str, list]]:
         out: list[tuple[Any, str, list]] = []
         for key, value in children(node):
             here = (*path, key)

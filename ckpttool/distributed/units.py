@@ -27,7 +27,7 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError
 from ..progress import Progress
-from ..tree import sharding
+from ..tree import Leaf, sharding
 from ..writers import CHUNK_BYTES, output_dtype, raw_parts, tensor_bytes, tensor_for_write
 from ..writers.plan import FilePlan, Piece, Plan
 
@@ -124,7 +124,7 @@ def write_unit(plan: Plan, unit: Unit, out: Any, progress: Progress | None = Non
 
 
 def write_leaf_range(
-    out: Any, leaf: Any, cast: Any, start: int, length: int, progress: Progress | None = None
+    out: Any, leaf: Leaf, cast: Any, start: int, length: int, progress: Progress | None = None
 ) -> None:
     """Append bytes ``[start, start + length)`` of one tensor's output bytes to ``out``.
 
@@ -311,7 +311,7 @@ def plan_digest(plan: Plan, size: int) -> str:
     return h.hexdigest()
 
 
-def _leaf_identity(leaf: Any) -> str:
+def _leaf_identity(leaf: Leaf) -> str:
     parts = raw_parts(leaf, None)
     if parts is None:
         return f" {getattr(leaf, 'dtype', None)} {getattr(leaf, 'shape', None)}"

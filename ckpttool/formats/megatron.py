@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from ..tree import Checkpoint, Opaque, verdicts
+from ..tree import Checkpoint, Node, Opaque, verdicts
 from ..unpickler import MAX_NESTING
 from . import dcp, torch_zip
 
@@ -150,7 +150,7 @@ def _place(root: dict, stored: Any, model_key: str, common_path: str) -> None:
         target[key] = value
 
 
-def _namespaces_as_dicts(node: Any, depth: int) -> Any:
+def _namespaces_as_dicts(node: Node, depth: int) -> Any:
     """The tree with each ``argparse.Namespace`` stand-in replaced by its attributes."""
     if depth > MAX_NESTING:
         return node

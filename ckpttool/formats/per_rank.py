@@ -17,7 +17,17 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from ..tree import Checkpoint, Opaque, Shard, ShardedRef, TensorRef, check_coverage, get_path, walk
+from ..tree import (
+    Checkpoint,
+    Node,
+    Opaque,
+    Shard,
+    ShardedRef,
+    TensorRef,
+    check_coverage,
+    get_path,
+    walk,
+)
 from ..unpickler import LocalShards, own_dtensor_block
 from . import torch_legacy, torch_zip
 
@@ -301,7 +311,7 @@ def _combine(
 
 
 def _replace_local_shards(
-    node: Any, path: tuple, make: Callable[[tuple, LocalShards], ShardedRef]
+    node: Node, path: tuple, make: Callable[[tuple, LocalShards], ShardedRef]
 ) -> Any:
     """``node`` with every local-shards leaf replaced by ``make(key path, leaf)``.
 
@@ -311,7 +321,7 @@ def _replace_local_shards(
     """
     active: set[int] = set()
 
-    def replace(node: Any, path: tuple) -> Any:
+    def replace(node: Node, path: tuple) -> Any:
         if isinstance(node, LocalShards):
             return make(path, node)
         if id(node) in active or not isinstance(node, (dict, list, tuple, Opaque)):
@@ -351,7 +361,7 @@ def _replace_in_opaque(node: Opaque, path: tuple, replace: Callable[[Any, tuple]
         node.args = replace(node.args, path + ("__args__",))
 
 
-def lone_rank_shards(node: Any, path: tuple = ()) -> Any:
+def lone_rank_shards(node: Node, path: tuple = ()) -> Any:
     """``node`` with every local-shards leaf a :class:`ShardedRef` of only the blocks
     it holds itself: for sharded tensors pickled where no other rank's file can
     complete them. DCP of torch 1.13 pickled a nested dict whole, from the

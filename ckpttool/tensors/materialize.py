@@ -14,7 +14,10 @@ import torch
 from ..dtypes import DTYPES, DType
 from ..errors import CkptError
 from ..tree import (
+    Block,
     Device,
+    Leaf,
+    Node,
     ShardedRef,
     SparseRef,
     StorageRef,
@@ -33,7 +36,7 @@ def plain_on_device(device: Any) -> bool:
     return current_session() is not None and str(device).startswith("cuda")
 
 
-def load_leaf(leaf: Any, map_location: Any = "cpu") -> torch.Tensor:
+def load_leaf(leaf: Leaf | Block, map_location: Any = "cpu") -> torch.Tensor:
     """Any tensor leaf of the tree, or a block of a sharded one, as a ``torch.Tensor``:
     the one place where a leaf's metadata becomes a tensor.
 
@@ -169,7 +172,7 @@ def torch_value(value: TorchValue) -> Any:
     return getattr(torch, value.removeprefix("torch."), str(value))
 
 
-def to_torch(node: Any, leaf: Callable[[Any], Any]) -> Any:
+def to_torch(node: Node, leaf: Callable[[Any], Any]) -> Any:
     """The tree as plain data with real torch objects (see :func:`ckpttool.tree.to_plain`)."""
 
     def storage(ref: StorageRef) -> torch.TypedStorage:

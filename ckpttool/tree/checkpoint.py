@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..errors import CkptError
-from .leaves import KeyPath, Leaf, is_tensor
+from .leaves import KeyPath, Leaf, Node, is_tensor
 from .opaque import Opaque
 
 if TYPE_CHECKING:
     pass
 
 
-def children(node: Any) -> Iterator[tuple[Any, Any]]:
+def children(node: Node) -> Iterator[tuple[Any, Any]]:
     """The (key, child) pairs of a container node; nothing for a leaf."""
     if isinstance(node, Mapping):
         yield from node.items()
@@ -27,7 +27,7 @@ def children(node: Any) -> Iterator[tuple[Any, Any]]:
         yield from node.children()
 
 
-def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+def walk(node: Node, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """Yield (key path, node) for every node, depth first, containers before children.
 
     Shared sub-objects are visited once per path; cycles are cut.
@@ -44,14 +44,14 @@ def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
             stack.extend((here + (k,), v, inner) for k, v in reversed(kids))
 
 
-def iter_tensors(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Leaf]]:
+def iter_tensors(node: Node, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Leaf]]:
     """Yield (key path, tensor leaf) for every tensor under ``node``, in order."""
     for here, value in walk(node, path):
         if is_tensor(value):
             yield here, value
 
 
-def get_path(node: Any, path: KeyPath) -> Any:
+def get_path(node: Node, path: KeyPath) -> Any:
     """Follow ``path`` from ``node``; raise CkptError naming the first missing key."""
     for i, key in enumerate(path):
         try:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import CkptError
 from .checkpoint import Checkpoint, children, get_path
-from .leaves import KeyPath, SparseRef, TensorRef, is_tensor
+from .leaves import KeyPath, Node, SparseRef, TensorRef, is_tensor
 from .opaque import Opaque, is_module_state, module_entries
 
 # Keys that hold the model state dict in common snapshot layouts, most specific first:
@@ -61,7 +61,7 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
 MODULE_INTERNALS = frozenset({"_parameters", "_buffers"})
 
 
-def is_state_dict(node: Any) -> bool:
+def is_state_dict(node: Node) -> bool:
     """A mapping from string names to tensors (extra non-tensor entries allowed)."""
     if not isinstance(node, Mapping) or not node:
         return False
@@ -71,7 +71,7 @@ def is_state_dict(node: Any) -> bool:
     return tensors > 0 and tensors * 2 >= len(node)
 
 
-def module_state_dict(node: Any) -> dict[str, Any] | None:
+def module_state_dict(node: Node) -> dict[str, Any] | None:
     """The state dict of a pickled ``nn.Module`` (``torch.save(model)``), read from its
     ``_parameters``, persistent ``_buffers`` and ``_modules`` without running its class.
 
@@ -104,7 +104,7 @@ def module_state_dict(node: Any) -> dict[str, Any] | None:
     return state or None
 
 
-def _module_attrs(node: Any) -> Mapping[str, Any] | None:
+def _module_attrs(node: Node) -> Mapping[str, Any] | None:
     """The attributes of a pickled ``nn.Module``, or of its plain-data record in ``merge`` output
     (``{"__class__": ..., "state": {...}}``); None for anything else."""
     if isinstance(node, Opaque):
@@ -118,7 +118,7 @@ def _module_attrs(node: Any) -> Mapping[str, Any] | None:
     return None
 
 
-def check_not_partitioned(root: Any, node: Any, source: str | None = None) -> None:
+def check_not_partitioned(root: Any, node: Node, source: str | None = None) -> None:
     """Refuse the model of DeepSpeed ZeRO-3 model states: each parameter there is an
     empty placeholder, its values partitioned over the ranks' optimizer states; written
     out it would be an empty model, silently.
@@ -149,12 +149,12 @@ def check_not_partitioned(root: Any, node: Any, source: str | None = None) -> No
                 )
 
 
-def is_optimizer_state(node: Any) -> bool:
+def is_optimizer_state(node: Node) -> bool:
     """``torch.optim.Optimizer.state_dict()`` (also FSDP's, keyed by parameter name)."""
     return isinstance(node, Mapping) and "param_groups" in node and "state" in node
 
 
-def is_nested_state_dict(node: Any) -> bool:
+def is_nested_state_dict(node: Node) -> bool:
     """Dicts of dicts whose leaves are tensors (Megatron's ``language_model.encoder...``,
     or a snapshot's ``{"encoder": ..., "decoder": ...}``): the model, named by key paths.
 
@@ -180,7 +180,7 @@ def is_nested_state_dict(node: Any) -> bool:
     return tensors > 0 and tensors >= others
 
 
-def model_state(node: Any) -> Mapping[str, Any] | None:
+def model_state(node: Node) -> Mapping[str, Any] | None:
     """The state dict a node holds: itself (flat or nested), or the parameters and
     buffers of a pickled module."""
     if is_state_dict(node) or is_nested_state_dict(node):
@@ -333,7 +333,7 @@ def parse_key_path(root: Any, dotted: str) -> KeyPath:
     return tuple(path)
 
 
-def _items(node: Any) -> list[tuple[Any, Any]]:
+def _items(node: Node) -> list[tuple[Any, Any]]:
     from .checkpoint import children
 
     return list(children(node))

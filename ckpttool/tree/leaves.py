@@ -242,6 +242,8 @@ Leaf: TypeAlias = Union[TensorRef, ShardedRef, SparseRef]  # noqa: UP007  (a run
 
 
 KeyPath = tuple[Any, ...]
+# Any node of the tree: a container (dict, list, tuple), a leaf, an Opaque or plain data
+Node: TypeAlias = Any
 
 
 def is_tensor(value: Any) -> TypeGuard[Leaf]:

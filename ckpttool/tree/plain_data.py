@@ -14,7 +14,7 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError
 from .checkpoint import walk
-from .leaves import StorageRef, TensorRef, is_tensor
+from .leaves import Node, StorageRef, TensorRef, is_tensor
 from .opaque import Opaque
 from .torch_values import Device, TorchName, TorchSize, global_name
 
@@ -57,7 +57,7 @@ def recorded_classes(root: Any) -> list[str]:
 
 
 def to_plain(
-    node: Any,
+    node: Node,
     leaf: Callable[[Any], Any],
     torch_value: Callable[[TorchValue], Any],
     *,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Any
 
 from ..errors import CkptError
 from .leaves import Leaf, Shard, ShardedRef, TensorRef
@@ -124,7 +123,7 @@ def _tiles(shape: tuple, shards: list[Shard], dim: int) -> bool:
     return end == shape[dim] and all(_tiles(shape, g, dim + 1) for g in groups.values())
 
 
-def _raw_copy_ok(leaf: Any) -> bool:
+def _raw_copy_ok(leaf: Leaf) -> bool:
     """Bytes can be copied as stored: a contiguous on-disk tensor, no byte swap."""
     return (
         isinstance(leaf, TensorRef)

@@ -26,7 +26,7 @@ from ..dtypes import DType
 from ..errors import CkptError, UsageError
 from ..progress import Progress
 from ..sources import ByteSpan
-from ..tree import SparseRef, TensorRef, sharding
+from ..tree import Leaf, SparseRef, TensorRef, sharding
 from .output_file import OutputFile
 
 __all__ = [
@@ -58,14 +58,14 @@ def writer_for(to: str) -> ModuleType:
 CHUNK_BYTES = 16 << 20
 
 
-def output_dtype(leaf: Any, cast: DType | None) -> DType:
+def output_dtype(leaf: Leaf, cast: DType | None) -> DType:
     """``--dtype`` casts floating-point tensors only."""
     if cast is not None and leaf.dtype.is_floating:
         return cast
     return leaf.dtype
 
 
-def output_nbytes(leaf: Any, cast: DType | None) -> int:
+def output_nbytes(leaf: Leaf, cast: DType | None) -> int:
     """Bytes written for one leaf: a sparse tensor writes its parts, not its dense size."""
     if isinstance(leaf, SparseRef):
         return sum(output_nbytes(part, cast) for part in leaf.parts)
@@ -83,7 +83,7 @@ def refuse_sparse(tensors: dict[str, Any], target: str) -> None:
             )
 
 
-def raw_parts(leaf: Any, cast: DType | None) -> list[TensorRef] | None:
+def raw_parts(leaf: Leaf, cast: DType | None) -> list[TensorRef] | None:
     """Stored tensors whose bytes, one after the other, are the leaf's output bytes (None
     when they need torch: a cast, a view, a byte swap; see :func:`sharding.raw_parts`)."""
     if output_dtype(leaf, cast) != leaf.dtype:
@@ -91,7 +91,7 @@ def raw_parts(leaf: Any, cast: DType | None) -> list[TensorRef] | None:
     return sharding.raw_parts(leaf)
 
 
-def tensor_for_write(leaf: Any, cast: DType | None) -> Any:
+def tensor_for_write(leaf: Leaf, cast: DType | None) -> Any:
     """The leaf as a contiguous CPU tensor, cast if asked (imports torch)."""
     from ..tensors import load_leaf, torch_dtype
 
@@ -123,7 +123,7 @@ def _raw_chunks(ref: TensorRef) -> Iterator[memoryview]:
         yield memoryview(source.read(base + at, min(CHUNK_BYTES, ref.nbytes - at)))
 
 
-def iter_chunks(leaf: Any, cast: DType | None) -> Iterator[memoryview]:
+def iter_chunks(leaf: Leaf, cast: DType | None) -> Iterator[memoryview]:
     """The bytes of one output tensor, in chunks of at most CHUNK_BYTES when copied raw."""
     parts = raw_parts(leaf, cast)
     if parts is not None:
@@ -135,7 +135,7 @@ def iter_chunks(leaf: Any, cast: DType | None) -> Iterator[memoryview]:
 
 
 def write_leaf(
-    out: OutputFile, leaf: Any, cast: DType | None, progress: Progress | None = None
+    out: OutputFile, leaf: Leaf, cast: DType | None, progress: Progress | None = None
 ) -> None:
     """Append one tensor's bytes to ``out``.
 

@@ -66,7 +66,7 @@ class Piece:
     offset: int
     nbytes: int
     data: bytes | None = None
-    leaf: Any = None
+    leaf: Any = None  # a Leaf, where the bytes are a tensor's
     cast: DType | None = None
     crc: bool = False
     build: Callable[[Crcs], bytes] | None = None

@@ -26,6 +26,8 @@ from ..errors import CkptError
 from ..tree import (
     TORCH_LAYOUTS,
     Device,
+    Leaf,
+    Node,
     SparseRef,
     StorageRef,
     TensorRef,
@@ -304,7 +306,7 @@ class _ZipLayout:
         self.pieces.append(Piece(self.base + self.pos, len(data), data=data))
         self.pos += len(data)
 
-    def add_tensor(self, name: str, size: int, leaf: Any, cast: DType | None, check: Any) -> None:
+    def add_tensor(self, name: str, size: int, leaf: Leaf, cast: DType | None, check: Any) -> None:
         """An entry whose data is a tensor's output bytes (their CRC known once written)."""
         entry = _Entry(name.encode(), self.pos, size, None)
         header = self._header(entry)
@@ -379,7 +381,7 @@ class _Data:
     """A ``data/<key>`` entry: a tensor's output bytes (``check``: the sparse tensor
     whose invariants are checked before its first part is written)."""
 
-    def __init__(self, key: str, leaf: Any, cast: DType | None, nbytes: int):
+    def __init__(self, key: str, leaf: Leaf, cast: DType | None, nbytes: int):
         self.key, self.leaf, self.cast, self.nbytes = key, leaf, cast, nbytes
         self.check: Any = None
 
@@ -392,7 +394,7 @@ class _Planner:
         self.cast, self.location = cast, location
         self.data: list[_Data] = []
 
-    def add_tensor(self, leaf: Any) -> _Reduced:
+    def add_tensor(self, leaf: Leaf) -> _Reduced:
         """What the pickle holds for one tensor: as torch pickles it, an ``nn.Parameter``
         where one was read, ``requires_grad`` kept (sharded tensors are written plain)."""
         dt = output_dtype(leaf, self.cast)
@@ -410,12 +412,12 @@ class _Planner:
             return _Reduced(torch_global("torch._utils", "_rebuild_parameter"), args)
         return reduced
 
-    def _entry(self, leaf: Any, cast: DType | None, dtype: DType) -> _Storage:
+    def _entry(self, leaf: Leaf, cast: DType | None, dtype: DType) -> _Storage:
         key = str(len(self.data))
         self.data.append(_Data(key, leaf, cast, leaf.numel * dtype.itemsize))
         return _Storage(key, dtype, leaf.numel, self.location)
 
-    def _dense(self, leaf: Any, requires_grad: bool) -> _Reduced:
+    def _dense(self, leaf: Leaf, requires_grad: bool) -> _Reduced:
         storage = self._entry(leaf, self.cast, output_dtype(leaf, self.cast))
         quantizer = getattr(leaf, "quantizer", None)
         if quantizer is not None:
@@ -449,7 +451,7 @@ class _Planner:
         """A storage saved on its own: its bytes an entry, the storage itself in the pickle."""
         return self._entry(TensorRef.whole_storage(ref), None, ref.dtype)
 
-    def convert(self, node: Any) -> Any:
+    def convert(self, node: Node) -> Any:
         """The structure with every lazy tensor replaced by its pickle stand-in."""
         return to_plain(
             node, self.add_tensor, pickle_value, weights_only=True, storage=self.add_storage
