@@ -1,8 +1,9 @@
 """The lazy checkpoint tree every reader produces and every command walks: tensor
 leaves (metadata and where their bytes live, never the bytes), ``Opaque`` objects of
 classes the unpickler would not build, :class:`Checkpoint` and its walks, shard
-geometry, and where the model sits in a checkpoint (``layout``). Nothing here imports
-torch: :mod:`ckpttool.tensors` turns leaves into tensors.
+geometry, and where the model sits in a checkpoint (``layout``). ``call_rules`` says
+what a pickle's calls would run, for the full read and the globals scan alike. Nothing
+here imports torch: :mod:`ckpttool.tensors` turns leaves into tensors.
 """
 
 from __future__ import annotations

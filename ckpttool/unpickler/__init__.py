@@ -2,7 +2,10 @@
 runs code from the file. ``restricted`` reads, ``policy`` says what is refused and why,
 ``stand_ins`` is the table of globals a pickle may name, ``rebuild`` and
 ``numpy_values`` stand in for torch's and numpy's rebuild functions, ``sharded``
-extracts ShardedTensor and DTensor metadata.
+extracts ShardedTensor and DTensor metadata. ``pickle_scan`` walks any pickle's opcodes
+without building anything (telling a pickle of any protocol apart, naming what a read
+that stopped early never reached), ``allow_list`` holds what ``--allow`` trusts, and
+``text_persid`` reads protocol 0's persistent ids.
 """
 
 from __future__ import annotations
