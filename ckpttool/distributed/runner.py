@@ -125,7 +125,6 @@ def write_distributed(
             f"rank {group.rank} planned another output than rank 0",
             hint="every rank must see the same input files and options",
         )
-    group.counter("planned", 1)  # rank 0 publishes only once every rank got this far
     lease: threading.Event | None = None
     try:
         if group.rank == 0:
@@ -133,9 +132,12 @@ def write_distributed(
         state = json.loads(group.wait_key("todo"))
         todo = state["todo"]
         _work(group, plan, journal, [all_units[i] for i in todo], out)
+        # this rank is done with the resume folder (its journal closed): rank 0 removes
+        # that folder when it publishes, so it waits for every rank to get here first
+        group.counter("idle", 1)
         group.wait(lambda: group.counter("finished") >= len(todo))
         if group.rank == 0:
-            group.wait(lambda: group.counter("planned") >= group.size)
+            group.wait(lambda: group.counter("idle") >= group.size)
             group.stop_watching()
             _finish(journal, plan, out, layout, force)
             group.store.set("published", "1")
