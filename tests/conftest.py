@@ -9,8 +9,11 @@ by its module names.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +24,32 @@ from helpers import CountingSource, finish, run_cli, start_torchrun
 from payloads import MALICIOUS_KINDS, WRITERS, MaliciousFile, make_payloads
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per CPU this process may use, at most 4 (each imports torch:
+    ~250 MiB; the suite's longest files bound what more would gain)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder ``name``, built by ``build`` once per test session: with pytest-xdist,
+    the first worker to need it builds it (under a lock) and the others use it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
 
 
 # ---------------------------------------------------------- torchrun + gloo runs
@@ -46,15 +72,7 @@ class DistRuns:
     fsdp3: Path  # ep0-ba2-rank{0,1,2}.pt, full.pt
 
 
-@pytest.fixture(scope="session")
-def dist_runs(tmp_path_factory) -> DistRuns:
-    """Run ``dist_workers.py`` on 2, 3 and 4 ranks at once (about 15 s together on 2
-    cores) and share their files with every test module.
-
-    A run whose ranks all finished writing counts even if teardown crashed; an
-    incomplete run is retried once.
-    """
-    base = tmp_path_factory.mktemp("dist")
+def _run_dist_workers(base: Path) -> None:
     pending = {world: base / f"ranks{world}" for world in (2, 3, 4)}
     failures: list[str] = []
     for _attempt in range(2):
@@ -76,6 +94,17 @@ def dist_runs(tmp_path_factory) -> DistRuns:
             break
     else:
         pytest.fail("\n".join(failures))
+
+
+@pytest.fixture(scope="session")
+def dist_runs(tmp_path_factory) -> DistRuns:
+    """Run ``dist_workers.py`` on 2, 3 and 4 ranks at once (about 15 s together on 2
+    cores) and share their files with every test module.
+
+    A run whose ranks all finished writing counts even if teardown crashed; an
+    incomplete run is retried once.
+    """
+    base = built_once(tmp_path_factory, "dist", _run_dist_workers)
     return DistRuns(
         two=base / "ranks2" / "two",
         three=base / "ranks3" / "three",

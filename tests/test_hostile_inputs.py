@@ -47,15 +47,15 @@ class Run:
 
 
 def run_limited(jobs: list[tuple[list[str], int]]) -> list[Run]:
-    """``python -m ckpttool ARGS`` under ``RLIMIT_CPU`` for each (ARGS, limit); each
-    one's exit code, output, CPU time and peak RSS."""
+    """``ckpttool ARGS`` in a child of its own under ``RLIMIT_CPU`` for each (ARGS,
+    limit); each one's exit code, output, CPU time and peak RSS."""
     with tempfile.TemporaryDirectory() as folder:
         specs = [
             [
                 limit,
                 f"{folder}/{i}.out",
                 f"{folder}/{i}.err",
-                [sys.executable, "-m", "ckpttool", *a],
+                a,
             ]
             for i, (a, limit) in enumerate(jobs)
         ]
