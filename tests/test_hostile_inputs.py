@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
