@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -197,6 +198,35 @@ def test_one_error_line_same_exit_code(tmp_path):
         re.findall(r"exitcode\s*: (\d+)", done.stderr)
     ) == {"2"}
     assert not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_dangerous_rank_file_scanned_by_another_rank_fails_every_rank(tmp_path):
+    """Rank files are judged a share each (rank 0 scans model-rank1.pt, rank 1
+    model-rank2.pt, the dangerous one): every rank refuses with the gathered verdict,
+    one line naming the global and the file, exit 3 on every rank, nothing written."""
+    from helpers import rewrite_zip
+
+    marker = tmp_path / "marker"
+    command = f"touch {marker}".encode()
+    evil = b"X\x04\x00\x00\x00evilcposix\nsystem\n(X"
+    evil += len(command).to_bytes(4, "little") + command + b"tRs."
+    paths = []
+    for rank, src in enumerate(map(Path, INPUTS["per-rank"])):
+        dst = tmp_path / src.name
+        if rank < 2:
+            shutil.copy(src, dst)
+        else:  # root["evil"] = posix.system(...) just before the pickle's STOP
+            rewrite_zip(src, dst, lambda n, d: d[:-1] + evil if n.endswith("/data.pkl") else None)
+        paths.append(str(dst))
+    out = tmp_path / "out.safetensors"
+    done = finish(torchrun(["convert", *paths, "--to", "safetensors", "-o", str(out)], 2), 300)
+    lines = ours(done.stderr)
+    assert len(lines) == 1 and "posix.system" in lines[0], done.stderr[-3000:]
+    assert "model-rank2.pt" in lines[0]
+    assert set(re.findall(r"exitcode\s*: (\d+)", done.stderr)) == {"3"}, done.stderr[-3000:]
+    assert not out.exists() and not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(Path(p).name for p in paths)
 
 
 # ---------------------------------------------------------------- resume

@@ -85,3 +85,63 @@ def test_no_fork_while_other_threads_run():
             stop.set()
             worker.join()
     """)
+
+
+SHARED = """
+from ckpttool import sharing
+
+class Members:
+    # rank `rank` of `size`; the others' results are made up, their scans named `@rankR`
+    def __init__(self, rank, size, paths):
+        self.rank, self.size, self.paths, self.sent = rank, size, paths, []
+
+    def all_gather(self, mine):
+        self.sent.append(mine)
+        out = []
+        for r in range(self.size):
+            if r == self.rank:
+                out.append(mine)
+            else:
+                share = range(r, len(self.paths), self.size)
+                out.append({i: ([f"{self.paths[i]}@rank{r}"], [], []) for i in share})
+        return out
+"""
+
+
+def test_several_processes_each_scan_their_share_and_gather_the_rest():
+    run_case(
+        SHARED
+        + """
+        paths = ["a", "b", "c", "d", "e"]
+        members = Members(1, 3, paths)  # rank 1 of 3: "b" and "e" are its share
+        with sharing.joined(members), Prescan(paths, scan_reporting_pid) as prescan:
+            assert prescan.scan("a") == (["a@rank0"], [], [])
+            assert prescan.scan("c") == (["c@rank2"], [], [])
+            assert prescan.scan("d") == (["d@rank0"], [], [])
+            seen, bad, unverified = prescan.scan("b")
+            assert seen[0].startswith("b@") and unverified == ["b.Unverified"]
+            assert prescan.scan("e")[0][0].startswith("e@")
+        # one gather, of this rank's share only
+        assert len(members.sent) == 1 and sorted(members.sent[0]) == [1, 4], members.sent
+        # in one process nothing is dealt: every file scanned here
+        with Prescan(paths, scan_reporting_pid) as prescan:
+            assert all("@rank" not in prescan.scan(p)[0][0] for p in paths)
+    """
+    )
+
+
+def test_a_failing_scan_of_its_share_raises_before_the_gather():
+    run_case(
+        SHARED
+        + """
+        paths = ["a", "bad", "c"]
+        members = Members(1, 2, paths)  # rank 1 of 2: "bad" is its share
+        with sharing.joined(members), Prescan(paths, scan_reporting_pid) as prescan:
+            try:
+                prescan.scan("a")
+                raise SystemExit("no error")
+            except CkptError as exc:
+                assert str(exc) == "bad: corrupt pickle", exc
+        assert members.sent == []  # the others learn of it from the posted error
+    """
+    )

@@ -56,13 +56,15 @@ def collective(func: F) -> F:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not launched():
             return func(*args, **kwargs)
+        from .. import sharing
         from ..errors import CkptError
         from .group import Group
 
         group = Group()
         _current.append(group)
         try:
-            return func(*args, **kwargs)
+            with sharing.joined(group):  # the rank files' scans, dealt among the ranks
+                return func(*args, **kwargs)
         except Failed:
             group.leave()
             raise

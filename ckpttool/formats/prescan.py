@@ -8,6 +8,10 @@ The child reports only successful scans, as JSON: nothing from the files crosses
 the pipe but global names. A file whose scan failed, or a child that died, is
 simply scanned again in the parent, which raises the proper error. No child is
 forked where ``os.fork`` is missing or other threads run (forking them is unsafe).
+
+Under several processes (:mod:`ckpttool.sharing`) each scans only its share of the
+files, and the verdicts (global names, nothing else) are gathered: a process whose
+own file fails to scan raises its error before the gather, as one process would.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+
+from .. import sharing
 
 Scan = Callable[[str], tuple[list[str], list[str], list[str]]]
 Found = dict[str, tuple[list[str], list[str], list[str]]]
@@ -33,6 +39,10 @@ class Prescan:
         self._scan = scan
         self._found: Found | None = None
         self._pid, self._fd = 0, -1
+        self._paths = list(paths)  # (under several processes, the rank files are dealt
+        self._indices = sharing.my_share(len(self._paths))  # by position: same on every one)
+        paths = [self._paths[i] for i in self._indices]
+        self._gathered = not sharing.shared()
         if not paths or not _can_fork():
             self._found = {}
             return
@@ -53,6 +63,11 @@ class Prescan:
         """The child's result for ``path``, or a scan here if it has none."""
         if self._found is None:
             self._found = self._collect()
+        if not self._gathered:  # this process's share, whole (errors raised here), then all
+            self._gathered = True
+            done, paths = self._found, self._paths
+            mine = {i: done.get(paths[i]) or self._scan(paths[i]) for i in self._indices}
+            self._found = {paths[i]: v for i, v in sharing.gather(mine).items()}
         found = self._found.get(path)
         return found if found is not None else self._scan(path)
 
