@@ -47,7 +47,7 @@ STOP_WAITING, WAIT_CANCELED = 0, 1  # WaitResponseType
 MAX_KEY = 8 << 10  # the libuv server closes a connection sending a longer key
 MAX_VALUE = 8 << 20  # ... or a longer value; a longer answer is no store's
 _U32, _U64, _I64 = struct.Struct("=I"), struct.Struct("=Q"), struct.Struct("=q")
-_CANCEL_S = 5.0  # how long a canceled wait may take to be acknowledged
+_CANCEL_S = 5.0  # at most this long for a canceled wait's acknowledgement
 
 
 class StoreError(Exception):
@@ -140,7 +140,8 @@ class TCPStoreClient:
 
     def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
         """Return once every key exists; :class:`StoreError` after ``timeout`` seconds
-        (the client's when None)."""
+        (the client's when None) and the server's answer to the cancel (at most the
+        client's timeout, 5 s)."""
         with self._lock:
             self._wait(keys, self.timeout if timeout is None else timeout)
 
@@ -157,7 +158,7 @@ class TCPStoreClient:
         try:
             answer = self._recv(1, time.monotonic() + seconds, close=False)[0]
         except _NoAnswer:
-            cancel = time.monotonic() + _CANCEL_S
+            cancel = time.monotonic() + min(_CANCEL_S, self.timeout)
             self._send(bytes((CANCEL_WAIT,)), cancel)
             answer = self._recv(1, cancel)[0]
             if answer == STOP_WAITING:  # the keys came as we canceled: 1 follows
