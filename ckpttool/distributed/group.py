@@ -179,6 +179,7 @@ class Group:
                             2,
                             store,
                         )
+                        store.close()
                         return
             except Exception:  # the store went away (torchrun ended): nothing to watch
                 break
