@@ -59,9 +59,23 @@ def synced(work: str, name: str, run) -> None:
     start = time.time()
     run()
     end = time.time()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    rss = peak_rss_mib()
     store.close()
     Path(work, f"{name}-r{rank}.t").write_text(f"{start} {end} {rss}")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS: VmHWM, the high-water mark of its own memory image.
+    Not ``ru_maxrss``: Linux carries that over fork and exec, so a worker forked from
+    torchrun's agent (torch imported, ~220 MiB) would report the agent's."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def ckpttool_worker(src: str, dst: str) -> None:

@@ -307,7 +307,7 @@ def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server):
     (record,) = rank_records(records)
     assert record["ckpttool"] and record["agent_store"] == "True"
     assert record["torch"] == []
-    assert record["maxrss_kib"] < RSS_BOUND_KIB
+    assert record["peak_rss_kib"] < RSS_BOUND_KIB
     want = tmp_path / "want.safetensors"
     convert(PER_RANK, "safetensors", str(want))
     assert sha256(out) == sha256(want)
@@ -347,7 +347,7 @@ def test_torchrun_and_workers_ranks_never_import_torch(tmp_path):
         for record in records:
             assert record["ckpttool"] and record["agent_store"] == "True"
             assert record["torch"] == [], record
-            assert record["maxrss_kib"] < RSS_BOUND_KIB, record
+            assert record["peak_rss_kib"] < RSS_BOUND_KIB, record
     want_st, want_pt = tmp_path / "want.safetensors", tmp_path / "want.pt"
     convert(PER_RANK, "safetensors", str(want_st))
     merge(PER_RANK, str(want_pt))

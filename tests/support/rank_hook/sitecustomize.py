@@ -13,6 +13,17 @@ import sys
 FOLDER = os.environ.get("CKPTTOOL_TEST_RANK_RECORDS")
 
 
+def peak_rss_kib() -> int:
+    """VmHWM: the peak of this process's own image. Not ``ru_maxrss``, which Linux
+    carries over fork and exec: a worker forked from torchrun's agent (torch
+    imported) would report the agent's peak."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def record() -> None:
     torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
     entry = {
@@ -20,7 +31,7 @@ def record() -> None:
         "ckpttool": "ckpttool.distributed.group" in sys.modules,
         "torch": torch[:20],
         "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
-        "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "peak_rss_kib": peak_rss_kib(),
     }
     with open(os.path.join(FOLDER or ".", f"rank{entry['rank']}-{os.getpid()}.json"), "w") as f:
         json.dump(entry, f)
