@@ -3,8 +3,9 @@
 Every rank runs the same command: reads the input's metadata, plans the output
 (the writers' plan: every piece at its offset), then the ranks write it together, a
 unit (a fixed-size byte range of an output file) at a time, through the c10d store
-torchrun provides (:mod:`.group`), resumably (:mod:`.journal`), and rank 0 publishes
-it (:mod:`.runner`). The bytes are the single-process output's, at any world size.
+torchrun provides (:mod:`.group`, reached with :mod:`.store`'s plain-Python client),
+resumably (:mod:`.journal`), and rank 0 publishes it (:mod:`.runner`). The bytes are
+the single-process output's, at any world size.
 
 Nothing here imports torch, except the store of a launcher without torchrun's agent
 store (:mod:`.group`); outside torchrun :func:`collective` is a no-op.
