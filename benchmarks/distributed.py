@@ -1,7 +1,7 @@
 """Distributed convert against the parallel copy floor, N = 1, 2, 4 ranks on this machine.
 
 For each N, under ``torchrun --standalone --nproc-per-node=N`` (the same launcher for
-both sides, so start-up and the torch import count on both):
+both sides, so its start-up counts on both; the ranks of neither import torch):
 
 - ckpttool: ``-m ckpttool convert IN.pt --to safetensors -o OUT`` (every tensor's bytes
   copied from the input, in 64 MiB units claimed through the store, each fsynced and
@@ -15,9 +15,10 @@ time their work (ckpttool: the Python API's ``convert``, the code the CLI runs: 
 the metadata, plan, write the units, publish). Printed (median of ``--repeat``): the
 work span (first rank's start to last rank's end), the ratio ckpttool / floor, the
 scaling from 1 to N (span at 1 / span at N, both sides), and beside them the wall time
-of whole launches, a null launch's included (N processes importing torch and exiting):
-on a small machine the launch is most of it. The input is a ``torch.save`` file of
-``--size-mib`` MiB of float32 tensors, in the page cache (warm), as in benchmarks/run.py.
+of whole launches, a null launch's included (N rank interpreters that start and exit):
+on a small machine the launch is most of it; RSS: the largest peak RSS of a ckpttool
+rank. The input is a ``torch.save`` file of ``--size-mib`` MiB of float32 tensors, in
+the page cache (warm), as in benchmarks/run.py.
 
     .venv/bin/python benchmarks/distributed.py --size-mib 1024 --repeat 3
 """
@@ -39,24 +40,42 @@ UNIT = 64 << 20
 
 
 def null_worker() -> None:
-    import torch.distributed  # noqa: F401
+    """A rank that starts and exits (ranks import no torch: :func:`synced`)."""
 
 
 def synced(work: str, name: str, run) -> None:
     """Under torchrun: wait for every rank (after the imports), run ``run()``, write this
-    rank's start and end times to ``work/name-rR.t`` (the parent takes the span)."""
-    import torch.distributed as dist
+    rank's start and end times and peak RSS to ``work/name-rR.t`` (the parent takes the
+    span). The ranks meet through torchrun's agent store with ckpttool's own client, as
+    the conversion's ranks do: no torch imported here, so the RSS is a rank's own."""
+    from ckpttool.distributed.store import TCPStoreClient
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = next(dist.rendezvous("env://", rank, world))[0]
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = TCPStoreClient(addr, port, timeout=300, prefix="bench")
     store.add(f"{name}-ready", 1)
     while int(store.add(f"{name}-ready", 0)) < world:
         time.sleep(0.001)
     start = time.time()
     run()
     end = time.time()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    rss = peak_rss_mib()
+    store.close()
     Path(work, f"{name}-r{rank}.t").write_text(f"{start} {end} {rss}")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS: VmHWM, the high-water mark of its own memory image.
+    Not ``ru_maxrss``: Linux carries that over fork and exec, so a worker forked from
+    torchrun's agent (torch imported, ~220 MiB) would report the agent's."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def ckpttool_worker(src: str, dst: str) -> None:

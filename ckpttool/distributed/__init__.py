@@ -3,10 +3,12 @@
 Every rank runs the same command: reads the input's metadata, plans the output
 (the writers' plan: every piece at its offset), then the ranks write it together, a
 unit (a fixed-size byte range of an output file) at a time, through the c10d store
-torchrun provides (:mod:`.group`), resumably (:mod:`.journal`), and rank 0 publishes
-it (:mod:`.runner`). The bytes are the single-process output's, at any world size.
+torchrun provides (:mod:`.group`, reached with :mod:`.store`'s plain-Python client),
+resumably (:mod:`.journal`), and rank 0 publishes it (:mod:`.runner`). The bytes are
+the single-process output's, at any world size.
 
-Outside torchrun nothing here imports torch, and :func:`collective` is a no-op.
+Nothing here imports torch, except the store of a launcher without torchrun's agent
+store (:mod:`.group`); outside torchrun :func:`collective` is a no-op.
 """
 
 from __future__ import annotations
@@ -38,9 +40,17 @@ def prints_summary() -> bool:
 
 
 def _store_error(exc: BaseException) -> bool:
-    """A failed call to the store (torch's DistError family)."""
-    import torch.distributed as dist
+    """A failed call to the store: :class:`.store.StoreError` (torchrun's agent store),
+    or torch's DistError family (the fallback, where torch is imported already)."""
+    import sys
 
+    from .store import StoreError
+
+    if isinstance(exc, StoreError):
+        return True
+    dist = sys.modules.get("torch.distributed")  # never imported here for this test
+    if dist is None:
+        return False
     return isinstance(exc, getattr(dist, "DistError", ())) or "TCPStore" in str(exc)
 
 

@@ -14,7 +14,11 @@ serves it, so it outlives any worker), with short polls instead of a collective'
 - units are claimed one at a time from an atomic counter (``store.add``), so a fast
   process takes more of them and a slow one fewer.
 
-torch is imported only here, only under torchrun (or ``--workers``).
+Under torchrun (and ``--workers``, the same launcher) the agent serves the store
+(``TORCHELASTIC_USE_AGENT_STORE=True``): every rank reaches it with :mod:`.store`'s
+plain-Python client and never imports torch. Otherwise (``MASTER_ADDR``/``MASTER_PORT``
+set by hand, another launcher) rank 0 hosts a torch ``TCPStore``: torch is imported
+only there, only then.
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ def launched() -> bool:
     return world_size() > 1 or bool(os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
+def agent_store() -> bool:
+    """Whether torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT (torch's
+    own test: ``rendezvous._torchelastic_use_agent_store``)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
 class Failed(CkptError):
     """Another process of the conversion failed and said so: exit with its code, print
     nothing (the process that failed printed the one line)."""
@@ -92,17 +102,21 @@ class Group:
     """
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
         self.rank = int(os.environ["RANK"])
         self.size = world_size()
         self._addr = os.environ["MASTER_ADDR"]
         self._port = int(os.environ["MASTER_PORT"])
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._prefix = f"ckpttool/{restart}/{next(_calls)}/"
-        timeout = store_timeout()
-        store, _, _ = next(dist.rendezvous("env://", self.rank, self.size, timeout=timeout))
-        self.store = dist.PrefixStore(self._prefix, store)
+        self._agent = agent_store()
+        if self._agent:
+            self.store = self._client()
+        else:  # rank 0 hosts a torch TCPStore (torch's env:// rendezvous)
+            import torch.distributed as dist
+
+            timeout = store_timeout()
+            store, _, _ = next(dist.rendezvous("env://", self.rank, self.size, timeout=timeout))
+            self.store = _TorchStore(dist.PrefixStore(self._prefix, store))
         self.store.set(f"who/{self.rank}", f"{socket.gethostname()} pid {os.getpid()}")
         self.store.add(f"hb/{self.rank}", 1)  # joined: from now on silence counts
         self._exchanges = itertools.count()  # the same sequence on every rank
@@ -118,11 +132,23 @@ class Group:
     # ------------------------------------------------------------ liveness
 
     def _client(self) -> Any:
+        """A connection of its own to the store, under this command's prefix."""
+        timeout = store_timeout()
+        if self._agent:
+            from .store import StoreError, TCPStoreClient
+
+            try:
+                return TCPStoreClient(
+                    self._addr, self._port, timeout=timeout.total_seconds(), prefix=self._prefix
+                )
+            except StoreError as exc:
+                raise CkptError(
+                    f"cannot reach the conversion's store (torchrun's, at {self.address}): {exc}"
+                ) from None
         import torch.distributed as dist
 
-        timeout = store_timeout()
         client = dist.TCPStore(self._addr, self._port, is_master=False, timeout=timeout)
-        return dist.PrefixStore(self._prefix, client)
+        return _TorchStore(dist.PrefixStore(self._prefix, client))
 
     def _heartbeat(self) -> None:
         """Bump our counter; watch the others' (rank 0 all of them, the others rank 0)."""
@@ -153,9 +179,11 @@ class Group:
                             2,
                             store,
                         )
+                        store.close()
                         return
             except Exception:  # the store went away (torchrun ended): nothing to watch
-                return
+                break
+        store.close()
 
     def leave(self) -> None:
         """After an error: wait (boundedly) until every live rank has seen it, so that
@@ -172,7 +200,21 @@ class Group:
         self._watching = False
 
     def close(self) -> None:
+        """This rank is done with the store. Without torchrun's agent store, rank 0
+        hosts it: it waits (boundedly) for the others to be done first, or their last
+        calls would find it gone."""
         self._stop.set()
+        if not self._agent:
+            try:
+                self.counter("closed", 1)
+                deadline = time.monotonic() + min(dead_after(), 10.0)
+                while self.rank == 0 and time.monotonic() < deadline:
+                    if self.counter("closed") >= self.size:
+                        break
+                    time.sleep(POLL_S)
+            except Exception:  # the store is gone: nothing to wait for
+                pass
+        self.store.close()
 
     # ------------------------------------------------------------ errors
 
@@ -235,6 +277,42 @@ class Group:
         key = f"gather/{next(self._exchanges)}"
         self.store.set(f"{key}/{self.rank}", json.dumps(_encode(value)))
         return [_decode(json.loads(self.wait_key(f"{key}/{r}"))) for r in range(self.size)]
+
+
+class _TorchStore:
+    """Without torchrun's agent store: torch's ``TCPStore`` (rank 0 hosts it), its
+    errors raised as :class:`.store.StoreError`, as the agent store client's are."""
+
+    def __init__(self, store: Any):
+        self._store = store
+
+    def _call(self, name: str, *args: Any) -> Any:
+        import torch.distributed as dist
+
+        from .store import StoreError
+
+        try:
+            return getattr(self._store, name)(*args)
+        except dist.DistError as exc:
+            raise StoreError(" ".join(str(exc).split())[:300]) from None
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._call("get", key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", keys))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return bytes(self._call("compare_set", key, expected, desired))
+
+    def close(self) -> None:
+        """Nothing: torch closes its connection when the store is collected."""
 
 
 def _multi_counter(store: Any, keys: list[str]) -> list[int]:

@@ -1,0 +1,432 @@
+"""The ranks' store client (``ckpttool.distributed.store``): torch's c10d TCPStore wire
+protocol in plain Python, checked against real torch servers (both backends), against
+torch's own client (a key set by one is read by the other), against a server that dies
+or stops mid-call and a hostile one; then ranks under torchrun and ``--workers`` that
+never import torch, and the torch fallback when no agent store is there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from helpers import FIXTURES, finish, sha256, subprocess_env
+
+from ckpttool.convert import convert
+from ckpttool.distributed import collective, current
+from ckpttool.distributed.store import MAX_VALUE, StoreError, TCPStoreClient
+from ckpttool.errors import CkptError
+from ckpttool.merge import merge
+
+PER_RANK = [str(FIXTURES / "fsdp_uneven" / f"model-rank{r}.pt") for r in range(3)]
+RANK_HOOK = Path(__file__).parent / "support" / "rank_hook"
+PREFIX = "ckpttool/0/0/"  # as a Group's first command names its keys
+RSS_BOUND_KIB = 256 << 10  # issue 31: memory per rank at most 256 MiB
+
+
+@pytest.fixture(params=[True, False], ids=["libuv", "legacy"])
+def server(request):
+    """A torch TCPStore server in this process: the libuv one (torchrun's agent store)
+    and the legacy one."""
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        use_libuv=request.param,
+        timeout=timedelta(seconds=10),
+    )
+    yield store
+    del store
+
+
+def torch_client(port: int, prefix: str = PREFIX):
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    return dist.PrefixStore(prefix, client)
+
+
+def ours(port: int, timeout: float = 10.0, **kw) -> TCPStoreClient:
+    return TCPStoreClient("127.0.0.1", port, timeout=timeout, prefix=PREFIX, **kw)
+
+
+# ---------------------------------------------------------------- against torch's server
+
+
+def test_calls_against_a_torch_server(server):
+    store = ours(server.port)
+    store.set("k", "v")
+    store.set("b", b"\x00\xffbytes")
+    assert store.get("k") == b"v"
+    assert store.get("b") == b"\x00\xffbytes"
+    assert store.check(["k", "b"]) is True
+    assert store.check(["k", "absent"]) is False
+    assert [store.add("n", 3), store.add("n", -1), store.add("n", 0)] == [3, 2, 2]
+    assert store.add("fresh", 0) == 0
+    assert store.compare_set("error", "", "first") == b"first"  # absent: set
+    assert store.compare_set("error", "", "second") == b"first"  # present: kept
+    assert store.compare_set("error", "first", "third") == b"third"
+    assert store.compare_set("never", "x", "y") == b"x"  # absent, expected not empty
+    assert store.check(["never"]) is False
+    store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.get("k")
+
+
+def test_keys_cross_between_torch_and_ours(server):
+    """The same wire keys as torch's PrefixStore over TCPStore: either reads the other's."""
+    theirs, store = torch_client(server.port), ours(server.port)
+    theirs.set("from-torch", "t")
+    store.set("from-us", "u")
+    assert store.get("from-torch") == b"t"
+    assert theirs.get("from-us") == b"u"
+    assert theirs.add("count", 2) == 2 and store.add("count", 3) == 5
+    assert theirs.add("count", 0) == 5
+    assert store.compare_set("error", "", "ours") == b"ours"
+    assert theirs.compare_set("error", "", "theirs") == b"ours"
+    assert not torch_client(server.port, "ckpttool/0/1/").check(["from-us"])  # other command
+    assert server.num_keys() == 4
+
+
+def test_get_waits_for_the_key_then_gives_up(server):
+    store, theirs = ours(server.port, timeout=1.0), torch_client(server.port)
+    threading.Timer(0.3, lambda: theirs.set("late", "here")).start()
+    assert store.get("late") == b"here"
+    began = time.monotonic()
+    with pytest.raises(StoreError, match=r"waited 0\.4 s for absent"):
+        store.wait(["absent"], 0.4)
+    with pytest.raises(StoreError, match="waited 1 s for absent"):
+        store.get("absent")
+    assert time.monotonic() - began < 1.4 + 2  # the timeouts, then the cancel's answer
+    assert store.get("late") == b"here"  # the canceled waits left the connection usable
+
+
+# ---------------------------------------------------------------- a server that dies
+
+
+SERVE = """
+import sys, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+def serve_in_child() -> tuple[subprocess.Popen, int]:
+    """A torch TCPStore server in a process of its own (to stop or kill)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
+    return proc, int(proc.stdout.readline())
+
+
+def test_a_stopped_then_killed_server_fails_calls_within_the_timeout():
+    proc, port = serve_in_child()
+    try:
+        stopped, killed = ours(port, timeout=1.0), ours(port, timeout=30.0)
+        stopped.set("k", "v")
+        os.kill(proc.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(StoreError, match="no answer within 1 s"):
+            stopped.add("n", 1)
+        assert time.monotonic() - began < 1.0 + 1.0
+        with pytest.raises(StoreError):  # broken from now on, at once
+            stopped.check(["k"])
+        os.kill(proc.pid, signal.SIGCONT)
+        assert killed.get("k") == b"v"
+        failed: list[BaseException] = []
+        began = time.monotonic()
+
+        def blocked_get() -> None:  # waits for a key no one sets
+            try:
+                killed.get("absent")
+            except BaseException as exc:
+                failed.append(exc)
+
+        waiter = threading.Thread(target=blocked_get)
+        waiter.start()
+        time.sleep(0.3)
+        proc.kill()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert isinstance(failed[0], StoreError), failed
+        assert time.monotonic() - began < 5  # the dead server, not the 30 s timeout
+        with pytest.raises(StoreError, match="no c10d store at 127.0.0.1"):
+            ours(port, timeout=0.5)  # nothing listens any more
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_lost_store_is_the_one_line_of_a_collective(monkeypatch):
+    """A store that dies during a command: ``collective`` says so in one line (before
+    this client a lost store read 'corrupt or unsupported input (DistNetworkError...)')."""
+    proc, port = serve_in_child()
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "TORCHELASTIC_RUN_ID": "test",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    @collective
+    def command() -> None:
+        assert isinstance(current().store, TCPStoreClient)  # no torch for the agent store
+        current().counter("claimed", 1)
+        proc.kill()
+        proc.wait()
+        current().counter("claimed", 1)
+
+    try:
+        with pytest.raises(CkptError) as raised:
+            command()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert raised.value.one_line() == (
+        f"lost the conversion's store (torchrun's, at 127.0.0.1:{port}): "
+        "its node is gone or stopped answering"
+    )
+
+
+# ---------------------------------------------------------------- a hostile server
+
+
+def hostile(answer: bytes, *, ping: bool = True) -> int:
+    """A server that takes the hello (VALIDATE + PING, 10 bytes), echoes the nonce
+    (or not), then answers the next request with ``answer`` and stalls."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        hello = b""
+        while len(hello) < 10:
+            hello += conn.recv(10 - len(hello))
+        conn.sendall(hello[6:10] if ping else b"\x00\x00\x00\x00")
+        conn.recv(4096)
+        conn.sendall(answer)
+        time.sleep(3)
+        conn.close()
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "call, answer, error",
+    [
+        ("compare_set", struct.pack("=Q", 1 << 63), "announced a value of 9223372036854775808"),
+        ("compare_set", struct.pack("=Q", MAX_VALUE + 1), f"a value of {MAX_VALUE + 1} bytes"),
+        ("compare_set", struct.pack("=Q", 100) + b"only part", "no answer within 0.5 s"),
+        ("check", b"\x07", "answered 7 to a check"),
+        ("wait", b"\x07", "answered 7 to a wait"),
+        ("add", b"", "no answer within 0.5 s"),
+        ("get", b"", "no answer within 0.5 s"),  # the wait, then its cancel, unanswered
+    ],
+    ids=[
+        "huge-length",
+        "over-the-cap",
+        "cut-value",
+        "bad-check",
+        "bad-wait",
+        "silent",
+        "no-cancel",
+    ],
+)
+def test_a_hostile_server_is_a_bounded_error(call, answer, error):
+    store = ours(hostile(answer), timeout=0.5)
+    args = {"compare_set": ("k", "", "v"), "check": (["k"],), "wait": (["k"],), "add": ("n", 1)}
+    began = time.monotonic()
+    with pytest.raises(StoreError, match=error):
+        getattr(store, call)(*args.get(call, ("k",)))
+    assert time.monotonic() - began < (1.0 if call == "get" else 0.5) + 1.0
+    with pytest.raises(StoreError):  # the connection is closed after it
+        store.add("n", 1)
+
+
+def test_no_store_there():
+    with pytest.raises(StoreError, match="answered a ping with 0.*not a c10d store"):
+        ours(hostile(b"", ping=False), timeout=1.0)
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never answers
+    began = time.monotonic()
+    with pytest.raises(StoreError, match="no answer to a ping within 0.5 s"):
+        ours(silent.getsockname()[1], timeout=0.5)
+    assert time.monotonic() - began < 0.5 + 1.0
+    silent.close()
+
+
+# ---------------------------------------------------------------- ranks without torch
+
+
+def rank_records(folder: Path) -> list[dict]:
+    return sorted(
+        (json.loads(p.read_text()) for p in folder.glob("rank*.json")), key=lambda r: r["rank"]
+    )
+
+
+def hooked_env(records: Path, **extra: str) -> dict[str, str]:
+    env = subprocess_env(CKPTTOOL_TEST_RANK_RECORDS=str(records), CKPTTOOL_UNIT_BYTES="64")
+    env["PYTHONPATH"] = os.pathsep.join([str(RANK_HOOK), env["PYTHONPATH"]])
+    return {**env, **extra}
+
+
+def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server):
+    """``python -m ckpttool convert`` as a rank of torchrun's: the agent store (here a
+    torch server in this process), no torch imported, peak RSS under 256 MiB."""
+    out, records = tmp_path / "o.safetensors", tmp_path / "records"
+    records.mkdir()
+    env = hooked_env(
+        records,
+        RANK="0",
+        WORLD_SIZE="1",
+        TORCHELASTIC_RUN_ID="test",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(server.port),
+    )
+    cmd = [sys.executable, "-m", "ckpttool", "convert", *PER_RANK, "--to", "safetensors"]
+    done = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.startswith(f"wrote {out} (") and "units" in done.stderr
+    (record,) = rank_records(records)
+    assert record["ckpttool"] and record["agent_store"] == "True"
+    assert record["torch"] == []
+    assert record["peak_rss_kib"] < RSS_BOUND_KIB
+    want = tmp_path / "want.safetensors"
+    convert(PER_RANK, "safetensors", str(want))
+    assert sha256(out) == sha256(want)
+
+
+@pytest.mark.slow
+def test_torchrun_and_workers_ranks_never_import_torch(tmp_path):
+    """Every rank of a torchrun launch and of ``--workers 2`` (torch's elastic launcher,
+    the same agent store) converts without importing torch, under 256 MiB each."""
+    runs = {}
+    for name, cmd in {
+        "torchrun": [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
+            *["--nproc-per-node=2", "--monitor-interval=0.1", "-m", "ckpttool"],
+            *["convert", *PER_RANK, "--to", "safetensors", "-o", str(tmp_path / "t.safetensors")],
+        ],
+        "workers": [
+            *[sys.executable, "-m", "ckpttool", "merge", *PER_RANK],
+            *["-o", str(tmp_path / "w.pt"), "--workers", "2"],
+        ],
+    }.items():
+        records = tmp_path / name
+        records.mkdir()
+        runs[name] = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=hooked_env(records),
+            start_new_session=True,
+        )
+    for name, proc in runs.items():
+        done = finish(proc, 300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = rank_records(tmp_path / name)
+        assert [r["rank"] for r in records] == [0, 1], records
+        for record in records:
+            assert record["ckpttool"] and record["agent_store"] == "True"
+            assert record["torch"] == [], record
+            assert record["peak_rss_kib"] < RSS_BOUND_KIB, record
+    want_st, want_pt = tmp_path / "want.safetensors", tmp_path / "want.pt"
+    convert(PER_RANK, "safetensors", str(want_st))
+    merge(PER_RANK, str(want_pt))
+    assert sha256(tmp_path / "t.safetensors") == sha256(want_st)
+    assert sha256(tmp_path / "w.pt") == sha256(want_pt)
+
+
+@pytest.mark.slow
+def test_without_an_agent_store_rank0_hosts_torch_store(tmp_path):
+    """MASTER_ADDR/PORT set by hand (no torchrun): the torch fallback, rank 0 hosting a
+    TCPStore; it outlives the other ranks' last calls, so every rank exits 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, records = tmp_path / "o.safetensors", tmp_path / "records"
+    records.mkdir()
+    cmd = [sys.executable, "-m", "ckpttool", "convert", *PER_RANK, "--to", "safetensors"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "-o", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=hooked_env(
+                records, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+            ),
+        )
+        for r in range(2)
+    ]
+    done = [finish(p, 300) for p in procs]
+    assert [d.returncode for d in done] == [0, 0], done[1].stderr[-3000:]
+    assert done[0].stderr.startswith(f"wrote {out} (") and done[1].stderr == ""
+    records_ = rank_records(records)
+    assert [r["agent_store"] for r in records_] == [None, None]
+    assert all(r["torch"][:1] == ["torch"] for r in records_)  # the fallback: torch's store
+    want = tmp_path / "want.safetensors"
+    convert(PER_RANK, "safetensors", str(want))
+    assert sha256(out) == sha256(want)
+
+
+@pytest.mark.slow
+def test_torchrun_agent_killed_every_rank_says_the_store_is_lost(tmp_path):
+    """SIGKILL torchrun itself (its agent serves the store) mid-conversion: each rank
+    left prints the one line and exits; nothing appears under the output's name."""
+    import torch
+
+    from ckpttool.distributed import journal
+
+    src, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    gen = torch.Generator().manual_seed(3)
+    torch.save({f"w{i}": torch.randn(256, 97, generator=gen) for i in range(12)}, src)
+    proc = subprocess.Popen(
+        [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
+            *["--nproc-per-node=2", "--monitor-interval=0.1", "-m", "ckpttool"],
+            *["convert", str(src), "--to", "pt", "-o", str(out)],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(CKPTTOOL_UNIT_BYTES="4096", CKPTTOOL_DIST_TIMEOUT="10"),
+        start_new_session=True,
+    )
+    logs = Path(journal.resume_dir(str(out))) / journal.JOURNAL
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        lines = sum(p.read_bytes().count(b"\n") for p in logs.glob("*.log"))
+        if lines >= 5:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the conversion ended before the agent could be killed"
+    proc.kill()  # torchrun only: its workers live on, their store gone
+    began = time.monotonic()
+    done = finish(proc, 120)  # its pipes close once every worker has exited
+    ours = [ln for ln in done.stderr.splitlines() if ln.startswith("ckpttool:")]
+    lost = re.compile(
+        r"ckpttool: error: lost the conversion's store \(torchrun's, at [\w.:-]+:\d+\): "
+        r"its node is gone or stopped answering"
+    )
+    assert len(ours) == 2 and all(lost.fullmatch(ln) for ln in ours), done.stderr[-3000:]
+    assert time.monotonic() - began < 10  # a dropped connection: at once, not the timeout
+    assert not out.exists()
