@@ -40,7 +40,7 @@ __all__ = [
     "writer_for",
 ]
 
-# --to value -> writer module, imported on first use (DCP's imports torch)
+# --to value -> writer module, imported on first use
 WRITERS = {"safetensors": "safetensors", "pt": "torch_zip", "dcp": "dcp"}
 
 
