@@ -286,10 +286,12 @@ def hooked_env(records: Path, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server):
+@pytest.mark.parametrize("to,name", [("safetensors", "o.safetensors"), ("dcp", "o-dcp")])
+def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server, to, name):
     """``python -m ckpttool convert`` as a rank of torchrun's: the agent store (here a
-    torch server in this process), no torch imported, peak RSS under 256 MiB."""
-    out, records = tmp_path / "o.safetensors", tmp_path / "records"
+    torch server in this process), no torch imported (``--to dcp`` too: its ``.metadata``
+    is written without torch), peak RSS under 256 MiB."""
+    out, records = tmp_path / name, tmp_path / "records"
     records.mkdir()
     env = hooked_env(
         records,
@@ -300,7 +302,7 @@ def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server):
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(server.port),
     )
-    cmd = [sys.executable, "-m", "ckpttool", "convert", *PER_RANK, "--to", "safetensors"]
+    cmd = [sys.executable, "-m", "ckpttool", "convert", *PER_RANK, "--to", to]
     done = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stderr.startswith(f"wrote {out} (") and "units" in done.stderr
@@ -308,8 +310,8 @@ def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server):
     assert record["ckpttool"] and record["agent_store"] == "True"
     assert record["torch"] == []
     assert record["peak_rss_kib"] < RSS_BOUND_KIB
-    want = tmp_path / "want.safetensors"
-    convert(PER_RANK, "safetensors", str(want))
+    want = tmp_path / f"want-{name}"
+    convert(PER_RANK, to, str(want))
     assert sha256(out) == sha256(want)
 
 

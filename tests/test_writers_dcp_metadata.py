@@ -128,7 +128,7 @@ def test_every_dtype_is_torchs_and_pickles_by_its_name():
 def test_edge_shapes_names_and_offsets():
     """0-d and empty tensors, dims and offsets past 2**31 and 2**63 (LONG1), names of
     every width: 255/256 UTF-8 bytes (SHORT_BINUNICODE/BINUNICODE), 64 KiB and more
-    (written outside any frame), non-BMP characters, the empty name."""
+    (written outside any frame), non-BMP characters, a lone surrogate, the empty name."""
     items = [
         DcpItem("", "float32", (), False, 0, 1),
         DcpItem("scalar", "bfloat16", (), True, 1, 2),
@@ -137,6 +137,7 @@ def test_edge_shapes_names_and_offsets():
         DcpItem("x" * 255, "bool", (1,) * 8, False, 65535, 65536),
         DcpItem("é" * 128, "int8", (256, 65536, 2**16 - 1), False, 2**32, 2**64),
         DcpItem("🙂 poids.ß.層", "complex64", (7,), True, 3, 4),
+        DcpItem("lone \ud800 surrogate", "uint8", (2,), False, 3, 4),  # pickle's surrogatepass
         DcpItem("n" * (64 * 1024), "float16", (5, 5), False, 4, 5),
         DcpItem("m" * (64 * 1024 - 1), "float16", (5, 5), False, 4, 5),
         DcpItem("ü" * 70_000, "float32", (1, 2, 3, 4), True, 5, 6),
