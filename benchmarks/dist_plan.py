@@ -16,12 +16,14 @@ the process's peak RSS after it:
 5. ``key``: the work's key (``plan_digest`` of every piece, the inputs' identities:
    a ``stat`` of every data file), as rank 0 posts it and every rank checks it;
 
-then writes a **sample** of the units, as a rank writes them (``units.write_unit``:
+and a **sample** of the units, as a rank writes them (``units.write_unit``:
 the same reads of the same input ranges), into a sink that hashes the bytes
 (sha256) instead of writing them: no byte reaches a disk. The sample is ``--sample``
 units spread evenly over the output (every ``len(units) / K``-th). The data files
 are sparse: reading them gives zeros at page-cache speed, so the sample measures the
-per-unit cost (ranges, reads, the sink's hashing), not a disk.
+per-unit cost (ranges, reads, the sink's hashing), not a disk. The sample is measured
+before the key (the longest phase at thousands of ranks: a run stopped during it keeps
+the rest; ``--json`` is written after every phase); nothing either caches for the other.
 
     .venv/bin/python benchmarks/make_dcp_scale.py --shape 405b --ranks 2048 --out DIR
     .venv/bin/python benchmarks/dist_plan.py DIR --max-shard-size 5GB --sample 16
@@ -39,6 +41,9 @@ import time
 import zlib
 
 PHASES = ("read", "select", "plan", "units", "key")
+# measured in this order: the work's key last (at thousands of input ranks it is the
+# longest phase; nothing the others do is cached for it, nor by it for them)
+ORDER = ("read", "select", "plan", "units", "write", "key")
 
 
 class HashSink:
@@ -154,19 +159,38 @@ def main() -> None:
         state["key"] = work_key(digest, out, input_identities(inputs))
         return f"key {state['key'][:12]}, {len(inputs)} inputs' identities"
 
+    def phase_write() -> str:
+        units = state["units"]
+        k = max(1, min(args.sample, len(units)))
+        sample = [units[i * len(units) // k] for i in range(k)]
+        sink = HashSink()
+        for unit in sample:
+            unit_mod.write_unit(state["plan"], unit, sink)
+        expect = sum(u.nbytes for u in sample)
+        if sink.nbytes != expect:
+            raise SystemExit(f"the sink got {sink.nbytes} bytes, the units hold {expect}")
+        state["sink"], state["sample"] = sink, k
+        return ""
+
     profiler = None
     if args.profile:
         import cProfile
 
         profiler = cProfile.Profile()
     notes: dict[str, str] = {}
-    for name, run in zip(
-        PHASES, (phase_read, phase_select, phase_plan, phase_units, phase_key), strict=True
-    ):
+    runs = {
+        "read": phase_read,
+        "select": phase_select,
+        "plan": phase_plan,
+        "units": phase_units,
+        "write": phase_write,
+        "key": phase_key,
+    }
+    for name in ORDER:
         w, c = time.perf_counter(), time.process_time()
-        if profiler:
+        if profiler and name != "write":
             profiler.enable()
-        notes[name] = run()
+        notes[name] = runs[name]()
         if profiler:
             profiler.disable()
         figures[name] = {
@@ -174,36 +198,23 @@ def main() -> None:
             "cpu": time.process_time() - c,
             "rss": rss_mib(),
         }
+        if name == "write":
+            sink, k = state["sink"], state["sample"]
+            wr = figures[name]
+            wr.update(bytes=sink.nbytes, reads=sink.reads, units=k)
+            notes[name] = (
+                f"{k} of {len(state['units'])} units, {sink.nbytes / 2**30:.2f} GiB in "
+                f"{sink.reads} reads, {sink.nbytes / 2**30 / wr['wall']:.2f} GiB/s "
+                f"({sink.nbytes / 2**30 / max(wr['cpu'], 1e-9):.2f} GiB per CPU s)"
+            )
         print(f"{name}: {figures[name]} {notes[name]}", file=sys.stderr, flush=True)
+        if args.json:  # after every phase: a run stopped early keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"figures": figures, "notes": notes}, f, indent=1)
     if profiler:
         profiler.dump_stats(args.profile)
-
-    units = state["units"]
-    k = max(1, min(args.sample, len(units)))
-    sample = [units[i * len(units) // k] for i in range(k)]
-    sink = HashSink()
-    w, c = time.perf_counter(), time.process_time()
-    for unit in sample:
-        unit_mod.write_unit(state["plan"], unit, sink)
-    figures["write"] = {
-        "wall": time.perf_counter() - w,
-        "cpu": time.process_time() - c,
-        "rss": rss_mib(),
-        "bytes": sink.nbytes,
-        "reads": sink.reads,
-        "units": k,
-    }
-    expect = sum(u.nbytes for u in sample)
-    if sink.nbytes != expect:
-        raise SystemExit(f"the sink got {sink.nbytes} bytes, the units hold {expect}")
     plan = state["plan"]
-    total_units, total_bytes = len(units), plan.total_bytes
-    wr = figures["write"]
-    rate = wr["bytes"] / wr["wall"]
-    notes["write"] = (
-        f"{k} of {total_units} units, {wr['bytes'] / 2**30:.2f} GiB in {wr['reads']} reads, "
-        f"{rate / 2**30:.2f} GiB/s ({wr['bytes'] / 2**30 / max(wr['cpu'], 1e-9):.2f} GiB per CPU s)"
-    )
+    total_bytes = plan.total_bytes
     print()
     print(
         f"`{args.folder}` -> `--to {args.to}`"
@@ -214,7 +225,7 @@ def main() -> None:
     print()
     print("| phase | wall s | CPU s | RSS after, MiB | peak RSS so far, MiB | what |")
     print("|---|---|---|---|---|---|")
-    for name in ("import", *PHASES, "write"):
+    for name in ("import", *ORDER):
         f = figures[name]
         print(
             f"| {name} | {f['wall']:.2f} | {f['cpu']:.2f} | {f['rss'][0]:.0f} | {f['rss'][1]:.0f} "
@@ -229,6 +240,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"figures": figures, "notes": notes}, f, indent=1)
+    sys.stdout.flush()
+    os._exit(0)  # not the minutes of freeing millions of objects one by one
 
 
 if __name__ == "__main__":

@@ -342,7 +342,8 @@ def main() -> None:
         build_per_rank(args.out, args.ranks, layers, args.per_rank, model)
     else:
         build_dcp(args.out, args.ranks, layers, args.fresh_keys, model, args.chunk_zips)
-    print(f"{args.out}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(f"{args.out}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    os._exit(0)  # freeing millions of objects one by one would take minutes: all written
 
 
 if __name__ == "__main__":
