@@ -29,21 +29,28 @@ the full model are 256 x 555k records).
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import io
 import os
 import pickle
+import struct
 import sys
 import time
+import zipfile
 
 LLAMA70B = {"hidden": 8192, "intermediate": 28672, "kv": 1024, "vocab": 32000, "layers": 80}
+# Llama-3.1-405B: 128 heads, 8 KV heads of 128, untied embeddings
+LLAMA405B = {"hidden": 16384, "intermediate": 53248, "kv": 1024, "vocab": 128256, "layers": 126}
+SHAPES = {"70b": LLAMA70B, "405b": LLAMA405B}
 # bf16 model, fp32 Adam moments
 MODEL_BYTES, MOMENT_BYTES = 2, 4
 # torch.save of one chunk: the tensor's bytes plus the zip's records around them
 ZIP_OVERHEAD = 1088
 
 
-def llama_params(layers: int) -> list[tuple[str, tuple[int, ...]]]:
-    h, i, kv, v = (LLAMA70B[k] for k in ("hidden", "intermediate", "kv", "vocab"))
+def llama_params(layers: int, shape: dict = LLAMA70B) -> list[tuple[str, tuple[int, ...]]]:
+    h, i, kv, v = (shape[k] for k in ("hidden", "intermediate", "kv", "vocab"))
     params = [("model.embed_tokens.weight", (v, h))]
     for n in range(layers):
         p = f"model.layers.{n}."
@@ -69,28 +76,37 @@ def chunk_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     return start, min(size, rows - start)
 
 
-def entries(layers: int) -> list[tuple[str, tuple[str, ...], tuple[int, ...], str]]:
+def entries(
+    layers: int, model: dict = LLAMA70B
+) -> list[tuple[str, tuple[str, ...], tuple[int, ...], str]]:
     """(flat key, object path, global shape, dtype name) of every tensor, as DCP flattens
     ``{"model": model_sd, "optim": optim_sd}``."""
     out = []
-    for name, shape in llama_params(layers):
+    for name, shape in llama_params(layers, model):
         out.append((f"model.{name}", ("model", name), shape, "bfloat16"))
-    for name, shape in llama_params(layers):
+    for name, shape in llama_params(layers, model):
         for moment in ("exp_avg", "exp_avg_sq"):
             path = ("optim", "state", name, moment)
             out.append((".".join(path), path, shape, "float32"))
     return out
 
 
-def param_groups(layers: int) -> dict[tuple[str, ...], object]:
-    names = [name for name, _ in llama_params(layers)]
+def param_groups(layers: int, model: dict = LLAMA70B) -> dict[tuple[str, ...], object]:
+    names = [name for name, _ in llama_params(layers, model)]
     group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     group.update({"amsgrad": False, "maximize": False, "foreach": None, "capturable": False})
     group.update({"differentiable": False, "fused": None, "params": names})
     return {("optim", "param_groups", 0, k): v for k, v in group.items()}  # type: ignore[misc]
 
 
-def build_dcp(out: str, ranks: int, layers: int, fresh_keys: bool = False) -> None:
+def build_dcp(
+    out: str,
+    ranks: int,
+    layers: int,
+    fresh_keys: bool = False,
+    model: dict = LLAMA70B,
+    chunk_zips: str = "none",
+) -> None:
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -104,8 +120,8 @@ def build_dcp(out: str, ranks: int, layers: int, fresh_keys: bool = False) -> No
     )
 
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    tensors = entries(layers)
-    values = param_groups(layers)
+    tensors = entries(layers, model)
+    values = param_groups(layers, model)
     planner_data: dict[str, tuple] = {}
     md: dict[str, object] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -126,7 +142,7 @@ def build_dcp(out: str, ranks: int, layers: int, fresh_keys: bool = False) -> No
         planner_data[fqn] = path
         props = TensorProperties(dtype=dtypes[dtype])
         md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=[])
-    item = MODEL_BYTES
+    zips: list[list[tuple[int, bytes, int, bytes]]] = [[] for _ in range(ranks)]
     for rank in range(ranks):
         rel = f"__{rank}_0.distcp"  # one string per rank's results, as gathered
         for fqn, _, shape, dtype in tensors:
@@ -144,6 +160,10 @@ def build_dcp(out: str, ranks: int, layers: int, fresh_keys: bool = False) -> No
             key = MetadataIndex("".join(fqn) if fresh_keys else fqn, torch.Size(offsets), index)
             item = MODEL_BYTES if dtype == "bfloat16" else MOMENT_BYTES
             nbytes = item * length * (shape[1] if len(shape) > 1 else 1) + ZIP_OVERHEAD
+            if chunk_zips == "all" or (chunk_zips == "model" and fqn.startswith("model.")):
+                head, gap, tail = zip_template(dtypes[dtype], sizes)
+                zips[rank].append((file_sizes[rank], head, gap, tail))
+                nbytes = len(head) + gap + len(tail)
             storage[key] = _StorageInfo(rel, file_sizes[rank], nbytes)
             file_sizes[rank] += nbytes
     meta = Metadata(
@@ -160,6 +180,12 @@ def build_dcp(out: str, ranks: int, layers: int, fresh_keys: bool = False) -> No
                 for offset, blob in byte_blobs:
                     f.seek(offset)
                     f.write(blob)
+            for offset, head, gap, tail in zips[rank]:
+                f.seek(offset)
+                f.write(head)
+                f.seek(gap, os.SEEK_CUR)  # the tensor's bytes: zeros, never written
+                f.write(tail)
+            zips[rank] = []
             f.truncate(size)
     tmp = os.path.join(out, ".metadata.tmp")
     with open(tmp, "wb") as f:
@@ -167,7 +193,30 @@ def build_dcp(out: str, ranks: int, layers: int, fresh_keys: bool = False) -> No
     os.replace(tmp, os.path.join(out, ".metadata"))
 
 
-def build_per_rank(out: str, ranks: int, layers: int, kind: str) -> None:
+@functools.cache
+def zip_template(dtype, sizes: tuple[int, ...]) -> tuple[bytes, int, bytes]:
+    """A chunk as DCP's ``FileSystemWriter`` writes it (``torch.save`` of the tensor) when
+    the tensor is zeros: (the zip's records before the tensor's bytes, how many bytes
+    those are, the records after them). Written around a hole, the chunk is the real
+    ``torch.save`` bytes of a zero tensor (its CRC-32 too), with no data block on disk."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(sizes, dtype=dtype), buf)
+    blob = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    name_len, extra_len = struct.unpack(
+        "<HH", blob[info.header_offset + 26 : info.header_offset + 30]
+    )
+    start = info.header_offset + 30 + name_len + extra_len
+    end = start + info.file_size
+    if any(blob[start:end]):
+        raise AssertionError("a zero tensor saved other bytes")
+    return blob[:start], end - start, blob[end:]
+
+
+def build_per_rank(out: str, ranks: int, layers: int, kind: str, model: dict = LLAMA70B) -> None:
     """One ``torch.save`` per rank of its DTensors or ShardedTensors (a fake process group
     of ``ranks`` joined as each rank in turn, fake tensors, ``skip_data``: the storages'
     records are laid out, their bytes never written)."""
@@ -178,7 +227,8 @@ def build_per_rank(out: str, ranks: int, layers: int, kind: str) -> None:
 
     os.makedirs(out, exist_ok=True)
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    tensors = entries(layers)
+    tensors = entries(layers, model)
+    shared: dict[tuple, dict] = {}  # ShardedTensor: what every rank's file repeats, built once
     for rank in range(ranks):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
         try:
@@ -195,13 +245,13 @@ def build_per_rank(out: str, ranks: int, layers: int, kind: str) -> None:
                     if kind == "dtensor":
                         value = _dtensor(local, mesh, shape)
                     else:
-                        value = _sharded(local, shape, rank, ranks)
+                        value = _sharded(local, shape, rank, ranks, shared.setdefault(path, {}))
                     node = state
                     for part in path[:-1]:
                         node = node.setdefault(part, {})
                     node[path[-1]] = value
                 state["optim"]["param_groups"] = [
-                    {k[-1]: v for k, v in param_groups(layers).items()}
+                    {k[-1]: v for k, v in param_groups(layers, model).items()}
                 ]
                 tmp = os.path.join(out, f".ep0-rank{rank}.pt.tmp")
                 with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -221,8 +271,16 @@ def _dtensor(local, mesh, shape):
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
-def _sharded(local, shape, rank, ranks):
-    """FSDP1's ``SHARDED_STATE_DICT``: every rank's file names every rank's shard."""
+def _sharded(local, shape, rank, ranks, shared: dict):
+    """FSDP1's ``SHARDED_STATE_DICT``: every rank's file names every rank's shard.
+
+    That list (the ``ShardedTensorMetadata``) and the sharding spec torch infers from it
+    are the same in every rank's file: they are built, and checked by torch's own
+    constructor, once per tensor (in ``shared``, the first rank's), and every other
+    rank's ShardedTensor is made of the same objects and its own local shard, as that
+    constructor makes it but without checking every rank's shards against all the
+    others again (at 256 ranks: 256 x 256 shards per tensor per file, the ~40 minutes
+    this generator took before). The pickled bytes are the same."""
     import torch
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -231,32 +289,61 @@ def _sharded(local, shape, rank, ranks):
         TensorProperties,
     )
 
-    shards_md = []
-    for r in range(ranks):
-        s, n = chunk_rows(shape[0], r, ranks)
-        shards_md.append(
-            ShardMetadata([s, *[0] * (len(shape) - 1)], [n, *shape[1:]], f"rank:{r}/cpu")
-        )
-    props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False)
-    meta = ShardedTensorMetadata(shards_md, torch.Size(shape), props)
-    own = [Shard(local, shards_md[rank])]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(own, meta)
+    if not shared:
+        shards_md = []
+        for r in range(ranks):
+            s, n = chunk_rows(shape[0], r, ranks)
+            shards_md.append(
+                ShardMetadata([s, *[0] * (len(shape) - 1)], [n, *shape[1:]], f"rank:{r}/cpu")
+            )
+        props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False)
+        meta = ShardedTensorMetadata(shards_md, torch.Size(shape), props)
+        own = [Shard(local, shards_md[rank])]
+        tensor = ShardedTensor._init_from_local_shards_and_global_metadata(own, meta)
+        shared.update(meta=meta, spec=tensor.sharding_spec())
+        return tensor
+    meta, props = shared["meta"], shared["meta"].tensor_properties
+    tensor = ShardedTensor.__new__(
+        ShardedTensor,
+        shared["spec"],
+        meta.size,
+        dtype=props.dtype,
+        layout=props.layout,
+        pin_memory=props.pin_memory,
+        requires_grad=props.requires_grad,
+    )
+    tensor._local_shards = [Shard(local, meta.shards_metadata[rank])]
+    tensor._prepare_init()
+    tensor._post_init()
+    return tensor
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=LLAMA70B["layers"])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="70b", help="the model's shape")
+    parser.add_argument("--layers", type=int, help="fewer layers (default: the shape's)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--per-rank", choices=["dtensor", "sharded"])
     parser.add_argument("--fresh-keys", action="store_true", help="a key string per chunk")
+    parser.add_argument(
+        "--chunk-zips",
+        choices=["none", "model", "all"],
+        default="none",
+        help="write each chunk's torch.save records around its (sparse) bytes, for the "
+        "model's tensors or all: a folder that converts (default: no byte, inspect only)",
+    )
     args = parser.parse_args()
+    model = SHAPES[args.shape]
+    layers = model["layers"] if args.layers is None else args.layers
+    gc.disable()  # millions of long-lived objects: the collector's passes would be most of it
     t0 = time.perf_counter()
     if args.per_rank:
-        build_per_rank(args.out, args.ranks, args.layers, args.per_rank)
+        build_per_rank(args.out, args.ranks, layers, args.per_rank, model)
     else:
-        build_dcp(args.out, args.ranks, args.layers, args.fresh_keys)
-    print(f"{args.out}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        build_dcp(args.out, args.ranks, layers, args.fresh_keys, model, args.chunk_zips)
+    print(f"{args.out}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    os._exit(0)  # freeing millions of objects one by one would take minutes: all written
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ CASES = {
     "dcp-2048": (["--ranks", "2048"], "dcp"),
     "dtensor-256": (["--ranks", "256", "--per-rank", "dtensor", "--layers", "8"], "ranks"),
     "sharded-256": (["--ranks", "256", "--per-rank", "sharded", "--layers", "2"], "sharded"),
-    # (256 ShardedTensor ranks take ~40 minutes to generate on 2 busy cores)
+    # (256 ShardedTensor ranks: ~85 s of CPU to generate, 8 minutes on 2 busy cores)
     "sharded-32": (["--ranks", "32", "--per-rank", "sharded", "--layers", "2"], "sharded"),
 }
 
