@@ -63,6 +63,10 @@ class DcpChunk:
         self.fqn = fqn
         self.offsets = offsets
 
+    def where(self) -> str:
+        """Where the chunk's bytes are, as ``.metadata`` says (nothing read)."""
+        return f"{self.path}@{self.offset}+{self.length}:{self.dtype.name}{self.sizes}"
+
     def tensor_ref(self) -> TensorRef:
         if self.transforms:
             raise CkptError(

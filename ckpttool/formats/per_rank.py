@@ -185,6 +185,11 @@ class RankShard:
         self.files, self.rank, self.path = files, rank, path
         self.like, self.offsets, self.sizes = like, offsets, sizes
 
+    def where(self) -> str:
+        """The rank file and the block in it (nothing read: the file is read only when
+        the block's data is needed)."""
+        return f"{self.files.by_rank[self.rank]}:{self.path}@{self.offsets}+{self.sizes}"
+
     def tensor_ref(self) -> TensorRef:
         key = ".".join(str(k) for k in self.path)
         file = self.files.by_rank[self.rank]
