@@ -34,19 +34,22 @@ def test_the_work_key_reads_no_block(counting_source, name):
     assert units.plan_digest(plan, 4096) == digest != units.plan_digest(plan, 8192)
 
 
-def test_blocks_are_resolved_once_per_tensor_not_per_unit(tmp_path, monkeypatch):
-    """Tiny units, so that every tensor spans several: each sharded tensor's parts are
-    resolved once, and the file is the single-process one."""
+def test_a_unit_resolves_only_the_blocks_its_bytes_lie_in(tmp_path, monkeypatch):
+    """Tiny units, so that most tensors span several: writing a unit resolves exactly
+    the chunks its byte range overlaps (a unit of a tensor saved by 2048 ranks used to
+    open all 2048 chunk zips), and the file is the single-process one."""
+    from ckpttool.formats.dcp_chunks import DcpChunk
+    from ckpttool.tree import sharding
     from ckpttool.writers.plan import write_plan
 
-    calls: list[int] = []
-    resolve = units.raw_parts
+    resolved: list[object] = []
+    resolve = DcpChunk.tensor_ref
 
-    def counted(leaf, cast):
-        calls.append(id(leaf))
-        return resolve(leaf, cast)
+    def recorded(self):
+        resolved.append(self)
+        return resolve(self)
 
-    monkeypatch.setattr(units, "raw_parts", counted)
+    monkeypatch.setattr(DcpChunk, "tensor_ref", recorded)
     ckpt = read([str(FIXTURES / "dcp")])
     plan = plan_safetensors(flatten_tensors(ckpt.root, ""), WriteOptions())
     want = tmp_path / "want.safetensors"
@@ -54,11 +57,20 @@ def test_blocks_are_resolved_once_per_tensor_not_per_unit(tmp_path, monkeypatch)
     target = str(tmp_path / "got.safetensors")
     allocate(plan, target)
     cut = units.plan_units(plan, 64)
-    tensors = [p for p in plan.files[0].pieces if p.leaf is not None]
-    assert len(cut) > 2 * len(tensors)  # most tensors span several units
+    sharded = [p for p in plan.files[0].pieces if p.leaf is not None and p.leaf.sharded]
+    assert sharded and len(cut) > 2 * len(plan.files[0].pieces)
     for unit in cut:
+        expected = set()
+        for piece, start, length in units.pieces_in(plan.files[0], unit.start, unit.end):
+            if piece.leaf is None or not piece.leaf.sharded:
+                continue
+            size = piece.leaf.dtype.itemsize
+            for first, count, shard in sharding.flat_runs(piece.leaf):
+                if first * size < start + length and start < (first + count) * size:
+                    expected.add(id(shard.tensor))
+        resolved.clear()
         with OutputFile(file_path(target, plan.files[unit.file]), offset=unit.start) as out:
             units.write_unit(plan, unit, out)
-    assert sorted(calls) == sorted(id(p.leaf) for p in tensors)
+        assert {id(block) for block in resolved} == expected, unit
     with open(target, "rb") as got:
         assert got.read() == want.read_bytes()

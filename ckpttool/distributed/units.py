@@ -136,6 +136,8 @@ def write_leaf_range(
     elements a chunk at a time. Bytes that need more of torch (a view, a byte swap,
     shards split along other dims) are made for the whole tensor, then the range taken.
     """
+    if _copy_blocks_in_range(out, leaf, cast, start, length, progress):
+        return
     parts, stored = _resolved(leaf, cast)
     if stored is not None:  # only a cast: the range's elements, a chunk at a time
         _cast_range(out, stored, leaf.dtype, output_dtype(leaf, cast), start, length, progress)
@@ -158,6 +160,59 @@ def write_leaf_range(
         pos += ref.nbytes
         if pos >= end:
             break
+
+
+def _copy_blocks_in_range(
+    out: Any, leaf: Leaf, cast: Any, start: int, length: int, progress: Progress | None
+) -> bool:
+    """Copy bytes ``[start, start + length)`` of a sharded tensor whose blocks are runs
+    of its bytes straight from the blocks they lie in, resolving only those (a unit of a
+    tensor saved by 2048 ranks opens the ~256 chunk zips it covers, not all 2048);
+    False, nothing written, where any of them cannot be copied as stored (the caller
+    then writes the range the general way: the same bytes)."""
+    if not isinstance(leaf, ShardedRef) or output_dtype(leaf, cast) != leaf.dtype:
+        return False
+    layout = _block_layout(leaf)
+    if layout is None:
+        return False
+    starts, runs = layout
+    size, end = leaf.dtype.itemsize, start + length
+    pieces = []
+    i = max(bisect.bisect_right(starts, start) - 1, 0)
+    while i and starts[i - 1] == starts[i]:  # an empty block shares its start
+        i -= 1
+    while i < len(runs) and starts[i] < end:
+        first, count, shard = runs[i]
+        lo, hi = max(start, starts[i]), min(end, starts[i] + count * size)
+        if hi > lo:
+            ref = shard.tensor.tensor_ref()
+            if not sharding.raw_block(ref, leaf, count):
+                return False
+            pieces.append((ref, lo - starts[i], hi - lo))
+        i += 1
+    for ref, at, nbytes in pieces:
+        _copy_range(out, ref, at, nbytes, progress)
+    return True
+
+
+_LAYOUTS: OrderedDict[int, tuple[Leaf, Any]] = OrderedDict()
+
+
+def _block_layout(leaf: ShardedRef) -> tuple[list[int], list] | None:
+    """(each block's first byte, :func:`sharding.flat_runs`) of a sharded tensor, for
+    the last few tensors (its units come one after another): metadata only."""
+    with _RESOLVING:
+        hit = _LAYOUTS.get(id(leaf))
+        if hit is not None and hit[0] is leaf:
+            _LAYOUTS.move_to_end(id(leaf))
+            return hit[1]  # type: ignore[no-any-return]
+    runs = sharding.flat_runs(leaf)
+    layout = None if runs is None else ([r[0] * leaf.dtype.itemsize for r in runs], runs)
+    with _RESOLVING:
+        _LAYOUTS[id(leaf)] = (leaf, layout)
+        while len(_LAYOUTS) > _RESOLVED_LEAVES:
+            _LAYOUTS.popitem(last=False)
+    return layout
 
 
 _RESOLVED: OrderedDict[tuple[int, str | None], tuple[Leaf, Any, Any]] = OrderedDict()

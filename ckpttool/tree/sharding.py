@@ -149,20 +149,41 @@ def raw_parts(leaf: Leaf) -> list[TensorRef] | None:
         return [leaf] if _raw_copy_ok(leaf) else None
     if not isinstance(leaf, ShardedRef):
         return None
+    runs = flat_runs(leaf)
+    if runs is None:
+        return None
+    parts = []
+    for _, count, shard in runs:
+        ref = shard.tensor.tensor_ref()
+        if not raw_block(ref, leaf, count):
+            return None
+        parts.append(ref)
+    return parts
+
+
+def flat_runs(leaf: ShardedRef) -> list[tuple[int, int, Shard]] | None:
+    """``(first element, element count, shard)`` of every shard, in element order, when
+    the shards are runs of the tensor's row-major elements that tile it exactly; None
+    otherwise. From the metadata alone: no block is resolved (a writer then resolves
+    only the blocks a byte range needs)."""
     runs = []
     for shard in leaf.shards:
         start = _flat_start(leaf.shape, shard.offsets, shard.sizes)
         if start is None:
             return None
-        runs.append((start, shard))
-    parts, end = [], 0
-    for start, shard in sorted(runs, key=lambda run: run[0]):
-        ref = shard.tensor.tensor_ref()
-        if start != end or not _raw_copy_ok(ref) or ref.dtype != leaf.dtype:
+        runs.append((start, math.prod(shard.sizes), shard))
+    runs.sort(key=lambda run: run[0])
+    end = 0
+    for start, count, _ in runs:
+        if start != end:
             return None
-        parts.append(ref)
-        end += ref.numel
-    return parts if end == leaf.numel else None
+        end += count
+    return runs if end == leaf.numel else None
+
+
+def raw_block(ref: TensorRef, leaf: ShardedRef, count: int) -> bool:
+    """A resolved block of ``count`` elements can be copied as stored into the leaf."""
+    return _raw_copy_ok(ref) and ref.dtype == leaf.dtype and ref.numel == count
 
 
 def _flat_start(shape: tuple, offsets: tuple, sizes: tuple) -> int | None:
