@@ -1,0 +1,281 @@
+"""A DCP folder's checkpoint from its ``.metadata`` parsed at the opcode level.
+
+:mod:`ckpttool.formats.dcp_opcodes` splits the file into a small *skeleton* pickle
+(each run of plain entries stands there as one token) and the runs' numbers. The
+skeleton is read by the restricted unpickler as any pickle is (every global judged,
+the structure checked); each token must then stand exactly once where its entries
+stood: a chunk run in a tensor's chunk list, a storage run as a key of
+``storage_data``. The entries the skeleton kept are checked as the bulk reader
+(:mod:`ckpttool.formats.dcp_metadata`) checks every entry, and the checkpoint is
+built as that one builds it: the same tree, the same checks (each data file's name
+once, the chunks tiling their tensor, no two spans overlapping). Any doubt, any
+error: None, and the readers after this one read the file from the start.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import operator
+from itertools import repeat
+from typing import Any
+
+from ..tree import Checkpoint, Opaque, Shard, ShardedRef, TorchSize, state_attrs
+from .dcp_metadata import (
+    METADATA,
+    ChunkRecord,
+    DcpMetadataUnpickler,
+    IndexRecord,
+    InfoRecord,
+    NotPlain,
+    _alone,
+    _disjoint,
+    _field,
+    _sizes,
+    _states,
+)
+from .dcp_opcodes import ChunkRun, StorageRun, parse, token
+
+# A .metadata this reader reads at most (a 2048-rank 70B one is 531 MB)
+MAX_METADATA_BYTES = 16 << 30
+
+
+def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
+    """The checkpoint, or None where the readers after this one must read it."""
+    from ..sources import open_input
+    from ..unpickler import load_pickle
+
+    try:
+        with open_input(meta_path) as f:
+            f.seek(0, 2)
+            if f.tell() > MAX_METADATA_BYTES:
+                return None
+            f.seek(0)
+            data = f.read()
+        parsed = parse(data)
+        del data
+        if parsed is None:
+            return None
+        seen: set[str] = set()
+        metadata = load_pickle(
+            parsed.skeleton,
+            path=meta_path,
+            permissive=permissive,
+            seen=seen,
+            unpickler_class=DcpMetadataUnpickler,
+        )  # (checked as any pickle: the runs' entries are flat and shared by none)
+        return _build(folder, meta_path, metadata, parsed.runs, permissive, seen)
+    except Exception:  # NotPlain, CkptError, or a TypeError on a hostile value
+        return None
+
+
+def _build(
+    folder: str,
+    meta_path: str,
+    metadata: Any,
+    runs: list[ChunkRun | StorageRun],
+    permissive: bool,
+    seen: set[str],
+) -> Checkpoint:
+    from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element
+    from .torch_zip import checkpoint
+
+    if not isinstance(metadata, Opaque) or f"{metadata.module}.{metadata.qualname}" != (
+        METADATA + "Metadata"
+    ):
+        raise NotPlain
+    meta = state_attrs(metadata.state)
+    entries = meta.get("state_dict_metadata")
+    storage = meta.get("storage_data")
+    planner = meta.get("planner_data")
+    if type(entries) is not dict or type(storage) is not dict:
+        raise NotPlain
+    if planner is None:
+        planner = {}
+    if type(planner) is not dict:
+        raise NotPlain
+    _alone([storage], holders=2)  # (its place in the Metadata, and here)
+    numbers = {token(n): n for n in range(len(runs))}
+    used: set[int] = set()
+
+    # storage_data, in order: the skeleton's entries as the bulk reader checks them,
+    # and the runs' (a token key, None)
+    fqns, offsets, paths, starts, lengths = table = ([], [], [], [], [])  # type: ignore[var-annotated]
+    infos: dict[int, dict] = {}  # row -> the state of a skeleton entry (a byte value's)
+    records = [key for key in storage if type(key) is not bytes]
+    key_states = _states(records, IndexRecord, walked=False)
+    info_states = _states(list(map(storage.__getitem__, records)), InfoRecord)
+    del records
+    if info_states and set(map(len, info_states)) != {3}:
+        raise NotPlain
+    record_rows = iter(zip(key_states, info_states, strict=True))
+    for key in storage:
+        if type(key) is bytes:
+            run = runs[_take(numbers, used, key)]
+            if type(run) is not StorageRun or storage[key] is not None:
+                raise NotPlain
+            for column, values in zip(table, _columns(run), strict=True):
+                column.extend(values)
+            continue
+        key_state, info = next(record_rows)
+        fqn, offset = _field([key_state], "fqn")[0], key_state.get("offset")
+        if offset is not None:
+            _sizes([offset], holders=2)
+        if offset is None:
+            infos[len(fqns)] = info
+        fqns.append(fqn)
+        offsets.append(offset)
+        paths.append(_field([info], "relative_path")[0])
+        starts.append(_field([info], "offset")[0])
+        lengths.append(_field([info], "length")[0])
+    if set(map(type, fqns)) - {str} or set(map(type, paths)) - {str}:
+        raise NotPlain
+    if set(map(type, starts + lengths)) - {int}:
+        raise NotPlain
+    tables: dict[str, dict[Any, int]] = collections.defaultdict(dict)
+    collections.deque(  # (a loop in C: tables[fqn][offsets] = row)
+        map(operator.setitem, map(tables.__getitem__, fqns), offsets, itertools.count()),
+        maxlen=0,
+    )
+    if sum(map(len, tables.values())) != len(fqns):
+        raise NotPlain  # two entries for one chunk: the generic reader keeps the last
+    if not _disjoint(paths, starts, lengths):
+        raise NotPlain  # shared or overlapping spans: the bulk reader sorts them out
+
+    # every data file's name checked once (not once per chunk)
+    distinct = list(dict.fromkeys(paths))
+    files_of = {rel: data_file(folder, {"relative_path": rel}, meta_path) for rel in distinct}
+    ranks = {m.group(1) for rel in distinct if (m := RANK_FILE_RE.match(rel))}
+    world_size = len(ranks) or None
+    files = sorted(set(files_of.values()))
+    files_by_row = list(map(files_of.__getitem__, paths))
+    del paths
+
+    chunk_lists = [
+        entry.attrs().get("chunks")
+        for entry in entries.values()
+        if isinstance(entry, Opaque) and type(entry).__name__ == "TensorStorageMetadata"
+    ]
+    if set(map(type, chunk_lists)) - {list}:
+        raise NotPlain
+    _alone(chunk_lists)
+    del chunk_lists
+    if set(map(type, planner.values())) - {tuple}:
+        raise NotPlain
+    if set(map(type, itertools.chain.from_iterable(planner.values()))) - {str, int}:
+        raise NotPlain
+    from ..unpickler import MAX_NESTING
+
+    rows = (files_by_row, starts, lengths)
+    root: Any = {}
+    for fqn, entry in entries.items():
+        obj_path = planner.get(fqn) or (fqn,)
+        if len(obj_path) > MAX_NESTING or type(fqn) is not str:
+            raise NotPlain
+        kind = type(entry).__name__
+        spans = tables.get(fqn) or {}
+        if kind == "TensorStorageMetadata":
+            value: Any = _tensor(fqn, entry, spans, rows, runs, numbers, used, world_size)
+        elif kind == "BytesStorageMetadata" and None in spans:
+            info = {(fqn, None): infos[spans[None]]}
+            value = bytes_value(folder, fqn, info, permissive, seen, set())
+        else:
+            raise NotPlain
+        root = set_element(root, obj_path, value, len(entries))
+    if len(used) != len(runs):
+        raise NotPlain  # a run's token where no entry stands
+    ckpt = checkpoint(FORMAT, [meta_path, *files], root, seen)
+    ckpt.world_size = world_size
+    return ckpt
+
+
+def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
+    """The run a token stands for, taken once."""
+    number = numbers.get(key)
+    if number is None or number in used:
+        raise NotPlain
+    used.add(number)
+    return number
+
+
+def _columns(run: StorageRun) -> tuple[list, ...]:
+    return run.fqns, run.offsets, run.paths, run.starts, run.lengths
+
+
+def _tensor(
+    fqn: str,
+    entry: Opaque,
+    spans: dict[Any, int],  # offsets -> row of the storage table, of this tensor
+    rows: tuple[list[str], list[int], list[int]],
+    runs: list[ChunkRun | StorageRun],
+    numbers: dict[bytes, int],
+    used: set[int],
+    world_size: int | None,
+) -> ShardedRef:
+    from ..dtypes import DType
+    from ..tree import check_coverage
+    from ..tree.sharding import row_blocks
+    from .dcp_chunks import DcpChunk, tensor_properties
+
+    attrs = entry.attrs()
+    props = tensor_properties(attrs.get("properties"))
+    dt = props.get("dtype")
+    size = attrs.get("size")
+    if not isinstance(dt, DType):
+        raise NotPlain
+    _sizes([size], holders=2)  # (its place in the entry, and here)
+    size = TorchSize(size)  # type: ignore[arg-type]  # (a tuple: what the stand-in gives)
+    chunks = attrs["chunks"]
+    # the skeleton's chunks, checked as the bulk reader checks every chunk
+    records = [c for c in chunks if type(c) is not bytes]
+    states = _states(records, ChunkRecord)
+    del records
+    if states and set(map(len, states)) != {2}:
+        raise NotPlain
+    kept_offsets, kept_sizes = _field(states, "offsets"), _field(states, "sizes")
+    _sizes(kept_offsets)
+    _sizes(kept_sizes)
+    offsets: list[tuple[int, ...]] = []
+    sizes: list[tuple[int, ...]] = []
+    kept = iter(zip(kept_offsets, kept_sizes, strict=True))
+    for chunk in chunks:
+        if type(chunk) is bytes:
+            run = runs[_take(numbers, used, chunk)]
+            if type(run) is not ChunkRun:
+                raise NotPlain
+            offsets += run.offsets
+            sizes += run.sizes
+        else:
+            o, s = next(kept)
+            offsets.append(tuple(o))
+            sizes.append(tuple(s))
+    at = list(map(spans.get, offsets))
+    if None in at:
+        raise NotPlain  # a chunk with no stored data: the generic reader says so
+    files, starts, lengths = rows
+    dcp_chunks = list(
+        map(
+            DcpChunk,
+            map(files.__getitem__, at),
+            map(starts.__getitem__, at),
+            map(lengths.__getitem__, at),
+            repeat(dt),
+            sizes,
+            repeat(None),
+            repeat(fqn),
+            offsets,
+            repeat(False),
+        )
+    )
+    shards = list(map(Shard, offsets, sizes, dcp_chunks))
+    if not row_blocks(size, offsets, sizes):
+        check_coverage(fqn, size, shards)
+    return ShardedRef(
+        dt,
+        size,
+        shards,
+        device="cpu",
+        kind="dcp",
+        requires_grad=bool(props.get("requires_grad")),
+        world_size=world_size,
+    )
