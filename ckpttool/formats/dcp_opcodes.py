@@ -452,6 +452,19 @@ class _Parser:
         new_fqn = list(map(bool, fqn_len))
         new_path = list(map(bool, path_len))
         size_slots = list(map(operator.sub, repeat(3), map(b")".__eq__, offsets)))
+        strings = self.strings
+        if not any(new_fqn) and not any(new_path):
+            # every name named before the run (none is defined in it): each entry has
+            # 2 + 2 slots of its objects and dicts, and its torch.Size's
+            self._remove(4 * len(items) + sum(size_slots))
+            fqns = list(map(strings.get, _refs(fqn_ref)))
+            paths = list(map(strings.get, _refs(path_ref)))
+            if None in fqns or None in paths:
+                raise NotRegular  # a reference to something that is not a string
+            self.runs.append(
+                StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), _ints(lengths))
+            )
+            return
         counts = map(
             operator.add,
             map(operator.add, new_fqn, size_slots),
@@ -467,7 +480,6 @@ class _Parser:
         )
         fqn_slot = self._names(fqn_ref, fqn_len, fqn_new, new_fqn, fqn_at)
         path_slot = self._names(path_ref, path_len, path_new, new_path, path_at)
-        strings = self.strings
         fqns = list(map(strings.get, fqn_slot))
         paths = list(map(strings.get, path_slot))
         if None in fqns or None in paths:

@@ -139,7 +139,7 @@ def _build(
     )
     if sum(map(len, tables.values())) != len(fqns):
         raise NotPlain  # two entries for one chunk: the generic reader keeps the last
-    if not _disjoint(paths, starts, lengths):
+    if not (_disjoint(paths, starts, lengths) or _sorted_disjoint(paths, starts, lengths)):
         raise NotPlain  # shared or overlapping spans: the bulk reader sorts them out
 
     # every data file's name checked once (not once per chunk)
@@ -187,6 +187,22 @@ def _build(
     ckpt = checkpoint(FORMAT, [meta_path, *files], root, seen)
     ckpt.world_size = world_size
     return ckpt
+
+
+def _sorted_disjoint(paths: list[str], starts: list[int], lengths: list[int]) -> bool:
+    """Whether no two spans of a file overlap or start at the same byte, in any order
+    (a chunk list that names one empty chunk's span for many ranks leaves a file's
+    spans in two places): the spans sorted by (file, start), each one's end at most
+    the next one's start."""
+    if not paths or min(lengths) <= 0 or min(starts) < 0 or max(starts + lengths) >= 2**63:
+        return False
+    ids: dict[str, int] = {}
+    files = list(map(ids.setdefault, paths, map(len, repeat(ids))))
+    keys = list(map(operator.add, map(operator.lshift, files, repeat(64)), starts))
+    order = sorted(range(len(keys)), key=keys.__getitem__)  # (near sorted: runs)
+    ordered = list(map(keys.__getitem__, order))
+    ends = map(operator.add, ordered, map(lengths.__getitem__, order))
+    return all(map(operator.le, ends, itertools.islice(ordered, 1, None)))
 
 
 def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
