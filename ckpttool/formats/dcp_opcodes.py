@@ -86,13 +86,13 @@ def _chunk_entry(get: Callable[[int], bytes], cap: bytes) -> bytes:
     )  # fmt: skip
 
 
-def _storage_entry(get: Callable[[int], bytes], cap: bytes) -> bytes:
+def _storage_entry(get: Callable[[int], bytes], cap: bytes, new_names: bool = True) -> bytes:
     """A MetadataIndex (fqn, index, offset: the order its ``__init__`` sets them) and its
-    _StorageInfo (relative_path, offset, length): the names by reference or new, the
-    rest numbers."""
-    name = rb"(?:" + cap + _REF + rb")|" + _STRING + rb")"
+    _StorageInfo (relative_path, offset, length): the names by reference or (where
+    ``new_names``) new, the rest numbers (the index is not kept)."""
+    name = rb"(?:" + cap + _REF + rb")" + (rb"|" + _STRING if new_names else b"") + rb")"
     return (
-        get(0) + _NEW + get(1) + name + get(2) + cap + _INT + rb")"
+        get(0) + _NEW + get(1) + name + get(2) + _INT
         + get(3) + get(4) + cap + _TUPLE + rb")" + _SIZE_END + rb"ub"
         + get(5) + _NEW + get(6) + name + get(7) + cap + _INT + rb")" + get(8) + cap + _INT
         + rb")ub"
@@ -120,19 +120,27 @@ _STORAGE_PROBE = re.compile(_storage_entry(_probe, rb"(?:"), re.DOTALL)
 
 @dataclass
 class _Runs:
-    """The patterns of one set of fixed memo slots: a run's extent, its entries' numbers."""
+    """The patterns of one set of fixed memo slots: a run's extent, its entries' numbers;
+    for storage entries, the same where every name is a reference (fewer groups)."""
 
     run: re.Pattern[bytes]
     entry: re.Pattern[bytes]
+    refs_run: re.Pattern[bytes] | None = None
+    refs_entry: re.Pattern[bytes] | None = None
 
 
 def _compile(build: Callable[..., bytes], slots: tuple[int, ...]) -> _Runs:
     get = _fixed(slots)
-    entry = build(get, rb"(")
-    return _Runs(
-        re.compile(rb"(?:" + build(get, rb"(?:") + rb")++", re.DOTALL),
-        re.compile(entry, re.DOTALL),
-    )
+
+    def run(*args: bool) -> re.Pattern[bytes]:
+        return re.compile(rb"(?:" + build(get, rb"(?:", *args) + rb")++", re.DOTALL)
+
+    def entry(*args: bool) -> re.Pattern[bytes]:
+        return re.compile(build(get, rb"(", *args), re.DOTALL)
+
+    if build is _chunk_entry:
+        return _Runs(run(), entry())
+    return _Runs(run(), entry(), run(False), entry(False))
 
 
 @dataclass
@@ -236,6 +244,7 @@ class _Parser:
         self.patterns: dict[tuple, _Runs] = {}
         self.sizes: dict[bytes, tuple[int, ...]] = {}  # a torch.Size's bytes -> its ints
         self.names: dict[bytes, str] = {}
+        self.numbers: dict[bytes, int] = {}  # a length's int opcode -> its number
 
     def parse(self) -> Parsed:
         data, bounds = self.data, self.bounds
@@ -406,15 +415,21 @@ class _Parser:
             if len(self.patterns) >= MAX_PATTERNS:
                 raise NotRegular
             patterns = self.patterns[(build, fixed)] = _compile(build, fixed)
-        run = patterns.run.match(data, pos, limit)
-        if run is None:  # (the probe matched one entry)
-            raise NotRegular
-        items = patterns.entry.findall(data, pos, run.end())
+        run = patterns.refs_run and patterns.refs_run.match(data, pos, limit)
+        if run:  # (the commonest: every name named before)
+            self._take_storage_refs(patterns.refs_entry.findall(data, pos, run.end()))  # type: ignore[union-attr]
+        else:
+            run = patterns.run.match(data, pos, limit)
+            if run is None:  # (the probe matched one entry)
+                raise NotRegular
+            items = patterns.entry.findall(data, pos, run.end())
+            if build is _chunk_entry:
+                self._take_chunks(items)
+            else:
+                self._take_storage(items)
         if build is _chunk_entry:
-            self._take_chunks(items)
             stack.append(_TOKEN)
         else:
-            self._take_storage(items)
             stack.extend((_TOKEN, _TOKEN))
         self._copy_to(pos)
         number = len(self.runs) - 1
@@ -446,25 +461,33 @@ class _Parser:
         self._remove(8 * len(items) - empty)
         self.runs.append(ChunkRun(self._tuples(offsets), self._tuples(sizes)))
 
+    def _take_storage_refs(self, items: list[tuple[bytes, ...]]) -> None:
+        """Storage entries whose names are all named before the run (none is new)."""
+        fqn_ref, offsets, path_ref, starts, lengths = zip(*items, strict=True)
+        # 2 + 2 slots: the objects and their dicts; 3 per torch.Size (2 for an empty one)
+        self._remove(7 * len(items) - offsets.count(b")"))
+        strings = self.strings
+        fqns = list(map(strings.get, _refs(fqn_ref)))
+        paths = list(map(strings.get, _refs(path_ref)))
+        if None in fqns or None in paths:
+            raise NotRegular  # a reference to something that is not a string
+        self.runs.append(
+            StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), self._lengths(lengths))
+        )
+
+    def _lengths(self, raw: tuple[bytes, ...]) -> list[int]:
+        cache = self.numbers
+        new = list(set(raw).difference(cache))
+        cache.update(zip(new, _ints(new), strict=True))  # type: ignore[arg-type]
+        return list(map(cache.__getitem__, raw))
+
     def _take_storage(self, items: list[tuple[bytes, ...]]) -> None:
         cols = list(zip(*items, strict=True))
-        fqn_ref, fqn_len, fqn_new, _, offsets, path_ref, path_len, path_new, starts, lengths = cols
+        fqn_ref, fqn_len, fqn_new, offsets, path_ref, path_len, path_new, starts, lengths = cols
         new_fqn = list(map(bool, fqn_len))
         new_path = list(map(bool, path_len))
         size_slots = list(map(operator.sub, repeat(3), map(b")".__eq__, offsets)))
         strings = self.strings
-        if not any(new_fqn) and not any(new_path):
-            # every name named before the run (none is defined in it): each entry has
-            # 2 + 2 slots of its objects and dicts, and its torch.Size's
-            self._remove(4 * len(items) + sum(size_slots))
-            fqns = list(map(strings.get, _refs(fqn_ref)))
-            paths = list(map(strings.get, _refs(path_ref)))
-            if None in fqns or None in paths:
-                raise NotRegular  # a reference to something that is not a string
-            self.runs.append(
-                StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), _ints(lengths))
-            )
-            return
         counts = map(
             operator.add,
             map(operator.add, new_fqn, size_slots),
@@ -485,7 +508,7 @@ class _Parser:
         if None in fqns or None in paths:
             raise NotRegular  # a reference to something that is not a string
         self.runs.append(
-            StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), _ints(lengths))
+            StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), self._lengths(lengths))
         )
 
     def _names(
@@ -557,7 +580,7 @@ def _refs(raws: tuple[bytes, ...]) -> map:
 _SHIFT = (0, 0, 8, 8, 0, 8, 0, 16, 16, 16, 16)
 
 
-def _ints(raws: tuple[bytes, ...]) -> list[int]:
+def _ints(raws: tuple[bytes, ...] | list[bytes]) -> list[int]:
     """The numbers of int opcodes (validated by ``_INT``: non-negative)."""
     return list(
         map(

@@ -29,7 +29,6 @@ from .dcp_metadata import (
     InfoRecord,
     NotPlain,
     _alone,
-    _disjoint,
     _field,
     _sizes,
     _states,
@@ -139,7 +138,7 @@ def _build(
     )
     if sum(map(len, tables.values())) != len(fqns):
         raise NotPlain  # two entries for one chunk: the generic reader keeps the last
-    if not (_disjoint(paths, starts, lengths) or _sorted_disjoint(paths, starts, lengths)):
+    if not _apart(paths, starts, lengths):
         raise NotPlain  # shared or overlapping spans: the bulk reader sorts them out
 
     # every data file's name checked once (not once per chunk)
@@ -189,13 +188,21 @@ def _build(
     return ckpt
 
 
-def _sorted_disjoint(paths: list[str], starts: list[int], lengths: list[int]) -> bool:
-    """Whether no two spans of a file overlap or start at the same byte, in any order
-    (a chunk list that names one empty chunk's span for many ranks leaves a file's
-    spans in two places): the spans sorted by (file, start), each one's end at most
-    the next one's start."""
-    if not paths or min(lengths) <= 0 or min(starts) < 0 or max(starts + lengths) >= 2**63:
+def _apart(paths: list[str], starts: list[int], lengths: list[int]) -> bool:
+    """Whether no two spans of a file overlap or start at the same byte (then none is
+    shared). In the order saved, each file's spans are one run one after the other as
+    DCP writes them; where a chunk list names one empty chunk's span for many ranks a
+    file's spans are in several places: then sorted by (file, start), each one's end at
+    most the next one's start."""
+    if not paths:
+        return True
+    if min(lengths) <= 0 or min(starts) < 0 or max(starts + lengths) >= 2**63:
         return False
+    same_file = list(map(str.__eq__, paths[:-1], paths[1:]))
+    if len(same_file) - sum(same_file) + 1 == len(set(paths)):  # each file one run
+        ends = map(operator.add, starts, lengths)
+        after = map(operator.le, ends, itertools.islice(starts, 1, None))
+        return all(map(operator.or_, after, map(operator.not_, same_file)))
     ids: dict[str, int] = {}
     files = list(map(ids.setdefault, paths, map(len, repeat(ids))))
     keys = list(map(operator.add, map(operator.lshift, files, repeat(64)), starts))
