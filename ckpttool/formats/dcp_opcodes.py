@@ -79,11 +79,27 @@ _STORAGE_SLOTS = ("class", "fqn", "index", "offset", "size", "info", "path", "of
 
 def _chunk_entry(get: Callable[[int], bytes], cap: bytes) -> bytes:
     """A ChunkStorageMetadata; ``get(i)`` matches the i-th fixed memo reference, ``cap``
-    opens a group for each number (its offsets' tuple, its sizes')."""
+    opens one group from its offsets' tuple to its sizes' (one bytes object per chunk:
+    :func:`_pair` splits the distinct ones)."""
     return (
-        get(0) + _NEW + get(1) + get(2) + cap + _TUPLE + rb")" + _SIZE_END
-        + get(3) + get(4) + cap + _TUPLE + rb")" + _SIZE_END + rb"ub"
+        get(0) + _NEW + get(1) + get(2) + cap + _TUPLE + _SIZE_END
+        + get(3) + get(4) + _TUPLE + rb")" + _SIZE_END + rb"ub"
     )  # fmt: skip
+
+
+_TUPLE_AT = re.compile(_TUPLE, re.DOTALL)
+
+
+def _pair(raw: bytes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of a chunk from the bytes ``_chunk_entry``'s group matched: a
+    torch.Size's tuple, its end, two memo references, the other tuple."""
+    first = _TUPLE_AT.match(raw)
+    if first is None:  # (never: the group matched so)
+        raise NotRegular
+    pos = first.end() + 4  # TUPLE1 MEMOIZE REDUCE MEMOIZE
+    for _ in range(2):
+        pos += 2 if raw[pos] == 0x68 else 5  # BINGET, LONG_BINGET
+    return _numbers(first.group()), _numbers(raw[pos:])
 
 
 def _storage_entry(get: Callable[[int], bytes], cap: bytes, new_names: bool = True) -> bytes:
@@ -245,6 +261,8 @@ class _Parser:
         self.sizes: dict[bytes, tuple[int, ...]] = {}  # a torch.Size's bytes -> its ints
         self.names: dict[bytes, str] = {}
         self.numbers: dict[bytes, int] = {}  # a length's int opcode -> its number
+        self.pairs: dict[bytes, tuple] = {}  # a chunk's bytes -> (offsets, sizes)
+        self.refs: dict[bytes, str] = {}  # a BINGET of a string -> the string
 
     def parse(self) -> Parsed:
         data, bounds = self.data, self.bounds
@@ -419,14 +437,16 @@ class _Parser:
         if run:  # (the commonest: every name named before)
             self._take_storage_refs(patterns.refs_entry.findall(data, pos, run.end()))  # type: ignore[union-attr]
         else:
-            run = patterns.run.match(data, pos, limit)
-            if run is None:  # (the probe matched one entry)
-                raise NotRegular
-            items = patterns.entry.findall(data, pos, run.end())
             if build is _chunk_entry:
-                self._take_chunks(items)
-            else:
-                self._take_storage(items)
+                run = patterns.run.match(data, pos, limit)
+                if run is None:  # (the probe matched one entry)
+                    raise NotRegular
+                self._take_chunks(patterns.entry.findall(data, pos, run.end()))
+            else:  # one entry with a new name: the next ones may name it
+                run = patterns.entry.match(data, pos, limit)
+                if run is None:
+                    raise NotRegular
+                self._take_storage([run.groups(b"")])
         if build is _chunk_entry:
             stack.append(_TOKEN)
         else:
@@ -448,38 +468,46 @@ class _Parser:
         self.slots += slots
         return first
 
-    def _tuples(self, raw: tuple[bytes, ...]) -> list[tuple[int, ...]]:
-        cache = self.sizes
-        for new in set(raw).difference(cache):
-            cache[new] = _numbers(new)
-        return list(map(cache.__getitem__, raw))
+    def _cached(self, cache: dict, raw: tuple[bytes, ...] | list[bytes], make: Callable) -> list:
+        """``make(r)`` of each of ``raw``, made once per distinct bytes (equal ones shared)."""
+        got = list(map(cache.get, raw))
+        if None in got:
+            for new in set(itertools.compress(raw, map(operator.not_, got))):
+                cache[new] = make(new)
+            got = list(map(cache.__getitem__, raw))
+        return got
 
-    def _take_chunks(self, items: list[tuple[bytes, bytes]]) -> None:
-        offsets, sizes = zip(*items, strict=True)
+    def _tuples(self, raw: tuple[bytes, ...]) -> list[tuple[int, ...]]:
+        return self._cached(self.sizes, raw, _numbers)
+
+    def _take_chunks(self, items: list[bytes]) -> None:
+        offsets, sizes = zip(*self._cached(self.pairs, items, _pair), strict=True)
         # 2 slots (the object, its dict) and 3 per torch.Size (2 for an empty one)
-        empty = offsets.count(b")") + sizes.count(b")")
+        empty = offsets.count(()) + sizes.count(())
         self._remove(8 * len(items) - empty)
-        self.runs.append(ChunkRun(self._tuples(offsets), self._tuples(sizes)))
+        self.runs.append(ChunkRun(list(offsets), list(sizes)))
 
     def _take_storage_refs(self, items: list[tuple[bytes, ...]]) -> None:
         """Storage entries whose names are all named before the run (none is new)."""
         fqn_ref, offsets, path_ref, starts, lengths = zip(*items, strict=True)
         # 2 + 2 slots: the objects and their dicts; 3 per torch.Size (2 for an empty one)
         self._remove(7 * len(items) - offsets.count(b")"))
-        strings = self.strings
-        fqns = list(map(strings.get, _refs(fqn_ref)))
-        paths = list(map(strings.get, _refs(path_ref)))
-        if None in fqns or None in paths:
-            raise NotRegular  # a reference to something that is not a string
+        # (a slot holds one value for good: a reference's string is looked up once)
+        fqns = self._cached(self.refs, fqn_ref, self._string_at)
+        paths = self._cached(self.refs, path_ref, self._string_at)
         self.runs.append(
             StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), self._lengths(lengths))
         )
 
+    def _string_at(self, raw: bytes) -> str:
+        """The string a BINGET / LONG_BINGET names (defined before it)."""
+        text = self.strings.get(_ref(raw))
+        if text is None:
+            raise NotRegular  # a reference to something that is not a string
+        return text
+
     def _lengths(self, raw: tuple[bytes, ...]) -> list[int]:
-        cache = self.numbers
-        new = list(set(raw).difference(cache))
-        cache.update(zip(new, _ints(new), strict=True))  # type: ignore[arg-type]
-        return list(map(cache.__getitem__, raw))
+        return self._cached(self.numbers, raw, _int)
 
     def _take_storage(self, items: list[tuple[bytes, ...]]) -> None:
         cols = list(zip(*items, strict=True))
@@ -589,6 +617,10 @@ def _ints(raws: tuple[bytes, ...] | list[bytes]) -> list[int]:
             map(_SHIFT.__getitem__, map(len, raws)),
         )
     )
+
+
+def _int(raw: bytes) -> int:
+    return _ints([raw])[0]
 
 
 def _numbers(raw: bytes) -> tuple[int, ...]:
