@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+from array import array
 from itertools import repeat
 from typing import Any
 
@@ -131,13 +132,15 @@ def _build(
         raise NotPlain
     if set(map(type, starts + lengths)) - {int}:
         raise NotPlain
-    tables: dict[str, dict[Any, int]] = collections.defaultdict(dict)
-    collections.deque(  # (a loop in C: tables[fqn][offsets] = row)
-        map(operator.setitem, map(tables.__getitem__, fqns), offsets, itertools.count()),
-        maxlen=0,
+    # each tensor's rows of the table, and their offsets (in the order saved)
+    groups: dict[str, list[int]] = collections.defaultdict(list)
+    collections.deque(  # (a loop in C: groups[fqn].append(row))
+        map(list.append, map(groups.__getitem__, fqns), itertools.count()), maxlen=0
     )
-    if sum(map(len, tables.values())) != len(fqns):
+    keys_of = {fqn: list(map(offsets.__getitem__, rows)) for fqn, rows in groups.items()}
+    if any(len(set(keys)) != len(keys) for keys in keys_of.values()):
         raise NotPlain  # two entries for one chunk: the generic reader keeps the last
+    del fqns, offsets
     if not _apart(paths, starts, lengths):
         raise NotPlain  # shared or overlapping spans: the bulk reader sorts them out
 
@@ -147,8 +150,14 @@ def _build(
     ranks = {m.group(1) for rel in distinct if (m := RANK_FILE_RE.match(rel))}
     world_size = len(ranks) or None
     files = sorted(set(files_of.values()))
-    files_by_row = list(map(files_of.__getitem__, paths))
-    del paths
+    # each row's start, length and file, side by side (a tensor's chunks are rows far
+    # apart in the order saved: one cache line each, not three objects)
+    file_ids = {rel: n for n, rel in enumerate(distinct)}
+    names = list(map(files_of.__getitem__, distinct))
+    packed = array(
+        "q", itertools.chain.from_iterable(zip(starts, lengths, map(file_ids.__getitem__, paths)))
+    )
+    del paths, starts, lengths
 
     chunk_lists = [
         entry.attrs().get("chunks")
@@ -165,18 +174,18 @@ def _build(
         raise NotPlain
     from ..unpickler import MAX_NESTING
 
-    rows = (files_by_row, starts, lengths)
+    table = (packed, names)
     root: Any = {}
     for fqn, entry in entries.items():
         obj_path = planner.get(fqn) or (fqn,)
         if len(obj_path) > MAX_NESTING or type(fqn) is not str:
             raise NotPlain
         kind = type(entry).__name__
-        spans = tables.get(fqn) or {}
+        rows, keys = groups.get(fqn) or [], keys_of.get(fqn) or []
         if kind == "TensorStorageMetadata":
-            value: Any = _tensor(fqn, entry, spans, rows, runs, numbers, used, world_size)
-        elif kind == "BytesStorageMetadata" and None in spans:
-            info = {(fqn, None): infos[spans[None]]}
+            value: Any = _tensor(fqn, entry, rows, keys, table, runs, numbers, used, world_size)
+        elif kind == "BytesStorageMetadata" and None in keys:
+            info = {(fqn, None): infos[rows[keys.index(None)]]}
             value = bytes_value(folder, fqn, info, permissive, seen, set())
         else:
             raise NotPlain
@@ -192,24 +201,26 @@ def _apart(paths: list[str], starts: list[int], lengths: list[int]) -> bool:
     """Whether no two spans of a file overlap or start at the same byte (then none is
     shared). In the order saved, each file's spans are one run one after the other as
     DCP writes them; where a chunk list names one empty chunk's span for many ranks a
-    file's spans are in several places: then sorted by (file, start), each one's end at
-    most the next one's start."""
+    file's spans are in several places: then their starts and ends are sorted."""
     if not paths:
         return True
     if min(lengths) <= 0 or min(starts) < 0 or max(starts + lengths) >= 2**63:
         return False
     same_file = list(map(str.__eq__, paths[:-1], paths[1:]))
+    ends = list(map(operator.add, starts, lengths))
     if len(same_file) - sum(same_file) + 1 == len(set(paths)):  # each file one run
-        ends = map(operator.add, starts, lengths)
         after = map(operator.le, ends, itertools.islice(starts, 1, None))
-        return all(map(operator.or_, after, map(operator.not_, same_file)))
+        if all(map(operator.or_, after, map(operator.not_, same_file))):
+            return True
+    # spans of positive length overlap nowhere (and share no start) exactly where, the
+    # starts and the ends sorted apart, each end is at most the next start: (file, byte)
+    # as one number, the files one after the other (each as long as the furthest end)
     ids: dict[str, int] = {}
-    files = list(map(ids.setdefault, paths, map(len, repeat(ids))))
-    keys = list(map(operator.add, map(operator.lshift, files, repeat(64)), starts))
-    order = sorted(range(len(keys)), key=keys.__getitem__)  # (near sorted: runs)
-    ordered = list(map(keys.__getitem__, order))
-    ends = map(operator.add, ordered, map(lengths.__getitem__, order))
-    return all(map(operator.le, ends, itertools.islice(ordered, 1, None)))
+    numbers = list(map(ids.setdefault, paths, map(len, repeat(ids))))
+    begins = list(map(operator.add, map(operator.mul, numbers, repeat(max(ends) + 1)), starts))
+    ends = sorted(map(operator.add, begins, lengths))  # (near sorted: runs)
+    begins.sort()
+    return all(map(operator.le, ends, itertools.islice(begins, 1, None)))
 
 
 def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
@@ -228,8 +239,9 @@ def _columns(run: StorageRun) -> tuple[list, ...]:
 def _tensor(
     fqn: str,
     entry: Opaque,
-    spans: dict[Any, int],  # offsets -> row of the storage table, of this tensor
-    rows: tuple[list[str], list[int], list[int]],
+    rows: list[int],  # the storage table's rows of this tensor, in the order saved
+    keys: list[Any],  # their offsets
+    table: tuple[array, list[str]],  # (start, length, file number) by row; the files
     runs: list[ChunkRun | StorageRun],
     numbers: dict[bytes, int],
     used: set[int],
@@ -272,16 +284,20 @@ def _tensor(
             o, s = next(kept)
             offsets.append(tuple(o))
             sizes.append(tuple(s))
-    at = list(map(spans.get, offsets))
-    if None in at:
-        raise NotPlain  # a chunk with no stored data: the generic reader says so
-    files, starts, lengths = rows
+    if keys == offsets:  # (DCP saves both in rank order: no lookup)
+        at = rows
+    else:
+        at = list(map(dict(zip(keys, rows, strict=True)).get, offsets))
+        if None in at:
+            raise NotPlain  # a chunk with no stored data: the generic reader says so
+    packed, names = table
+    at3 = list(map(operator.mul, at, repeat(3)))
     dcp_chunks = list(
         map(
             DcpChunk,
-            map(files.__getitem__, at),
-            map(starts.__getitem__, at),
-            map(lengths.__getitem__, at),
+            map(names.__getitem__, map(packed.__getitem__, map(operator.add, at3, repeat(2)))),
+            map(packed.__getitem__, at3),
+            map(packed.__getitem__, map(operator.add, at3, repeat(1))),
             repeat(dt),
             sizes,
             repeat(None),
