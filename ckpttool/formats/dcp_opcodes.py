@@ -36,7 +36,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any
+from typing import IO, Any
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -208,6 +208,43 @@ def parse(data: bytes) -> Parsed | None:
     except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
         return None
     parsed.skeleton = data[:2] + parsed.skeleton  # (PROTO)
+    return parsed
+
+
+def parse_file(f: IO[bytes], size: int) -> Parsed | None:
+    """:func:`parse` of the ``size`` bytes of ``f`` (at its start), each frame's bytes
+    read straight to their place (one buffer, no copy of the file as read)."""
+    try:
+        head = f.read(3)
+        if len(head) < 3 or head[0] != 0x80 or head[1] not in (4, 5):
+            return None
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        if head[2] != 0x95:
+            view[:3] = head
+            if f.readinto(view[3:]) != size - 3:
+                return None
+            view.release()
+            stream, start, bounds = buffer, 2, []
+        else:
+            total, bounds, frame = 0, [], head[2:] + f.read(8)
+            while frame:
+                n = int.from_bytes(frame[1:9], "little")
+                if len(frame) != 9 or frame[0] != 0x95 or not 0 < n <= size - total:
+                    return None
+                if len(bounds) > size // 4096 + 16 or f.readinto(view[total : total + n]) != n:
+                    return None
+                total += n
+                bounds.append(total)
+                frame = f.read(9)
+            view.release()
+            del buffer[total:]
+            bounds.pop()
+            stream, start = buffer, 0
+        parsed = _Parser(stream, start, bounds).parse()
+    except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
+        return None
+    parsed.skeleton = bytes(head[:2]) + parsed.skeleton  # (PROTO)
     return parsed
 
 

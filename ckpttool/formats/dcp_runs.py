@@ -34,7 +34,7 @@ from .dcp_metadata import (
     _sizes,
     _states,
 )
-from .dcp_opcodes import ChunkRun, StorageRun, parse, token
+from .dcp_opcodes import ChunkRun, StorageRun, parse_file, token
 
 # A .metadata this reader reads at most (a 2048-rank 70B one is 531 MB)
 MAX_METADATA_BYTES = 16 << 30
@@ -47,13 +47,11 @@ def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
 
     try:
         with open_input(meta_path) as f:
-            f.seek(0, 2)
-            if f.tell() > MAX_METADATA_BYTES:
+            size = f.seek(0, 2)
+            if size > MAX_METADATA_BYTES:
                 return None
             f.seek(0)
-            data = f.read()
-        parsed = parse(data)
-        del data
+            parsed = parse_file(f, size)
         if parsed is None:
             return None
         seen: set[str] = set()
