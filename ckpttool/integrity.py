@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import operator
 from collections.abc import Sequence
 from itertools import repeat
@@ -91,6 +92,7 @@ def stored_spans(ckpt: Checkpoint, *, resolve: bool = False) -> Spans:
 
 
 _TENSOR = operator.attrgetter("tensor")
+_END, _WHAT = operator.itemgetter(1), operator.itemgetter(2)
 _SPAN = tuple(map(operator.attrgetter, SPAN_ATTRS))
 
 
@@ -174,7 +176,9 @@ def check_sizes(ckpt: Checkpoint, spans: Spans | None = None) -> dict[str, int]:
         here = spans.get(file)
         if not here:
             continue
-        end, what = max((end, what) for _, end, what in here)
+        # (the furthest end, and the greatest name there: in C, a DCP file has thousands)
+        end = max(map(_END, here))
+        what = max(itertools.compress(map(_WHAT, here), map(end.__eq__, map(_END, here))))
         if end > size:
             raise CkptError(
                 f"file too short: {size:,} bytes, but the checkpoint places the bytes of "

@@ -121,15 +121,15 @@ def _build(
             _sizes([offset], holders=2)
         if offset is None:
             infos[len(fqns)] = info
+        path, start, length = map(info.get, ("relative_path", "offset", "length"))
+        # (a run's are so by its patterns)
+        if type(fqn) is not str or type(path) is not str or {type(start), type(length)} != {int}:
+            raise NotPlain
         fqns.append(fqn)
         offsets.append(offset)
-        paths.append(_field([info], "relative_path")[0])
-        starts.append(_field([info], "offset")[0])
-        lengths.append(_field([info], "length")[0])
-    if set(map(type, fqns)) - {str} or set(map(type, paths)) - {str}:
-        raise NotPlain
-    if set(map(type, starts + lengths)) - {int}:
-        raise NotPlain
+        paths.append(path)
+        starts.append(start)
+        lengths.append(length)
     # each tensor's rows of the table, and their offsets (in the order saved)
     groups: dict[str, list[int]] = collections.defaultdict(list)
     collections.deque(  # (a loop in C: groups[fqn].append(row))
