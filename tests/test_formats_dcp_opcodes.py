@@ -58,7 +58,9 @@ def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True):
         storage[MetadataIndex("extra")] = _StorageInfo("__0_0.distcp", 0, len(blob))
         sizes[0] = len(blob)
     for fqn, shape in shapes.items():
-        md[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), [])
+        md[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size(shape), []
+        )
         planner[fqn] = ("model", fqn)
     for rank in range(ranks):
         for fqn, shape in shapes.items():
@@ -376,3 +378,43 @@ def test_fuzzed_metadata_reads_as_the_generic_reader_reads_it(fuzz_base, monkeyp
     finally:
         meta.write_bytes(data)
     assert taken  # (some mutations change only a number, a name: still plain)
+
+
+def test_spans_apart_as_a_pairwise_check_says():
+    """``_apart`` (in the order saved, else starts and ends sorted apart) against every
+    pair of spans, on random layouts (the generic reader refuses overlaps and leaves a
+    shared start to the safetensors check)."""
+    import itertools
+
+    from ckpttool.formats.dcp_runs import _apart
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randrange(1, 8)
+        paths = [rng.choice("abc") for _ in range(n)]
+        starts = [rng.randrange(0, 20) for _ in range(n)]
+        lengths = [rng.randrange(1, 6) for _ in range(n)]
+        apart = not any(
+            paths[i] == paths[j]
+            and max(starts[i], starts[j]) < min(starts[i] + lengths[i], starts[j] + lengths[j])
+            for i, j in itertools.combinations(range(n), 2)
+        )
+        assert _apart(paths, starts, lengths) == apart, (paths, starts, lengths)
+    assert not _apart(["a"], [0], [0]) and not _apart(["a"], [-1], [2])
+
+
+def test_a_short_data_file_is_named_as_before(tmp_path, monkeypatch):
+    """inspect's size check gathers a DCP tensor's spans in bulk: the same message."""
+    from ckpttool import integrity
+
+    folder = tmp_path / "ckpt"
+    write_folder(folder, 16, SHAPES)
+    with open(folder / "__3_0.distcp", "r+b") as f:
+        f.truncate(os.path.getsize(folder / "__3_0.distcp") - 100)
+    bulk = run_cli("inspect", folder)
+    with monkeypatch.context() as m:
+        m.setattr(integrity, "_add_spans_in_bulk", lambda *args: False)
+        one_by_one = run_cli("inspect", folder)
+    assert bulk.returncode == one_by_one.returncode == 2
+    assert bulk.stderr == one_by_one.stderr
+    assert "file too short" in bulk.stderr and "__3_0.distcp" in bulk.stderr

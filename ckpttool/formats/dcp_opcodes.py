@@ -30,13 +30,14 @@ frames tile the file and each boundary falls between opcodes. Anything else, and
 from __future__ import annotations
 
 import bisect
+import io
 import itertools
 import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import IO, Any
+from typing import Any
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -211,7 +212,7 @@ def parse(data: bytes) -> Parsed | None:
     return parsed
 
 
-def parse_file(f: IO[bytes], size: int) -> Parsed | None:
+def parse_file(f: io.BufferedIOBase, size: int) -> Parsed | None:
     """:func:`parse` of the ``size`` bytes of ``f`` (at its start), each frame's bytes
     read straight to their place (one buffer, no copy of the file as read)."""
     try:
@@ -225,9 +226,9 @@ def parse_file(f: IO[bytes], size: int) -> Parsed | None:
             if f.readinto(view[3:]) != size - 3:
                 return None
             view.release()
-            stream, start, bounds = buffer, 2, []
+            stream, start, bounds = buffer, 2, list[int]()
         else:
-            total, bounds, frame = 0, [], head[2:] + f.read(8)
+            total, frame, bounds = 0, head[2:] + f.read(8), list[int]()
             while frame:
                 n = int.from_bytes(frame[1:9], "little")
                 if len(frame) != 9 or frame[0] != 0x95 or not 0 < n <= size - total:
@@ -257,7 +258,9 @@ def _unframe(data: bytes) -> tuple[bytes, int, list[int]]:
     if data[2] != 0x95:
         return data, 2, []
     view = memoryview(data)
-    pieces, bounds, pos, total = [], [], 2, 0
+    pieces: list[memoryview] = []
+    bounds: list[int] = []
+    pos, total = 2, 0
     while pos < len(data):
         if data[pos] != 0x95 or pos + 9 > len(data) or len(pieces) > len(data) // 4096 + 16:
             raise NotRegular
@@ -281,7 +284,7 @@ _POP = {0x62: 1, 0x73: 2, 0x61: 1}  # BUILD SETITEM APPEND: pop n, the target st
 
 
 class _Parser:
-    def __init__(self, data: bytes, start: int, bounds: list[int]):
+    def __init__(self, data: bytes | bytearray, start: int, bounds: list[int]):
         self.data, self.pos, self.bounds = data, start, bounds
         self.stack: list[tuple] = []
         self.marks: list[int] = []
@@ -371,11 +374,11 @@ class _Parser:
                 )
             elif slot in self.strings:  # a run's string (a data file's name): as itself
                 kind = ("S", self.strings[slot])
-                text = kind[1].encode("utf-8", "surrogatepass")
+                raw = self.strings[slot].encode("utf-8", "surrogatepass")
                 self.pieces.append(
-                    b"\x8c" + bytes([len(text)]) + text
-                    if len(text) < 256
-                    else b"X" + len(text).to_bytes(4, "little") + text
+                    b"\x8c" + bytes([len(raw)]) + raw
+                    if len(raw) < 256
+                    else b"X" + len(raw).to_bytes(4, "little") + raw
                 )
             else:  # none, or a run's object
                 raise NotRegular
@@ -448,6 +451,10 @@ class _Parser:
         container = stack[below]
         width = 5 if data[pos] == 0x6A else 2
         kind = self.kinds.get(int.from_bytes(data[pos + 1 : pos + width], "little"))
+        probe: re.Pattern[bytes]
+        slots: tuple[str, ...]
+        wanted: tuple[tuple, ...]
+        build: Callable[..., bytes]
         if kind == CHUNK_CLASS and container == _LIST:
             probe, slots, wanted, build = _CHUNK_PROBE, _CHUNK_SLOTS, _CHUNK_KINDS, _chunk_entry
         elif kind == INDEX_CLASS and container == _DICT and (len(stack) - below - 1) % 2 == 0:
@@ -564,12 +571,16 @@ class _Parser:
         # where each entry's fqn and path strings are (their new slot, or named before)
         fqn_at = list(map(operator.add, bases, repeat(2)))
         path_at = list(
-            map(operator.add, map(operator.add, fqn_at, new_fqn), map(operator.add, size_slots, repeat(2)))
+            map(
+                operator.add,
+                map(operator.add, fqn_at, new_fqn),
+                map(operator.add, size_slots, repeat(2)),
+            )
         )
         fqn_slot = self._names(fqn_ref, fqn_len, fqn_new, new_fqn, fqn_at)
         path_slot = self._names(path_ref, path_len, path_new, new_path, path_at)
-        fqns = list(map(strings.get, fqn_slot))
-        paths = list(map(strings.get, path_slot))
+        fqns: list = list(map(strings.get, fqn_slot))
+        paths: list = list(map(strings.get, path_slot))
         if None in fqns or None in paths:
             raise NotRegular  # a reference to something that is not a string
         self.runs.append(
@@ -631,13 +642,16 @@ def _allowed(module: str, name: str) -> bool:
     } or (module == "torch" and name in DTYPES)
 
 
+_FROM_BYTES: Callable[[bytes, str], int] = int.from_bytes  # type: ignore[assignment]
+
+
 def _ref(raw: bytes) -> int:
     return int.from_bytes(raw, "little") >> 8  # (BINGET or LONG_BINGET: one opcode byte)
 
 
 def _refs(raws: tuple[bytes, ...]) -> map:
     """Memo slots of BINGET / LONG_BINGET opcodes (0 for b'')."""
-    return map(operator.rshift, map(int.from_bytes, raws, repeat("little")), repeat(8))
+    return map(operator.rshift, map(_FROM_BYTES, raws, repeat("little")), repeat(8))
 
 
 # how far to shift an int opcode read whole to get its number, by its length: BININT1,
@@ -650,7 +664,7 @@ def _ints(raws: tuple[bytes, ...] | list[bytes]) -> list[int]:
     return list(
         map(
             operator.rshift,
-            map(int.from_bytes, raws, repeat("little")),
+            map(_FROM_BYTES, raws, repeat("little")),
             map(_SHIFT.__getitem__, map(len, raws)),
         )
     )

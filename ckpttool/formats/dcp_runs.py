@@ -98,7 +98,8 @@ def _build(
 
     # storage_data, in order: the skeleton's entries as the bulk reader checks them,
     # and the runs' (a token key, None)
-    fqns, offsets, paths, starts, lengths = table = ([], [], [], [], [])  # type: ignore[var-annotated]
+    columns: tuple[list[Any], ...] = ([], [], [], [], [])
+    fqns, offsets, paths, starts, lengths = columns
     infos: dict[int, dict] = {}  # row -> the state of a skeleton entry (a byte value's)
     records = [key for key in storage if type(key) is not bytes]
     key_states = _states(records, IndexRecord, walked=False)
@@ -112,7 +113,7 @@ def _build(
             run = runs[_take(numbers, used, key)]
             if type(run) is not StorageRun or storage[key] is not None:
                 raise NotPlain
-            for column, values in zip(table, _columns(run), strict=True):
+            for column, values in zip(columns, _columns(run), strict=True):
                 column.extend(values)
             continue
         key_state, info = next(record_rows)
@@ -152,8 +153,11 @@ def _build(
     # apart in the order saved: one cache line each, not three objects)
     file_ids = {rel: n for n, rel in enumerate(distinct)}
     names = list(map(files_of.__getitem__, distinct))
-    packed = array(
-        "q", itertools.chain.from_iterable(zip(starts, lengths, map(file_ids.__getitem__, paths)))
+    packed: array[int] = array(
+        "q",
+        itertools.chain.from_iterable(
+            zip(starts, lengths, map(file_ids.__getitem__, paths), strict=True)
+        ),
     )
     del paths, starts, lengths
 
@@ -172,7 +176,7 @@ def _build(
         raise NotPlain
     from ..unpickler import MAX_NESTING
 
-    table = (packed, names)
+    by_row = (packed, names)
     root: Any = {}
     for fqn, entry in entries.items():
         obj_path = planner.get(fqn) or (fqn,)
@@ -181,7 +185,7 @@ def _build(
         kind = type(entry).__name__
         rows, keys = groups.get(fqn) or [], keys_of.get(fqn) or []
         if kind == "TensorStorageMetadata":
-            value: Any = _tensor(fqn, entry, rows, keys, table, runs, numbers, used, world_size)
+            value: Any = _tensor(fqn, entry, rows, keys, by_row, runs, numbers, used, world_size)
         elif kind == "BytesStorageMetadata" and None in keys:
             info = {(fqn, None): infos[rows[keys.index(None)]]}
             value = bytes_value(folder, fqn, info, permissive, seen, set())
@@ -239,7 +243,7 @@ def _tensor(
     entry: Opaque,
     rows: list[int],  # the storage table's rows of this tensor, in the order saved
     keys: list[Any],  # their offsets
-    table: tuple[array, list[str]],  # (start, length, file number) by row; the files
+    by_row: tuple[array, list[str]],  # (start, length, file number) by row; the files
     runs: list[ChunkRun | StorageRun],
     numbers: dict[bytes, int],
     used: set[int],
@@ -282,13 +286,12 @@ def _tensor(
             o, s = next(kept)
             offsets.append(tuple(o))
             sizes.append(tuple(s))
-    if keys == offsets:  # (DCP saves both in rank order: no lookup)
-        at = rows
-    else:
+    at: list[Any] = rows
+    if keys != offsets:  # (DCP saves both in rank order: then no lookup)
         at = list(map(dict(zip(keys, rows, strict=True)).get, offsets))
         if None in at:
             raise NotPlain  # a chunk with no stored data: the generic reader says so
-    packed, names = table
+    packed, names = by_row
     at3 = list(map(operator.mul, at, repeat(3)))
     dcp_chunks = list(
         map(

@@ -97,9 +97,7 @@ def row_blocks(shape: tuple, offsets: list[tuple], sizes: list[tuple]) -> bool:
         ends = list(map(operator.add, starts, itertools.compress(counts, counts)))
         if starts[0] == 0 and ends[-1] == shape[0] and ends[:-1] == starts[1:]:
             return True
-    rows = sorted(
-        itertools.compress(zip(firsts, counts, strict=True), counts)
-    )  # non-empty
+    rows = sorted(itertools.compress(zip(firsts, counts, strict=True), counts))  # non-empty
     if not rows or min(counts) < 0:
         return False
     starts = list(map(_ROW, rows))
