@@ -133,10 +133,11 @@ def _build(
         lengths.append(length)
     # each tensor's rows of the table, and their offsets (in the order saved)
     groups: dict[str, list[int]] = collections.defaultdict(list)
-    collections.deque(  # (a loop in C: groups[fqn].append(row))
+    keys_of: dict[str, list[Any]] = collections.defaultdict(list)
+    collections.deque(  # (loops in C: groups[fqn].append(row), keys_of[fqn].append(offsets))
         map(list.append, map(groups.__getitem__, fqns), itertools.count()), maxlen=0
     )
-    keys_of = {fqn: list(map(offsets.__getitem__, rows)) for fqn, rows in groups.items()}
+    collections.deque(map(list.append, map(keys_of.__getitem__, fqns), offsets), maxlen=0)
     if any(len(set(keys)) != len(keys) for keys in keys_of.values()):
         raise NotPlain  # two entries for one chunk: the generic reader keeps the last
     del fqns, offsets
