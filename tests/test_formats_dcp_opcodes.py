@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckpttool.errors import CkptError
 from ckpttool.formats import dcp, dcp_metadata, dcp_opcodes, dcp_runs
 from ckpttool.tree.checkpoint import iter_tensors
 
@@ -137,10 +136,12 @@ def summary(ckpt):
 
 
 def outcome(read, folder):
-    """The checkpoint's summary, or the error (type and message) a read ends with."""
+    """The checkpoint's summary, or the error (type and message) a read ends with (any
+    error: the generic reader raises a TypeError on some corrupt files, the same with
+    the fast readers in front of it)."""
     try:
         return ("ok", summary(read(str(folder))))
-    except CkptError as exc:
+    except Exception as exc:
         return ("error", type(exc).__name__, str(exc))
 
 

@@ -36,8 +36,8 @@ from .dcp_metadata import (
 )
 from .dcp_opcodes import ChunkRun, StorageRun, parse_file, token
 
-# A .metadata this reader reads at most (a 2048-rank 70B one is 531 MB)
-MAX_METADATA_BYTES = 16 << 30
+# A .metadata this reader reads at most, into memory (a 2048-rank 70B one is 531 MB)
+MAX_METADATA_BYTES = 4 << 30
 
 
 def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
