@@ -67,9 +67,12 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
             "a DCP data file, but its folder has no .metadata (incomplete checkpoint)",
             path=path,
         )
-    from . import dcp_metadata
+    from . import dcp_metadata, dcp_runs
 
-    fast = dcp_metadata.read(path, meta_path, permissive)  # (None: not plain, read here)
+    # (None: not plain; the next reader reads the file from the start)
+    fast = dcp_runs.read(path, meta_path, permissive) or dcp_metadata.read(
+        path, meta_path, permissive
+    )
     if fast is not None:
         return fast
     seen: set[str] = set()

@@ -84,13 +84,20 @@ def row_blocks(shape: tuple, offsets: list[tuple], sizes: list[tuple]) -> bool:
         or set(map(len, sizes)) != {len(shape)}
         or set(map(rest, sizes)) != {tail[0] if len(tail) == 1 else tail}
         or set(map(rest, offsets)) != {0 if len(tail) == 1 else (0,) * len(tail)}
-        or set(map(type, itertools.chain(map(_ROW, offsets), map(_ROW, sizes)))) != {int}
     ):
         return False
-    counts = list(map(_ROW, sizes))
-    rows = sorted(
-        itertools.compress(zip(map(_ROW, offsets), counts, strict=True), counts)
-    )  # non-empty
+    firsts, counts = list(map(_ROW, offsets)), list(map(_ROW, sizes))
+    if set(map(type, firsts)) != {int} or set(map(type, counts)) != {int}:
+        return False
+    if min(counts) < 0:
+        return False
+    # the commonest order: the blocks already in row order (then no sort)
+    starts = list(itertools.compress(firsts, counts))
+    if starts:
+        ends = list(map(operator.add, starts, itertools.compress(counts, counts)))
+        if starts[0] == 0 and ends[-1] == shape[0] and ends[:-1] == starts[1:]:
+            return True
+    rows = sorted(itertools.compress(zip(firsts, counts, strict=True), counts))  # non-empty
     if not rows or min(counts) < 0:
         return False
     starts = list(map(_ROW, rows))

@@ -1,0 +1,693 @@
+"""A DCP ``.metadata`` parsed at the opcode level: its millions of chunks as regex steps.
+
+A folder saved by thousands of ranks has a ``.metadata`` of millions of chunks, and
+each chunk is pickled the same way, opcode for opcode: the ``ChunkStorageMetadata``
+of a tensor's chunk list (``BINGET`` of the class, ``EMPTY_TUPLE NEWOBJ MEMOIZE
+EMPTY_DICT MEMOIZE MARK``, the key ``'offsets'`` by ``BINGET``, ``torch.Size`` by
+``BINGET``, its ints, ``TUPLEn MEMOIZE TUPLE1 MEMOIZE REDUCE MEMOIZE``, the same for
+``'sizes'``, ``SETITEMS BUILD``), and the ``MetadataIndex`` -> ``_StorageInfo`` pair
+of ``storage_data`` likewise. Such a run of entries is matched here by one compiled
+``re`` pattern (in C) and its numbers taken with ``findall``: no Python object is
+built per chunk but the numbers themselves.
+
+Everything else, the *skeleton* (the header, each tensor's entry, the first entry
+that names a class or a key, an entry a frame boundary cuts), is walked opcode by
+opcode in Python, and copied to a small pickle in which each run stands as one
+token (a ``bytes`` value, which a ``.metadata`` never holds otherwise). That pickle
+is then read by the restricted unpickler as any is: every global judged by name,
+every structure checked. :mod:`ckpttool.formats.dcp_runs` puts the two together.
+
+Safety is structural: every byte of the file is accounted for by an opcode walked
+here or an entry of a run; the memo is numbered exactly (the skeleton's ``BINGET``
+indices are renumbered past the runs, and refused where they name an object of a
+run); an entry's ``BINGET`` may name only a class, a key string, ``torch.Size`` or
+a string (a data file's or a key's name), never another chunk's object, so nothing
+is shared; ints are the pickler's own shortest encodings of numbers in [0, 2**63);
+frames tile the file and each boundary falls between opcodes. Anything else, and
+:func:`parse` gives None: the readers after it read the file from the start.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import itertools
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any
+
+METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
+CHUNK_CLASS = ("G", METADATA_MODULE, "ChunkStorageMetadata")
+INDEX_CLASS = ("G", METADATA_MODULE, "MetadataIndex")
+INFO_CLASS = ("G", FILESYSTEM_MODULE, "_StorageInfo")
+SIZE_CLASS = ("G", "torch", "Size")
+
+# The globals a skeleton may name (all judged again by the restricted unpickler).
+_METADATA_NAMES = frozenset(
+    """Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata
+    MetadataIndex TensorProperties StorageMeta _MEM_FORMAT_ENCODING""".split()
+)
+
+# Walked opcode by opcode at most this many (each costs a Python step: a file whose
+# entries are not runs is the bulk reader's)
+MAX_STEPS = 2_000_000
+MAX_PATTERNS = 32  # distinct (class, keys, Size) memo slots runs are compiled for
+MAX_STRING = 1 << 20  # a BINUNICODE of the skeleton
+
+# A number as the pickler writes one in [0, 2**63): BININT1, BININT2 of 256 and up,
+# BININT of 65536 to 2**31 - 1, LONG1 of 5 to 8 bytes, shortest, positive
+_INT = (
+    rb"(?:K.|M.[\x01-\xff]|J..(?:[\x01-\xff][\x00-\x7f]|\x00[\x01-\x7f])"
+    rb"|\x8a(?:\x05...|\x06....|\x07.....|\x08......)(?:[\x80-\xff]\x00|.[\x01-\x7f]))"
+)
+# a torch.Size's tuple: (), 1 to 3 numbers and TUPLEn, or MARK, 4 to 64 numbers, TUPLE
+_TUPLE = (
+    rb"(?:\)|" + _INT + rb"\x85\x94|" + _INT * 2 + rb"\x86\x94|" + _INT * 3 + rb"\x87\x94"
+    rb"|\((?:" + _INT + rb"){4,64}t\x94)"
+)
+_SIZE_END = rb"\x85\x94R\x94"  # TUPLE1 MEMOIZE REDUCE MEMOIZE: torch.Size((...))
+_NEW = rb"\)\x81\x94\}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK
+_REF = rb"h.|j...."  # BINGET, LONG_BINGET
+_STRING = rb"\x8c(.)(.{0,255}?)\x94"  # SHORT_BINUNICODE MEMOIZE (its length checked after)
+
+_CHUNK_SLOTS = ("class", "offsets", "size", "sizes", "size2")
+_STORAGE_SLOTS = ("class", "fqn", "index", "offset", "size", "info", "path", "offset2", "length")
+
+
+def _chunk_entry(get: Callable[[int], bytes], cap: bytes) -> bytes:
+    """A ChunkStorageMetadata; ``get(i)`` matches the i-th fixed memo reference, ``cap``
+    opens one group from its offsets' tuple to its sizes' (one bytes object per chunk:
+    :func:`_pair` splits the distinct ones)."""
+    return (
+        get(0) + _NEW + get(1) + get(2) + cap + _TUPLE + _SIZE_END
+        + get(3) + get(4) + _TUPLE + rb")" + _SIZE_END + rb"ub"
+    )  # fmt: skip
+
+
+_TUPLE_AT = re.compile(_TUPLE, re.DOTALL)
+
+
+def _pair(raw: bytes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of a chunk from the bytes ``_chunk_entry``'s group matched: a
+    torch.Size's tuple, its end, two memo references, the other tuple."""
+    first = _TUPLE_AT.match(raw)
+    if first is None:  # (never: the group matched so)
+        raise NotRegular
+    pos = first.end() + 4  # TUPLE1 MEMOIZE REDUCE MEMOIZE
+    for _ in range(2):
+        pos += 2 if raw[pos] == 0x68 else 5  # BINGET, LONG_BINGET
+    return _numbers(first.group()), _numbers(raw[pos:])
+
+
+def _storage_entry(get: Callable[[int], bytes], cap: bytes, new_names: bool = True) -> bytes:
+    """A MetadataIndex (fqn, index, offset: the order its ``__init__`` sets them) and its
+    _StorageInfo (relative_path, offset, length): the names by reference or (where
+    ``new_names``) new, the rest numbers (the index is not kept)."""
+    name = rb"(?:" + cap + _REF + rb")" + (rb"|" + _STRING if new_names else b"") + rb")"
+    return (
+        get(0) + _NEW + get(1) + name + get(2) + _INT
+        + get(3) + get(4) + cap + _TUPLE + rb")" + _SIZE_END + rb"ub"
+        + get(5) + _NEW + get(6) + name + get(7) + cap + _INT + rb")" + get(8) + cap + _INT
+        + rb")ub"
+    )  # fmt: skip
+
+
+def _fixed(slots: tuple[int, ...]) -> Callable[[int], bytes]:
+    def get(i: int) -> bytes:
+        slot = slots[i]
+        long = re.escape(b"j" + slot.to_bytes(4, "little"))
+        if slot < 256:
+            return rb"(?:" + re.escape(b"h" + bytes([slot])) + rb"|" + long + rb")"
+        return long
+
+    return get
+
+
+def _probe(i: int) -> bytes:
+    return b"(?P<s%d>" % i + _REF + rb")"
+
+
+_CHUNK_PROBE = re.compile(_chunk_entry(_probe, rb"(?:"), re.DOTALL)
+_STORAGE_PROBE = re.compile(_storage_entry(_probe, rb"(?:"), re.DOTALL)
+
+
+@dataclass
+class _Runs:
+    """The patterns of one set of fixed memo slots: a run's extent, its entries' numbers;
+    for storage entries, the same where every name is a reference (fewer groups)."""
+
+    run: re.Pattern[bytes]
+    entry: re.Pattern[bytes]
+    refs_run: re.Pattern[bytes] | None = None
+    refs_entry: re.Pattern[bytes] | None = None
+
+
+def _compile(build: Callable[..., bytes], slots: tuple[int, ...]) -> _Runs:
+    get = _fixed(slots)
+
+    def run(*args: bool) -> re.Pattern[bytes]:
+        return re.compile(rb"(?:" + build(get, rb"(?:", *args) + rb")++", re.DOTALL)
+
+    def entry(*args: bool) -> re.Pattern[bytes]:
+        return re.compile(build(get, rb"(", *args), re.DOTALL)
+
+    if build is _chunk_entry:
+        return _Runs(run(), entry())
+    return _Runs(run(), entry(), run(False), entry(False))
+
+
+@dataclass
+class ChunkRun:
+    """Consecutive chunks of one tensor's chunk list: each one's offsets and sizes, as
+    tuples of ints (equal ones shared)."""
+
+    offsets: list[tuple[int, ...]]
+    sizes: list[tuple[int, ...]]
+
+
+@dataclass
+class StorageRun:
+    """Consecutive entries of ``storage_data``: each one's fqn, offsets, data file,
+    start and length."""
+
+    fqns: list[str]
+    offsets: list[tuple[int, ...]]
+    paths: list[str]
+    starts: list[int]
+    lengths: list[int]
+
+
+@dataclass
+class Parsed:
+    """A ``.metadata`` split: the skeleton pickle, and the runs its tokens stand for."""
+
+    skeleton: bytes
+    runs: list[ChunkRun | StorageRun] = field(default_factory=list)
+
+
+def token(run: int) -> bytes:
+    """The value that stands for run number ``run`` in the skeleton."""
+    return b"ckpttool-run:" + run.to_bytes(8, "little")
+
+
+_TOKEN_OPCODE = b"C\x15"  # SHORT_BINBYTES of len(token(n))
+
+
+class NotRegular(Exception):
+    """Not a file this parser vouches for: the readers after it read it."""
+
+
+def parse(data: bytes) -> Parsed | None:
+    """The skeleton and runs of a ``.metadata`` (see the module), or None."""
+    try:
+        stream, start, bounds = _unframe(data)
+        parsed = _Parser(stream, start, bounds).parse()
+    except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
+        return None
+    parsed.skeleton = data[:2] + parsed.skeleton  # (PROTO)
+    return parsed
+
+
+def parse_file(f: io.BufferedIOBase, size: int) -> Parsed | None:
+    """:func:`parse` of the ``size`` bytes of ``f`` (at its start), each frame's bytes
+    read straight to their place (one buffer, no copy of the file as read)."""
+    try:
+        head = f.read(3)
+        if len(head) < 3 or head[0] != 0x80 or head[1] not in (4, 5):
+            return None
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        if head[2] != 0x95:
+            view[:3] = head
+            if f.readinto(view[3:]) != size - 3:
+                return None
+            view.release()
+            stream, start, bounds = buffer, 2, list[int]()
+        else:
+            total, frame, bounds = 0, head[2:] + f.read(8), list[int]()
+            while frame:
+                n = int.from_bytes(frame[1:9], "little")
+                if len(frame) != 9 or frame[0] != 0x95 or not 0 < n <= size - total:
+                    return None
+                if len(bounds) > size // 4096 + 16 or f.readinto(view[total : total + n]) != n:
+                    return None
+                total += n
+                bounds.append(total)
+                frame = f.read(9)
+            view.release()
+            del buffer[total:]
+            bounds.pop()
+            stream, start = buffer, 0
+        parsed = _Parser(stream, start, bounds).parse()
+    except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
+        return None
+    parsed.skeleton = bytes(head[:2]) + parsed.skeleton  # (PROTO)
+    return parsed
+
+
+def _unframe(data: bytes) -> tuple[bytes, int, list[int]]:
+    """(the opcodes, where they start, each frame boundary among them): protocol 4 or 5,
+    framed throughout (each FRAME right after the last one's bytes, to the end) or not
+    at all (then a FRAME opcode is refused where it appears)."""
+    if len(data) < 3 or data[0] != 0x80 or data[1] not in (4, 5):
+        raise NotRegular
+    if data[2] != 0x95:
+        return data, 2, []
+    view = memoryview(data)
+    pieces: list[memoryview] = []
+    bounds: list[int] = []
+    pos, total = 2, 0
+    while pos < len(data):
+        if data[pos] != 0x95 or pos + 9 > len(data) or len(pieces) > len(data) // 4096 + 16:
+            raise NotRegular
+        end = pos + 9 + int.from_bytes(data[pos + 1 : pos + 9], "little")
+        if end > len(data) or end == pos + 9:
+            raise NotRegular
+        pieces.append(view[pos + 9 : end])
+        total += end - pos - 9
+        bounds.append(total)
+        pos = end
+    bounds.pop()  # (the end of the opcodes)
+    return b"".join(pieces), 0, bounds
+
+
+# what the walk keeps of a value: ("S", str), ("G", module, name), and these
+_LIST, _DICT, _OTHER, _TOKEN = ("L",), ("D",), ("O",), ("T",)
+_INT_WIDTH = {0x4B: 1, 0x4D: 2, 0x4A: 4}  # BININT1, BININT2, BININT
+_PUSHES = {0x7D: _DICT, 0x5D: _LIST, 0x29: _OTHER, 0x4E: _OTHER, 0x88: _OTHER, 0x89: _OTHER}
+_POP_PUSH = {0x85: 1, 0x86: 2, 0x87: 3, 0x81: 2, 0x52: 2}  # TUPLE1-3 NEWOBJ REDUCE: n -> 1
+_POP = {0x62: 1, 0x73: 2, 0x61: 1}  # BUILD SETITEM APPEND: pop n, the target stays
+
+
+class _Parser:
+    def __init__(self, data: bytes | bytearray, start: int, bounds: list[int]):
+        self.data, self.pos, self.bounds = data, start, bounds
+        self.stack: list[tuple] = []
+        self.marks: list[int] = []
+        self.kinds: dict[int, tuple] = {}  # the skeleton's memo slots
+        self.strings: dict[int, str] = {}  # every string slot, the runs' too
+        self.slots = 0  # memo slots so far, the runs' included
+        self.removed_at: list[int] = []  # first slot of each run
+        self.removed_before: list[int] = []  # slots of the runs before it
+        self.removed = 0
+        self.pieces: list[Any] = []
+        self.copied = start  # the walk's bytes up to here are in pieces
+        self.runs: list[ChunkRun | StorageRun] = []
+        self.patterns: dict[tuple, _Runs] = {}
+        self.sizes: dict[bytes, tuple[int, ...]] = {}  # a torch.Size's bytes -> its ints
+        self.names: dict[bytes, str] = {}
+        self.numbers: dict[bytes, int] = {}  # a length's int opcode -> its number
+        self.pairs: dict[bytes, tuple] = {}  # a chunk's bytes -> (offsets, sizes)
+        self.refs: dict[bytes, str] = {}  # a BINGET of a string -> the string
+
+    def parse(self) -> Parsed:
+        data, bounds = self.data, self.bounds
+        step = self._step
+        end = len(data)
+        bound_i = 0
+        for _ in range(MAX_STEPS):
+            limit = bounds[bound_i] if bound_i < len(bounds) else end
+            op = data[self.pos]
+            if (op == 0x68 or op == 0x6A) and self.marks and self._run(limit):
+                pass
+            elif step(op, limit):
+                if self.pos != end:  # (STOP ends the file)
+                    raise NotRegular
+                self.pieces.append(memoryview(data)[self.copied : end])
+                return Parsed(b"".join(self.pieces), self.runs)
+            if self.pos == limit and bound_i < len(bounds):
+                bound_i += 1
+        raise NotRegular
+
+    # --------------------------------------------------------------- one opcode
+
+    def _pop(self, n: int) -> list[tuple]:
+        """The top ``n`` values (above the last MARK), none a token."""
+        stack = self.stack
+        if len(stack) - (self.marks[-1] if self.marks else 0) < n:
+            raise NotRegular
+        items = stack[len(stack) - n :] if n else []
+        del stack[len(stack) - n :]
+        if _TOKEN in items:
+            raise NotRegular  # a run's objects used one by one: not a plain list
+        return items
+
+    def _to_mark(self) -> list[tuple]:
+        start = self.marks.pop()
+        items = self.stack[start:]
+        del self.stack[start:]
+        return items
+
+    def _arg(self, n: int, limit: int) -> int:
+        """The end of an opcode with ``n`` bytes of argument: within the frame."""
+        end = self.pos + 1 + n
+        if end > limit:
+            raise NotRegular
+        return end
+
+    def _step(self, op: int, limit: int) -> bool:
+        """Walk the opcode at ``pos``; True at STOP."""
+        data, stack = self.data, self.stack
+        end = self._arg(0, limit)
+        if op in _PUSHES:
+            stack.append(_PUSHES[op])
+        elif op == 0x94:  # MEMOIZE
+            (top,) = self._pop(1)
+            stack.append(top)
+            self.kinds[self.slots] = top
+            if top[0] == "S":
+                self.strings[self.slots] = top[1]
+            self.slots += 1
+        elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+            end = self._arg(1 if op == 0x68 else 4, limit)
+            slot = int.from_bytes(data[self.pos + 1 : end], "little")
+            kind = self.kinds.get(slot)
+            self._copy_to(self.pos)
+            if kind is not None:
+                new = slot - self._removed_before(slot)
+                self.pieces.append(
+                    b"h" + bytes([new]) if new < 256 else b"j" + new.to_bytes(4, "little")
+                )
+            elif slot in self.strings:  # a run's string (a data file's name): as itself
+                kind = ("S", self.strings[slot])
+                raw = self.strings[slot].encode("utf-8", "surrogatepass")
+                self.pieces.append(
+                    b"\x8c" + bytes([len(raw)]) + raw
+                    if len(raw) < 256
+                    else b"X" + len(raw).to_bytes(4, "little") + raw
+                )
+            else:  # none, or a run's object
+                raise NotRegular
+            stack.append(kind)
+            self.copied = end
+        elif op in _INT_WIDTH or op == 0x47:  # BININT*, BINFLOAT
+            end = self._arg(_INT_WIDTH.get(op, 8), limit)
+            stack.append(_OTHER)
+        elif op == 0x8A:  # LONG1
+            end = self._arg(data[self._arg(1, limit) - 1] + 1, limit)
+            stack.append(_OTHER)
+        elif op == 0x8C or op == 0x58:  # SHORT_BINUNICODE, BINUNICODE
+            width = 1 if op == 0x8C else 4
+            n = int.from_bytes(data[self.pos + 1 : self._arg(width, limit)], "little")
+            if n > MAX_STRING:
+                raise NotRegular
+            end = self._arg(width + n, limit)
+            text = bytes(data[end - n : end]).decode("utf-8", "surrogatepass")
+            stack.append(("S", text))
+        elif op == 0x28:  # MARK
+            self.marks.append(len(stack))
+        elif op in _POP_PUSH:
+            self._pop(_POP_PUSH[op])
+            stack.append(_OTHER)
+        elif op in _POP:
+            self._pop(_POP[op])
+            if len(stack) - (self.marks[-1] if self.marks else 0) < 1 or stack[-1] == _TOKEN:
+                raise NotRegular
+        elif op == 0x74:  # TUPLE
+            if not self.marks or _TOKEN in self._to_mark():
+                raise NotRegular
+            stack.append(_OTHER)
+        elif op == 0x75 or op == 0x65:  # SETITEMS, APPENDS: a run's token may be there
+            if not self.marks or len(self._to_mark()) % (2 if op == 0x75 else 1):
+                raise NotRegular
+            if len(stack) <= (self.marks[-1] if self.marks else 0) or stack[-1] == _TOKEN:
+                raise NotRegular
+        elif op == 0x93:  # STACK_GLOBAL
+            module, name = self._pop(2)
+            if module[0] != "S" or name[0] != "S" or not _allowed(module[1], name[1]):
+                raise NotRegular
+            stack.append(("G", module[1], name[1]))
+        elif op == 0x2E:  # STOP
+            if len(stack) != 1 or self.marks:
+                raise NotRegular
+            self.pos = end
+            return True
+        else:  # anything else: not what a .metadata is made of
+            raise NotRegular
+        self.pos = end
+        return False
+
+    def _copy_to(self, pos: int) -> None:
+        if pos > self.copied:
+            self.pieces.append(memoryview(self.data)[self.copied : pos])
+
+    def _removed_before(self, slot: int) -> int:
+        i = bisect.bisect_right(self.removed_at, slot)
+        return self.removed_before[i - 1] if i else 0
+
+    # --------------------------------------------------------------- runs
+
+    def _run(self, limit: int) -> bool:
+        """A run of chunks (in a list) or storage entries (in a dict) at ``pos``, up to
+        ``limit``: matched, taken, and replaced by a token. False: none here."""
+        data, pos, stack = self.data, self.pos, self.stack
+        below = self.marks[-1] - 1
+        if below < 0:
+            return False
+        container = stack[below]
+        width = 5 if data[pos] == 0x6A else 2
+        kind = self.kinds.get(int.from_bytes(data[pos + 1 : pos + width], "little"))
+        probe: re.Pattern[bytes]
+        slots: tuple[str, ...]
+        wanted: tuple[tuple, ...]
+        build: Callable[..., bytes]
+        if kind == CHUNK_CLASS and container == _LIST:
+            probe, slots, wanted, build = _CHUNK_PROBE, _CHUNK_SLOTS, _CHUNK_KINDS, _chunk_entry
+        elif kind == INDEX_CLASS and container == _DICT and (len(stack) - below - 1) % 2 == 0:
+            probe, slots, wanted, build = (
+                _STORAGE_PROBE,
+                _STORAGE_SLOTS,
+                _STORAGE_KINDS,
+                _storage_entry,
+            )
+        else:
+            return False
+        m = probe.match(data, pos, limit)
+        if m is None:
+            return False
+        fixed = tuple(_ref(m.group(f"s{i}")) for i in range(len(slots)))
+        if tuple(map(self.kinds.get, fixed)) != wanted:
+            return False
+        patterns = self.patterns.get((build, fixed))
+        if patterns is None:
+            if len(self.patterns) >= MAX_PATTERNS:
+                raise NotRegular
+            patterns = self.patterns[(build, fixed)] = _compile(build, fixed)
+        run = patterns.refs_run and patterns.refs_run.match(data, pos, limit)
+        if run:  # (the commonest: every name named before)
+            self._take_storage_refs(patterns.refs_entry.findall(data, pos, run.end()))  # type: ignore[union-attr]
+        else:
+            if build is _chunk_entry:
+                run = patterns.run.match(data, pos, limit)
+                if run is None:  # (the probe matched one entry)
+                    raise NotRegular
+                self._take_chunks(patterns.entry.findall(data, pos, run.end()))
+            else:  # one entry with a new name: the next ones may name it
+                run = patterns.entry.match(data, pos, limit)
+                if run is None:
+                    raise NotRegular
+                self._take_storage([run.groups(b"")])
+        if build is _chunk_entry:
+            stack.append(_TOKEN)
+        else:
+            stack.extend((_TOKEN, _TOKEN))
+        self._copy_to(pos)
+        number = len(self.runs) - 1
+        self.pieces.append(
+            _TOKEN_OPCODE + token(number) + (b"N" if build is _storage_entry else b"")
+        )
+        self.copied = self.pos = run.end()
+        return True
+
+    def _remove(self, slots: int) -> int:
+        """Count ``slots`` memo slots of a run (never named by the skeleton); the first."""
+        first = self.slots
+        self.removed_at.append(first)
+        self.removed += slots
+        self.removed_before.append(self.removed)
+        self.slots += slots
+        return first
+
+    def _cached(self, cache: dict, raw: tuple[bytes, ...] | list[bytes], make: Callable) -> list:
+        """``make(r)`` of each of ``raw``, made once per distinct bytes (equal ones shared)."""
+        got = list(map(cache.get, raw))
+        if None in got:
+            for new in set(itertools.compress(raw, map(operator.not_, got))):
+                cache[new] = make(new)
+            got = list(map(cache.__getitem__, raw))
+        return got
+
+    def _tuples(self, raw: tuple[bytes, ...]) -> list[tuple[int, ...]]:
+        return self._cached(self.sizes, raw, _numbers)
+
+    def _take_chunks(self, items: list[bytes]) -> None:
+        offsets, sizes = zip(*self._cached(self.pairs, items, _pair), strict=True)
+        # 2 slots (the object, its dict) and 3 per torch.Size (2 for an empty one)
+        empty = offsets.count(()) + sizes.count(())
+        self._remove(8 * len(items) - empty)
+        self.runs.append(ChunkRun(list(offsets), list(sizes)))
+
+    def _take_storage_refs(self, items: list[tuple[bytes, ...]]) -> None:
+        """Storage entries whose names are all named before the run (none is new)."""
+        fqn_ref, offsets, path_ref, starts, lengths = zip(*items, strict=True)
+        # 2 + 2 slots: the objects and their dicts; 3 per torch.Size (2 for an empty one)
+        self._remove(7 * len(items) - offsets.count(b")"))
+        # (a slot holds one value for good: a reference's string is looked up once)
+        fqns = self._cached(self.refs, fqn_ref, self._string_at)
+        paths = self._cached(self.refs, path_ref, self._string_at)
+        self.runs.append(
+            StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), self._lengths(lengths))
+        )
+
+    def _string_at(self, raw: bytes) -> str:
+        """The string a BINGET / LONG_BINGET names (defined before it)."""
+        text = self.strings.get(_ref(raw))
+        if text is None:
+            raise NotRegular  # a reference to something that is not a string
+        return text
+
+    def _lengths(self, raw: tuple[bytes, ...]) -> list[int]:
+        return self._cached(self.numbers, raw, _int)
+
+    def _take_storage(self, items: list[tuple[bytes, ...]]) -> None:
+        cols = list(zip(*items, strict=True))
+        fqn_ref, fqn_len, fqn_new, offsets, path_ref, path_len, path_new, starts, lengths = cols
+        new_fqn = list(map(bool, fqn_len))
+        new_path = list(map(bool, path_len))
+        size_slots = list(map(operator.sub, repeat(3), map(b")".__eq__, offsets)))
+        strings = self.strings
+        counts = map(
+            operator.add,
+            map(operator.add, new_fqn, size_slots),
+            map(operator.add, new_path, repeat(4)),
+        )
+        bases = list(itertools.accumulate(counts, initial=self.slots))
+        self._remove(bases[-1] - self.slots)
+        del bases[-1]
+        # where each entry's fqn and path strings are (their new slot, or named before)
+        fqn_at = list(map(operator.add, bases, repeat(2)))
+        path_at = list(
+            map(
+                operator.add,
+                map(operator.add, fqn_at, new_fqn),
+                map(operator.add, size_slots, repeat(2)),
+            )
+        )
+        fqn_slot = self._names(fqn_ref, fqn_len, fqn_new, new_fqn, fqn_at)
+        path_slot = self._names(path_ref, path_len, path_new, new_path, path_at)
+        fqns: list = list(map(strings.get, fqn_slot))
+        paths: list = list(map(strings.get, path_slot))
+        if None in fqns or None in paths:
+            raise NotRegular  # a reference to something that is not a string
+        self.runs.append(
+            StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), self._lengths(lengths))
+        )
+
+    def _names(
+        self,
+        refs: tuple[bytes, ...],
+        lens: tuple[bytes, ...],
+        texts: tuple[bytes, ...],
+        new: list[bool],
+        at: list[int],
+    ) -> list[int]:
+        """The memo slot of each entry's name: the new string's (registered here), or the
+        one it names, which must come before."""
+        if any(new):
+            kept_lens = list(itertools.compress(lens, new))
+            kept = list(itertools.compress(texts, new))
+            if list(map(ord, kept_lens)) != list(map(len, kept)):
+                raise NotRegular  # (the lazy match took another length: not this string)
+            names = self.names
+            for raw in set(kept).difference(names):
+                names[raw] = raw.decode("utf-8", "surrogatepass")
+            self.strings.update(
+                zip(itertools.compress(at, new), map(names.__getitem__, kept), strict=True)
+            )
+        slots = list(map(operator.add, _refs(refs), map(operator.mul, new, at)))
+        if not all(map(operator.le, slots, at)):
+            raise NotRegular  # names what comes later
+        return slots
+
+
+_CHUNK_KINDS = (CHUNK_CLASS, ("S", "offsets"), SIZE_CLASS, ("S", "sizes"), SIZE_CLASS)
+_STORAGE_KINDS = (
+    INDEX_CLASS,
+    ("S", "fqn"),
+    ("S", "index"),
+    ("S", "offset"),
+    SIZE_CLASS,
+    INFO_CLASS,
+    ("S", "relative_path"),
+    ("S", "offset"),
+    ("S", "length"),
+)
+
+
+def _allowed(module: str, name: str) -> bool:
+    from ..dtypes import DTYPES
+
+    if module == METADATA_MODULE:
+        return name in _METADATA_NAMES
+    return (module, name) in {
+        (FILESYSTEM_MODULE, "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    } or (module == "torch" and name in DTYPES)
+
+
+_FROM_BYTES: Callable[[bytes, str], int] = int.from_bytes  # type: ignore[assignment]
+
+
+def _ref(raw: bytes) -> int:
+    return int.from_bytes(raw, "little") >> 8  # (BINGET or LONG_BINGET: one opcode byte)
+
+
+def _refs(raws: tuple[bytes, ...]) -> map:
+    """Memo slots of BINGET / LONG_BINGET opcodes (0 for b'')."""
+    return map(operator.rshift, map(_FROM_BYTES, raws, repeat("little")), repeat(8))
+
+
+# how far to shift an int opcode read whole to get its number, by its length: BININT1,
+# BININT2, BININT (one opcode byte), LONG1 (two)
+_SHIFT = (0, 0, 8, 8, 0, 8, 0, 16, 16, 16, 16)
+
+
+def _ints(raws: tuple[bytes, ...] | list[bytes]) -> list[int]:
+    """The numbers of int opcodes (validated by ``_INT``: non-negative)."""
+    return list(
+        map(
+            operator.rshift,
+            map(_FROM_BYTES, raws, repeat("little")),
+            map(_SHIFT.__getitem__, map(len, raws)),
+        )
+    )
+
+
+def _int(raw: bytes) -> int:
+    return _ints([raw])[0]
+
+
+def _numbers(raw: bytes) -> tuple[int, ...]:
+    """The ints of a torch.Size's tuple as ``_TUPLE`` matched it."""
+    if raw == b")":
+        return ()
+    body = raw[1:-2] if raw[:1] == b"(" else raw[:-2]
+    out, pos = [], 0
+    while pos < len(body):
+        op = body[pos]
+        if op == 0x8A:  # LONG1
+            n = body[pos + 1]
+            out.append(int.from_bytes(body[pos + 2 : pos + 2 + n], "little"))
+            pos += 2 + n
+        else:
+            n = _INT_WIDTH[op]
+            out.append(int.from_bytes(body[pos + 1 : pos + 1 + n], "little"))
+            pos += 1 + n
+    return tuple(out)

@@ -1,0 +1,322 @@
+"""A DCP folder's checkpoint from its ``.metadata`` parsed at the opcode level.
+
+:mod:`ckpttool.formats.dcp_opcodes` splits the file into a small *skeleton* pickle
+(each run of plain entries stands there as one token) and the runs' numbers. The
+skeleton is read by the restricted unpickler as any pickle is (every global judged,
+the structure checked); each token must then stand exactly once where its entries
+stood: a chunk run in a tensor's chunk list, a storage run as a key of
+``storage_data``. The entries the skeleton kept are checked as the bulk reader
+(:mod:`ckpttool.formats.dcp_metadata`) checks every entry, and the checkpoint is
+built as that one builds it: the same tree, the same checks (each data file's name
+once, the chunks tiling their tensor, no two spans overlapping). Any doubt, any
+error: None, and the readers after this one read the file from the start.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import operator
+from array import array
+from itertools import repeat
+from typing import Any
+
+from ..tree import Checkpoint, Opaque, Shard, ShardedRef, TorchSize, state_attrs
+from .dcp_metadata import (
+    METADATA,
+    ChunkRecord,
+    DcpMetadataUnpickler,
+    IndexRecord,
+    InfoRecord,
+    NotPlain,
+    _alone,
+    _field,
+    _sizes,
+    _states,
+)
+from .dcp_opcodes import ChunkRun, StorageRun, parse_file, token
+
+# A .metadata this reader reads at most, into memory (a 2048-rank 70B one is 531 MB)
+MAX_METADATA_BYTES = 4 << 30
+
+
+def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
+    """The checkpoint, or None where the readers after this one must read it."""
+    from ..sources import open_input
+    from ..unpickler import load_pickle
+
+    try:
+        with open_input(meta_path) as f:
+            size = f.seek(0, 2)
+            if size > MAX_METADATA_BYTES:
+                return None
+            f.seek(0)
+            parsed = parse_file(f, size)
+        if parsed is None:
+            return None
+        seen: set[str] = set()
+        metadata = load_pickle(
+            parsed.skeleton,
+            path=meta_path,
+            permissive=permissive,
+            seen=seen,
+            unpickler_class=DcpMetadataUnpickler,
+        )  # (checked as any pickle: the runs' entries are flat and shared by none)
+        return _build(folder, meta_path, metadata, parsed.runs, permissive, seen)
+    except Exception:  # NotPlain, CkptError, or a TypeError on a hostile value
+        return None
+
+
+def _build(
+    folder: str,
+    meta_path: str,
+    metadata: Any,
+    runs: list[ChunkRun | StorageRun],
+    permissive: bool,
+    seen: set[str],
+) -> Checkpoint:
+    from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element
+    from .torch_zip import checkpoint
+
+    if not isinstance(metadata, Opaque) or f"{metadata.module}.{metadata.qualname}" != (
+        METADATA + "Metadata"
+    ):
+        raise NotPlain
+    meta = state_attrs(metadata.state)
+    entries = meta.get("state_dict_metadata")
+    storage = meta.get("storage_data")
+    planner = meta.get("planner_data")
+    if type(entries) is not dict or type(storage) is not dict:
+        raise NotPlain
+    if planner is None:
+        planner = {}
+    if type(planner) is not dict:
+        raise NotPlain
+    _alone([storage], holders=2)  # (its place in the Metadata, and here)
+    numbers = {token(n): n for n in range(len(runs))}
+    used: set[int] = set()
+
+    # storage_data, in order: the skeleton's entries as the bulk reader checks them,
+    # and the runs' (a token key, None)
+    columns: tuple[list[Any], ...] = ([], [], [], [], [])
+    fqns, offsets, paths, starts, lengths = columns
+    infos: dict[int, dict] = {}  # row -> the state of a skeleton entry (a byte value's)
+    records = [key for key in storage if type(key) is not bytes]
+    key_states = _states(records, IndexRecord, walked=False)
+    info_states = _states(list(map(storage.__getitem__, records)), InfoRecord)
+    del records
+    if info_states and set(map(len, info_states)) != {3}:
+        raise NotPlain
+    record_rows = iter(zip(key_states, info_states, strict=True))
+    for key in storage:
+        if type(key) is bytes:
+            run = runs[_take(numbers, used, key)]
+            if type(run) is not StorageRun or storage[key] is not None:
+                raise NotPlain
+            for column, values in zip(columns, _columns(run), strict=True):
+                column.extend(values)
+            continue
+        key_state, info = next(record_rows)
+        fqn, offset = _field([key_state], "fqn")[0], key_state.get("offset")
+        if offset is not None:
+            _sizes([offset], holders=2)
+        if offset is None:
+            infos[len(fqns)] = info
+        path, start, length = map(info.get, ("relative_path", "offset", "length"))
+        # (a run's are so by its patterns)
+        if type(fqn) is not str or type(path) is not str or {type(start), type(length)} != {int}:
+            raise NotPlain
+        fqns.append(fqn)
+        offsets.append(offset)
+        paths.append(path)
+        starts.append(start)
+        lengths.append(length)
+    # each tensor's rows of the table, and their offsets (in the order saved)
+    groups: dict[str, list[int]] = collections.defaultdict(list)
+    keys_of: dict[str, list[Any]] = collections.defaultdict(list)
+    collections.deque(  # (loops in C: groups[fqn].append(row), keys_of[fqn].append(offsets))
+        map(list.append, map(groups.__getitem__, fqns), itertools.count()), maxlen=0
+    )
+    collections.deque(map(list.append, map(keys_of.__getitem__, fqns), offsets), maxlen=0)
+    if any(len(set(keys)) != len(keys) for keys in keys_of.values()):
+        raise NotPlain  # two entries for one chunk: the generic reader keeps the last
+    del fqns, offsets
+    if not _apart(paths, starts, lengths):
+        raise NotPlain  # shared or overlapping spans: the bulk reader sorts them out
+
+    # every data file's name checked once (not once per chunk)
+    distinct = list(dict.fromkeys(paths))
+    files_of = {rel: data_file(folder, {"relative_path": rel}, meta_path) for rel in distinct}
+    ranks = {m.group(1) for rel in distinct if (m := RANK_FILE_RE.match(rel))}
+    world_size = len(ranks) or None
+    files = sorted(set(files_of.values()))
+    # each row's start, length and file, side by side (a tensor's chunks are rows far
+    # apart in the order saved: one cache line each, not three objects)
+    file_ids = {rel: n for n, rel in enumerate(distinct)}
+    names = list(map(files_of.__getitem__, distinct))
+    packed: array[int] = array(
+        "q",
+        itertools.chain.from_iterable(
+            zip(starts, lengths, map(file_ids.__getitem__, paths), strict=True)
+        ),
+    )
+    del paths, starts, lengths
+
+    chunk_lists = [
+        entry.attrs().get("chunks")
+        for entry in entries.values()
+        if isinstance(entry, Opaque) and type(entry).__name__ == "TensorStorageMetadata"
+    ]
+    if set(map(type, chunk_lists)) - {list}:
+        raise NotPlain
+    _alone(chunk_lists)
+    del chunk_lists
+    if set(map(type, planner.values())) - {tuple}:
+        raise NotPlain
+    if set(map(type, itertools.chain.from_iterable(planner.values()))) - {str, int}:
+        raise NotPlain
+    from ..unpickler import MAX_NESTING
+
+    by_row = (packed, names)
+    root: Any = {}
+    for fqn, entry in entries.items():
+        obj_path = planner.get(fqn) or (fqn,)
+        if len(obj_path) > MAX_NESTING or type(fqn) is not str:
+            raise NotPlain
+        kind = type(entry).__name__
+        rows, keys = groups.get(fqn) or [], keys_of.get(fqn) or []
+        if kind == "TensorStorageMetadata":
+            value: Any = _tensor(fqn, entry, rows, keys, by_row, runs, numbers, used, world_size)
+        elif kind == "BytesStorageMetadata" and None in keys:
+            info = {(fqn, None): infos[rows[keys.index(None)]]}
+            value = bytes_value(folder, fqn, info, permissive, seen, set())
+        else:
+            raise NotPlain
+        root = set_element(root, obj_path, value, len(entries))
+    if len(used) != len(runs):
+        raise NotPlain  # a run's token where no entry stands
+    ckpt = checkpoint(FORMAT, [meta_path, *files], root, seen)
+    ckpt.world_size = world_size
+    return ckpt
+
+
+def _apart(paths: list[str], starts: list[int], lengths: list[int]) -> bool:
+    """Whether no two spans of a file overlap or start at the same byte (then none is
+    shared). In the order saved, each file's spans are one run one after the other as
+    DCP writes them; where a chunk list names one empty chunk's span for many ranks a
+    file's spans are in several places: then their starts and ends are sorted."""
+    if not paths:
+        return True
+    if min(lengths) <= 0 or min(starts) < 0 or max(starts + lengths) >= 2**63:
+        return False
+    same_file = list(map(str.__eq__, paths[:-1], paths[1:]))
+    ends = list(map(operator.add, starts, lengths))
+    if len(same_file) - sum(same_file) + 1 == len(set(paths)):  # each file one run
+        after = map(operator.le, ends, itertools.islice(starts, 1, None))
+        if all(map(operator.or_, after, map(operator.not_, same_file))):
+            return True
+    # spans of positive length overlap nowhere (and share no start) exactly where, the
+    # starts and the ends sorted apart, each end is at most the next start: (file, byte)
+    # as one number, the files one after the other (each as long as the furthest end)
+    ids: dict[str, int] = {}
+    numbers = list(map(ids.setdefault, paths, map(len, repeat(ids))))
+    begins = list(map(operator.add, map(operator.mul, numbers, repeat(max(ends) + 1)), starts))
+    ends = sorted(map(operator.add, begins, lengths))  # (near sorted: runs)
+    begins.sort()
+    return all(map(operator.le, ends, itertools.islice(begins, 1, None)))
+
+
+def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
+    """The run a token stands for, taken once."""
+    number = numbers.get(key)
+    if number is None or number in used:
+        raise NotPlain
+    used.add(number)
+    return number
+
+
+def _columns(run: StorageRun) -> tuple[list, ...]:
+    return run.fqns, run.offsets, run.paths, run.starts, run.lengths
+
+
+def _tensor(
+    fqn: str,
+    entry: Opaque,
+    rows: list[int],  # the storage table's rows of this tensor, in the order saved
+    keys: list[Any],  # their offsets
+    by_row: tuple[array, list[str]],  # (start, length, file number) by row; the files
+    runs: list[ChunkRun | StorageRun],
+    numbers: dict[bytes, int],
+    used: set[int],
+    world_size: int | None,
+) -> ShardedRef:
+    from ..dtypes import DType
+    from ..tree import check_coverage
+    from ..tree.sharding import row_blocks
+    from .dcp_chunks import DcpChunk, tensor_properties
+
+    attrs = entry.attrs()
+    props = tensor_properties(attrs.get("properties"))
+    dt = props.get("dtype")
+    size = attrs.get("size")
+    if not isinstance(dt, DType):
+        raise NotPlain
+    _sizes([size], holders=2)  # (its place in the entry, and here)
+    size = TorchSize(size)  # type: ignore[arg-type]  # (a tuple: what the stand-in gives)
+    chunks = attrs["chunks"]
+    # the skeleton's chunks, checked as the bulk reader checks every chunk
+    records = [c for c in chunks if type(c) is not bytes]
+    states = _states(records, ChunkRecord)
+    del records
+    if states and set(map(len, states)) != {2}:
+        raise NotPlain
+    kept_offsets, kept_sizes = _field(states, "offsets"), _field(states, "sizes")
+    _sizes(kept_offsets)
+    _sizes(kept_sizes)
+    offsets: list[tuple[int, ...]] = []
+    sizes: list[tuple[int, ...]] = []
+    kept = iter(zip(kept_offsets, kept_sizes, strict=True))
+    for chunk in chunks:
+        if type(chunk) is bytes:
+            run = runs[_take(numbers, used, chunk)]
+            if type(run) is not ChunkRun:
+                raise NotPlain
+            offsets += run.offsets
+            sizes += run.sizes
+        else:
+            o, s = next(kept)
+            offsets.append(tuple(o))
+            sizes.append(tuple(s))
+    at: list[Any] = rows
+    if keys != offsets:  # (DCP saves both in rank order: then no lookup)
+        at = list(map(dict(zip(keys, rows, strict=True)).get, offsets))
+        if None in at:
+            raise NotPlain  # a chunk with no stored data: the generic reader says so
+    packed, names = by_row
+    at3 = list(map(operator.mul, at, repeat(3)))
+    dcp_chunks = list(
+        map(
+            DcpChunk,
+            map(names.__getitem__, map(packed.__getitem__, map(operator.add, at3, repeat(2)))),
+            map(packed.__getitem__, at3),
+            map(packed.__getitem__, map(operator.add, at3, repeat(1))),
+            repeat(dt),
+            sizes,
+            repeat(None),
+            repeat(fqn),
+            offsets,
+            repeat(False),
+        )
+    )
+    shards = list(map(Shard, offsets, sizes, dcp_chunks))
+    if not row_blocks(size, offsets, sizes):
+        check_coverage(fqn, size, shards)
+    return ShardedRef(
+        dt,
+        size,
+        shards,
+        device="cpu",
+        kind="dcp",
+        requires_grad=bool(props.get("requires_grad")),
+        world_size=world_size,
+    )

@@ -1,0 +1,429 @@
+"""A DCP ``.metadata`` read at the opcode level (formats/dcp_opcodes.py, dcp_runs.py):
+the same checkpoint as the generic reader for every shape of metadata, and for any
+file it does not vouch for, None (the readers after it decide, as ever).
+
+The folders are built here with torch's own metadata classes on sparse data files;
+the fuzz cases change bytes of a real one, seeded."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import pprint
+import random
+
+import pytest
+import torch
+from helpers import run_cli
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckpttool.formats import dcp, dcp_metadata, dcp_opcodes, dcp_runs
+from ckpttool.tree.checkpoint import iter_tensors
+
+SHAPES = {
+    "w": (64, 8),
+    "b": (64,),
+    "e": (10, 8),  # 10 rows over 16 ranks: uneven, and empty chunks (one span for many)
+    "s": (),  # a scalar: one chunk
+    "c": (6, 4, 2),
+    "d": (8, 2, 2, 2, 2),  # (a torch.Size of 5: MARK ... TUPLE)
+    "big": (3_000_000_000, 2),  # offsets past 2**31 (LONG1)
+}
+
+
+def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True):
+    """(Metadata, each data file's size, rank 0's byte value blob) as DCP saves ``shapes``
+    split along dim 0 over ``ranks`` ranks, each chunk's objects its own (gathered from
+    its rank). ``share``: "sizes" gives a tensor's chunks one torch.Size object,
+    "offsets" gives each index its chunk's offsets object (one process, no gather)."""
+    md, storage, planner, sizes = {}, {}, {}, [0] * ranks
+    blob = b""
+    if value:
+        buf = io.BytesIO()
+        torch.save({"lr": 0.1, "names": ["a", "b"]}, buf)
+        blob = buf.getvalue()
+        md["extra"] = BytesStorageMetadata()
+        planner["extra"] = ("extra",)
+        storage[MetadataIndex("extra")] = _StorageInfo("__0_0.distcp", 0, len(blob))
+        sizes[0] = len(blob)
+    for fqn, shape in shapes.items():
+        md[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size(shape), []
+        )
+        planner[fqn] = ("model", fqn)
+    for rank in range(ranks):
+        for fqn, shape in shapes.items():
+            if not shape:
+                if rank:
+                    continue
+                offsets, chunk, nbytes = (), (), 4
+            else:
+                rows = -(-shape[0] // ranks)
+                start = min(rank * rows, shape[0])
+                length = min(rows, shape[0] - start)
+                offsets, chunk = (start, *[0] * (len(shape) - 1)), (length, *shape[1:])
+                nbytes = 4 * length * (shape[1] if len(shape) > 1 else 1) + 1000
+            chunks = md[fqn].chunks
+            size_obj = torch.Size(chunk)
+            if share == "sizes" and chunks and chunks[0].sizes == size_obj:
+                size_obj = chunks[0].sizes
+            item = ChunkStorageMetadata(torch.Size(offsets), size_obj)
+            chunks.append(item)
+            key_fqn = "".join(fqn) if fresh_keys else fqn
+            key = MetadataIndex(key_fqn, torch.Size(offsets), len(chunks) - 1)
+            if share == "offsets" and offsets:  # (its __init__ copies: the object itself)
+                object.__setattr__(key, "offset", item.offsets)
+            storage[key] = _StorageInfo(f"__{rank}_0.distcp", sizes[rank], nbytes)
+            sizes[rank] += nbytes
+    meta = Metadata(
+        md,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id="/x", save_id="s", load_id=None),
+        version="1.0.0",
+    )
+    return meta, sizes, blob
+
+
+def write_folder(folder, ranks, shapes, *, protocol=4, frames=True, **kwargs):
+    meta, sizes, blob = build_metadata(ranks, shapes, **kwargs)
+    os.makedirs(folder, exist_ok=True)
+    for rank, size in enumerate(sizes):
+        with open(folder / f"__{rank}_0.distcp", "wb") as f:
+            if rank == 0:
+                f.write(blob)
+            f.truncate(size)  # sparse: no bytes written
+    data = pickle.dumps(meta, protocol=protocol)
+    if not frames:
+        data = unframed(data)
+    (folder / ".metadata").write_bytes(data)
+    return data
+
+
+def unframed(data):
+    """A protocol 4/5 pickle without its FRAME opcodes (their payloads joined)."""
+    assert data[2] == 0x95
+    out, pos = [data[:2]], 2
+    while pos < len(data):
+        n = int.from_bytes(data[pos + 1 : pos + 9], "little")
+        out.append(data[pos + 9 : pos + 9 + n])
+        pos += 9 + n
+    return b"".join(out)
+
+
+def summary(ckpt):
+    """Everything a command plans from: files, world size, globals, every chunk."""
+    out = [ckpt.format, ckpt.files, ckpt.world_size, ckpt.globals, ckpt.dangerous]
+    out.append(ckpt.unverified)
+    for key, ref in iter_tensors(ckpt.root):
+        out.append((key, ref.dtype.name, ref.shape, type(ref.shape), ref.requires_grad, ref.kind))
+        out.append((ref.world_size, ref.device, type(ref.shards)))
+        for s in ref.shards:
+            c = s.tensor
+            out.append((s.offsets, s.sizes, s.rank, type(c), c.path, c.offset, c.length))
+            out.append((c.sizes, c.offsets, c.shared, c.dtype, c.fqn, c.transforms))
+    return out
+
+
+def outcome(read, folder):
+    """The checkpoint's summary, or the error (type and message) a read ends with (any
+    error: the generic reader raises a TypeError on some corrupt files, the same with
+    the fast readers in front of it)."""
+    try:
+        return ("ok", summary(read(str(folder))))
+    except Exception as exc:
+        return ("error", type(exc).__name__, str(exc))
+
+
+def fast(folder):
+    return dcp_runs.read(str(folder), str(folder / ".metadata"), False)
+
+
+def generic(folder, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(dcp_runs, "read", lambda *args: None)
+        m.setattr(dcp_metadata, "read", lambda *args: None)
+        return outcome(dcp.read, folder)
+
+
+CASES = {
+    "protocol-4": {"protocol": 4},
+    "protocol-5": {"protocol": 5},
+    "unframed": {"protocol": 4, "frames": False},
+    "fresh-keys": {"protocol": 4, "fresh_keys": True},
+    "no-value": {"protocol": 5, "value": False},
+}
+
+
+@pytest.mark.parametrize("ranks", [1, 3, 16, 64])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_opcode_reader_gives_the_generic_readers_checkpoint(tmp_path, monkeypatch, case, ranks):
+    folder = tmp_path / "ckpt"
+    write_folder(folder, ranks, SHAPES, **CASES[case])
+    ckpt = fast(folder)
+    assert ckpt is not None  # taken: every entry plain
+    assert ("ok", summary(ckpt)) == generic(folder, monkeypatch)
+    bulk = dcp_metadata.read(str(folder), str(folder / ".metadata"), False)
+    assert bulk is not None and summary(bulk) == summary(ckpt)
+    assert ckpt.world_size == ranks
+    assert [k for k, _ in iter_tensors(ckpt.root)] == [("model", k) for k in SHAPES]
+
+
+def test_many_frames_and_runs(tmp_path, monkeypatch):
+    """Frames of 64 KB cut entries (walked one by one there) and every run batch."""
+    folder = tmp_path / "ckpt"
+    data = write_folder(folder, 256, {f"l{i}.w": (1024, 4) for i in range(12)})
+    assert len(data) > 4 * 65536
+    parsed = dcp_opcodes.parse(data)
+    assert parsed is not None and len(parsed.skeleton) < len(data) // 4
+    assert ("ok", summary(fast(folder))) == generic(folder, monkeypatch)
+
+
+def test_inspect_says_the_same(tmp_path, monkeypatch):
+    folder = tmp_path / "ckpt"
+    write_folder(folder, 16, SHAPES)
+    taken = run_cli("inspect", folder, "--full", columns=200)
+    with monkeypatch.context() as m:
+        m.setattr(dcp_runs, "read", lambda *args: None)
+        m.setattr(dcp_metadata, "read", lambda *args: None)
+        before = run_cli("inspect", folder, "--full", columns=200)
+    assert taken.returncode == before.returncode == 0
+    assert (taken.stdout, taken.stderr) == (before.stdout, before.stderr)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"protocol": 2},  # BINPUT: not a file this reader vouches for
+        {"protocol": 3},
+        {"share": "sizes"},  # a chunk's torch.Size named again by BINGET
+        {"share": "offsets"},  # an index names its chunk's offsets (one process saving)
+    ],
+    ids=["protocol-2", "protocol-3", "shared-sizes", "shared-offsets"],
+)
+def test_what_it_does_not_vouch_for_goes_to_the_next_reader(tmp_path, monkeypatch, kwargs):
+    folder = tmp_path / "ckpt"
+    write_folder(folder, 8, SHAPES, **kwargs)
+    assert fast(folder) is None
+    assert outcome(dcp.read, folder) == generic(folder, monkeypatch)
+    assert outcome(dcp.read, folder)[0] == "ok"
+
+
+class _Call:
+    """Pickles as a call of ``func(*args)`` (never called here: the file is only read)."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _tweaked(folder, change, ranks=16, shapes=None):
+    """A folder whose Metadata ``change(meta)`` edits before it is pickled."""
+    meta, sizes, blob = build_metadata(ranks, shapes or SHAPES)
+    change(meta)
+    os.makedirs(folder, exist_ok=True)
+    for rank, size in enumerate(sizes):
+        with open(folder / f"__{rank}_0.distcp", "wb") as f:
+            if rank == 0:
+                f.write(blob)
+            f.truncate(size)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta, protocol=4))
+
+
+def _chunk_call(meta):
+    meta.state_dict_metadata["w"].chunks[9] = _Call(os.system, "true")
+
+
+def _chunk_unverified(meta):
+    meta.state_dict_metadata["w"].chunks[9] = _Call(pprint.PrettyPrinter, 4)
+
+
+def _info_call(meta):
+    key = list(meta.storage_data)[40]
+    info = meta.storage_data[key]
+    meta.storage_data[key] = _StorageInfo(_Call(os.system, "true"), info.offset, info.length)
+
+
+def _outside(meta):
+    key = list(meta.storage_data)[-5]
+    info = meta.storage_data[key]
+    meta.storage_data[key] = _StorageInfo("../outside.distcp", info.offset, info.length)
+
+
+def _overlap(meta):
+    keys = list(meta.storage_data)
+    info = meta.storage_data[keys[30]]
+    meta.storage_data[keys[30]] = _StorageInfo(info.relative_path, info.offset + 8, info.length)
+
+
+def _gap(meta):
+    chunks = meta.state_dict_metadata["w"].chunks
+    chunks[5] = ChunkStorageMetadata(torch.Size((21, 0)), chunks[5].sizes)
+
+
+def _missing_span(meta):
+    key = next(k for k in meta.storage_data if k.fqn == "b" and k.offset == torch.Size((12,)))
+    del meta.storage_data[key]
+
+
+def _chunk_in_a_tuple(meta):
+    entry = meta.state_dict_metadata["w"]
+    meta.state_dict_metadata["w"] = TensorStorageMetadata(
+        entry.properties,
+        entry.size,
+        tuple(entry.chunks),  # type: ignore[arg-type]
+    )
+
+
+def _negative_offset(meta):
+    chunks = meta.state_dict_metadata["b"].chunks
+    chunks[3] = ChunkStorageMetadata(torch.Size((-4,)), chunks[3].sizes)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _chunk_call,
+        _chunk_unverified,
+        _info_call,
+        _outside,
+        _overlap,
+        _gap,
+        _missing_span,
+        _chunk_in_a_tuple,
+        _negative_offset,
+    ],
+)
+def test_trouble_anywhere_is_decided_by_the_generic_reader(tmp_path, monkeypatch, change):
+    folder = tmp_path / "ckpt"
+    _tweaked(folder, change)
+    assert fast(folder) is None
+    got = outcome(dcp.read, folder)
+    assert got == generic(folder, monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(dcp_runs, "read", lambda *args: None)
+        m.setattr(dcp_metadata, "read", lambda *args: None)
+        before = run_cli("inspect", folder)
+    after = run_cli("inspect", folder)
+    assert (after.returncode, after.stdout, after.stderr) == (
+        before.returncode,
+        before.stdout,
+        before.stderr,
+    )
+
+
+@pytest.fixture(scope="module")
+def fuzz_base(tmp_path_factory):
+    """A folder of ~1,300 chunks (3 frames), its .metadata bytes."""
+    folder = tmp_path_factory.mktemp("fuzz") / "ckpt"
+    shapes = {"w": (64, 8), "b": (64,), "e": (10, 8), "s": (), "d": (8, 2, 2, 2, 2)}
+    shapes |= {f"l{i}": (96, 4) for i in range(16)}
+    data = write_folder(folder, 64, shapes)
+    return folder, data
+
+
+def _mutations(data, seed, n):
+    """About ``n`` seeded changes of ``data``, each alone."""
+    rng = random.Random(seed)
+    opcodes = b"hjKMJ\x8a\x8c\x94()t\x85\x86\x87ub\x81R}]eNCXq\x95."
+    for _ in range(n * 4 // 9):  # byte flips
+        out = bytearray(data)
+        at = rng.randrange(2, len(data))
+        out[at] = rng.randrange(256)
+        yield "flip", bytes(out)
+    for _ in range(n * 2 // 9):  # an opcode byte put in another's place
+        out = bytearray(data)
+        at = rng.randrange(2, len(data))
+        out[at] = rng.choice(opcodes)
+        yield "opcode", bytes(out)
+    for _ in range(n // 7):  # two bytes swapped
+        out = bytearray(data)
+        at = rng.randrange(2, len(data) - 1)
+        out[at], out[at + 1] = out[at + 1], out[at]
+        yield "swap", bytes(out)
+    for _ in range(n // 9):  # truncated
+        yield "cut", data[: rng.randrange(len(data))]
+    for _ in range(n // 13):  # a byte dropped (frames no longer tile the file)
+        at = rng.randrange(2, len(data))
+        yield "drop", data[:at] + data[at + 1 :]
+
+
+@pytest.mark.parametrize(
+    ("seed", "n"),
+    [
+        (0, 45),
+        pytest.param(1, 400, marks=pytest.mark.slow),
+        pytest.param(2, 400, marks=pytest.mark.slow),
+    ],
+)
+def test_fuzzed_metadata_reads_as_the_generic_reader_reads_it(fuzz_base, monkeypatch, seed, n):
+    folder, data = fuzz_base
+    meta = folder / ".metadata"
+    taken = 0
+    try:
+        for kind, mutated in _mutations(data, seed, n):
+            meta.write_bytes(mutated)
+            expected = generic(folder, monkeypatch)
+            try:
+                ckpt = fast(folder)
+            except Exception as exc:  # pragma: no cover (a failure to report)
+                raise AssertionError(f"{kind}: the opcode reader raised {exc!r}") from exc
+            if ckpt is not None:  # vouched for: the very same checkpoint
+                taken += 1
+                assert ("ok", summary(ckpt)) == expected, kind
+            assert outcome(dcp.read, folder) == expected, kind
+    finally:
+        meta.write_bytes(data)
+    assert taken  # (some mutations change only a number, a name: still plain)
+
+
+def test_spans_apart_as_a_pairwise_check_says():
+    """``_apart`` (in the order saved, else starts and ends sorted apart) against every
+    pair of spans, on random layouts (the generic reader refuses overlaps and leaves a
+    shared start to the safetensors check)."""
+    import itertools
+
+    from ckpttool.formats.dcp_runs import _apart
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randrange(1, 8)
+        paths = [rng.choice("abc") for _ in range(n)]
+        starts = [rng.randrange(0, 20) for _ in range(n)]
+        lengths = [rng.randrange(1, 6) for _ in range(n)]
+        apart = not any(
+            paths[i] == paths[j]
+            and max(starts[i], starts[j]) < min(starts[i] + lengths[i], starts[j] + lengths[j])
+            for i, j in itertools.combinations(range(n), 2)
+        )
+        assert _apart(paths, starts, lengths) == apart, (paths, starts, lengths)
+    assert not _apart(["a"], [0], [0]) and not _apart(["a"], [-1], [2])
+
+
+def test_a_short_data_file_is_named_as_before(tmp_path, monkeypatch):
+    """inspect's size check gathers a DCP tensor's spans in bulk: the same message."""
+    from ckpttool import integrity
+
+    folder = tmp_path / "ckpt"
+    write_folder(folder, 16, SHAPES)
+    with open(folder / "__3_0.distcp", "r+b") as f:
+        f.truncate(os.path.getsize(folder / "__3_0.distcp") - 100)
+    bulk = run_cli("inspect", folder)
+    with monkeypatch.context() as m:
+        m.setattr(integrity, "_add_spans_in_bulk", lambda *args: False)
+        one_by_one = run_cli("inspect", folder)
+    assert bulk.returncode == one_by_one.returncode == 2
+    assert bulk.stderr == one_by_one.stderr
+    assert "file too short" in bulk.stderr and "__3_0.distcp" in bulk.stderr
