@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--to", default="safetensors")
     parser.add_argument("--select", default="auto")
     parser.add_argument("--max-shard-size", default="5GB", help="'' for one file")
-    parser.add_argument("--sample", type=int, default=16, help="units written into the sink")
+    parser.add_argument("--sample", type=int, default=16, help="units written into the sink (0: none)")
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--profile", help="cProfile the phases into this file")
     parser.add_argument("--no-key", action="store_true", help="skip the key (to profile the rest)")
@@ -187,7 +187,10 @@ def main() -> None:
         "write": phase_write,
         "key": phase_key,
     }
-    order = [n for n in ORDER if n != "key" or not args.no_key]
+    skipped = {"key"} if args.no_key else set()
+    if args.sample <= 0:  # e.g. a folder made without --chunk-zips: its chunks hold nothing
+        skipped.add("write")
+    order = [n for n in ORDER if n not in skipped]
     for name in order:
         w, c = time.perf_counter(), time.process_time()
         if profiler:
