@@ -28,6 +28,7 @@ from .dcp_chunks import (
     DcpChunk,
     bytes_value,
     data_file,
+    dcp_tensor,
     set_element,
     shared_spans,
     span,
@@ -178,12 +179,4 @@ def _tensor(
     # .metadata alone says which chunks exist: one missing or overlapping another
     # would leave parts of the merged tensor uninitialised
     check_coverage(fqn, size, shards)
-    return ShardedRef(
-        dt,
-        size,
-        shards,
-        device="cpu",
-        kind="dcp",
-        requires_grad=bool(props.get("requires_grad")),
-        world_size=world_size,
-    )
+    return dcp_tensor(dt, size, shards, props, world_size)

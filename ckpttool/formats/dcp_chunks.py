@@ -13,7 +13,7 @@ from typing import Any
 from .. import sources
 from ..dtypes import DType
 from ..errors import CkptError
-from ..tree import TensorRef, state_attrs
+from ..tree import Shard, ShardedRef, TensorRef, state_attrs
 from .per_rank import lone_rank_shards
 from .safetensors_file import MAX_HEADER, dcp_saved_offsets
 from .safetensors_file import tensor_ref as safetensors_tensor_ref
@@ -26,6 +26,22 @@ METADATA_FILE = ".metadata"
 
 
 RANK_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def dcp_tensor(
+    dtype: DType, shape: tuple, shards: list[Shard], properties: dict, world_size: int | None
+) -> ShardedRef:
+    """A tensor of DCP chunks, as every reader of ``.metadata`` makes it (``properties``:
+    its ``TensorProperties``' fields)."""
+    return ShardedRef(
+        dtype,
+        shape,
+        shards,
+        device="cpu",
+        kind="dcp",
+        requires_grad=bool(properties.get("requires_grad")),
+        world_size=world_size,
+    )
 
 
 class DcpChunk:

@@ -201,12 +201,9 @@ def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
         return None
 
 
-def _read(
-    folder: str, meta_path: str, metadata: Any, permissive: bool, seen: set[str]
-) -> Checkpoint:
-    from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element, shared_spans
-    from .torch_zip import checkpoint
-
+def metadata_fields(metadata: Any) -> tuple[dict, dict, dict]:
+    """(``state_dict_metadata``, ``storage_data``, ``planner_data``) of a plain
+    ``Metadata`` as the restricted unpickler gives it; :class:`NotPlain` for anything else."""
     if not isinstance(metadata, Opaque) or f"{metadata.module}.{metadata.qualname}" != (
         METADATA + "Metadata"
     ):
@@ -222,6 +219,32 @@ def _read(
     if type(planner) is not dict:
         raise NotPlain
     _alone([storage], holders=2)  # (its place in the Metadata, and here)
+    return entries, storage, planner
+
+
+def tensor_entry(entry: Opaque) -> tuple[dict, DType, TorchSize, Any]:
+    """(properties, dtype, size, chunks) of a plain ``TensorStorageMetadata``;
+    :class:`NotPlain` for anything else."""
+    from .dcp_chunks import tensor_properties
+
+    attrs = entry.attrs()
+    props = tensor_properties(attrs.get("properties"))
+    dt = props.get("dtype")
+    size = attrs.get("size")
+    if not isinstance(dt, DType):
+        raise NotPlain
+    _sizes([size], holders=2)  # (its place in the entry, and here)
+    # (a tuple: what the stand-in gives)
+    return props, dt, TorchSize(size), attrs["chunks"]  # type: ignore[arg-type]
+
+
+def _read(
+    folder: str, meta_path: str, metadata: Any, permissive: bool, seen: set[str]
+) -> Checkpoint:
+    from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element, shared_spans
+    from .torch_zip import checkpoint
+
+    entries, storage, planner = metadata_fields(metadata)
 
     # storage_data: MetadataIndex -> _StorageInfo, each of plain fields
     keys, infos = list(storage), list(storage.values())
@@ -324,17 +347,9 @@ def _tensor(
 ) -> ShardedRef:
     from ..tree import check_coverage
     from ..tree.sharding import row_blocks
-    from .dcp_chunks import DcpChunk, tensor_properties
+    from .dcp_chunks import DcpChunk, dcp_tensor
 
-    attrs = entry.attrs()
-    props = tensor_properties(attrs.get("properties"))
-    dt = props.get("dtype")
-    size = attrs.get("size")
-    if not isinstance(dt, DType):
-        raise NotPlain
-    _sizes([size], holders=2)  # (its place in the entry, and here)
-    size = TorchSize(size)  # type: ignore[arg-type]  # (a tuple: what the stand-in gives)
-    chunks = attrs["chunks"]
+    props, dt, size, chunks = tensor_entry(entry)
     states = _states(chunks, ChunkRecord, holders=0)
     if states and set(map(len, states)) != {2}:
         raise NotPlain
@@ -383,12 +398,4 @@ def _tensor(
     shards = list(map(Shard, offsets_t, sizes_t, chunks))
     if not rows:
         check_coverage(fqn, size, shards)
-    return ShardedRef(
-        dt,
-        size,
-        shards,
-        device="cpu",
-        kind="dcp",
-        requires_grad=bool(props.get("requires_grad")),
-        world_size=world_size,
-    )
+    return dcp_tensor(dt, size, shards, props, world_size)

@@ -21,9 +21,8 @@ from array import array
 from itertools import repeat
 from typing import Any
 
-from ..tree import Checkpoint, Opaque, Shard, ShardedRef, TorchSize, state_attrs
+from ..tree import Checkpoint, Opaque, Shard, ShardedRef
 from .dcp_metadata import (
-    METADATA,
     ChunkRecord,
     DcpMetadataUnpickler,
     IndexRecord,
@@ -33,6 +32,8 @@ from .dcp_metadata import (
     _field,
     _sizes,
     _states,
+    metadata_fields,
+    tensor_entry,
 )
 from .dcp_opcodes import ChunkRun, StorageRun, parse_file, token
 
@@ -78,21 +79,7 @@ def _build(
     from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element
     from .torch_zip import checkpoint
 
-    if not isinstance(metadata, Opaque) or f"{metadata.module}.{metadata.qualname}" != (
-        METADATA + "Metadata"
-    ):
-        raise NotPlain
-    meta = state_attrs(metadata.state)
-    entries = meta.get("state_dict_metadata")
-    storage = meta.get("storage_data")
-    planner = meta.get("planner_data")
-    if type(entries) is not dict or type(storage) is not dict:
-        raise NotPlain
-    if planner is None:
-        planner = {}
-    if type(planner) is not dict:
-        raise NotPlain
-    _alone([storage], holders=2)  # (its place in the Metadata, and here)
+    entries, storage, planner = metadata_fields(metadata)
     numbers = {token(n): n for n in range(len(runs))}
     used: set[int] = set()
 
@@ -250,20 +237,11 @@ def _tensor(
     used: set[int],
     world_size: int | None,
 ) -> ShardedRef:
-    from ..dtypes import DType
     from ..tree import check_coverage
     from ..tree.sharding import row_blocks
-    from .dcp_chunks import DcpChunk, tensor_properties
+    from .dcp_chunks import DcpChunk, dcp_tensor
 
-    attrs = entry.attrs()
-    props = tensor_properties(attrs.get("properties"))
-    dt = props.get("dtype")
-    size = attrs.get("size")
-    if not isinstance(dt, DType):
-        raise NotPlain
-    _sizes([size], holders=2)  # (its place in the entry, and here)
-    size = TorchSize(size)  # type: ignore[arg-type]  # (a tuple: what the stand-in gives)
-    chunks = attrs["chunks"]
+    props, dt, size, chunks = tensor_entry(entry)
     # the skeleton's chunks, checked as the bulk reader checks every chunk
     records = [c for c in chunks if type(c) is not bytes]
     states = _states(records, ChunkRecord)
@@ -311,12 +289,4 @@ def _tensor(
     shards = list(map(Shard, offsets, sizes, dcp_chunks))
     if not row_blocks(size, offsets, sizes):
         check_coverage(fqn, size, shards)
-    return ShardedRef(
-        dt,
-        size,
-        shards,
-        device="cpu",
-        kind="dcp",
-        requires_grad=bool(props.get("requires_grad")),
-        world_size=world_size,
-    )
+    return dcp_tensor(dt, size, shards, props, world_size)
