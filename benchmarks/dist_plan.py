@@ -107,7 +107,9 @@ def main() -> None:
     parser.add_argument("--to", default="safetensors")
     parser.add_argument("--select", default="auto")
     parser.add_argument("--max-shard-size", default="5GB", help="'' for one file")
-    parser.add_argument("--sample", type=int, default=16, help="units written into the sink (0: none)")
+    parser.add_argument(
+        "--sample", type=int, default=16, help="units written into the sink (0: none)"
+    )
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--profile", help="cProfile the phases into this file")
     parser.add_argument("--no-key", action="store_true", help="skip the key (to profile the rest)")
