@@ -10,6 +10,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from .. import distributed
 from ..errors import CkptError
 from .text import printable
 
@@ -210,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     settings.debug = settings.quiet = settings.no_color = False  # main() may run twice
     settings.allow = ()
     settings.argv = list(sys.argv[1:] if argv is None else argv)
+    if distributed.launched():  # one of several ranks: the one whose error is posted says it
+        distributed.report_errors_with(exit_code_for)
     args = pull_global_flags(settings.argv)
     try:
         if not args:  # bare `ckpttool`: typer shows the help (and exits 2, as click does)

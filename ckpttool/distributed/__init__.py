@@ -13,13 +13,21 @@ store (:mod:`.group`); outside torchrun :func:`collective` is a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .group import Failed, launched
 
-__all__ = ["Failed", "collective", "current", "launched", "prints_summary"]
+__all__ = [
+    "Failed",
+    "collective",
+    "current",
+    "launched",
+    "prints_summary",
+    "report_errors_with",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 EXIT_INTERRUPTED = 130
@@ -52,6 +60,25 @@ def _store_error(exc: BaseException) -> bool:
     if dist is None:
         return False
     return isinstance(exc, getattr(dist, "DistError", ())) or "TCPStore" in str(exc)
+
+
+ErrorReport = Callable[[BaseException], int]
+_reporters: list[ErrorReport] = []
+
+
+def report_errors_with(report: ErrorReport) -> None:
+    """How the rank whose error is the posted one says it: ``report(exc)`` prints its
+    one line and gives the exit code (the CLI's error boundary). It is said before the
+    ranks leave together, not after: torchrun ends the other ranks as soon as one
+    exits, and a line said after the last one to leave could be cut off."""
+    _reporters[:] = [report]
+
+
+def _said(exc: BaseException, code: int) -> None:
+    """``exc`` was reported: from here on it is silent, with its exit code."""
+    with contextlib.suppress(AttributeError, TypeError):
+        exc.silent = True  # type: ignore[attr-defined]
+        exc.exit_code = code  # type: ignore[attr-defined]
 
 
 def collective(func: F) -> F:
@@ -92,6 +119,8 @@ def collective(func: F) -> F:
                 code, message = 2, f"{type(exc).__name__}: {exc}"
             try:
                 mine = group.post(message, code)
+                if mine and _reporters:  # say it before the ranks leave together (below)
+                    _said(exc, _reporters[-1](exc))
                 group.leave()
             except Exception:  # the store is gone: say it here
                 mine = True
