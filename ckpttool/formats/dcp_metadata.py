@@ -238,6 +238,20 @@ def tensor_entry(entry: Opaque) -> tuple[dict, DType, TorchSize, Any]:
     return props, dt, TorchSize(size), attrs["chunks"]  # type: ignore[arg-type]
 
 
+def plain_chunk_lists(entries: dict) -> list:
+    """Every tensor entry's chunk list, each a list held there alone; :class:`NotPlain`
+    else."""
+    chunk_lists = [
+        entry.attrs().get("chunks")
+        for entry in entries.values()
+        if isinstance(entry, Opaque) and type(entry).__name__ == "TensorStorageMetadata"
+    ]
+    if set(map(type, chunk_lists)) - {list}:
+        raise NotPlain
+    _alone(chunk_lists)
+    return chunk_lists
+
+
 def _read(
     folder: str, meta_path: str, metadata: Any, permissive: bool, seen: set[str]
 ) -> Checkpoint:
@@ -283,14 +297,7 @@ def _read(
     files = sorted(set(files_of.values()))
 
     # the rest of the pickle: checked as any pickle is, the chunk lists standing as checked
-    chunk_lists = [
-        entry.attrs().get("chunks")
-        for entry in entries.values()
-        if isinstance(entry, Opaque) and type(entry).__name__ == "TensorStorageMetadata"
-    ]
-    if set(map(type, chunk_lists)) - {list}:
-        raise NotPlain
-    _alone(chunk_lists)
+    chunk_lists = plain_chunk_lists(entries)
     check_structure(metadata, meta_path, ({id(c) for c in chunk_lists} | {id(storage)}, set()))
     if set(map(type, planner.values())) - {tuple}:
         raise NotPlain

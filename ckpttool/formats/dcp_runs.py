@@ -28,11 +28,11 @@ from .dcp_metadata import (
     IndexRecord,
     InfoRecord,
     NotPlain,
-    _alone,
     _field,
     _sizes,
     _states,
     metadata_fields,
+    plain_chunk_lists,
     tensor_entry,
 )
 from .dcp_opcodes import ChunkRun, StorageRun, parse_file, token
@@ -149,15 +149,7 @@ def _build(
     )
     del paths, starts, lengths
 
-    chunk_lists = [
-        entry.attrs().get("chunks")
-        for entry in entries.values()
-        if isinstance(entry, Opaque) and type(entry).__name__ == "TensorStorageMetadata"
-    ]
-    if set(map(type, chunk_lists)) - {list}:
-        raise NotPlain
-    _alone(chunk_lists)
-    del chunk_lists
+    plain_chunk_lists(entries)
     if set(map(type, planner.values())) - {tuple}:
         raise NotPlain
     if set(map(type, itertools.chain.from_iterable(planner.values()))) - {str, int}:
