@@ -29,8 +29,8 @@ torch's ``consolidate_safetensors_files_on_every_rank``), each copied
 
 The output's sha256 is checked against one process's output of the same command.
 
-    .venv/bin/python benchmarks/dist_balance.py                    # 1 GiB, units of 8 MiB
-    .venv/bin/python benchmarks/dist_balance.py --unit-mib 64      # the default unit size
+    .venv/bin/python benchmarks/dist_balance.py                    # 1 GiB, the default units
+    .venv/bin/python benchmarks/dist_balance.py --unit-mib 64      # units of 64 MiB
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def static_worker(args: argparse.Namespace) -> None:
         time.sleep(0.001)
     throttle = Throttle(str(Path(args.workdir, "throttle")), args.cap_mib * 2**20, 0.0)
     throttle.rate = rank_rate(args, rank)
-    unit = args.unit_mib << 20
     nbytes = os.path.getsize(args.src)
+    unit = unit_size(args, nbytes)
     fin, fout = os.open(args.src, os.O_RDONLY), os.open(args.dst, os.O_WRONLY)
     buf = memoryview(bytearray(STEP))
     records = []
@@ -183,12 +183,20 @@ def launch(args: argparse.Namespace, mode: str, src: Path, dst: Path) -> float:
     cmd += [f"--nproc-per-node={args.ranks}", "--monitor-interval=0.1", __file__]
     cmd += [f"--{mode}-worker", str(src), str(dst), *forwarded(args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env["CKPTTOOL_UNIT_BYTES"] = str(args.unit_mib << 20)
+    if args.unit_mib:
+        env["CKPTTOOL_UNIT_BYTES"] = str(args.unit_mib << 20)
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{mode} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return time.perf_counter() - start
+
+
+def unit_size(args: argparse.Namespace, nbytes: int) -> int:
+    """The units' size: ``--unit-mib``, or the size ckpttool picks for ``nbytes``."""
+    from ckpttool.distributed.units import default_unit_bytes
+
+    return args.unit_mib << 20 if args.unit_mib else default_unit_bytes(nbytes)
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
@@ -243,7 +251,9 @@ def report(args: argparse.Namespace, mode: str, title: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024, help="input size")
-    parser.add_argument("--unit-mib", type=int, default=8, help="CKPTTOOL_UNIT_BYTES, in MiB")
+    parser.add_argument(
+        "--unit-mib", type=int, default=0, help="CKPTTOOL_UNIT_BYTES in MiB (0: the default)"
+    )
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--cap-mib", type=float, default=200.0, help="shared cap, MiB/s")
     parser.add_argument("--rank-mib", type=float, default=100.0, help="each rank's link, MiB/s")
@@ -282,8 +292,9 @@ def main() -> None:
     wall = launch(args, "claimed", src, out)
     same = sha256(out) == sha256(ref)
     cap, rate = args.cap_mib, args.rank_mib
+    size = src.stat().st_size
     print(
-        f"input {src.stat().st_size / 2**20:.0f} MiB, units of {args.unit_mib} MiB, "
+        f"input {size / 2**20:.0f} MiB, units of {unit_size(args, size) >> 20} MiB, "
         f"{args.ranks} ranks; throttle: shared cap {cap:.0f} MiB/s, each rank's link "
         f"{rate:.0f} MiB/s, the slow rank's {rate / args.slowdown:.0f} MiB/s"
     )

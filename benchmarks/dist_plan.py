@@ -152,7 +152,7 @@ def main() -> None:
         return f"{len(plan.files)} files, {pieces} pieces, {plan.total_bytes / 1e9:.1f} GB"
 
     def phase_units() -> str:
-        state["size"] = unit_mod.unit_bytes()
+        state["size"] = unit_mod.unit_bytes(state["plan"])
         state["units"] = unit_mod.plan_units(state["plan"], state["size"])
         return f"{len(state['units'])} units of {state['size'] >> 20} MiB"
 

@@ -4,10 +4,11 @@ For each N, under ``torchrun --standalone --nproc-per-node=N`` (the same launche
 both sides, so its start-up counts on both; the ranks of neither import torch):
 
 - ckpttool: ``-m ckpttool convert IN.pt --to safetensors -o OUT`` (every tensor's bytes
-  copied from the input, in 64 MiB units claimed through the store, each fsynced and
-  journaled; rank 0 publishes);
+  copied from the input, in units claimed through the store, each fsynced and
+  journaled; rank 0 publishes; the unit size is ckpttool's default: 1/128 of the
+  output, 4 to 64 MiB);
 - the floor: N processes that ``pread`` -> ``pwrite`` + ``fsync`` the same number of
-  bytes in the same 64 MiB units (rank r takes units r, r + N, ...), into a file
+  bytes in units of the same size (rank r takes units r, r + N, ...), into a file
   created at full size: a parallel copy with nothing else to do.
 
 Both sides run as torchrun workers that wait for each other after their imports, then
@@ -36,7 +37,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-UNIT = 64 << 20
+
+
+def unit_size(nbytes: int) -> int:
+    """The unit size ckpttool picks for an output of ``nbytes`` (the floor uses the same)."""
+    from ckpttool.distributed.units import default_unit_bytes
+
+    return default_unit_bytes(nbytes)
 
 
 def null_worker() -> None:
@@ -92,8 +99,9 @@ def floor_worker(src: str, dst: str, nbytes: int) -> None:
     fout = os.open(dst, os.O_WRONLY)
     buf = bytearray(16 << 20)
     view = memoryview(buf)
-    for start in range(rank * UNIT, nbytes, world * UNIT):
-        end = min(start + UNIT, nbytes)
+    unit = unit_size(nbytes)
+    for start in range(rank * unit, nbytes, world * unit):
+        end = min(start + unit, nbytes)
         for at in range(start, end, len(buf)):
             n = os.preadv(fin, [view[: min(len(buf), end - at)]], at)
             os.pwrite(fout, view[:n], at)
@@ -199,7 +207,8 @@ def main() -> None:
             + (med(r[1] for r in ours), med(r[1] for r in base), max(r[2] for r in ours))
         )
     clean()
-    print(f"input {nbytes / 2**20:.0f} MiB, units of {UNIT >> 20} MiB, median of {args.repeat}")
+    unit = unit_size(nbytes) >> 20
+    print(f"input {nbytes / 2**20:.0f} MiB, units of {unit} MiB, median of {args.repeat}")
     print("launch = the whole torchrun launch; work = first rank's start to last rank's end,")
     print("after every rank has imported and joined (ckpttool: read, plan, write, publish)")
     print(

@@ -446,12 +446,12 @@ def test_units_in_any_order_make_the_same_file(tmp_path, size, cast, monkeypatch
     the bytes of the front-to-back write (a zip: CRCs split across units combined; a
     cast made a few elements at a time)."""
     from ckpttool.api.reading import read
-    from ckpttool.distributed import units
     from ckpttool.dtypes import DTYPES
+    from ckpttool.writers import casts
     from ckpttool.writers.plan import WriteOptions, write_plan
     from ckpttool.writers.torch_zip import plan as plan_torch
 
-    monkeypatch.setattr(units, "CAST_ELEMENTS", 3)
+    monkeypatch.setattr(casts, "CAST_ELEMENTS", 3)
     ckpt = read(INPUTS["dcp"])
     plan = plan_torch(ckpt.root, WriteOptions(cast=DTYPES[cast] if cast else None))
     write_plan(plan, str(tmp_path / "want.pt"))

@@ -297,11 +297,18 @@ def hooked_env(records: Path, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-@pytest.mark.parametrize("to,name", [("safetensors", "o.safetensors"), ("dcp", "o-dcp")])
-def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server, to, name):
+@pytest.mark.parametrize(
+    "to,name,extra",
+    [
+        ("safetensors", "o.safetensors", []),
+        ("dcp", "o-dcp", []),
+        ("safetensors", "o.safetensors", ["--dtype", "bfloat16"]),
+    ],
+)
+def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server, to, name, extra):
     """``python -m ckpttool convert`` as a rank of torchrun's: the agent store (here a
     torch server in this process), no torch imported (``--to dcp`` too: its ``.metadata``
-    is written without torch), peak RSS under 256 MiB."""
+    is written without torch; a ``--dtype`` cast too: numpy's), peak RSS under 256 MiB."""
     out, records = tmp_path / name, tmp_path / "records"
     records.mkdir()
     env = hooked_env(
@@ -313,7 +320,7 @@ def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server, to, name)
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(server.port),
     )
-    cmd = [sys.executable, "-m", "ckpttool", "convert", *PER_RANK, "--to", to]
+    cmd = [sys.executable, "-m", "ckpttool", "convert", *PER_RANK, "--to", to, *extra]
     done = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stderr.startswith(f"wrote {out} (") and "units" in done.stderr
@@ -322,7 +329,7 @@ def test_one_rank_on_an_agent_store_imports_no_torch(tmp_path, server, to, name)
     assert record["torch"] == []
     assert record["peak_rss_kib"] < RSS_BOUND_KIB
     want = tmp_path / f"want-{name}"
-    convert(PER_RANK, to, str(want))
+    convert(PER_RANK, to, str(want), dtype=extra[1] if extra else None)
     assert sha256(out) == sha256(want)
 
 

@@ -74,3 +74,35 @@ def test_a_unit_resolves_only_the_blocks_its_bytes_lie_in(tmp_path, monkeypatch)
         assert {id(block) for block in resolved} == expected, unit
     with open(target, "rb") as got:
         assert got.read() == want.read_bytes()
+
+
+def _plan_of(sizes: list[int]):
+    from ckpttool.writers.plan import FilePlan, Plan
+
+    return Plan([FilePlan(f"f{i}", size, []) for i, size in enumerate(sizes)])
+
+
+@pytest.mark.parametrize(
+    ("sizes", "want"),
+    [
+        ([0], 4 << 20),  # never under 4 MiB
+        ([100 << 20], 4 << 20),
+        ([1 << 30], 8 << 20),  # 1 GiB: 128 units, a slow rank's last one a small tail
+        ([1 << 29, 1 << 29], 8 << 20),  # every file of the output counts
+        ([(1 << 30) + 1], 9 << 20),  # rounded up to whole MiB (O_DIRECT alignment)
+        ([8 << 30], 64 << 20),
+        ([800 << 30], 64 << 20),  # never over 64 MiB
+    ],
+)
+def test_the_unit_size_follows_the_output_size(monkeypatch, sizes, want):
+    monkeypatch.delenv(units.UNIT_BYTES_ENV, raising=False)
+    assert units.unit_bytes(_plan_of(sizes)) == want
+
+
+def test_the_unit_size_variable_wins_and_is_checked(monkeypatch):
+    monkeypatch.setenv(units.UNIT_BYTES_ENV, "4096")
+    assert units.unit_bytes(_plan_of([1 << 30])) == 4096
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv(units.UNIT_BYTES_ENV, bad)
+        with pytest.raises(units.CkptError, match="bad CKPTTOOL_UNIT_BYTES"):
+            units.unit_bytes(_plan_of([1 << 30]))

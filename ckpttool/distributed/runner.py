@@ -114,7 +114,7 @@ def write_distributed(
             different outputs, or a rank died (:class:`.group.Failed` on the ranks
             that did not post the error).
     """
-    size = unit_mod.unit_bytes()
+    size = unit_mod.unit_bytes(plan)
     all_units = unit_mod.plan_units(plan, size)
     key = work_key(unit_mod.plan_digest(plan, size), out, input_identities(inputs))
     journal = Journal(out)
@@ -261,7 +261,7 @@ def _finish(
 
 
 def _runs_by_file(plan: Plan, done: dict[int, list]) -> list[tuple[int, unit_mod.CrcRun]]:
-    size = unit_mod.unit_bytes()
+    size = unit_mod.unit_bytes(plan)
     units = unit_mod.plan_units(plan, size)
     return [(units[uid].file, tuple(run)) for uid, runs in done.items() for run in runs]  # type: ignore[misc]
 

@@ -31,9 +31,16 @@ from ..errors import CkptError
 from ..progress import Progress
 from ..tree import Leaf, ShardedRef, TensorRef, sharding
 from ..writers import CHUNK_BYTES, output_dtype, raw_parts, tensor_bytes, tensor_for_write
+from ..writers.casts import cast_stored
 from ..writers.plan import FilePlan, Piece, Plan
 
-UNIT_BYTES = 64 << 20  # big enough that a unit's fsync and journal line cost nothing
+UNIT_BYTES = 64 << 20  # the largest unit: big enough that its fsync and journal line cost nothing
+# A smaller output is cut into about this many units (at least MIN_UNIT_BYTES each): a
+# rank never gives up a unit it took, so the run can end up to one unit after the others
+# at the slowest rank's speed, and that tail must stay a small part of the run.
+UNITS_WANTED = 128
+MIN_UNIT_BYTES = 4 << 20
+UNIT_ALIGN = 1 << 20  # units start aligned for O_DIRECT
 UNIT_BYTES_ENV = "CKPTTOOL_UNIT_BYTES"  # tests cut small outputs into many units
 CAST_ELEMENTS = 4 << 20  # a cast (--dtype) reads and casts this many elements at a time
 _RESOLVING = threading.Lock()  # (units may be written from several threads)
@@ -42,17 +49,28 @@ _RESOLVING = threading.Lock()  # (units may be written from several threads)
 CrcRun = tuple[int, int, int, int]
 
 
-def unit_bytes() -> int:
-    """The unit size: :data:`UNIT_BYTES`, or ``$CKPTTOOL_UNIT_BYTES`` (a multiple of 4096
-    keeps the writes aligned for ``O_DIRECT``)."""
+def unit_bytes(plan: Plan) -> int:
+    """The unit size for ``plan``: ``$CKPTTOOL_UNIT_BYTES`` when set (a multiple of 4096
+    keeps the writes aligned for ``O_DIRECT``), else the output's bytes over
+    :data:`UNITS_WANTED`, between :data:`MIN_UNIT_BYTES` and :data:`UNIT_BYTES`. It
+    depends on the plan alone, never on the number of processes, so work done at one
+    world size is reused at any other."""
     value = os.environ.get(UNIT_BYTES_ENV, "")
+    if not value:
+        return default_unit_bytes(sum(file.size for file in plan.files))
     try:
-        size = int(value) if value else UNIT_BYTES
+        size = int(value)
     except ValueError:
         size = 0
     if size <= 0:
         raise CkptError(f"bad {UNIT_BYTES_ENV}={value!r}", hint="a positive number of bytes")
     return size
+
+
+def default_unit_bytes(total: int) -> int:
+    """The unit size for an output of ``total`` bytes (see :func:`unit_bytes`)."""
+    wanted = -(-total // UNITS_WANTED // UNIT_ALIGN) * UNIT_ALIGN
+    return min(UNIT_BYTES, max(MIN_UNIT_BYTES, wanted))
 
 
 @dataclass(frozen=True)
@@ -244,42 +262,12 @@ def _cast_range(
     out: Any, parts: list, dtype: DType, target: DType, start: int, length: int, progress: Any
 ) -> None:
     """Bytes ``[start, start + length)`` of stored elements cast to ``target``: only the
-    elements they hold are read and cast, :data:`CAST_ELEMENTS` at a time (what the whole
-    tensor's ``.to()`` gives, element by element)."""
-    import torch
-
-    from ..tensors import torch_dtype
-
-    size_in, size_out = dtype.itemsize, target.itemsize
-    first, end = start // size_out, -(-(start + length) // size_out)
-    for at in range(first, end, CAST_ELEMENTS):
-        n = min(CAST_ELEMENTS, end - at)
-        data = _read_stored(parts, at * size_in, n * size_in)
-        cast = torch.frombuffer(data, dtype=torch_dtype(dtype)).to(torch_dtype(target))
-        view = tensor_bytes(cast)
-        lo = max(start - at * size_out, 0)
-        hi = min(start + length - at * size_out, n * size_out)
-        out.write(view[lo:hi])
+    elements they hold are read and cast (:func:`~ckpttool.writers.casts.cast_stored`:
+    the same bytes as the whole tensor's cast, element by element)."""
+    for view in cast_stored(parts, dtype, target, start, length):
+        out.write(view)
         if progress:
-            progress(hi - lo)
-        del view, cast
-
-
-def _read_stored(parts: list, start: int, nbytes: int) -> bytearray:
-    """``nbytes`` from ``start`` of the stored parts' bytes, one after the other."""
-    data, pos, end = bytearray(), 0, start + nbytes
-    for ref in parts:
-        lo, hi = max(start, pos), min(end, pos + ref.nbytes)
-        if hi > lo:
-            source = ref.storage.source if ref.storage is not None else None
-            if source is None:
-                raise CkptError("tensor has no stored data (saved on the meta device)")
-            source.resolve()
-            data += source.read(ref.offset * ref.dtype.itemsize + lo - pos, hi - lo)
-        pos += ref.nbytes
-        if pos >= end:
-            break
-    return data
+            progress(len(view))
 
 
 def _copy_range(out: Any, ref: Any, skip: int, nbytes: int, progress: Progress | None) -> None:

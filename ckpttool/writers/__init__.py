@@ -27,6 +27,7 @@ from ..errors import CkptError, UsageError
 from ..progress import Progress
 from ..sources import ByteSpan
 from ..tree import Leaf, SparseRef, TensorRef, sharding
+from .casts import cast_bytes, cast_stored
 from .output_file import OutputFile
 
 __all__ = [
@@ -92,14 +93,20 @@ def raw_parts(leaf: Leaf, cast: DType | None) -> list[TensorRef] | None:
 
 
 def tensor_for_write(leaf: Leaf, cast: DType | None) -> Any:
-    """The leaf as a contiguous CPU tensor, cast if asked (imports torch)."""
+    """The leaf as a contiguous CPU tensor (imports torch), cast if asked by
+    :func:`.casts.cast_bytes`, the rule every cast follows."""
+    import torch
+
     from ..tensors import load_leaf, torch_dtype
 
-    tensor = load_leaf(leaf, "cpu")
+    tensor = load_leaf(leaf, "cpu").contiguous()
     target = output_dtype(leaf, cast)
-    if target != leaf.dtype:
-        tensor = tensor.to(torch_dtype(target))
-    return tensor.contiguous()
+    if target == leaf.dtype:
+        return tensor
+    if not tensor.numel():
+        return tensor.to(torch_dtype(target))
+    data = cast_bytes(tensor_bytes(tensor), leaf.dtype, target)
+    return torch.frombuffer(data, dtype=torch_dtype(target)).view(tensor.shape)  # keeps data
 
 
 def tensor_bytes(tensor: Any) -> memoryview:
@@ -129,6 +136,11 @@ def iter_chunks(leaf: Leaf, cast: DType | None) -> Iterator[memoryview]:
     if parts is not None:
         for ref in parts:
             yield from _raw_chunks(ref)
+        return
+    stored = sharding.raw_parts(leaf)
+    if stored is not None:  # only a cast: a window of elements at a time, without torch
+        target = output_dtype(leaf, cast)
+        yield from cast_stored(stored, leaf.dtype, target, 0, leaf.numel * target.itemsize)
         return
     tensor = tensor_for_write(leaf, cast)
     yield tensor_bytes(tensor)  # the view keeps no reference: `tensor` lives until here
