@@ -145,7 +145,7 @@ class Block(Protocol):
         ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Shard(Sealed):
     """One block of a sharded tensor: ``sizes`` elements starting at ``offsets``."""
 
