@@ -127,10 +127,13 @@ def summary(ckpt):
     out.append(ckpt.unverified)
     for key, ref in iter_tensors(ckpt.root):
         out.append((key, ref.dtype.name, ref.shape, type(ref.shape), ref.requires_grad, ref.kind))
-        out.append((ref.world_size, ref.device, type(ref.shards)))
-        for s in ref.shards:
+        # (the opcode reader's chunks are columns, the others' a list: either a sequence)
+        out.append((ref.world_size, ref.device, len(ref.shards)))
+        for i, s in enumerate(ref.shards):
             c = s.tensor
+            assert ref.shards[i].offsets == s.offsets and ref.shards[i].tensor.path == c.path
             out.append((s.offsets, s.sizes, s.rank, type(c), c.path, c.offset, c.length))
+            out.append((type(s.offsets), type(s.sizes), type(c.offset), type(c.length)))
             out.append((c.sizes, c.offsets, c.shared, c.dtype, c.fqn, c.transforms))
     return out
 
@@ -427,3 +430,37 @@ def test_a_short_data_file_is_named_as_before(tmp_path, monkeypatch):
     assert bulk.returncode == one_by_one.returncode == 2
     assert bulk.stderr == one_by_one.stderr
     assert "file too short" in bulk.stderr and "__3_0.distcp" in bulk.stderr
+
+
+def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
+    """A tensor's chunks from the opcode reader are columns (``DcpChunks``): no chunk
+    object is held after the read (millions of them, at thousands of ranks), and
+    reading one by index, by slice or by iterating gives the same chunks."""
+    import gc
+    from array import array
+
+    from ckpttool.errors import CkptError
+    from ckpttool.formats.dcp_chunks import DcpChunk, DcpChunks
+
+    folder = tmp_path / "ckpt"
+    write_folder(folder, 16, SHAPES)
+    ckpt = fast(folder)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, DcpChunk)]
+    ref = dict(iter_tensors(ckpt.root))[("model", "e")]
+    shards = ref.shards
+    assert isinstance(shards, DcpChunks) and len(shards) == 16
+
+    def row(s):
+        c = s.tensor
+        return (s.offsets, s.sizes, c.path, c.offset, c.length, c.sizes, c.offsets, c.fqn)
+
+    rows = list(map(row, shards))
+    assert [row(shards[i]) for i in range(16)] == rows
+    assert [row(shards[i]) for i in range(-16, 0)] == rows
+    assert list(map(row, shards[3:9:2])) == rows[3:9:2]
+    assert rows[0][2].endswith("__0_0.distcp") and rows[15][2].endswith("__15_0.distcp")
+    with pytest.raises(IndexError):
+        shards[16]
+    with pytest.raises(CkptError, match="internal error"):
+        DcpChunks(["f"], array("q", [0, 1]), [(0,)], [(1,)], ref.dtype, "x")

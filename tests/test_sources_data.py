@@ -96,6 +96,7 @@ def _byte_sources(ckpt: Any) -> list[ByteSpan]:
         refs = [leaf]
         if isinstance(leaf, ShardedRef):
             refs = []
+            leaf.shards = list(leaf.shards)  # (a DCP tensor's chunks are made on reading)
             for shard in leaf.shards:
                 if not isinstance(shard.tensor, _PinnedBlock):
                     shard.tensor = _PinnedBlock(shard.tensor.tensor_ref())

@@ -5,10 +5,12 @@ value of ``.metadata`` is placed in the tree."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
-from collections.abc import Hashable
-from typing import Any
+from array import array
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any, overload
 
 from .. import sources
 from ..dtypes import DType
@@ -29,7 +31,11 @@ RANK_FILE_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def dcp_tensor(
-    dtype: DType, shape: tuple, shards: list[Shard], properties: dict, world_size: int | None
+    dtype: DType,
+    shape: tuple,
+    shards: Sequence[Shard],
+    properties: dict,
+    world_size: int | None,
 ) -> ShardedRef:
     """A tensor of DCP chunks, as every reader of ``.metadata`` makes it (``properties``:
     its ``TensorProperties``' fields)."""
@@ -42,6 +48,71 @@ def dcp_tensor(
         requires_grad=bool(properties.get("requires_grad")),
         world_size=world_size,
     )
+
+
+class DcpChunks(Sequence):
+    """The chunks of one DCP tensor, as columns: its :class:`~ckpttool.tree.Shard` and
+    :class:`DcpChunk` objects are made when read, not held.
+
+    A folder saved by thousands of ranks has millions of chunks, every rank of a
+    distributed conversion reads them all, and as objects each costs ~240 bytes (a
+    405B-shaped folder of 2048 ranks: 7 M chunks, 1.6 GB); here a chunk is its start,
+    length and file number in an array and its offsets and sizes (tuples most chunks
+    share), ~36 bytes. Consumers read the chunks once or twice per tensor, a tensor at
+    a time.
+    """
+
+    __slots__ = ("_files", "_rows", "_offsets", "_sizes", "_dtype", "_fqn")
+
+    def __init__(
+        self,
+        files: list[str],
+        rows: array | memoryview,  # start, length, file number (in ``files``) of each chunk
+        offsets: list[tuple],
+        sizes: list[tuple],
+        dtype: DType,
+        fqn: str,
+    ):
+        if not len(rows) == 3 * len(offsets) == 3 * len(sizes):
+            raise CkptError(f"internal error: the chunk columns of {fqn!r} differ in length")
+        self._files, self._rows, self._dtype, self._fqn = files, rows, dtype, fqn
+        self._offsets, self._sizes = offsets, sizes
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    @overload
+    def __getitem__(self, index: int) -> Shard: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Shard]: ...
+    def __getitem__(self, index: int | slice) -> Shard | list[Shard]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        offsets, sizes, at = self._offsets[index], self._sizes[index], 3 * (index % len(self))
+        start, length, file = self._rows[at : at + 3]
+        chunk = DcpChunk(
+            self._files[file], start, length, self._dtype, sizes, None, self._fqn, offsets
+        )
+        return Shard(offsets, sizes, chunk)
+
+    def __iter__(self) -> Iterator[Shard]:
+        rows = self._rows
+        return map(
+            Shard,
+            self._offsets,
+            self._sizes,
+            map(
+                DcpChunk,
+                map(self._files.__getitem__, itertools.islice(rows, 2, None, 3)),
+                itertools.islice(rows, 0, None, 3),
+                itertools.islice(rows, 1, None, 3),
+                itertools.repeat(self._dtype),
+                self._sizes,
+                itertools.repeat(None),
+                itertools.repeat(self._fqn),
+                self._offsets,
+            ),
+        )
 
 
 class DcpChunk:

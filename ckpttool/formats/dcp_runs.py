@@ -21,7 +21,7 @@ from array import array
 from itertools import repeat
 from typing import Any
 
-from ..tree import Checkpoint, Opaque, Shard, ShardedRef
+from ..tree import Checkpoint, Opaque, ShardedRef
 from .dcp_metadata import (
     ChunkRecord,
     DcpMetadataUnpickler,
@@ -218,6 +218,11 @@ def _columns(run: StorageRun) -> tuple[list, ...]:
     return run.fqns, run.offsets, run.paths, run.starts, run.lengths
 
 
+def _row3(row: int) -> slice:
+    """A row's start, length and file number in the packed table."""
+    return slice(3 * row, 3 * row + 3)
+
+
 def _tensor(
     fqn: str,
     entry: Opaque,
@@ -231,7 +236,7 @@ def _tensor(
 ) -> ShardedRef:
     from ..tree import check_coverage
     from ..tree.sharding import row_blocks
-    from .dcp_chunks import DcpChunk, dcp_tensor
+    from .dcp_chunks import DcpChunks, dcp_tensor
 
     props, dt, size, chunks = tensor_entry(entry)
     # the skeleton's chunks, checked as the bulk reader checks every chunk
@@ -263,22 +268,13 @@ def _tensor(
         if None in at:
             raise NotPlain  # a chunk with no stored data: the generic reader says so
     packed, names = by_row
-    at3 = list(map(operator.mul, at, repeat(3)))
-    dcp_chunks = list(
-        map(
-            DcpChunk,
-            map(names.__getitem__, map(packed.__getitem__, map(operator.add, at3, repeat(2)))),
-            map(packed.__getitem__, at3),
-            map(packed.__getitem__, map(operator.add, at3, repeat(1))),
-            repeat(dt),
-            sizes,
-            repeat(None),
-            repeat(fqn),
-            offsets,
-            repeat(False),
-        )
-    )
-    shards = list(map(Shard, offsets, sizes, dcp_chunks))
+    first = at[0] if at else 0
+    table: array | memoryview
+    if at == list(range(first, first + len(at))):  # (in the order saved: a view, no copy)
+        table = memoryview(packed)[3 * first : 3 * (first + len(at))]
+    else:
+        table = array("q", itertools.chain.from_iterable(map(packed.__getitem__, map(_row3, at))))
+    shards = DcpChunks(names, table, offsets, sizes, dt, fqn)
     if not row_blocks(size, offsets, sizes):
         check_coverage(fqn, size, shards)
     return dcp_tensor(dt, size, shards, props, world_size)

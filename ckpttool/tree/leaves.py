@@ -12,6 +12,7 @@ tensor, when a tensor is actually asked for.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, TypeGuard, Union
 
@@ -161,7 +162,7 @@ class ShardedRef(_Sized):
 
     dtype: DType
     shape: tuple[int, ...]
-    shards: list[Shard]
+    shards: Sequence[Shard]  # (a DCP tensor's: formats.dcp_chunks.DcpChunks, made on reading)
     device: str = "cpu"
     kind: str = "sharded_tensor"  # "dtensor", "dcp"
     requires_grad: bool = False

@@ -12,12 +12,13 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections.abc import Sequence
 
 from ..errors import CkptError
 from .leaves import Leaf, Shard, ShardedRef, TensorRef
 
 
-def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
+def check_coverage(key: str, shape: tuple, shards: Sequence[Shard]) -> None:
     """Every element of the global tensor is in exactly one shard."""
     if _row_blocks(shape, shards):
         return
@@ -62,7 +63,7 @@ def check_coverage(key: str, shape: tuple, shards: list[Shard]) -> None:
 MAX_IRREGULAR_SHARDS = 4096
 
 
-def _row_blocks(shape: tuple, shards: list[Shard]) -> bool:
+def _row_blocks(shape: tuple, shards: Sequence[Shard]) -> bool:
     """The commonest layout (FSDP, DCP, DTensor ``Shard(0)``), checked in bulk: every
     shard whole rows, the non-empty ones' row ranges following each other from 0 to
     the end. A 2048-rank checkpoint has millions of shards. False means only "not this
@@ -109,7 +110,7 @@ _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 _TAIL, _ROW, _COUNT = (operator.itemgetter(i) for i in (slice(1, None), 0, 1))
 
 
-def _tiles(shape: tuple, shards: list[Shard], dim: int) -> bool:
+def _tiles(shape: tuple, shards: Sequence[Shard], dim: int) -> bool:
     """The layouts sharding produces, checked in n log n: along ``dim`` the shards'
     ranges follow each other from 0 to the end, shards with the same range form a
     group, and each group tiles the dims after it the same way. Blocks of rows (FSDP,
