@@ -18,6 +18,7 @@ from typing import Any
 from .. import sources
 from ..dtypes import DType
 from ..errors import CkptError
+from ..heap import release_freed_memory
 from ..sources import open_input
 from ..tree import Checkpoint, Shard, ShardedRef, check_coverage, state_attrs
 from ..unpickler import MAX_NESTING
@@ -61,6 +62,13 @@ _attrs = state_attrs
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
+    try:
+        return _read(path, permissive)
+    finally:  # (a .metadata of millions of chunks frees far more than it keeps)
+        release_freed_memory()
+
+
+def _read(path: str, permissive: bool) -> Checkpoint:
     path = _folder(path) or path
     meta_path = sources.join(path, METADATA_FILE)
     if not sources.isfile(meta_path):
