@@ -34,6 +34,7 @@ import io
 import itertools
 import operator
 import re
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -177,8 +178,8 @@ class StorageRun:
     fqns: list[str]
     offsets: list[tuple[int, ...]]
     paths: list[str]
-    starts: list[int]
-    lengths: list[int]
+    starts: array[int]  # (arrays: millions of distinct numbers, each an int object in a list)
+    lengths: array[int]
 
 
 @dataclass
@@ -186,7 +187,7 @@ class Parsed:
     """A ``.metadata`` split: the skeleton pickle, and the runs its tokens stand for."""
 
     skeleton: bytes
-    runs: list[ChunkRun | StorageRun] = field(default_factory=list)
+    runs: list[ChunkRun | StorageRun | None] = field(default_factory=list)  # (None: taken)
 
 
 def token(run: int) -> bytes:
@@ -296,7 +297,7 @@ class _Parser:
         self.removed = 0
         self.pieces: list[Any] = []
         self.copied = start  # the walk's bytes up to here are in pieces
-        self.runs: list[ChunkRun | StorageRun] = []
+        self.runs: list[ChunkRun | StorageRun | None] = []
         self.patterns: dict[tuple, _Runs] = {}
         self.sizes: dict[bytes, tuple[int, ...]] = {}  # a torch.Size's bytes -> its ints
         self.names: dict[bytes, str] = {}
@@ -540,7 +541,13 @@ class _Parser:
         fqns = self._cached(self.refs, fqn_ref, self._string_at)
         paths = self._cached(self.refs, path_ref, self._string_at)
         self.runs.append(
-            StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), self._lengths(lengths))
+            StorageRun(
+                fqns,
+                self._tuples(offsets),
+                paths,
+                _column(_ints(starts)),
+                _column(self._lengths(lengths)),
+            )
         )
 
     def _string_at(self, raw: bytes) -> str:
@@ -584,7 +591,13 @@ class _Parser:
         if None in fqns or None in paths:
             raise NotRegular  # a reference to something that is not a string
         self.runs.append(
-            StorageRun(fqns, self._tuples(offsets), paths, _ints(starts), self._lengths(lengths))
+            StorageRun(
+                fqns,
+                self._tuples(offsets),
+                paths,
+                _column(_ints(starts)),
+                _column(self._lengths(lengths)),
+            )
         )
 
     def _names(
@@ -668,6 +681,11 @@ def _ints(raws: tuple[bytes, ...] | list[bytes]) -> list[int]:
             map(_SHIFT.__getitem__, map(len, raws)),
         )
     )
+
+
+def _column(numbers: list[int]) -> array[int]:
+    """Numbers in [0, 2**63) (as ``_INT`` matches them) as an array."""
+    return array("q", numbers)
 
 
 def _int(raw: bytes) -> int:

@@ -15,9 +15,11 @@ error: None, and the readers after this one read the file from the start.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import operator
 from array import array
+from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
@@ -72,7 +74,7 @@ def _build(
     folder: str,
     meta_path: str,
     metadata: Any,
-    runs: list[ChunkRun | StorageRun],
+    runs: list[ChunkRun | StorageRun | None],  # (each set to None once taken)
     permissive: bool,
     seen: set[str],
 ) -> Checkpoint:
@@ -85,7 +87,7 @@ def _build(
 
     # storage_data, in order: the skeleton's entries as the bulk reader checks them,
     # and the runs' (a token key, None)
-    columns: tuple[list[Any], ...] = ([], [], [], [], [])
+    columns: tuple[Any, ...] = ([], [], [], array("q"), array("q"))
     fqns, offsets, paths, starts, lengths = columns
     infos: dict[int, dict] = {}  # row -> the state of a skeleton entry (a byte value's)
     records = [key for key in storage if type(key) is not bytes]
@@ -97,11 +99,13 @@ def _build(
     record_rows = iter(zip(key_states, info_states, strict=True))
     for key in storage:
         if type(key) is bytes:
-            run = runs[_take(numbers, used, key)]
+            number = _take(numbers, used, key)
+            run = runs[number]
             if type(run) is not StorageRun or storage[key] is not None:
                 raise NotPlain
             for column, values in zip(columns, _columns(run), strict=True):
                 column.extend(values)
+            runs[number] = None  # (taken once: its lists are the columns' now)
             continue
         key_state, info = next(record_rows)
         fqn, offset = _field([key_state], "fqn")[0], key_state.get("offset")
@@ -118,11 +122,12 @@ def _build(
         paths.append(path)
         starts.append(start)
         lengths.append(length)
-    # each tensor's rows of the table, and their offsets (in the order saved)
-    groups: dict[str, list[int]] = collections.defaultdict(list)
+    # each tensor's rows of the table (an array: millions of them), and their offsets
+    # (in the order saved)
+    groups: dict[str, array[int]] = collections.defaultdict(functools.partial(array, "q"))
     keys_of: dict[str, list[Any]] = collections.defaultdict(list)
     collections.deque(  # (loops in C: groups[fqn].append(row), keys_of[fqn].append(offsets))
-        map(list.append, map(groups.__getitem__, fqns), itertools.count()), maxlen=0
+        map(array.append, map(groups.__getitem__, fqns), itertools.count()), maxlen=0
     )
     collections.deque(map(list.append, map(keys_of.__getitem__, fqns), offsets), maxlen=0)
     if any(len(set(keys)) != len(keys) for keys in keys_of.values()):
@@ -163,7 +168,8 @@ def _build(
         if len(obj_path) > MAX_NESTING or type(fqn) is not str:
             raise NotPlain
         kind = type(entry).__name__
-        rows, keys = groups.get(fqn) or [], keys_of.get(fqn) or []
+        rows: Sequence[int] = groups.get(fqn) or []
+        keys = keys_of.get(fqn) or []
         if kind == "TensorStorageMetadata":
             value: Any = _tensor(fqn, entry, rows, keys, by_row, runs, numbers, used, world_size)
         elif kind == "BytesStorageMetadata" and None in keys:
@@ -179,18 +185,21 @@ def _build(
     return ckpt
 
 
-def _apart(paths: list[str], starts: list[int], lengths: list[int]) -> bool:
+def _apart(paths: list[str], starts: Sequence[int], lengths: Sequence[int]) -> bool:
     """Whether no two spans of a file overlap or start at the same byte (then none is
     shared). In the order saved, each file's spans are one run one after the other as
     DCP writes them; where a chunk list names one empty chunk's span for many ranks a
     file's spans are in several places: then their starts and ends are sorted."""
     if not paths:
         return True
-    if min(lengths) <= 0 or min(starts) < 0 or max(starts + lengths) >= 2**63:
+    # (millions of entries: no list of them is made where an iterator does)
+    furthest = max(map(operator.add, starts, lengths))
+    if min(lengths) <= 0 or min(starts) < 0 or furthest >= 2**63:
         return False
-    same_file = list(map(str.__eq__, paths[:-1], paths[1:]))
-    ends = list(map(operator.add, starts, lengths))
-    if len(same_file) - sum(same_file) + 1 == len(set(paths)):  # each file one run
+    next_paths = itertools.islice(paths, 1, None)
+    if sum(map(operator.ne, paths, next_paths)) + 1 == len(set(paths)):  # each file one run
+        same_file = map(operator.eq, paths, itertools.islice(paths, 1, None))
+        ends = map(operator.add, starts, lengths)
         after = map(operator.le, ends, itertools.islice(starts, 1, None))
         if all(map(operator.or_, after, map(operator.not_, same_file))):
             return True
@@ -198,11 +207,11 @@ def _apart(paths: list[str], starts: list[int], lengths: list[int]) -> bool:
     # starts and the ends sorted apart, each end is at most the next start: (file, byte)
     # as one number, the files one after the other (each as long as the furthest end)
     ids: dict[str, int] = {}
-    numbers = list(map(ids.setdefault, paths, map(len, repeat(ids))))
-    begins = list(map(operator.add, map(operator.mul, numbers, repeat(max(ends) + 1)), starts))
-    ends = sorted(map(operator.add, begins, lengths))  # (near sorted: runs)
+    numbers = map(ids.setdefault, paths, map(len, repeat(ids)))
+    begins = list(map(operator.add, map(operator.mul, numbers, repeat(furthest + 1)), starts))
+    sorted_ends = sorted(map(operator.add, begins, lengths))  # (near sorted: runs)
     begins.sort()
-    return all(map(operator.le, ends, itertools.islice(begins, 1, None)))
+    return all(map(operator.le, sorted_ends, itertools.islice(begins, 1, None)))
 
 
 def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
@@ -214,7 +223,7 @@ def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
     return number
 
 
-def _columns(run: StorageRun) -> tuple[list, ...]:
+def _columns(run: StorageRun) -> tuple[Any, ...]:
     return run.fqns, run.offsets, run.paths, run.starts, run.lengths
 
 
@@ -226,10 +235,10 @@ def _row3(row: int) -> slice:
 def _tensor(
     fqn: str,
     entry: Opaque,
-    rows: list[int],  # the storage table's rows of this tensor, in the order saved
+    rows: Sequence[int],  # the storage table's rows of this tensor, in the order saved
     keys: list[Any],  # their offsets
     by_row: tuple[array, list[str]],  # (start, length, file number) by row; the files
-    runs: list[ChunkRun | StorageRun],
+    runs: list[ChunkRun | StorageRun | None],  # (each set to None once taken)
     numbers: dict[bytes, int],
     used: set[int],
     world_size: int | None,
@@ -253,16 +262,18 @@ def _tensor(
     kept = iter(zip(kept_offsets, kept_sizes, strict=True))
     for chunk in chunks:
         if type(chunk) is bytes:
-            run = runs[_take(numbers, used, chunk)]
+            number = _take(numbers, used, chunk)
+            run = runs[number]
             if type(run) is not ChunkRun:
                 raise NotPlain
             offsets += run.offsets
             sizes += run.sizes
+            runs[number] = None  # (taken once)
         else:
             o, s = next(kept)
             offsets.append(tuple(o))
             sizes.append(tuple(s))
-    at: list[Any] = rows
+    at: list[Any] = list(rows)
     if keys != offsets:  # (DCP saves both in rank order: then no lookup)
         at = list(map(dict(zip(keys, rows, strict=True)).get, offsets))
         if None in at:
