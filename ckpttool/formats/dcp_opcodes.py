@@ -35,7 +35,7 @@ import itertools
 import operator
 import re
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -205,8 +205,7 @@ class NotRegular(Exception):
 def parse(data: bytes) -> Parsed | None:
     """The skeleton and runs of a ``.metadata`` (see the module), or None."""
     try:
-        stream, start, bounds = _unframe(data)
-        parsed = _Parser(stream, start, bounds).parse()
+        parsed = _Parser(_frames(data)).parse()
     except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
         return None
     parsed.skeleton = data[:2] + parsed.skeleton  # (PROTO)
@@ -214,66 +213,53 @@ def parse(data: bytes) -> Parsed | None:
 
 
 def parse_file(f: io.BufferedIOBase, size: int) -> Parsed | None:
-    """:func:`parse` of the ``size`` bytes of ``f`` (at its start), each frame's bytes
-    read straight to their place (one buffer, no copy of the file as read)."""
+    """:func:`parse` of the ``size`` bytes of ``f`` (at its start), read a frame at a
+    time: the walk holds one frame (64 KB as the pickler writes them), never the file
+    (a 2048-rank 405B-shaped one is 836 MB). An unframed file is read whole."""
     try:
         head = f.read(3)
         if len(head) < 3 or head[0] != 0x80 or head[1] not in (4, 5):
             return None
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        if head[2] != 0x95:
-            view[:3] = head
-            if f.readinto(view[3:]) != size - 3:
-                return None
-            view.release()
-            stream, start, bounds = buffer, 2, list[int]()
-        else:
-            total, frame, bounds = 0, head[2:] + f.read(8), list[int]()
-            while frame:
-                n = int.from_bytes(frame[1:9], "little")
-                if len(frame) != 9 or frame[0] != 0x95 or not 0 < n <= size - total:
-                    return None
-                if len(bounds) > size // 4096 + 16 or f.readinto(view[total : total + n]) != n:
-                    return None
-                total += n
-                bounds.append(total)
-                frame = f.read(9)
-            view.release()
-            del buffer[total:]
-            bounds.pop()
-            stream, start = buffer, 0
-        parsed = _Parser(stream, start, bounds).parse()
+        parsed = _Parser(_file_frames(f, size, head)).parse()
     except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
         return None
     parsed.skeleton = bytes(head[:2]) + parsed.skeleton  # (PROTO)
     return parsed
 
 
-def _unframe(data: bytes) -> tuple[bytes, int, list[int]]:
-    """(the opcodes, where they start, each frame boundary among them): protocol 4 or 5,
-    framed throughout (each FRAME right after the last one's bytes, to the end) or not
-    at all (then a FRAME opcode is refused where it appears)."""
+def _file_frames(f: io.BufferedIOBase, size: int, head: bytes) -> Iterator[bytes]:
+    """The opcodes of the file ``f`` (its first 3 bytes ``head`` read), frame by frame:
+    framed throughout (each FRAME right after the last one's bytes, to the end), or not
+    at all (then one piece, and a FRAME opcode is refused where it appears)."""
+    if head[2] != 0x95:
+        rest = f.read(size - 3)
+        if len(rest) != size - 3:
+            raise NotRegular
+        yield head[2:] + rest
+        return
+    header, total, count = head[2:] + f.read(8), 2, 0
+    while header:
+        n = int.from_bytes(header[1:9], "little")
+        total += 9 + n
+        count += 1
+        if len(header) != 9 or header[0] != 0x95 or n <= 0 or total > size:
+            raise NotRegular
+        if count > size // 4096 + 16:
+            raise NotRegular  # (frames of a few bytes: a walk of the file, not of frames)
+        frame = f.read(n)
+        if len(frame) != n:
+            raise NotRegular
+        yield frame
+        header = f.read(9)
+
+
+def _frames(data: bytes) -> Iterator[bytes]:
+    """The opcodes of ``data`` frame by frame, as :func:`_file_frames` gives a file's."""
     if len(data) < 3 or data[0] != 0x80 or data[1] not in (4, 5):
         raise NotRegular
-    if data[2] != 0x95:
-        return data, 2, []
-    view = memoryview(data)
-    pieces: list[memoryview] = []
-    bounds: list[int] = []
-    pos, total = 2, 0
-    while pos < len(data):
-        if data[pos] != 0x95 or pos + 9 > len(data) or len(pieces) > len(data) // 4096 + 16:
-            raise NotRegular
-        end = pos + 9 + int.from_bytes(data[pos + 1 : pos + 9], "little")
-        if end > len(data) or end == pos + 9:
-            raise NotRegular
-        pieces.append(view[pos + 9 : end])
-        total += end - pos - 9
-        bounds.append(total)
-        pos = end
-    bounds.pop()  # (the end of the opcodes)
-    return b"".join(pieces), 0, bounds
+    stream = io.BytesIO(data)
+    stream.seek(3)
+    return _file_frames(stream, len(data), data[:3])
 
 
 # what the walk keeps of a value: ("S", str), ("G", module, name), and these
@@ -285,8 +271,9 @@ _POP = {0x62: 1, 0x73: 2, 0x61: 1}  # BUILD SETITEM APPEND: pop n, the target st
 
 
 class _Parser:
-    def __init__(self, data: bytes | bytearray, start: int, bounds: list[int]):
-        self.data, self.pos, self.bounds = data, start, bounds
+    def __init__(self, frames: Iterator[bytes]):
+        self.frames = frames
+        self.data, self.pos = b"", 0  # the frame being walked, and where in it
         self.stack: list[tuple] = []
         self.marks: list[int] = []
         self.kinds: dict[int, tuple] = {}  # the skeleton's memo slots
@@ -296,7 +283,7 @@ class _Parser:
         self.removed_before: list[int] = []  # slots of the runs before it
         self.removed = 0
         self.pieces: list[Any] = []
-        self.copied = start  # the walk's bytes up to here are in pieces
+        self.copied = 0  # the frame's bytes up to here are in pieces
         self.runs: list[ChunkRun | StorageRun | None] = []
         self.patterns: dict[tuple, _Runs] = {}
         self.sizes: dict[bytes, tuple[int, ...]] = {}  # a torch.Size's bytes -> its ints
@@ -306,22 +293,27 @@ class _Parser:
         self.refs: dict[bytes, str] = {}  # a BINGET of a string -> the string
 
     def parse(self) -> Parsed:
-        data, bounds = self.data, self.bounds
+        """Walk every frame (no opcode crosses a frame's end: a run is matched, an
+        opcode's argument read, within it); the skeleton copied out of each as it goes,
+        so a frame is dropped once walked."""
         step = self._step
-        end = len(data)
-        bound_i = 0
-        for _ in range(MAX_STEPS):
-            limit = bounds[bound_i] if bound_i < len(bounds) else end
-            op = data[self.pos]
-            if (op == 0x68 or op == 0x6A) and self.marks and self._run(limit):
-                pass
-            elif step(op, limit):
-                if self.pos != end:  # (STOP ends the file)
+        steps = 0
+        for data in self.frames:
+            self.data, self.pos, self.copied = data, 0, 0
+            end = len(data)
+            while self.pos < end:
+                steps += 1
+                if steps > MAX_STEPS:
                     raise NotRegular
-                self.pieces.append(memoryview(data)[self.copied : end])
-                return Parsed(b"".join(self.pieces), self.runs)
-            if self.pos == limit and bound_i < len(bounds):
-                bound_i += 1
+                op = data[self.pos]
+                if (op == 0x68 or op == 0x6A) and self.marks and self._run(end):
+                    continue
+                if step(op, end):
+                    if self.pos != end or next(self.frames, None) is not None:
+                        raise NotRegular  # (STOP ends the file)
+                    self._copy_to(end)
+                    return Parsed(b"".join(self.pieces), self.runs)
+            self._copy_to(end)
         raise NotRegular
 
     # --------------------------------------------------------------- one opcode
@@ -433,8 +425,10 @@ class _Parser:
         return False
 
     def _copy_to(self, pos: int) -> None:
+        """The frame's bytes from ``copied`` to ``pos`` into the skeleton (a copy: the
+        frame is dropped once walked)."""
         if pos > self.copied:
-            self.pieces.append(memoryview(self.data)[self.copied : pos])
+            self.pieces.append(self.data[self.copied : pos])
 
     def _removed_before(self, slot: int) -> int:
         i = bisect.bisect_right(self.removed_at, slot)

@@ -20,7 +20,6 @@ import itertools
 import operator
 from array import array
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any
 
 from ..tree import Checkpoint, Opaque, ShardedRef
@@ -189,7 +188,7 @@ def _apart(paths: list[str], starts: Sequence[int], lengths: Sequence[int]) -> b
     """Whether no two spans of a file overlap or start at the same byte (then none is
     shared). In the order saved, each file's spans are one run one after the other as
     DCP writes them; where a chunk list names one empty chunk's span for many ranks a
-    file's spans are in several places: then their starts and ends are sorted."""
+    file's spans are in several places: then each file's are sorted."""
     if not paths:
         return True
     # (millions of entries: no list of them is made where an iterator does)
@@ -203,15 +202,22 @@ def _apart(paths: list[str], starts: Sequence[int], lengths: Sequence[int]) -> b
         after = map(operator.le, ends, itertools.islice(starts, 1, None))
         if all(map(operator.or_, after, map(operator.not_, same_file))):
             return True
-    # spans of positive length overlap nowhere (and share no start) exactly where, the
-    # starts and the ends sorted apart, each end is at most the next start: (file, byte)
-    # as one number, the files one after the other (each as long as the furthest end)
-    ids: dict[str, int] = {}
-    numbers = map(ids.setdefault, paths, map(len, repeat(ids)))
-    begins = list(map(operator.add, map(operator.mul, numbers, repeat(furthest + 1)), starts))
-    sorted_ends = sorted(map(operator.add, begins, lengths))  # (near sorted: runs)
-    begins.sort()
-    return all(map(operator.le, sorted_ends, itertools.islice(begins, 1, None)))
+    # spans of positive length overlap nowhere (and share no start) exactly where, in
+    # each file, sorted by start, each ends at most where the next starts: each file's
+    # starts and ends gathered (arrays, in C), then sorted a file at a time
+    starts_of: dict[str, array[int]] = collections.defaultdict(functools.partial(array, "q"))
+    ends_of: dict[str, array[int]] = collections.defaultdict(functools.partial(array, "q"))
+    collections.deque(map(array.append, map(starts_of.__getitem__, paths), starts), maxlen=0)
+    ends = map(operator.add, starts, lengths)
+    collections.deque(map(array.append, map(ends_of.__getitem__, paths), ends), maxlen=0)
+    for path, file_starts in starts_of.items():
+        spans = sorted(zip(file_starts, ends_of[path], strict=True))
+        if not all(map(operator.le, map(_END, spans), map(_START, spans[1:]))):
+            return False
+    return True
+
+
+_START, _END = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
