@@ -176,7 +176,7 @@ class StorageRun:
     start and length."""
 
     fqns: list[str]
-    offsets: list[tuple[int, ...]]
+    offsets: list[Any]  # tuples of ints (None: a byte value's entry, not in a run)
     paths: list[str]
     starts: array[int]  # (arrays: millions of distinct numbers, each an int object in a list)
     lengths: array[int]

@@ -19,7 +19,7 @@ import functools
 import itertools
 import operator
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..tree import Checkpoint, Opaque, ShardedRef
@@ -38,7 +38,8 @@ from .dcp_metadata import (
 )
 from .dcp_opcodes import ChunkRun, StorageRun, parse_file, token
 
-# A .metadata this reader reads at most, into memory (a 2048-rank 70B one is 531 MB)
+# A .metadata this reader reads at most (a 2048-rank 70B one is 531 MB; walked a frame at a
+# time, but its entries are all held, ~60 bytes each, until they are each tensor's chunks)
 MAX_METADATA_BYTES = 4 << 30
 
 
@@ -85,9 +86,11 @@ def _build(
     used: set[int] = set()
 
     # storage_data, in order: the skeleton's entries as the bulk reader checks them,
-    # and the runs' (a token key, None)
-    columns: tuple[Any, ...] = ([], [], [], array("q"), array("q"))
-    fqns, offsets, paths, starts, lengths = columns
+    # and the runs' (a token key, None); each column read through the segments, never
+    # copied into one list (millions of entries)
+    segments: list[StorageRun] = []
+    pending = _no_entries()  # the skeleton's entries since the last run
+    total = 0  # entries so far: the next one's row
     infos: dict[int, dict] = {}  # row -> the state of a skeleton entry (a byte value's)
     records = [key for key in storage if type(key) is not bytes]
     key_states = _states(records, IndexRecord, walked=False)
@@ -102,25 +105,34 @@ def _build(
             run = runs[number]
             if type(run) is not StorageRun or storage[key] is not None:
                 raise NotPlain
-            for column, values in zip(columns, _columns(run), strict=True):
-                column.extend(values)
-            runs[number] = None  # (taken once: its lists are the columns' now)
+            if pending.fqns:
+                segments.append(pending)
+                pending = _no_entries()
+            segments.append(run)
+            total += len(run.fqns)
+            runs[number] = None  # (taken once)
             continue
         key_state, info = next(record_rows)
         fqn, offset = _field([key_state], "fqn")[0], key_state.get("offset")
         if offset is not None:
             _sizes([offset], holders=2)
         if offset is None:
-            infos[len(fqns)] = info
+            infos[total] = info
         path, start, length = map(info.get, ("relative_path", "offset", "length"))
         # (a run's are so by its patterns)
-        if type(fqn) is not str or type(path) is not str or {type(start), type(length)} != {int}:
+        if type(fqn) is not str or type(path) is not str:
             raise NotPlain
-        fqns.append(fqn)
-        offsets.append(offset)
-        paths.append(path)
-        starts.append(start)
-        lengths.append(length)
+        if type(start) is not int or type(length) is not int:
+            raise NotPlain
+        pending.fqns.append(fqn)
+        pending.offsets.append(offset)
+        pending.paths.append(path)
+        pending.starts.append(start)
+        pending.lengths.append(length)
+        total += 1
+    if pending.fqns:
+        segments.append(pending)
+    fqns, offsets, paths, starts, lengths = (_Column(segments, name) for name in _FIELDS)
     # each tensor's rows of the table (an array: millions of them), and their offsets
     # (in the order saved)
     groups: dict[str, array[int]] = collections.defaultdict(functools.partial(array, "q"))
@@ -151,7 +163,7 @@ def _build(
             zip(starts, lengths, map(file_ids.__getitem__, paths), strict=True)
         ),
     )
-    del paths, starts, lengths
+    del paths, starts, lengths, segments
 
     plain_chunk_lists(entries)
     if set(map(type, planner.values())) - {tuple}:
@@ -184,12 +196,13 @@ def _build(
     return ckpt
 
 
-def _apart(paths: list[str], starts: Sequence[int], lengths: Sequence[int]) -> bool:
+def _apart(paths: Iterable[str], starts: Iterable[int], lengths: Iterable[int]) -> bool:
     """Whether no two spans of a file overlap or start at the same byte (then none is
     shared). In the order saved, each file's spans are one run one after the other as
     DCP writes them; where a chunk list names one empty chunk's span for many ranks a
-    file's spans are in several places: then each file's are sorted."""
-    if not paths:
+    file's spans are in several places: then each file's are sorted. (Each argument is
+    iterated several times.)"""
+    if next(iter(paths), None) is None:
         return True
     # (millions of entries: no list of them is made where an iterator does)
     furthest = max(map(operator.add, starts, lengths))
@@ -229,8 +242,22 @@ def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
     return number
 
 
-def _columns(run: StorageRun) -> tuple[Any, ...]:
-    return run.fqns, run.offsets, run.paths, run.starts, run.lengths
+_FIELDS = ("fqns", "offsets", "paths", "starts", "lengths")
+
+
+def _no_entries() -> StorageRun:
+    return StorageRun([], [], [], array("q"), array("q"))
+
+
+class _Column:
+    """One field of every segment of the storage table, one after the other: iterated
+    as often as needed, never copied into one list."""
+
+    def __init__(self, segments: list[StorageRun], field: str):
+        self._parts = [getattr(segment, field) for segment in segments]
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.chain.from_iterable(self._parts)
 
 
 def _row3(row: int) -> slice:
