@@ -534,13 +534,21 @@ class _Parser:
         # (a slot holds one value for good: a reference's string is looked up once)
         fqns = self._cached(self.refs, fqn_ref, self._string_at)
         paths = self._cached(self.refs, path_ref, self._string_at)
+        self._add_storage_run(fqns, offsets, paths, starts, lengths)
+
+    def _add_storage_run(
+        self, fqns: list, offsets: tuple, paths: list, starts: tuple, lengths: tuple
+    ) -> None:
+        """A run of storage entries: its names, and its numbers from their bytes (the
+        starts and lengths in arrays: millions of distinct numbers, each an object in a
+        list)."""
         self.runs.append(
             StorageRun(
                 fqns,
                 self._tuples(offsets),
                 paths,
-                _column(_ints(starts)),
-                _column(self._lengths(lengths)),
+                array("q", _ints(starts)),
+                array("q", self._lengths(lengths)),
             )
         )
 
@@ -584,15 +592,7 @@ class _Parser:
         paths: list = list(map(strings.get, path_slot))
         if None in fqns or None in paths:
             raise NotRegular  # a reference to something that is not a string
-        self.runs.append(
-            StorageRun(
-                fqns,
-                self._tuples(offsets),
-                paths,
-                _column(_ints(starts)),
-                _column(self._lengths(lengths)),
-            )
-        )
+        self._add_storage_run(fqns, offsets, paths, starts, lengths)
 
     def _names(
         self,
@@ -675,11 +675,6 @@ def _ints(raws: tuple[bytes, ...] | list[bytes]) -> list[int]:
             map(_SHIFT.__getitem__, map(len, raws)),
         )
     )
-
-
-def _column(numbers: list[int]) -> array[int]:
-    """Numbers in [0, 2**63) (as ``_INT`` matches them) as an array."""
-    return array("q", numbers)
 
 
 def _int(raw: bytes) -> int:
