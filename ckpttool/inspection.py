@@ -197,6 +197,8 @@ def tensor_file(ref: Any) -> str | None:
     if isinstance(ref, SparseRef):
         files = {tensor_file(part) for part in ref.parts}
     elif isinstance(ref, ShardedRef):
+        if hasattr(ref.shards, "block_spans"):
+            return None  # (DCP chunks as columns: millions at 2048 ranks, none a storage)
         blocks = list(map(_BLOCK, ref.shards))
         if not any(map(_may_hold_storage, set(map(type, blocks)))):
             return None  # (DCP chunks: a 2048-rank folder has millions)

@@ -99,19 +99,23 @@ _SPAN = tuple(map(operator.attrgetter, SPAN_ATTRS))
 def _add_spans_in_bulk(spans: Spans, leaf: ShardedRef, name: str) -> bool:
     """:func:`stored_spans` of a sharded tensor whose blocks all know their span and
     hold nothing else (DCP chunks), in C-speed passes; False where they are not such."""
-    blocks = list(map(_TENSOR, leaf.shards))
-    kinds = set(map(type, blocks))
-    kind = kinds.pop() if len(kinds) == 1 else None
-    if (
-        kind is None
-        or issubclass(kind, TensorRef)
-        or not set(SPAN_ATTRS) <= set(getattr(kind, "__slots__", ()))
-        or hasattr(kind, "ref")
-        or any("__dict__" in vars(c) for c in kind.__mro__)  # (its objects hold no more)
-    ):
-        return False
-    files, starts, lengths = (list(map(get, blocks)) for get in _SPAN)
-    if set(map(type, files)) != {str} or set(map(type, starts + lengths)) != {int}:
+    columns = getattr(leaf.shards, "block_spans", None)  # (DCP chunks kept as columns)
+    if columns is not None:
+        files, starts, lengths = columns()
+    else:
+        blocks = list(map(_TENSOR, leaf.shards))
+        kinds = set(map(type, blocks))
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if (
+            kind is None
+            or issubclass(kind, TensorRef)
+            or not set(SPAN_ATTRS) <= set(getattr(kind, "__slots__", ()))
+            or hasattr(kind, "ref")
+            or any("__dict__" in vars(c) for c in kind.__mro__)  # (its objects hold no more)
+        ):
+            return False
+        files, starts, lengths = (list(map(get, blocks)) for get in _SPAN)
+    if set(map(type, files)) != {str} or set(map(type, itertools.chain(starts, lengths))) != {int}:
         return False
     ends = map(operator.add, starts, lengths)
     collections.deque(  # (a loop in C: spans[file].append((start, end, name)))

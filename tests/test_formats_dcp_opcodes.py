@@ -460,6 +460,8 @@ def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
     assert [row(shards[i]) for i in range(-16, 0)] == rows
     assert list(map(row, shards[3:9:2])) == rows[3:9:2]
     assert rows[0][2].endswith("__0_0.distcp") and rows[15][2].endswith("__15_0.distcp")
+    files, starts, lengths = shards.block_spans()  # (what inspect's size check reads)
+    assert list(zip(files, starts, lengths, strict=True)) == [r[2:5] for r in rows]
     with pytest.raises(IndexError):
         shards[16]
     with pytest.raises(CkptError, match="internal error"):

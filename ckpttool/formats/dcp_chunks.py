@@ -95,6 +95,13 @@ class DcpChunks(Sequence):
         )
         return Shard(offsets, sizes, chunk)
 
+    def block_spans(self) -> tuple[list[str], Sequence[int], Sequence[int]]:
+        """Each chunk's file, start and length (what :class:`DcpChunk` says of its span),
+        without making the chunks."""
+        rows = self._rows
+        files = list(map(self._files.__getitem__, itertools.islice(rows, 2, None, 3)))
+        return files, rows[0::3], rows[1::3]
+
     def __iter__(self) -> Iterator[Shard]:
         rows = self._rows
         return map(
