@@ -464,5 +464,16 @@ def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
     assert list(zip(files, starts, lengths, strict=True)) == [r[2:5] for r in rows]
     with pytest.raises(IndexError):
         shards[16]
+    # one rank: each tensor's rows are in the order saved, its columns a view of the table
+    one = tmp_path / "one"
+    write_folder(one, 1, SHAPES)
+    chunks = dict(iter_tensors(fast(one).root))[("model", "e")].shards
+    (only,) = chunks
+    files, starts, lengths = chunks.block_spans()
+    assert (list(files), list(starts), list(lengths)) == (
+        [only.tensor.path],
+        [only.tensor.offset],
+        [only.tensor.length],
+    )
     with pytest.raises(CkptError, match="internal error"):
         DcpChunks(["f"], array("q", [0, 1]), [(0,)], [(1,)], ref.dtype, "x")
