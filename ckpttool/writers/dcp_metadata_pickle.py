@@ -186,6 +186,17 @@ class _Emitter:
         self.write(pickle.NEWOBJ)
         self.memoize(None)
 
+    def object_with_state(self) -> None:
+        """``cls`` is on the stack: the new object, then its ``__dict__`` opened for its
+        items (MARK); :meth:`state_end` sets them and builds the object."""
+        self.new_object()
+        self.state_dict_start()
+        self.write(pickle.MARK)
+
+    def state_end(self) -> None:
+        self.write(pickle.SETITEMS)
+        self.write(pickle.BUILD)
+
     def state_dict_start(self) -> None:
         self.save()
         self.write(pickle.EMPTY_DICT)
@@ -260,9 +271,7 @@ def metadata_pickle(items: Sequence[DcpItem], data_file: str) -> bytes:
     # Metadata(): class, no arguments, then its __dict__ as the BUILD state
     emit.save()
     emit.metadata_class("Metadata")
-    emit.new_object()
-    emit.state_dict_start()
-    emit.write(pickle.MARK)
+    emit.object_with_state()
 
     attribute("state_dict_metadata")
     emit.state_dict_start()
@@ -274,9 +283,7 @@ def metadata_pickle(items: Sequence[DcpItem], data_file: str) -> bytes:
         # TensorStorageMetadata(properties, size, chunks)
         emit.save()
         emit.metadata_class("TensorStorageMetadata")
-        emit.new_object()
-        emit.state_dict_start()
-        emit.write(pickle.MARK)
+        emit.object_with_state()
         attribute("properties")
         _properties(emit, item)
         emit.write(pickle.BUILD)
@@ -290,18 +297,14 @@ def metadata_pickle(items: Sequence[DcpItem], data_file: str) -> bytes:
         # [ChunkStorageMetadata(offsets=zeros, sizes=shape)]
         emit.save()
         emit.metadata_class("ChunkStorageMetadata")
-        emit.new_object()
-        emit.state_dict_start()
-        emit.write(pickle.MARK)
+        emit.object_with_state()
         attribute("offsets")
         emit.torch_size((0,) * len(item.shape), None)
         attribute("sizes")
         emit.torch_size(item.shape, shape_key)
-        emit.write(pickle.SETITEMS)
-        emit.write(pickle.BUILD)
-        emit.write(pickle.APPEND)
-        emit.write(pickle.SETITEMS)
-        emit.write(pickle.BUILD)
+        emit.state_end()
+        emit.write(pickle.APPEND)  # the chunk into the list
+        emit.state_end()  # (the TensorStorageMetadata's)
 
     _dict_items(emit, len(items), tensor_entry)
 
@@ -328,32 +331,26 @@ def metadata_pickle(items: Sequence[DcpItem], data_file: str) -> bytes:
         # the order its __init__ sets them
         emit.save()
         emit.metadata_class("MetadataIndex")
-        emit.new_object()
-        emit.state_dict_start()
-        emit.write(pickle.MARK)
+        emit.object_with_state()
         attribute("fqn")
         emit.string(item.name, emit.obj(item.name))
         attribute("index")
         emit.integer(0)
         attribute("offset")
         emit.torch_size((0,) * len(item.shape), None)
-        emit.write(pickle.SETITEMS)
-        emit.write(pickle.BUILD)
+        emit.state_end()
         # _StorageInfo(data_file, offset, length): __getstate__ drops the None
         # transform_descriptors
         emit.save()
         emit.torch_class(_FILESYSTEM_MODULE, "_StorageInfo")
-        emit.new_object()
-        emit.state_dict_start()
-        emit.write(pickle.MARK)
+        emit.object_with_state()
         attribute("relative_path")
         emit.string(data_file, path_key)
         attribute("offset")
         emit.integer(item.offset)
         attribute("length")
         emit.integer(item.length)
-        emit.write(pickle.SETITEMS)
-        emit.write(pickle.BUILD)
+        emit.state_end()
 
     _dict_items(emit, len(items), storage_entry)
 
@@ -361,8 +358,7 @@ def metadata_pickle(items: Sequence[DcpItem], data_file: str) -> bytes:
     emit.none()
     attribute("version")
     emit.none()
-    emit.write(pickle.SETITEMS)
-    emit.write(pickle.BUILD)
+    emit.state_end()
     emit.write(pickle.STOP)
     emit.commit_frame()
     return bytes(emit.out)
