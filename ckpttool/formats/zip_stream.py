@@ -14,6 +14,7 @@ bytes, a deflated entry inflated a chunk at a time. No torch here.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import heapq
 import itertools
@@ -40,7 +41,7 @@ DESCRIPTOR_BYTES = 24
 DATA_DESCRIPTOR_FLAG = 0x8
 
 
-class Task:
+class Task(abc.ABC):
     """A check over the bytes ``[start, end)`` of a file, fed as the stream passes them.
 
     ``finish`` runs when its last byte has passed; it raises :class:`CkptError` on
@@ -50,11 +51,13 @@ class Task:
     def __init__(self, start: int, size: int):
         self.start, self.end = start, start + size
 
+    @abc.abstractmethod
     def feed(self, data: memoryview) -> None:
-        raise NotImplementedError
+        """Take the next bytes of the span, in order."""
 
+    @abc.abstractmethod
     def finish(self) -> list[Task]:
-        raise NotImplementedError
+        """Check what was fed; the tasks that follow from it."""
 
 
 class Entry:
