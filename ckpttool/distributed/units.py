@@ -42,7 +42,6 @@ UNITS_WANTED = 128
 MIN_UNIT_BYTES = 4 << 20
 UNIT_ALIGN = 1 << 20  # units start aligned for O_DIRECT
 UNIT_BYTES_ENV = "CKPTTOOL_UNIT_BYTES"  # tests cut small outputs into many units
-CAST_ELEMENTS = 4 << 20  # a cast (--dtype) reads and casts this many elements at a time
 _RESOLVING = threading.Lock()  # (units may be written from several threads)
 
 # (piece offset, start within the piece, length, CRC-32 of those bytes)
