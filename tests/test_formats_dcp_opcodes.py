@@ -327,6 +327,38 @@ def test_trouble_anywhere_is_decided_by_the_generic_reader(tmp_path, monkeypatch
     )
 
 
+def _shuffled_storage(meta):
+    """storage_data in another order: each file's spans in many places, each tensor's
+    entries in another order than its chunks."""
+    items = list(meta.storage_data.items())
+    random.Random(1).shuffle(items)
+    meta.storage_data = dict(items)
+
+
+@pytest.mark.parametrize(
+    "change", [None, _shuffled_storage, _overlap, _missing_span, _negative_offset]
+)
+def test_the_chunk_table_on_disk_reads_the_same(tmp_path, monkeypatch, change):
+    """Past a few MB the chunk records are in temporary files, read a block at a time:
+    here past 256 bytes, 5 records at a time (blocks cut every run and group). The same
+    checkpoint, or the same refusal, as the generic reader's."""
+    from ckpttool.formats import dcp_table
+    from ckpttool.formats.dcp_chunks import DcpChunks
+
+    folder = tmp_path / "ckpt"
+    _tweaked(folder, change or (lambda meta: None), ranks=64)
+    expected = generic(folder, monkeypatch)
+    monkeypatch.setattr(dcp_table, "IN_MEMORY", 256)
+    monkeypatch.setattr(dcp_table, "BLOCK_ROWS", 5)
+    ckpt = fast(folder)
+    if change in (None, _shuffled_storage):
+        assert ckpt is not None and ("ok", summary(ckpt)) == expected
+        shards = dict(iter_tensors(ckpt.root))[("model", "w")].shards
+        assert isinstance(shards, DcpChunks) and shards._spill._memory is None  # on disk
+    else:
+        assert ckpt is None and expected[0] == "error"
+
+
 @pytest.fixture(scope="module")
 def fuzz_base(tmp_path_factory):
     """A folder of ~1,300 chunks (3 frames), its .metadata bytes."""
@@ -392,27 +424,42 @@ def test_fuzzed_metadata_reads_as_the_generic_reader_reads_it(fuzz_base, monkeyp
     assert taken  # (some mutations change only a number, a name: still plain)
 
 
-def test_spans_apart_as_a_pairwise_check_says():
-    """``_apart`` (in the order saved, else starts and ends sorted apart) against every
-    pair of spans, on random layouts (the generic reader refuses overlaps and leaves a
-    shared start to the safetensors check)."""
+def test_spans_apart_as_a_pairwise_check_says(monkeypatch):
+    """``_apart`` (in the order saved, else each file's spans grouped and sorted apart)
+    against every pair of spans, on random layouts read a few records at a time (the
+    generic reader refuses overlaps and leaves a shared start to the safetensors check)."""
     import itertools
 
+    import numpy as np
+
+    from ckpttool.formats import dcp_table
     from ckpttool.formats.dcp_runs import _apart
+
+    monkeypatch.setattr(dcp_table, "BLOCK_ROWS", 3)  # (blocks cut the runs)
+
+    def apart(paths, starts, lengths):
+        records = np.array(
+            [(0, p, 0, s, n) for p, s, n in zip(paths, starts, lengths, strict=True)],
+            dcp_table.STORAGE,
+        )
+        found = _apart(lambda: dcp_table.blocks([records], dcp_table.STORAGE), 3)
+        assert found is None or found == sorted(set(paths))
+        return found is not None
 
     rng = random.Random(0)
     for _ in range(3000):
         n = rng.randrange(1, 8)
-        paths = [rng.choice("abc") for _ in range(n)]
+        paths = [rng.randrange(3) for _ in range(n)]
         starts = [rng.randrange(0, 20) for _ in range(n)]
         lengths = [rng.randrange(1, 6) for _ in range(n)]
-        apart = not any(
+        expected = not any(
             paths[i] == paths[j]
             and max(starts[i], starts[j]) < min(starts[i] + lengths[i], starts[j] + lengths[j])
             for i, j in itertools.combinations(range(n), 2)
         )
-        assert _apart(paths, starts, lengths) == apart, (paths, starts, lengths)
-    assert not _apart(["a"], [0], [0]) and not _apart(["a"], [-1], [2])
+        assert apart(paths, starts, lengths) == expected, (paths, starts, lengths)
+    assert not apart([0], [0], [0]) and not apart([0], [-1], [2])
+    assert not apart([0], [2**63 - 2], [2]) and apart([0], [2**63 - 2], [1])
 
 
 def test_a_short_data_file_is_named_as_before(tmp_path, monkeypatch):
@@ -437,10 +484,10 @@ def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
     object is held after the read (millions of them, at thousands of ranks), and
     reading one by index, by slice or by iterating gives the same chunks."""
     import gc
-    from array import array
 
     from ckpttool.errors import CkptError
     from ckpttool.formats.dcp_chunks import DcpChunk, DcpChunks
+    from ckpttool.formats.dcp_table import Spill
 
     folder = tmp_path / "ckpt"
     write_folder(folder, 16, SHAPES)
@@ -464,7 +511,7 @@ def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
     assert list(zip(files, starts, lengths, strict=True)) == [r[2:5] for r in rows]
     with pytest.raises(IndexError):
         shards[16]
-    # one rank: each tensor's rows are in the order saved, its columns a view of the table
+    # one rank: each tensor's one chunk
     one = tmp_path / "one"
     write_folder(one, 1, SHAPES)
     chunks = dict(iter_tensors(fast(one).root))[("model", "e")].shards
@@ -476,4 +523,4 @@ def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
         [only.tensor.length],
     )
     with pytest.raises(CkptError, match="internal error"):
-        DcpChunks(["f"], array("q", [0, 1]), [(0,)], [(1,)], ref.dtype, "x")
+        DcpChunks(Spill(), 0, 1, [(0,)], ["f"], ref.dtype, "x")

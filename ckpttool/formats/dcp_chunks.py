@@ -8,7 +8,6 @@ import functools
 import itertools
 import json
 import re
-from array import array
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, overload
 
@@ -16,6 +15,7 @@ from .. import sources
 from ..dtypes import DType
 from ..errors import CkptError
 from ..tree import Shard, ShardedRef, TensorRef, state_attrs
+from .dcp_table import ROW, Spill
 from .per_rank import lone_rank_shards
 from .safetensors_file import MAX_HEADER, dcp_saved_offsets
 from .safetensors_file import tensor_ref as safetensors_tensor_ref
@@ -51,35 +51,49 @@ def dcp_tensor(
 
 
 class DcpChunks(Sequence):
-    """The chunks of one DCP tensor, as columns: its :class:`~ckpttool.tree.Shard` and
-    :class:`DcpChunk` objects are made when read, not held.
+    """The chunks of one DCP tensor, as records of a spill (:mod:`~ckpttool.formats.dcp_table`):
+    its :class:`~ckpttool.tree.Shard` and :class:`DcpChunk` objects are made when read,
+    not held.
 
     A folder saved by thousands of ranks has millions of chunks, every rank of a
     distributed conversion reads them all, and as objects each costs ~240 bytes (a
-    405B-shaped folder of 2048 ranks: 7 M chunks, 1.6 GB); here a chunk is its start,
-    length and file number in an array and its offsets and sizes (tuples most chunks
-    share), ~36 bytes. Consumers read the chunks once or twice per tensor, a tensor at
-    a time.
+    405B-shaped folder of 2048 ranks: 7 M chunks, 1.6 GB); here a chunk is a record
+    of 28 bytes in a spill (past a few MB, a temporary file), its offsets and sizes
+    numbers of the tuples most chunks share. Consumers read the chunks once or twice
+    per tensor, a tensor at a time.
     """
 
-    __slots__ = ("_files", "_rows", "_offsets", "_sizes", "_dtype", "_fqn")
+    __slots__ = ("_spill", "_at", "_count", "_tuples", "_files", "_dtype", "_fqn")
 
     def __init__(
         self,
-        files: list[str],
-        rows: array | memoryview,  # start, length, file number (in ``files``) of each chunk
-        offsets: list[tuple],
-        sizes: list[tuple],
+        spill: Spill,
+        at: int,  # where its ``ROW`` records start in ``spill``
+        count: int,
+        tuples: list[tuple[int, ...]],  # a record's ``offsets`` and ``sizes`` -> the tuple
+        files: list[str | None],  # a record's ``path`` -> the data file
         dtype: DType,
         fqn: str,
     ):
-        if not len(rows) == 3 * len(offsets) == 3 * len(sizes):
-            raise CkptError(f"internal error: the chunk columns of {fqn!r} differ in length")
-        self._files, self._rows, self._dtype, self._fqn = files, rows, dtype, fqn
-        self._offsets, self._sizes = offsets, sizes
+        if count < 0 or at + count * ROW.itemsize > spill.size:
+            raise CkptError(f"internal error: the chunk records of {fqn!r} are not in the spill")
+        self._spill, self._at, self._count = spill, at, count
+        self._tuples, self._files, self._dtype, self._fqn = tuples, files, dtype, fqn
 
     def __len__(self) -> int:
-        return len(self._offsets)
+        return self._count
+
+    def _rows(self, first: int, count: int) -> tuple[list, list, list, list[tuple], list[tuple]]:
+        """Files, starts, lengths, offsets and sizes of ``count`` chunks from ``first``."""
+        rows = self._spill.records(ROW, self._at + first * ROW.itemsize, count)
+        tuple_of = self._tuples.__getitem__
+        return (
+            list(map(self._files.__getitem__, rows["path"].tolist())),
+            rows["start"].tolist(),
+            rows["length"].tolist(),
+            list(map(tuple_of, rows["offsets"].tolist())),
+            list(map(tuple_of, rows["sizes"].tolist())),
+        )
 
     @overload
     def __getitem__(self, index: int) -> Shard: ...
@@ -88,36 +102,35 @@ class DcpChunks(Sequence):
     def __getitem__(self, index: int | slice) -> Shard | list[Shard]:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        offsets, sizes, at = self._offsets[index], self._sizes[index], 3 * (index % len(self))
-        start, length, file = self._rows[at : at + 3]
-        chunk = DcpChunk(
-            self._files[file], start, length, self._dtype, sizes, None, self._fqn, offsets
-        )
-        return Shard(offsets, sizes, chunk)
+        if not -self._count <= index < self._count:
+            raise IndexError("chunk index out of range")
+        return next(self._shards(index % self._count, 1))
 
     def block_spans(self) -> tuple[list[str], Sequence[int], Sequence[int]]:
         """Each chunk's file, start and length (what :class:`DcpChunk` says of its span),
         without making the chunks."""
-        rows = self._rows
-        files = list(map(self._files.__getitem__, itertools.islice(rows, 2, None, 3)))
-        return files, rows[0::3], rows[1::3]
+        files, starts, lengths, _, _ = self._rows(0, self._count)
+        return files, starts, lengths
 
     def __iter__(self) -> Iterator[Shard]:
-        rows = self._rows
+        return self._shards(0, self._count)
+
+    def _shards(self, first: int, count: int) -> Iterator[Shard]:
+        files, starts, lengths, offsets, sizes = self._rows(first, count)
         return map(
             Shard,
-            self._offsets,
-            self._sizes,
+            offsets,
+            sizes,
             map(
                 DcpChunk,
-                map(self._files.__getitem__, itertools.islice(rows, 2, None, 3)),
-                itertools.islice(rows, 0, None, 3),
-                itertools.islice(rows, 1, None, 3),
+                files,
+                starts,
+                lengths,
                 itertools.repeat(self._dtype),
-                self._sizes,
+                sizes,
                 itertools.repeat(None),
                 itertools.repeat(self._fqn),
-                self._offsets,
+                offsets,
             ),
         )
 

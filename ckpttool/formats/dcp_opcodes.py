@@ -34,11 +34,14 @@ import io
 import itertools
 import operator
 import re
-from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
+
+import numpy as np
+
+from .dcp_table import CHUNK, STORAGE, Interned, Spill
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -58,6 +61,7 @@ _METADATA_NAMES = frozenset(
 MAX_STEPS = 2_000_000
 MAX_PATTERNS = 32  # distinct (class, keys, Size) memo slots runs are compiled for
 MAX_STRING = 1 << 20  # a BINUNICODE of the skeleton
+MAX_CACHED = 1 << 16  # distinct bytes a cache of the runs' values keeps (see _cached)
 
 # A number as the pickler writes one in [0, 2**63): BININT1, BININT2 of 256 and up,
 # BININT of 65536 to 2**31 - 1, LONG1 of 5 to 8 bytes, shortest, positive
@@ -163,31 +167,33 @@ def _compile(build: Callable[..., bytes], slots: tuple[int, ...]) -> _Runs:
 
 @dataclass
 class ChunkRun:
-    """Consecutive chunks of one tensor's chunk list: each one's offsets and sizes, as
-    tuples of ints (equal ones shared)."""
+    """Consecutive chunks of one tensor's chunk list: ``count`` records of
+    :data:`~ckpttool.formats.dcp_table.CHUNK` at ``at`` of the chunk spill."""
 
-    offsets: list[tuple[int, ...]]
-    sizes: list[tuple[int, ...]]
+    at: int
+    count: int
 
 
 @dataclass
 class StorageRun:
-    """Consecutive entries of ``storage_data``: each one's fqn, offsets, data file,
-    start and length."""
+    """Consecutive entries of ``storage_data``: ``count`` records of
+    :data:`~ckpttool.formats.dcp_table.STORAGE` at ``at`` of the storage spill."""
 
-    fqns: list[str]
-    offsets: list[Any]  # tuples of ints (None: a byte value's entry, not in a run)
-    paths: list[str]
-    starts: array[int]  # (arrays: millions of distinct numbers, each an int object in a list)
-    lengths: array[int]
+    at: int
+    count: int
 
 
 @dataclass
 class Parsed:
-    """A ``.metadata`` split: the skeleton pickle, and the runs its tokens stand for."""
+    """A ``.metadata`` split: the skeleton pickle, the runs its tokens stand for, the
+    runs' records (spilled) and the tuples and names their numbers stand for."""
 
     skeleton: bytes
     runs: list[ChunkRun | StorageRun | None] = field(default_factory=list)  # (None: taken)
+    chunks: Spill = field(default_factory=Spill)
+    storage: Spill = field(default_factory=Spill)
+    tuples: Interned[tuple[int, ...]] = field(default_factory=Interned)
+    names: Interned[str] = field(default_factory=Interned)
 
 
 def token(run: int) -> bytes:
@@ -284,7 +290,8 @@ class _Parser:
         self.removed = 0
         self.pieces: list[Any] = []
         self.copied = 0  # the frame's bytes up to here are in pieces
-        self.runs: list[ChunkRun | StorageRun | None] = []
+        self.out = Parsed(b"")  # the runs, their records, their tuples and names
+        self.runs = self.out.runs
         self.patterns: dict[tuple, _Runs] = {}
         self.sizes: dict[bytes, tuple[int, ...]] = {}  # a torch.Size's bytes -> its ints
         self.names: dict[bytes, str] = {}
@@ -312,7 +319,8 @@ class _Parser:
                     if self.pos != end or next(self.frames, None) is not None:
                         raise NotRegular  # (STOP ends the file)
                     self._copy_to(end)
-                    return Parsed(b"".join(self.pieces), self.runs)
+                    self.out.skeleton = b"".join(self.pieces)
+                    return self.out
             self._copy_to(end)
         raise NotRegular
 
@@ -508,10 +516,15 @@ class _Parser:
         return first
 
     def _cached(self, cache: dict, raw: tuple[bytes, ...] | list[bytes], make: Callable) -> list:
-        """``make(r)`` of each of ``raw``, made once per distinct bytes (equal ones shared)."""
+        """``make(r)`` of each of ``raw``, made once per distinct bytes (equal ones shared;
+        the cache is emptied past ``MAX_CACHED`` entries: it may not grow with the file)."""
         got = list(map(cache.get, raw))
         if None in got:
-            for new in set(itertools.compress(raw, map(operator.not_, got))):
+            missing = set(itertools.compress(raw, map(operator.not_, got)))
+            if len(cache) > MAX_CACHED:
+                cache.clear()
+                missing = set(raw)
+            for new in missing:
                 cache[new] = make(new)
             got = list(map(cache.__getitem__, raw))
         return got
@@ -524,7 +537,10 @@ class _Parser:
         # 2 slots (the object, its dict) and 3 per torch.Size (2 for an empty one)
         empty = offsets.count(()) + sizes.count(())
         self._remove(8 * len(items) - empty)
-        self.runs.append(ChunkRun(list(offsets), list(sizes)))
+        records = np.empty(len(items), CHUNK)
+        records["offsets"] = self.out.tuples.ids_of(offsets)
+        records["sizes"] = self.out.tuples.ids_of(sizes)
+        self.runs.append(ChunkRun(self.out.chunks.append(records), len(items)))
 
     def _take_storage_refs(self, items: list[tuple[bytes, ...]]) -> None:
         """Storage entries whose names are all named before the run (none is new)."""
@@ -539,18 +555,16 @@ class _Parser:
     def _add_storage_run(
         self, fqns: list, offsets: tuple, paths: list, starts: tuple, lengths: tuple
     ) -> None:
-        """A run of storage entries: its names, and its numbers from their bytes (the
-        starts and lengths in arrays: millions of distinct numbers, each an object in a
-        list)."""
-        self.runs.append(
-            StorageRun(
-                fqns,
-                self._tuples(offsets),
-                paths,
-                array("q", _ints(starts)),
-                array("q", self._lengths(lengths)),
-            )
-        )
+        """A run of storage entries, its records spilled: names and offsets by number,
+        starts and lengths from their bytes."""
+        out = self.out
+        records = np.empty(len(fqns), STORAGE)
+        records["fqn"] = out.names.ids_of(fqns)
+        records["path"] = out.names.ids_of(paths)
+        records["key"] = out.tuples.ids_of(self._tuples(offsets))
+        records["start"] = _ints(starts)
+        records["length"] = self._lengths(lengths)
+        self.runs.append(StorageRun(out.storage.append(records), len(fqns)))
 
     def _string_at(self, raw: bytes) -> str:
         """The string a BINGET / LONG_BINGET names (defined before it)."""

@@ -14,13 +14,11 @@ error: None, and the readers after this one read the file from the start.
 
 from __future__ import annotations
 
-import collections
-import functools
 import itertools
-import operator
-from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 from ..tree import Checkpoint, Opaque, ShardedRef
 from .dcp_metadata import (
@@ -36,7 +34,8 @@ from .dcp_metadata import (
     plain_chunk_lists,
     tensor_entry,
 )
-from .dcp_opcodes import ChunkRun, StorageRun, parse_file, token
+from .dcp_opcodes import ChunkRun, Parsed, StorageRun, parse_file, token
+from .dcp_table import CHUNK, ROW, STORAGE, Spill, blocks, group_rows
 
 # A .metadata this reader reads at most (a 2048-rank 70B one is 531 MB; walked a frame at a
 # time, but its entries are all held, ~60 bytes each, until they are each tensor's chunks)
@@ -65,7 +64,7 @@ def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
             seen=seen,
             unpickler_class=DcpMetadataUnpickler,
         )  # (checked as any pickle: the runs' entries are flat and shared by none)
-        return _build(folder, meta_path, metadata, parsed.runs, permissive, seen)
+        return _build(folder, meta_path, metadata, parsed, permissive, seen)
     except Exception:  # NotPlain, CkptError, or a TypeError on a hostile value
         return None
 
@@ -74,7 +73,7 @@ def _build(
     folder: str,
     meta_path: str,
     metadata: Any,
-    runs: list[ChunkRun | StorageRun | None],  # (each set to None once taken)
+    parsed: Parsed,
     permissive: bool,
     seen: set[str],
 ) -> Checkpoint:
@@ -82,16 +81,16 @@ def _build(
     from .torch_zip import checkpoint
 
     entries, storage, planner = metadata_fields(metadata)
+    runs = parsed.runs  # (each set to None once taken)
     numbers = {token(n): n for n in range(len(runs))}
     used: set[int] = set()
+    names, tuples = parsed.names, parsed.tuples
 
-    # storage_data, in order: the skeleton's entries as the bulk reader checks them,
-    # and the runs' (a token key, None); each column read through the segments, never
-    # copied into one list (millions of entries)
-    segments: list[StorageRun] = []
-    pending = _no_entries()  # the skeleton's entries since the last run
-    total = 0  # entries so far: the next one's row
-    infos: dict[int, dict] = {}  # row -> the state of a skeleton entry (a byte value's)
+    # storage_data, in order: the runs' records (spilled) and the skeleton's entries,
+    # checked as the bulk reader checks every entry, as records beside them
+    parts: list[tuple[Spill, int, int] | np.ndarray] = []
+    pending: list[tuple[int, int, int, int, int]] = []  # the skeleton's since the last run
+    infos: dict[str, dict] = {}  # a byte value's stored span
     records = [key for key in storage if type(key) is not bytes]
     key_states = _states(records, IndexRecord, walked=False)
     info_states = _states(list(map(storage.__getitem__, records)), InfoRecord)
@@ -105,65 +104,55 @@ def _build(
             run = runs[number]
             if type(run) is not StorageRun or storage[key] is not None:
                 raise NotPlain
-            if pending.fqns:
-                segments.append(pending)
-                pending = _no_entries()
-            segments.append(run)
-            total += len(run.fqns)
+            if pending:
+                parts.append(np.array(pending, STORAGE))
+                pending = []
+            parts.append((parsed.storage, run.at, run.count))
             runs[number] = None  # (taken once)
             continue
         key_state, info = next(record_rows)
         fqn, offset = _field([key_state], "fqn")[0], key_state.get("offset")
         if offset is not None:
             _sizes([offset], holders=2)
-        if offset is None:
-            infos[total] = info
         path, start, length = map(info.get, ("relative_path", "offset", "length"))
         # (a run's are so by its patterns)
         if type(fqn) is not str or type(path) is not str:
             raise NotPlain
         if type(start) is not int or type(length) is not int:
             raise NotPlain
-        pending.fqns.append(fqn)
-        pending.offsets.append(offset)
-        pending.paths.append(path)
-        pending.starts.append(start)
-        pending.lengths.append(length)
-        total += 1
-    if pending.fqns:
-        segments.append(pending)
-    fqns, offsets, paths, starts, lengths = (_Column(segments, name) for name in _FIELDS)
-    # each tensor's rows of the table (an array: millions of them), and their offsets
-    # (in the order saved)
-    groups: dict[str, array[int]] = collections.defaultdict(functools.partial(array, "q"))
-    keys_of: dict[str, list[Any]] = collections.defaultdict(list)
-    collections.deque(  # (loops in C: groups[fqn].append(row), keys_of[fqn].append(offsets))
-        map(array.append, map(groups.__getitem__, fqns), itertools.count()), maxlen=0
-    )
-    collections.deque(map(list.append, map(keys_of.__getitem__, fqns), offsets), maxlen=0)
-    if any(len(set(keys)) != len(keys) for keys in keys_of.values()):
-        raise NotPlain  # two entries for one chunk: the generic reader keeps the last
-    del fqns, offsets
-    if not _apart(paths, starts, lengths):
+        if not (0 <= start < 2**63 and 0 < length < 2**63):
+            raise NotPlain  # (the spans' check says the same of a run's)
+        if offset is None:
+            infos[fqn] = info  # (a second one for fqn is refused below: the same key)
+        key_id = -1 if offset is None else tuples.id(tuple(offset))
+        pending.append((names.id(fqn), names.id(path), key_id, start, length))
+    if pending:
+        parts.append(np.array(pending, STORAGE))
+    del pending
+
+    def table() -> Iterator[np.ndarray]:
+        return blocks(parts, STORAGE)
+
+    paths = _apart(table, len(names.values))
+    if paths is None:
         raise NotPlain  # shared or overlapping spans: the bulk reader sorts them out
+    # each tensor's entries side by side (a tensor's entries are far apart in the order
+    # saved: one per rank), in the order saved
+    by_fqn, first = group_rows(table, "fqn", len(names.values))
+    for fqn_id in np.flatnonzero(np.diff(first)).tolist():
+        keys = _group(by_fqn, first, fqn_id)["key"]
+        if len(np.unique(keys)) != len(keys):
+            raise NotPlain  # two entries for one chunk: the generic reader keeps the last
 
     # every data file's name checked once (not once per chunk)
-    distinct = list(dict.fromkeys(paths))
+    distinct = [names.values[n] for n in paths]
     files_of = {rel: data_file(folder, {"relative_path": rel}, meta_path) for rel in distinct}
     ranks = {m.group(1) for rel in distinct if (m := RANK_FILE_RE.match(rel))}
     world_size = len(ranks) or None
     files = sorted(set(files_of.values()))
-    # each row's start, length and file, side by side (a tensor's chunks are rows far
-    # apart in the order saved: one cache line each, not three objects)
-    file_ids = {rel: n for n, rel in enumerate(distinct)}
-    names = list(map(files_of.__getitem__, distinct))
-    packed: array[int] = array(
-        "q",
-        itertools.chain.from_iterable(
-            zip(starts, lengths, map(file_ids.__getitem__, paths), strict=True)
-        ),
-    )
-    del paths, starts, lengths, segments
+    file_of: list[str | None] = [None] * len(names.values)  # a name's number -> its file
+    for n, rel in zip(paths, distinct, strict=True):
+        file_of[n] = files_of[rel]
 
     plain_chunk_lists(entries)
     if set(map(type, planner.values())) - {tuple}:
@@ -172,20 +161,17 @@ def _build(
         raise NotPlain
     from ..unpickler import MAX_NESTING
 
-    by_row = (packed, names)
+    joined = _Joined(parsed, by_fqn, first, Spill(), file_of, world_size)
     root: Any = {}
     for fqn, entry in entries.items():
         obj_path = planner.get(fqn) or (fqn,)
         if len(obj_path) > MAX_NESTING or type(fqn) is not str:
             raise NotPlain
         kind = type(entry).__name__
-        rows: Sequence[int] = groups.get(fqn) or []
-        keys = keys_of.get(fqn) or []
         if kind == "TensorStorageMetadata":
-            value: Any = _tensor(fqn, entry, rows, keys, by_row, runs, numbers, used, world_size)
-        elif kind == "BytesStorageMetadata" and None in keys:
-            info = {(fqn, None): infos[rows[keys.index(None)]]}
-            value = bytes_value(folder, fqn, info, permissive, seen, set())
+            value: Any = joined.tensor(fqn, entry, numbers, used)
+        elif kind == "BytesStorageMetadata" and fqn in infos:
+            value = bytes_value(folder, fqn, {(fqn, None): infos[fqn]}, permissive, seen, set())
         else:
             raise NotPlain
         root = set_element(root, obj_path, value, len(entries))
@@ -196,41 +182,48 @@ def _build(
     return ckpt
 
 
-def _apart(paths: Iterable[str], starts: Iterable[int], lengths: Iterable[int]) -> bool:
-    """Whether no two spans of a file overlap or start at the same byte (then none is
-    shared). In the order saved, each file's spans are one run one after the other as
-    DCP writes them; where a chunk list names one empty chunk's span for many ranks a
-    file's spans are in several places: then each file's are sorted. (Each argument is
-    iterated several times.)"""
-    if next(iter(paths), None) is None:
-        return True
-    # (millions of entries: no list of them is made where an iterator does)
-    furthest = max(map(operator.add, starts, lengths))
-    if min(lengths) <= 0 or min(starts) < 0 or furthest >= 2**63:
-        return False
-    next_paths = itertools.islice(paths, 1, None)
-    if sum(map(operator.ne, paths, next_paths)) + 1 == len(set(paths)):  # each file one run
-        same_file = map(operator.eq, paths, itertools.islice(paths, 1, None))
-        ends = map(operator.add, starts, lengths)
-        after = map(operator.le, ends, itertools.islice(starts, 1, None))
-        if all(map(operator.or_, after, map(operator.not_, same_file))):
-            return True
-    # spans of positive length overlap nowhere (and share no start) exactly where, in
-    # each file, sorted by start, each ends at most where the next starts: each file's
-    # starts and ends gathered (arrays, in C), then sorted a file at a time
-    starts_of: dict[str, array[int]] = collections.defaultdict(functools.partial(array, "q"))
-    ends_of: dict[str, array[int]] = collections.defaultdict(functools.partial(array, "q"))
-    collections.deque(map(array.append, map(starts_of.__getitem__, paths), starts), maxlen=0)
-    ends = map(operator.add, starts, lengths)
-    collections.deque(map(array.append, map(ends_of.__getitem__, paths), ends), maxlen=0)
-    for path, file_starts in starts_of.items():
-        spans = sorted(zip(file_starts, ends_of[path], strict=True))
-        if not all(map(operator.le, map(_END, spans), map(_START, spans[1:]))):
-            return False
-    return True
+def _group(spill: Spill, first: np.ndarray, group: int) -> np.ndarray:
+    """Group ``group``'s records of a spill :func:`group_rows` wrote."""
+    at, end = int(first[group]), int(first[group + 1])
+    return spill.records(STORAGE, at * STORAGE.itemsize, end - at)
 
 
-_START, _END = operator.itemgetter(0), operator.itemgetter(1)
+def _apart(table: Callable[[], Iterator[np.ndarray]], names: int) -> list[int] | None:
+    """The data files' names (their numbers, in order) where no two spans of a file
+    overlap or start at the same byte (then none is shared); None where some do. In
+    the order saved, each file's spans are one run one after the other as DCP writes
+    them; where a chunk list names one empty chunk's span for many ranks a file's
+    spans are in several places: then each file's are grouped (on disk) and sorted."""
+    paths: set[int] = set()
+    changes, ordered = 0, True
+    last_path, last_end = -1, 0
+    for block in table():
+        starts, lengths, path = block["start"], block["length"], block["path"]
+        if len(block) == 0:
+            continue
+        if starts.min() < 0 or lengths.min() <= 0 or (starts > 2**63 - 1 - lengths).any():
+            return None
+        ends = starts + lengths
+        paths.update(np.unique(path).tolist())
+        same = np.concatenate(([path[0] == last_path], path[1:] == path[:-1]))
+        before = np.concatenate(([last_end], ends[:-1]))
+        changes += int(np.count_nonzero(~same))
+        ordered = ordered and not bool(np.any(same & (before > starts)))
+        last_path, last_end = int(path[-1]), int(ends[-1])
+    if not paths:
+        return []
+    distinct = sorted(paths)
+    if changes == len(paths) and ordered:  # each file one run, its spans in order
+        return distinct
+    by_path, first = group_rows(table, "path", names)
+    for path_id in distinct:
+        spans = _group(by_path, first, path_id)
+        starts, lengths = spans["start"], spans["length"]
+        order = np.lexsort((lengths, starts))
+        starts, ends = starts[order], (starts + lengths)[order]
+        if np.any(ends[:-1] > starts[1:]):
+            return None
+    return distinct
 
 
 def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
@@ -242,83 +235,82 @@ def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
     return number
 
 
-_FIELDS = ("fqns", "offsets", "paths", "starts", "lengths")
+class _Joined:
+    """Each tensor's chunks joined to their stored spans, into a spill of
+    :data:`~ckpttool.formats.dcp_table.ROW` records a tensor's
+    :class:`~ckpttool.formats.dcp_chunks.DcpChunks` reads."""
 
+    def __init__(
+        self,
+        parsed: Parsed,
+        by_fqn: Spill,  # the storage records grouped by tensor ...
+        first: np.ndarray,  # ... each one's first
+        rows: Spill,
+        file_of: list[str | None],
+        world_size: int | None,
+    ):
+        self.parsed, self.by_fqn, self.first, self.rows = parsed, by_fqn, first, rows
+        self.file_of, self.world_size = file_of, world_size
 
-def _no_entries() -> StorageRun:
-    return StorageRun([], [], [], array("q"), array("q"))
+    def tensor(
+        self, fqn: str, entry: Opaque, numbers: dict[bytes, int], used: set[int]
+    ) -> ShardedRef:
+        from ..tree import check_coverage
+        from ..tree.sharding import row_blocks
+        from .dcp_chunks import DcpChunks, dcp_tensor
 
-
-class _Column:
-    """One field of every segment of the storage table, one after the other: iterated
-    as often as needed, never copied into one list."""
-
-    def __init__(self, segments: list[StorageRun], field: str):
-        self._parts = [getattr(segment, field) for segment in segments]
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.chain.from_iterable(self._parts)
-
-
-def _row3(row: int) -> slice:
-    """A row's start, length and file number in the packed table."""
-    return slice(3 * row, 3 * row + 3)
-
-
-def _tensor(
-    fqn: str,
-    entry: Opaque,
-    rows: Sequence[int],  # the storage table's rows of this tensor, in the order saved
-    keys: list[Any],  # their offsets
-    by_row: tuple[array, list[str]],  # (start, length, file number) by row; the files
-    runs: list[ChunkRun | StorageRun | None],  # (each set to None once taken)
-    numbers: dict[bytes, int],
-    used: set[int],
-    world_size: int | None,
-) -> ShardedRef:
-    from ..tree import check_coverage
-    from ..tree.sharding import row_blocks
-    from .dcp_chunks import DcpChunks, dcp_tensor
-
-    props, dt, size, chunks = tensor_entry(entry)
-    # the skeleton's chunks, checked as the bulk reader checks every chunk
-    records = [c for c in chunks if type(c) is not bytes]
-    states = _states(records, ChunkRecord)
-    del records
-    if states and set(map(len, states)) != {2}:
-        raise NotPlain
-    kept_offsets, kept_sizes = _field(states, "offsets"), _field(states, "sizes")
-    _sizes(kept_offsets)
-    _sizes(kept_sizes)
-    offsets: list[tuple[int, ...]] = []
-    sizes: list[tuple[int, ...]] = []
-    kept = iter(zip(kept_offsets, kept_sizes, strict=True))
-    for chunk in chunks:
-        if type(chunk) is bytes:
-            number = _take(numbers, used, chunk)
-            run = runs[number]
-            if type(run) is not ChunkRun:
-                raise NotPlain
-            offsets += run.offsets
-            sizes += run.sizes
-            runs[number] = None  # (taken once)
-        else:
-            o, s = next(kept)
-            offsets.append(tuple(o))
-            sizes.append(tuple(s))
-    at: list[Any] = list(rows)
-    if keys != offsets:  # (DCP saves both in rank order: then no lookup)
-        at = list(map(dict(zip(keys, rows, strict=True)).get, offsets))
-        if None in at:
-            raise NotPlain  # a chunk with no stored data: the generic reader says so
-    packed, names = by_row
-    first = at[0] if at else 0
-    table: array | memoryview
-    if at == list(range(first, first + len(at))):  # (in the order saved: a view, no copy)
-        table = memoryview(packed)[3 * first : 3 * (first + len(at))]
-    else:
-        table = array("q", itertools.chain.from_iterable(map(packed.__getitem__, map(_row3, at))))
-    shards = DcpChunks(names, table, offsets, sizes, dt, fqn)
-    if not row_blocks(size, offsets, sizes):
-        check_coverage(fqn, size, shards)
-    return dcp_tensor(dt, size, shards, props, world_size)
+        parsed = self.parsed
+        tuples, runs = parsed.tuples, parsed.runs
+        props, dt, size, chunks = tensor_entry(entry)
+        # the skeleton's chunks, checked as the bulk reader checks every chunk
+        records = [c for c in chunks if type(c) is not bytes]
+        states = _states(records, ChunkRecord)
+        del records
+        if states and set(map(len, states)) != {2}:
+            raise NotPlain
+        kept_offsets, kept_sizes = _field(states, "offsets"), _field(states, "sizes")
+        _sizes(kept_offsets)
+        _sizes(kept_sizes)
+        kept = iter(zip(kept_offsets, kept_sizes, strict=True))
+        parts: list[tuple[Spill, int, int] | np.ndarray] = []
+        pending: list[tuple[int, int]] = []
+        for chunk in chunks:
+            if type(chunk) is bytes:
+                number = _take(numbers, used, chunk)
+                run = runs[number]
+                if type(run) is not ChunkRun:
+                    raise NotPlain
+                if pending:
+                    parts.append(np.array(pending, CHUNK))
+                    pending = []
+                parts.append((parsed.chunks, run.at, run.count))
+                runs[number] = None  # (taken once)
+            else:
+                o, s = next(kept)
+                pending.append((tuples.id(tuple(o)), tuples.id(tuple(s))))
+        if pending:
+            parts.append(np.array(pending, CHUNK))
+        mine = np.concatenate([np.empty(0, CHUNK), *blocks(parts, CHUNK)])
+        fqn_id = parsed.names.ids.get(fqn)
+        stored = np.empty(0, STORAGE) if fqn_id is None else _group(self.by_fqn, self.first, fqn_id)
+        keys, wanted = stored["key"], mine["offsets"]
+        if not np.array_equal(keys, wanted):  # (DCP saves both in rank order: then no lookup)
+            order = np.argsort(keys, kind="stable")
+            at = np.searchsorted(keys[order], wanted)
+            if np.any(at >= len(keys)) or np.any(
+                keys[order[np.minimum(at, len(keys) - 1)]] != wanted
+            ):
+                raise NotPlain  # a chunk with no stored data: the generic reader says so
+            stored = stored[order[at]]
+        rows = np.empty(len(mine), ROW)
+        for name in ("start", "length", "path"):
+            rows[name] = stored[name]
+        rows["offsets"], rows["sizes"] = wanted, mine["sizes"]
+        shards = DcpChunks(
+            self.rows, self.rows.append(rows), len(rows), tuples.values, self.file_of, dt, fqn
+        )
+        offsets = list(map(tuples.values.__getitem__, wanted.tolist()))
+        sizes = list(map(tuples.values.__getitem__, mine["sizes"].tolist()))
+        if not row_blocks(size, offsets, sizes):
+            check_coverage(fqn, size, shards)
+        return dcp_tensor(dt, size, shards, props, self.world_size)

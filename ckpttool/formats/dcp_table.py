@@ -1,0 +1,192 @@
+"""The chunk table of a DCP ``.metadata``, kept out of memory past a few megabytes.
+
+A folder saved by thousands of ranks has millions of chunks (a 405B-shaped one of
+2048 ranks: 7 M), and every rank of a distributed conversion reads them all: held in
+memory, even at ~36 bytes a chunk, they alone pass the 256 MiB a rank may use, and
+grow with the world size. So the opcode reader (:mod:`ckpttool.formats.dcp_opcodes`,
+:mod:`ckpttool.formats.dcp_runs`) writes each chunk as a fixed-size record to a
+:class:`Spill` (memory while small, then an unnamed temporary file), names every
+tuple and string by a number (:class:`Interned`: the distinct ones are few, a few per
+rank and shape), groups the records by tensor and by data file on disk, a block at a
+time (:func:`group_rows`), and keeps per tensor only where its rows are. A consumer
+reads a tensor's rows when it asks for its chunks
+(:class:`~ckpttool.formats.dcp_chunks.DcpChunks`), a tensor at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+# a storage entry: its tensor's and data file's names, its offsets (``Interned``
+# numbers; -1: a byte value's, no offsets), where its bytes are in the data file
+STORAGE = np.dtype(
+    [("fqn", "<i4"), ("path", "<i4"), ("key", "<i4"), ("start", "<i8"), ("length", "<i8")]
+)
+CHUNK = np.dtype([("offsets", "<i4"), ("sizes", "<i4")])  # a chunk of a tensor's list
+# a tensor's chunk, joined to its stored bytes: what DcpChunks reads
+ROW = np.dtype(
+    [("start", "<i8"), ("length", "<i8"), ("path", "<i4"), ("offsets", "<i4"), ("sizes", "<i4")]
+)
+
+IN_MEMORY = 8 << 20  # bytes a spill keeps in memory before it moves to a file
+BLOCK_ROWS = 1 << 18  # records a pass over a spill holds at a time
+
+T = TypeVar("T", bound=Hashable)
+
+
+class Spill:
+    """Append-only bytes, in memory up to ``IN_MEMORY``, past it in an unnamed temporary
+    file (``tempfile``'s directory: ``TMPDIR``); read back by offset from any thread.
+    The file is gone once the spill is (unlinked at creation)."""
+
+    def __init__(self) -> None:
+        self._memory: bytearray | None = bytearray()
+        self._file: Any = None
+        self.size = 0
+        self._lock = threading.Lock()
+
+    def append(self, data: Any) -> int:
+        """Write ``data`` (bytes or an array) at the end; its offset."""
+        raw = _raw(data)
+        with self._lock:
+            at = self.size
+            self._write(at, raw)
+            return at
+
+    def reserve(self, nbytes: int) -> int:
+        """``nbytes`` of zeros at the end, to be written with :meth:`write_at`; their offset."""
+        with self._lock:
+            at = self.size
+            if self._memory is not None and at + nbytes <= IN_MEMORY:
+                self._memory.extend(bytes(nbytes))
+            else:
+                self._to_file()
+                os.ftruncate(self._file.fileno(), at + nbytes)
+            self.size = at + nbytes
+            return at
+
+    def write_at(self, at: int, data: Any) -> None:
+        raw = _raw(data)
+        if at + raw.nbytes > self.size:
+            raise ValueError("write past the spill's end")
+        with self._lock:
+            self._write(at, raw)
+
+    def read(self, at: int, nbytes: int) -> bytes:
+        if not 0 <= at <= at + nbytes <= self.size:
+            raise ValueError("read past the spill's end")
+        memory = self._memory
+        if memory is not None:
+            return bytes(memory[at : at + nbytes])
+        out = bytearray(nbytes)
+        view, done = memoryview(out), 0
+        while done < nbytes:
+            n = os.preadv(self._file.fileno(), [view[done:]], at + done)
+            if n <= 0:
+                raise OSError("the spill file is shorter than written")
+            done += n
+        return bytes(out)
+
+    def records(self, dtype: np.dtype, at: int, count: int) -> np.ndarray:
+        """``count`` records of ``dtype`` from offset ``at`` (a fresh array)."""
+        return np.frombuffer(self.read(at, count * dtype.itemsize), dtype)
+
+    def _write(self, at: int, raw: memoryview) -> None:
+        end = at + raw.nbytes
+        if self._memory is not None and end > IN_MEMORY:
+            self._to_file()
+        if self._memory is not None:
+            self._memory[at:end] = raw
+        else:
+            done = 0
+            while done < raw.nbytes:
+                done += os.pwrite(self._file.fileno(), raw[done:], at + done)
+        self.size = max(self.size, end)
+
+    def _to_file(self) -> None:
+        if self._memory is None:
+            return
+        self._file = tempfile.TemporaryFile(prefix="ckpttool-chunks-")
+        self._file.write(self._memory)
+        self._file.flush()
+        self._memory = None
+
+
+def _raw(data: Any) -> memoryview:
+    """The bytes of ``data`` (an array's: records of a structured dtype too)."""
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).view(np.uint8)
+    return memoryview(data).cast("B")
+
+
+class Interned(Generic[T]):
+    """Distinct values numbered in order of first sight (a chunk's offsets, a name)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[T, int] = {}
+        self.values: list[T] = []
+
+    def id(self, value: T) -> int:
+        n = self.ids.get(value)
+        if n is None:
+            n = self.ids[value] = len(self.values)
+            self.values.append(value)
+        return n
+
+    def ids_of(self, values: list[T] | tuple[T, ...]) -> list[int]:
+        got = list(map(self.ids.get, values))
+        if None in got:
+            list(map(self.id, values))
+            got = list(map(self.ids.__getitem__, values))
+        return got  # type: ignore[return-value]
+
+
+def blocks(
+    parts: list[tuple[Spill, int, int] | np.ndarray], dtype: np.dtype
+) -> Iterator[np.ndarray]:
+    """The records of ``parts`` in order, at most ``BLOCK_ROWS`` at a time: each part a
+    spill's ``(spill, offset, count)`` or an array in memory."""
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            for first in range(0, len(part), BLOCK_ROWS):
+                yield part[first : first + BLOCK_ROWS]
+            continue
+        spill, at, count = part
+        for first in range(0, count, BLOCK_ROWS):
+            n = min(BLOCK_ROWS, count - first)
+            yield spill.records(dtype, at + first * dtype.itemsize, n)
+
+
+def group_rows(
+    passes: Callable[[], Iterator[np.ndarray]], field: str, groups: int
+) -> tuple[Spill, np.ndarray]:
+    """The records ``passes()`` gives (twice), grouped by ``field`` (a number in
+    ``range(groups)``) into a new spill, each group's in the order given; and each
+    group's first row there (``groups + 1`` of them: group g is rows
+    ``first[g]:first[g + 1]``). A counting sort, a block at a time: one write per
+    group per block."""
+    counts = np.zeros(groups, np.int64)
+    dtype = None
+    for block in passes():
+        dtype = block.dtype
+        counts += np.bincount(block[field], minlength=groups)[:groups]
+    first = np.concatenate(([0], np.cumsum(counts)))
+    out = Spill()
+    if dtype is None:
+        return out, first
+    base = out.reserve(int(first[-1]) * dtype.itemsize)
+    filled = first[:-1].copy()
+    for block in passes():
+        order = np.argsort(block[field], kind="stable")
+        ordered = block[order]
+        keys, starts, lengths = np.unique(ordered[field], return_index=True, return_counts=True)
+        for key, start, n in zip(keys.tolist(), starts.tolist(), lengths.tolist(), strict=True):
+            out.write_at(base + int(filled[key]) * dtype.itemsize, ordered[start : start + n])
+            filled[key] += n
+    return out, first
