@@ -215,3 +215,67 @@ def test_one_rank_block_named_as_thousands_of_tensors_is_refused(names, refused)
             check_structure(root)
     else:
         check_structure(root)
+
+
+class _Members:
+    """Rank ``rank`` of ``size`` processes sharing a read (:mod:`ckpttool.sharing`): what
+    it hands the gather is kept; the gather answers ``answers`` (every process's), or
+    stops the read where there are none."""
+
+    def __init__(self, rank, size, answers=None):
+        self.rank, self.size, self.answers, self.sent = rank, size, answers, []
+
+    def all_gather(self, mine):
+        self.sent.append(mine)
+        if self.answers is None:
+            raise _Gathered
+        return self.answers
+
+
+class _Gathered(Exception):
+    pass
+
+
+def test_dtensor_rank_files_are_dealt_among_processes(monkeypatch):
+    """Each DTensor rank file records its own mesh coordinate, so every file is read
+    to place the blocks: under several processes each reads only its share and the
+    places (numbers and global names) are gathered; another share's file is read only
+    when its data is. The tree and the tensors are one process's."""
+    from ckpttool import formats, sharing
+    from ckpttool.tree import iter_tensors
+
+    files = [str(fixture_path(f"dtensor/dt-rank{r}.pt")) for r in (0, 1)]
+    read = []
+    real = formats._read_rank
+    monkeypatch.setattr(
+        formats, "_read_rank", lambda path, *a, **k: read.append(path) or real(path, *a, **k)
+    )
+
+    def blocks(ckpt):
+        return [
+            (key, s.rank, s.offsets, s.sizes)
+            for key, ref in iter_tensors(ckpt.root)
+            for s in getattr(ref, "shards", ())
+        ]
+
+    alone = ckpttool.read(files)
+    assert read == [files[1]]  # one process: every file (the first was read to begin with)
+    shares = []
+    for rank in (0, 1):
+        read.clear()
+        members = _Members(rank, 2)
+        with sharing.joined(members), pytest.raises(_Gathered):
+            ckpttool.read(files)
+        assert read == ([] if rank == 0 else [files[1]])  # its share only
+        shares.append(members.sent[0])
+    read.clear()
+    members = _Members(0, 2, shares)
+    with sharing.joined(members):
+        ckpt = ckpttool.read(files)
+    assert read == [] and members.sent == [shares[0]]
+    assert blocks(ckpt) == blocks(alone) and ckpt.globals == alone.globals
+    assert len(blocks(ckpt)) > 2
+    expected = ckpttool.load(alone)
+    assert read == []  # (one process keeps what it read)
+    assert_identical(ckpttool.load(ckpt), expected)
+    assert read == [files[1]]  # rank 1's blocks: read from its file when their data is

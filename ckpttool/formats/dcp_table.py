@@ -150,17 +150,47 @@ class Interned(Generic[T]):
 def blocks(
     parts: list[tuple[Spill, int, int] | np.ndarray], dtype: np.dtype
 ) -> Iterator[np.ndarray]:
-    """The records of ``parts`` in order, at most ``BLOCK_ROWS`` at a time: each part a
-    spill's ``(spill, offset, count)`` or an array in memory."""
-    for part in parts:
-        if isinstance(part, np.ndarray):
-            for first in range(0, len(part), BLOCK_ROWS):
-                yield part[first : first + BLOCK_ROWS]
-            continue
-        spill, at, count = part
-        for first in range(0, count, BLOCK_ROWS):
-            n = min(BLOCK_ROWS, count - first)
-            yield spill.records(dtype, at + first * dtype.itemsize, n)
+    """The records of ``parts`` in order, ``BLOCK_ROWS`` at a time (the last fewer): each
+    part a spill's ``(spill, offset, count)`` or an array in memory. (Parts are often
+    small, a frame's run and the entry after it: blocks join them, so that a pass
+    over the table costs a few calls per block, not per part.)"""
+    pending: list[np.ndarray] = []
+    held = 0
+    for piece in _pieces(parts, dtype):
+        while len(piece):
+            take = piece[: BLOCK_ROWS - held]
+            pending.append(take)
+            held += len(take)
+            piece = piece[len(take) :]
+            if held == BLOCK_ROWS:
+                yield np.concatenate(pending) if len(pending) > 1 else pending[0]
+                pending, held = [], 0
+    if held:
+        yield np.concatenate(pending) if len(pending) > 1 else pending[0]
+
+
+def _pieces(
+    parts: list[tuple[Spill, int, int] | np.ndarray], dtype: np.dtype
+) -> Iterator[np.ndarray]:
+    """Each part's records, at most ``BLOCK_ROWS`` read at a time; spill parts that
+    lie one after the other read together."""
+    run: tuple[Spill, int, int] | None = None  # adjacent spill parts so far
+    for part in [*parts, None]:
+        if run is not None and isinstance(part, tuple):
+            spill, at, count = part
+            if spill is run[0] and at == run[1] + run[2] * dtype.itemsize:
+                run = (spill, run[1], run[2] + count)
+                continue
+        if run is not None:
+            spill, at, count = run
+            for first in range(0, count, BLOCK_ROWS):
+                n = min(BLOCK_ROWS, count - first)
+                yield spill.records(dtype, at + first * dtype.itemsize, n)
+            run = None
+        if isinstance(part, tuple):
+            run = part
+        elif part is not None:
+            yield part
 
 
 def group_rows(

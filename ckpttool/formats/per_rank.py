@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .. import sources
+from .. import sharing, sources
 from ..errors import CkptError
 from ..tree import (
     Checkpoint,
@@ -120,6 +120,10 @@ ReadFile = Callable[[str], Checkpoint]
 ScanFile = Callable[[str], tuple[list[str], list[str], list[str]]]
 
 
+Verdict = tuple[list[str], list[str], list[str]]  # a file's globals: all, dangerous, unverified
+Placed = list[tuple[tuple[int, ...], tuple[int, ...]]]  # each DTensor's block: offsets, sizes
+
+
 class RankFiles:
     """The files of a per-rank checkpoint; each is read (metadata only) on first use."""
 
@@ -129,18 +133,70 @@ class RankFiles:
         read_file: ReadFile,
         loaded: dict[int, Checkpoint],
         base_rank: int,
+        verdicts: dict[int, Verdict],
     ):
         self.by_rank = by_rank
         self._read_file = read_file
         self._loaded = loaded
         self._base_rank = base_rank
+        self.verdicts = verdicts  # of files read, but not kept, by any process
+        self._placed: dict[int, Placed] | None = None
 
     def root(self, rank: int) -> Any:
+        return self._checkpoint(rank).root
+
+    def _checkpoint(self, rank: int) -> Checkpoint:
         if rank not in self._loaded:
             ckpt = self._read_file(self.by_rank[rank])
             _check_plain_tensors(self._loaded[self._base_rank].root, ckpt.root, ckpt.files[0])
             self._loaded[rank] = ckpt
-        return self._loaded[rank].root
+        return self._loaded[rank]
+
+    def dtensor_blocks(self, rank: int, paths: list[tuple], likes: list[LocalShards]) -> Placed:
+        """Where rank ``rank``'s block of each DTensor at ``paths`` lies (``likes``: the
+        lowest rank's leaves there).
+
+        Each rank's file records its own mesh coordinate, so every file is read for
+        these (and kept, as one whose data is read). Under several processes (:mod:`ckpttool.sharing`) each
+        reads its share of the files and the places (numbers only) are gathered: N
+        processes read N files once in all, not N times each. A file that fails to
+        read raises its error here, in the process that read it, as one process would.
+        """
+        if self._placed is None:
+            ranks = sorted(self.by_rank)
+            mine: dict[int, tuple[Placed, Verdict]] = {}
+            for i in sharing.my_share(len(ranks)):
+                mine[ranks[i]] = self._place(ranks[i], paths, likes)
+            self._placed = {}
+            for r, (placed, verdict) in sharing.gather(mine).items():
+                self._placed[r] = [(tuple(o), tuple(n)) for o, n in placed]
+                self.verdicts[r] = verdict
+        return self._placed[rank]
+
+    def _place(
+        self, rank: int, paths: list[tuple], likes: list[LocalShards]
+    ) -> tuple[Placed, Verdict]:
+        file = self.by_rank[rank]
+        ckpt = self._checkpoint(rank)
+        placed: Placed = []
+        for path, like in zip(paths, likes, strict=True):
+            key = ".".join(str(k) for k in path)
+            local = _same_leaf(key, get_path(ckpt.root, path), like, file)
+            block = own_dtensor_block(key, local, rank, file)
+            placed.append((block.offsets, block.sizes))
+        return placed, (ckpt.globals, ckpt.dangerous, ckpt.unverified)
+
+
+def _same_leaf(key: str, local: Any, like: LocalShards, file: str) -> LocalShards:
+    """Another rank's leaf at the place of ``like`` (the lowest rank's): sharded the same way."""
+    if (
+        not isinstance(local, LocalShards)
+        or local.kind != like.kind
+        or local.shape != like.shape
+        or local.dtype != like.dtype
+    ):
+        raise CkptError(f"rank files disagree about tensor {key!r}", path=file)
+    return local
 
 
 def _check_plain_tensors(base: Any, other: Any, path: str) -> None:
@@ -169,7 +225,8 @@ def _check_plain_tensors(base: Any, other: Any, path: str) -> None:
 
 
 class RankShard:
-    """A ShardedTensor block that another rank's file holds, read only when its data is needed."""
+    """A block that another rank's file holds (a ShardedTensor's, a DTensor's), read only
+    when its data is needed."""
 
     cast_to = None  # read as stored (tree.leaves.Block)
 
@@ -193,15 +250,13 @@ class RankShard:
     def tensor_ref(self) -> TensorRef:
         key = ".".join(str(k) for k in self.path)
         file = self.files.by_rank[self.rank]
-        local = get_path(self.files.root(self.rank), self.path)
-        if (
-            not isinstance(local, LocalShards)
-            or local.kind != self.like.kind
-            or local.shape != self.like.shape
-            or local.dtype != self.like.dtype
-        ):
-            raise CkptError(f"rank files disagree about tensor {key!r}", path=file)
-        for block in local.shards:  # ShardedTensor blocks (DTensor ones are placed at read)
+        local = _same_leaf(key, get_path(self.files.root(self.rank), self.path), self.like, file)
+        if local.kind == "dtensor":  # its one block, placed by its mesh coordinate
+            own = own_dtensor_block(key, local, self.rank, file)
+            if own.offsets == self.offsets and own.sizes == self.sizes:
+                if isinstance(own.tensor, TensorRef):
+                    return own.tensor
+        for block in local.shards:  # ShardedTensor blocks
             if block.offsets == self.offsets and block.tensor.shape == self.sizes:
                 return block.tensor
         raise CkptError(f"tensor {key!r}: no block at offsets {list(self.offsets)}", path=file)
@@ -229,6 +284,7 @@ def read(
             element of a tensor exactly once.
     """
     loaded: dict[int, Checkpoint] = {}
+    verdicts: dict[int, Verdict] = {}
     named = [rank for rank in map(_name_rank, paths) if rank is not None]
     # files named as the ranks of different checkpoints (ep0-rank0.pt, ep1-rank1.pt)
     # are asked too: each must hold sharded tensors
@@ -253,11 +309,11 @@ def read(
     base = loaded.get(base_rank) or read_file(by_rank[base_rank])
     loaded[base_rank] = base
     try:
-        world_size, root = _combine(base, by_rank, base_rank, read_file, loaded)
+        world_size, root = _combine(base, by_rank, base_rank, read_file, loaded, verdicts)
     except CkptError:
-        _judge(by_rank, loaded, scan_file)  # a dangerous rank file is reported first
+        _judge(by_rank, loaded, verdicts, scan_file)  # a dangerous rank file is reported first
         raise
-    globals_, dangerous, unverified = _judge(by_rank, loaded, scan_file)
+    globals_, dangerous, unverified = _judge(by_rank, loaded, verdicts, scan_file)
     return Checkpoint(
         format=FORMAT,
         files=[by_rank[r] for r in sorted(by_rank)],
@@ -290,6 +346,7 @@ def _combine(
     base_rank: int,
     read_file: ReadFile,
     loaded: dict[int, Checkpoint],
+    verdicts: dict[int, Verdict],
 ) -> tuple[int, Any]:
     """(world size, the lowest rank's tree with every local-shards leaf a ShardedRef)."""
     world_size = _world_size(base.root, len(by_rank))
@@ -307,16 +364,42 @@ def _combine(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
         )
-    files = RankFiles(by_rank, read_file, loaded, base_rank)
+    files = RankFiles(by_rank, read_file, loaded, base_rank, verdicts)
+    # the DTensors' paths, in the order the leaves are replaced below
+    dtensors = [(p, leaf) for p, leaf in _local_shards(base.root) if leaf.kind == "dtensor"]
+    paths, likes = [path for path, _ in dtensors], [local for _, local in dtensors]
+    order = itertools.count()
 
     def sharded_ref(path: tuple, local: LocalShards) -> ShardedRef:
-        return _sharded_ref(path, local, files, base_rank, world_size)
+        key = ".".join(str(k) for k in path)
+        if local.kind == "dtensor":
+            index = next(order)
+            if paths[index] != path:
+                raise CkptError(f"internal error: DTensor {key!r} found in another order")
+            shards = _dtensor_shards(key, path, local, files, base_rank, (paths, likes, index))
+        else:
+            shards = _sharded_tensor_shards(key, path, local, files)
+        check_coverage(key, local.shape, shards)
+        return _global_ref(local, shards, world_size)
 
     return world_size, _replace_local_shards(base.root, (), sharded_ref)
 
 
+def _local_shards(root: Node) -> list[tuple[tuple, LocalShards]]:
+    """Every local-shards leaf and its key path, in the order
+    :func:`_replace_local_shards` replaces them."""
+    found: list[tuple[tuple, LocalShards]] = []
+
+    def note(path: tuple, local: LocalShards) -> LocalShards:
+        found.append((path, local))
+        return local  # (unchanged: nothing in the tree is replaced)
+
+    _replace_local_shards(root, (), note)
+    return found
+
+
 def _replace_local_shards(
-    node: Node, path: tuple, make: Callable[[tuple, LocalShards], ShardedRef]
+    node: Node, path: tuple, make: Callable[[tuple, LocalShards], Any]
 ) -> Any:
     """``node`` with every local-shards leaf replaced by ``make(key path, leaf)``.
 
@@ -414,7 +497,10 @@ def _global_ref(
 
 
 def _judge(
-    by_rank: dict[int, str], loaded: dict[int, Checkpoint], scan_file: ScanFile
+    by_rank: dict[int, str],
+    loaded: dict[int, Checkpoint],
+    verdicts: dict[int, Verdict],
+    scan_file: ScanFile,
 ) -> tuple[set[str], set[str], set[str]]:
     """(globals, dangerous, unverified) of every rank file: read ones know theirs, others
     are scanned.
@@ -428,24 +514,14 @@ def _judge(
         ckpt = loaded.get(rank)
         if ckpt is not None:
             seen, bad, unknown = ckpt.globals, ckpt.dangerous, ckpt.unverified
+        elif rank in verdicts:
+            seen, bad, unknown = verdicts[rank]
         else:
             seen, bad, unknown = scan_file(path)
         globals_.update(seen)
         dangerous.update(bad)
         unverified.update(unknown)
     return globals_, dangerous, unverified
-
-
-def _sharded_ref(
-    path: tuple, local: LocalShards, files: RankFiles, base_rank: int, world_size: int
-) -> ShardedRef:
-    key = ".".join(str(k) for k in path)
-    if local.kind == "dtensor":
-        shards = _dtensor_shards(key, path, local, files, base_rank)
-    else:
-        shards = _sharded_tensor_shards(key, path, local, files)
-    check_coverage(key, local.shape, shards)
-    return _global_ref(local, shards, world_size)
 
 
 def _sharded_tensor_shards(
@@ -467,25 +543,30 @@ def _sharded_tensor_shards(
 
 
 def _dtensor_shards(
-    key: str, path: tuple, local: LocalShards, files: RankFiles, base_rank: int
+    key: str,
+    path: tuple,
+    local: LocalShards,
+    files: RankFiles,
+    base_rank: int,
+    dtensors: tuple[
+        list[tuple], list[LocalShards], int
+    ],  # every DTensor's path and leaf; this one's
 ) -> list[Shard]:
     """Every rank's block of a DTensor, placed by that rank's own mesh coordinate.
 
     Each file records where its rank sits in the mesh; on a submesh (FSDP over the
     ``dp`` dimension of a 2-D mesh) that cannot be told from the rank number, so
-    every rank's file is read (metadata only).
+    every rank's file is read (metadata only, once for every DTensor:
+    :meth:`RankFiles.dtensor_blocks`); a block is read from its file when its data is.
     """
+    paths, likes, index = dtensors
     blocks: dict[tuple, Shard] = {}
     for rank in sorted(files.by_rank):
-        mine = local if rank == base_rank else get_path(files.root(rank), path)
-        if (
-            not isinstance(mine, LocalShards)
-            or mine.kind != "dtensor"
-            or mine.shape != local.shape
-            or mine.dtype != local.dtype
-        ):
-            raise CkptError(f"rank files disagree about tensor {key!r}", path=files.by_rank[rank])
-        block = own_dtensor_block(key, mine, rank, files.by_rank[rank])
+        if rank == base_rank:
+            block = own_dtensor_block(key, local, rank, files.by_rank[rank])
+        else:
+            offsets, sizes = files.dtensor_blocks(rank, paths, likes)[index]
+            block = Shard(offsets, sizes, RankShard(files, rank, path, local, offsets, sizes), rank)
         if math.prod(block.sizes) > 0:  # replicas: keep one
             blocks.setdefault((block.offsets, block.sizes), block)
     return list(blocks.values())
