@@ -5,6 +5,8 @@ then times, each side in a fresh process:
 
 * ``dcp-256``, ``dcp-2048``: ``ckpttool inspect DIR`` and ``ckpttool.read(DIR)`` (what
   every command plans from) against ``FileSystemReader(DIR).read_metadata()``;
+  ``dcp-256-fresh``, ``dcp-2048-fresh`` the same with each storage entry's key string
+  its own, as torch's saves pickle them (``make_dcp_scale.py --fresh-keys``);
 * ``dtensor-256``, ``sharded-256``: ``ckpttool inspect`` of the 256 rank files against
   ``torch.load(f, weights_only=True, mmap=True)`` of each of them.
 
@@ -61,6 +63,10 @@ CASES = {
     # name: (generator arguments, ranks, what torch does)
     "dcp-256": (["--ranks", "256"], "dcp"),
     "dcp-2048": (["--ranks", "2048"], "dcp"),
+    # as torch's own saves pickle the keys: each rank's storage entries name their tensors
+    # with strings of their own (a gather's), never named again
+    "dcp-256-fresh": (["--ranks", "256", "--fresh-keys"], "dcp"),
+    "dcp-2048-fresh": (["--ranks", "2048", "--fresh-keys"], "dcp"),
     "dtensor-256": (["--ranks", "256", "--per-rank", "dtensor", "--layers", "8"], "ranks"),
     "sharded-256": (["--ranks", "256", "--per-rank", "sharded", "--layers", "2"], "sharded"),
     # (256 ShardedTensor ranks: ~85 s of CPU to generate, 8 minutes on 2 busy cores)

@@ -48,6 +48,7 @@ def trials(test):
 # input name -> the paths given to ckpttool
 INPUTS = {
     "per-rank": [str(FIXTURES / "fsdp_uneven" / f"model-rank{r}.pt") for r in range(3)],
+    "dtensor": [str(FIXTURES / "dtensor" / f"dt-rank{r}.pt") for r in range(2)],
     "ddp": [str(FIXTURES / "ddp" / "ep0-rank0.pt")],
     "dcp": [str(FIXTURES / "dcp")],
     "deepspeed": [str(FIXTURES / "deepspeed" / "zero2")],
@@ -162,6 +163,7 @@ def test_same_bytes_as_one_process(tmp_path):
             ("deepspeed", "pt", 4, 64),
             ("st-sharded", "dcp", 2, 64),
             ("per-rank", "merge", 3, 64),
+            ("dtensor", "safetensors", 3, 64),  # (a rank with no rank file of its own)
             ("dcp", "bf16", 2, 4096),
             ("ddp", "safetensors", 3, None),  # more ranks than units: one unit
         ],

@@ -524,3 +524,36 @@ def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
     )
     with pytest.raises(CkptError, match="internal error"):
         DcpChunks(Spill(), 0, 1, [(0,)], ["f"], ref.dtype, "x")
+
+
+@pytest.mark.slow  # two folders of 25,600 and 204,800 chunks, read under tracemalloc
+def test_the_memory_of_a_read_does_not_grow_with_the_chunks(tmp_path, monkeypatch):
+    """Every rank of a distributed conversion reads the whole ``.metadata``: past a few
+    MB its chunk table is on disk, read a block at a time, so 8x the chunks (8x the
+    ranks) costs the read little more memory: under 12 bytes a chunk more at the peak
+    (the skeleton: each frame's entry cut by its end), under 1 MiB more held (as
+    columns in memory a chunk cost ~36 bytes held, ~90 at the peak). Each storage entry
+    here names its data file by a string of its own (as a torch save names each rank's
+    tensors): the reader's runs of new names. Here the spills leave memory past 64 KB
+    and a block is 4,096 records."""
+    import tracemalloc
+
+    from ckpttool.formats import dcp_table
+
+    monkeypatch.setattr(dcp_table, "IN_MEMORY", 64 << 10)
+    monkeypatch.setattr(dcp_table, "BLOCK_ROWS", 4096)
+    shapes = {f"layers.{i}.w": (512, 4) for i in range(400)}
+    figures = []
+    for ranks in (64, 512):
+        folder = tmp_path / f"r{ranks}"
+        write_folder(folder, ranks, shapes)
+        tracemalloc.start()
+        ckpt = fast(folder)
+        held, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert ckpt is not None and ckpt.world_size == ranks
+        assert sum(len(ref.shards) for _, ref in iter_tensors(ckpt.root)) == 400 * ranks
+        figures.append((held, peak))
+        del ckpt
+    (held_a, peak_a), (held_b, peak_b) = figures
+    assert held_b - held_a < 1 << 20 and peak_b - peak_a < 12 * 400 * (512 - 64), figures

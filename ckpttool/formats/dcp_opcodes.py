@@ -8,7 +8,11 @@ EMPTY_DICT MEMOIZE MARK``, the key ``'offsets'`` by ``BINGET``, ``torch.Size`` b
 ``'sizes'``, ``SETITEMS BUILD``), and the ``MetadataIndex`` -> ``_StorageInfo`` pair
 of ``storage_data`` likewise. Such a run of entries is matched here by one compiled
 ``re`` pattern (in C) and its numbers taken with ``findall``: no Python object is
-built per chunk but the numbers themselves.
+built per chunk but the numbers themselves, and those go to records of a spill
+(:mod:`ckpttool.formats.dcp_table`: past a few MB, a temporary file), each tuple and
+name a number. A storage entry names its tensor and data file by reference or by a
+new string (torch pickles each rank's key strings afresh: at 2048 ranks, millions);
+a run takes either, and of the new strings keeps only those named again.
 
 Everything else, the *skeleton* (the header, each tensor's entry, the first entry
 that names a class or a key, an entry a frame boundary cuts), is walked opcode by
@@ -30,11 +34,12 @@ frames tile the file and each boundary falls between opcodes. Anything else, and
 from __future__ import annotations
 
 import bisect
+import collections
 import io
 import itertools
 import operator
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -62,6 +67,7 @@ MAX_STEPS = 2_000_000
 MAX_PATTERNS = 32  # distinct (class, keys, Size) memo slots runs are compiled for
 MAX_STRING = 1 << 20  # a BINUNICODE of the skeleton
 MAX_CACHED = 1 << 16  # distinct bytes a cache of the runs' values keeps (see _cached)
+RECENT_STRINGS = 1 << 12  # new strings of the runs held until named (see _StringSlots)
 
 # A number as the pickler writes one in [0, 2**63): BININT1, BININT2 of 256 and up,
 # BININT of 65536 to 2**31 - 1, LONG1 of 5 to 8 bytes, shortest, positive
@@ -283,7 +289,7 @@ class _Parser:
         self.stack: list[tuple] = []
         self.marks: list[int] = []
         self.kinds: dict[int, tuple] = {}  # the skeleton's memo slots
-        self.strings: dict[int, str] = {}  # every string slot, the runs' too
+        self.strings = _StringSlots()  # the strings' memo slots, the runs' too
         self.slots = 0  # memo slots so far, the runs' included
         self.removed_at: list[int] = []  # first slot of each run
         self.removed_before: list[int] = []  # slots of the runs before it
@@ -361,7 +367,7 @@ class _Parser:
             stack.append(top)
             self.kinds[self.slots] = top
             if top[0] == "S":
-                self.strings[self.slots] = top[1]
+                self.strings.keep(self.slots, top[1])
             self.slots += 1
         elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
             end = self._arg(1 if op == 0x68 else 4, limit)
@@ -373,9 +379,9 @@ class _Parser:
                 self.pieces.append(
                     b"h" + bytes([new]) if new < 256 else b"j" + new.to_bytes(4, "little")
                 )
-            elif slot in self.strings:  # a run's string (a data file's name): as itself
-                kind = ("S", self.strings[slot])
-                raw = self.strings[slot].encode("utf-8", "surrogatepass")
+            elif (text := self.strings.get(slot)) is not None:  # a run's string: as itself
+                kind = ("S", text)
+                raw = text.encode("utf-8", "surrogatepass")
                 self.pieces.append(
                     b"\x8c" + bytes([len(raw)]) + raw
                     if len(raw) < 256
@@ -489,11 +495,17 @@ class _Parser:
                 if run is None:  # (the probe matched one entry)
                     raise NotRegular
                 self._take_chunks(patterns.entry.findall(data, pos, run.end()))
-            else:  # one entry with a new name: the next ones may name it
+            else:  # an entry with a new name: the next ones may name it ...
                 run = patterns.entry.match(data, pos, limit)
                 if run is None:
                     raise NotRegular
-                self._take_storage([run.groups(b"")])
+                entries = [run.groups(b"")]
+                if patterns.refs_entry.match(data, run.end(), limit) is None:  # type: ignore[union-attr]
+                    # ... or bring new names too (every entry its own string objects,
+                    # as no torch save pickles them): one run of them all, not a run
+                    # (and a token in the skeleton) per entry
+                    run, entries = self._entries_with_names(patterns, pos, limit)
+                self._take_storage(entries)
         if build is _chunk_entry:
             stack.append(_TOKEN)
         else:
@@ -505,6 +517,25 @@ class _Parser:
         )
         self.copied = self.pos = run.end()
         return True
+
+    def _entries_with_names(
+        self, patterns: _Runs, pos: int, limit: int
+    ) -> tuple[re.Match[bytes], list[tuple[bytes, ...]]]:
+        """The run of storage entries at ``pos``, names new or named before, and each
+        entry's groups: the entries must tile the run (a lazy string match that split
+        it otherwise is no run here)."""
+        run = patterns.run.match(self.data, pos, limit)
+        if run is None:
+            raise NotRegular
+        entries, at = [], pos
+        for entry in patterns.entry.finditer(self.data, pos, run.end()):
+            if entry.start() != at:
+                raise NotRegular
+            entries.append(entry.groups(b""))
+            at = entry.end()
+        if at != run.end():
+            raise NotRegular
+        return run, entries
 
     def _remove(self, slots: int) -> int:
         """Count ``slots`` memo slots of a run (never named by the skeleton); the first."""
@@ -582,7 +613,6 @@ class _Parser:
         new_fqn = list(map(bool, fqn_len))
         new_path = list(map(bool, path_len))
         size_slots = list(map(operator.sub, repeat(3), map(b")".__eq__, offsets)))
-        strings = self.strings
         counts = map(
             operator.add,
             map(operator.add, new_fqn, size_slots),
@@ -600,12 +630,8 @@ class _Parser:
                 map(operator.add, size_slots, repeat(2)),
             )
         )
-        fqn_slot = self._names(fqn_ref, fqn_len, fqn_new, new_fqn, fqn_at)
-        path_slot = self._names(path_ref, path_len, path_new, new_path, path_at)
-        fqns: list = list(map(strings.get, fqn_slot))
-        paths: list = list(map(strings.get, path_slot))
-        if None in fqns or None in paths:
-            raise NotRegular  # a reference to something that is not a string
+        fqns = self._names(fqn_ref, fqn_len, fqn_new, new_fqn, fqn_at)
+        paths = self._names(path_ref, path_len, path_new, new_path, path_at)
         self._add_storage_run(fqns, offsets, paths, starts, lengths)
 
     def _names(
@@ -615,24 +641,68 @@ class _Parser:
         texts: tuple[bytes, ...],
         new: list[bool],
         at: list[int],
-    ) -> list[int]:
-        """The memo slot of each entry's name: the new string's (registered here), or the
-        one it names, which must come before."""
+    ) -> list[str]:
+        """Each entry's name: a new string (its slot registered here), or the one it
+        names, which must come before."""
+        names: list[Any] = [None] * len(new)
         if any(new):
             kept_lens = list(itertools.compress(lens, new))
             kept = list(itertools.compress(texts, new))
             if list(map(ord, kept_lens)) != list(map(len, kept)):
                 raise NotRegular  # (the lazy match took another length: not this string)
-            names = self.names
-            for raw in set(kept).difference(names):
-                names[raw] = raw.decode("utf-8", "surrogatepass")
-            self.strings.update(
-                zip(itertools.compress(at, new), map(names.__getitem__, kept), strict=True)
+            decoded = self.names
+            if len(decoded) > MAX_CACHED:
+                decoded.clear()
+            for raw in set(kept).difference(decoded):
+                decoded[raw] = raw.decode("utf-8", "surrogatepass")
+            new_texts = list(map(decoded.__getitem__, kept))
+            self.strings.add(itertools.compress(at, new), new_texts)
+            where = list(itertools.compress(range(len(new)), new))
+            collections.deque(map(names.__setitem__, where, new_texts), maxlen=0)
+        if not all(new):
+            old = list(map(operator.not_, new))
+            slots = list(_refs(itertools.compress(refs, old)))
+            if not all(map(operator.lt, slots, itertools.compress(at, old))):
+                raise NotRegular  # names what comes later
+            named = list(map(self.strings.get, slots))
+            if None in named:
+                raise NotRegular  # a reference to something that is not a string
+            collections.deque(
+                map(names.__setitem__, itertools.compress(range(len(new)), old), named), maxlen=0
             )
-        slots = list(map(operator.add, _refs(refs), map(operator.mul, new, at)))
-        if not all(map(operator.le, slots, at)):
-            raise NotRegular  # names what comes later
-        return slots
+        return names
+
+
+class _StringSlots:
+    """The memo slots that hold strings, and their strings: those of the skeleton and
+    those named again kept; of the runs' other new strings only the last
+    ``RECENT_STRINGS``. (Every rank's storage entries name their tensors with string
+    objects of their own, pickled afresh, never named again: a 2048-rank ``.metadata``
+    has millions; a data file's name, named by every later entry of its rank, is kept
+    once named.) A reference to a string no longer held is no file this reader
+    vouches for."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, str] = {}
+        self._recent: dict[int, str] = {}  # (in the order added: the oldest first)
+
+    def keep(self, slot: int, text: str) -> None:
+        self._kept[slot] = text
+
+    def add(self, slots: Iterable[int], texts: list[str]) -> None:
+        recent = self._recent
+        recent.update(zip(slots, texts, strict=True))
+        if len(recent) > RECENT_STRINGS:
+            for slot in list(itertools.islice(recent, len(recent) - RECENT_STRINGS)):
+                del recent[slot]
+
+    def get(self, slot: int) -> str | None:
+        text = self._kept.get(slot)
+        if text is None:
+            text = self._recent.pop(slot, None)
+            if text is not None:
+                self._kept[slot] = text  # named again: it may be named more
+        return text
 
 
 _CHUNK_KINDS = (CHUNK_CLASS, ("S", "offsets"), SIZE_CLASS, ("S", "sizes"), SIZE_CLASS)
@@ -670,7 +740,7 @@ def _ref(raw: bytes) -> int:
     return int.from_bytes(raw, "little") >> 8  # (BINGET or LONG_BINGET: one opcode byte)
 
 
-def _refs(raws: tuple[bytes, ...]) -> map:
+def _refs(raws: Iterable[bytes]) -> map:
     """Memo slots of BINGET / LONG_BINGET opcodes (0 for b'')."""
     return map(operator.rshift, map(_FROM_BYTES, raws, repeat("little")), repeat(8))
 

@@ -141,26 +141,51 @@ class RankFiles:
         self._base_rank = base_rank
         self.verdicts = verdicts  # of files read, but not kept, by any process
         self._placed: dict[int, Placed] | None = None
+        self._index: dict[int, dict[tuple, LocalShards]] = {}  # a read file's leaves, by path
 
-    def root(self, rank: int) -> Any:
-        return self._checkpoint(rank).root
+    def leaf(self, rank: int, path: tuple) -> LocalShards | None:
+        """Rank ``rank``'s local-shards leaf at ``path`` (the key paths of
+        :func:`_local_shards`), its file read on first use.
+
+        Of each file read only its local-shards leaves are kept, and of a ShardedTensor's
+        only the blocks in that file: its layout names every rank's blocks, and kept for
+        every file it would grow as the square of the ranks.
+        """
+        index = self._index.get(rank)
+        if index is None:
+            index = self._index[rank] = self._leaves(self._checkpoint(rank))
+        return index.get(path)
 
     def _checkpoint(self, rank: int) -> Checkpoint:
-        if rank not in self._loaded:
+        ckpt = self._loaded.get(rank)
+        if ckpt is None:
             ckpt = self._read_file(self.by_rank[rank])
             _check_plain_tensors(self._loaded[self._base_rank].root, ckpt.root, ckpt.files[0])
-            self._loaded[rank] = ckpt
-        return self._loaded[rank]
+        return ckpt
+
+    @staticmethod
+    def _leaves(ckpt: Checkpoint) -> dict[tuple, LocalShards]:
+        leaves = {}
+        for path, local in _local_shards(ckpt.root):
+            if local.kind != "dtensor":  # (a DTensor's layout is its own mesh coordinate)
+                light = LocalShards(
+                    local.kind, local.dtype, local.shape, local.device, local.requires_grad
+                )
+                light.shards, light.rank, light.world_size = local.shards, local.rank, None
+                local = light
+            leaves[path] = local
+        return leaves
 
     def dtensor_blocks(self, rank: int, paths: list[tuple], likes: list[LocalShards]) -> Placed:
         """Where rank ``rank``'s block of each DTensor at ``paths`` lies (``likes``: the
         lowest rank's leaves there).
 
         Each rank's file records its own mesh coordinate, so every file is read for
-        these (and kept, as one whose data is read). Under several processes (:mod:`ckpttool.sharing`) each
-        reads its share of the files and the places (numbers only) are gathered: N
-        processes read N files once in all, not N times each. A file that fails to
-        read raises its error here, in the process that read it, as one process would.
+        these (its leaves kept: :meth:`leaf`). Under several processes
+        (:mod:`ckpttool.sharing`) each reads its share of the files and the places
+        (numbers only) are gathered: N processes read N files once in all, not N
+        times each. A file that fails to read raises its error here, in the process
+        that read it, as one process would.
         """
         if self._placed is None:
             ranks = sorted(self.by_rank)
@@ -178,10 +203,11 @@ class RankFiles:
     ) -> tuple[Placed, Verdict]:
         file = self.by_rank[rank]
         ckpt = self._checkpoint(rank)
+        self._index[rank] = self._leaves(ckpt)
         placed: Placed = []
         for path, like in zip(paths, likes, strict=True):
             key = ".".join(str(k) for k in path)
-            local = _same_leaf(key, get_path(ckpt.root, path), like, file)
+            local = _same_leaf(key, self.leaf(rank, path), like, file)
             block = own_dtensor_block(key, local, rank, file)
             placed.append((block.offsets, block.sizes))
         return placed, (ckpt.globals, ckpt.dangerous, ckpt.unverified)
@@ -250,7 +276,7 @@ class RankShard:
     def tensor_ref(self) -> TensorRef:
         key = ".".join(str(k) for k in self.path)
         file = self.files.by_rank[self.rank]
-        local = _same_leaf(key, get_path(self.files.root(self.rank), self.path), self.like, file)
+        local = _same_leaf(key, self.files.leaf(self.rank, self.path), self.like, file)
         if local.kind == "dtensor":  # its one block, placed by its mesh coordinate
             own = own_dtensor_block(key, local, self.rank, file)
             if own.offsets == self.offsets and own.sizes == self.sizes:
