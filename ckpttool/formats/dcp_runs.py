@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -88,7 +88,7 @@ def _build(
 
     # storage_data, in order: the runs' records (spilled) and the skeleton's entries,
     # checked as the bulk reader checks every entry, as records beside them
-    parts: list[tuple[Spill, int, int] | np.ndarray] = []
+    parts = _Parts()
     pending: list[tuple[int, int, int, int, int]] = []  # the skeleton's since the last run
     infos: dict[str, dict] = {}  # a byte value's stored span
     records = [key for key in storage if type(key) is not bytes]
@@ -100,15 +100,11 @@ def _build(
     record_rows = iter(zip(key_states, info_states, strict=True))
     for key in storage:
         if type(key) is bytes:
-            number = _take(numbers, used, key)
-            run = runs[number]
-            if type(run) is not StorageRun or storage[key] is not None:
+            if storage[key] is not None:
                 raise NotPlain
-            if pending:
-                parts.append(np.array(pending, STORAGE))
-                pending = []
+            run = _take(numbers, used, runs, key, StorageRun)
+            parts.append(pending, STORAGE)
             parts.append((parsed.storage, run.at, run.count))
-            runs[number] = None  # (taken once)
             continue
         key_state, info = next(record_rows)
         fqn, offset = _field([key_state], "fqn")[0], key_state.get("offset")
@@ -126,9 +122,7 @@ def _build(
             infos[fqn] = info  # (a second one for fqn is refused below: the same key)
         key_id = -1 if offset is None else tuples.id(tuple(offset))
         pending.append((names.id(fqn), names.id(path), key_id, start, length))
-    if pending:
-        parts.append(np.array(pending, STORAGE))
-    del pending
+    parts.append(pending, STORAGE)
 
     def table() -> Iterator[np.ndarray]:
         return blocks(parts, STORAGE)
@@ -226,13 +220,40 @@ def _apart(table: Callable[[], Iterator[np.ndarray]], names: int) -> list[int] |
     return distinct
 
 
-def _take(numbers: dict[bytes, int], used: set[int], key: bytes) -> int:
-    """The run a token stands for, taken once."""
+Run = TypeVar("Run", ChunkRun, StorageRun)
+
+
+def _take(
+    numbers: dict[bytes, int],
+    used: set[int],
+    runs: list[ChunkRun | StorageRun | None],
+    key: bytes,
+    kind: type[Run],
+) -> Run:
+    """The run of ``kind`` a token stands for, taken once (then set to None)."""
     number = numbers.get(key)
     if number is None or number in used:
         raise NotPlain
     used.add(number)
-    return number
+    run = runs[number]
+    if type(run) is not kind:
+        raise NotPlain
+    runs[number] = None
+    return run
+
+
+class _Parts(list):
+    """A table's parts in order (:func:`~ckpttool.formats.dcp_table.blocks`): the runs'
+    records in a spill, and the skeleton's entries between them as records in memory."""
+
+    def append(self, part: Any, dtype: np.dtype | None = None) -> None:
+        """A run's ``(spill, offset, count)``; or (``dtype`` given) the skeleton's
+        entries so far, a list emptied here."""
+        if dtype is None:
+            super().append(part)
+        elif part:
+            super().append(np.array(part, dtype))
+            part.clear()
 
 
 class _Joined:
@@ -272,24 +293,17 @@ class _Joined:
         _sizes(kept_offsets)
         _sizes(kept_sizes)
         kept = iter(zip(kept_offsets, kept_sizes, strict=True))
-        parts: list[tuple[Spill, int, int] | np.ndarray] = []
+        parts = _Parts()
         pending: list[tuple[int, int]] = []
         for chunk in chunks:
             if type(chunk) is bytes:
-                number = _take(numbers, used, chunk)
-                run = runs[number]
-                if type(run) is not ChunkRun:
-                    raise NotPlain
-                if pending:
-                    parts.append(np.array(pending, CHUNK))
-                    pending = []
+                run = _take(numbers, used, runs, chunk, ChunkRun)
+                parts.append(pending, CHUNK)
                 parts.append((parsed.chunks, run.at, run.count))
-                runs[number] = None  # (taken once)
             else:
                 o, s = next(kept)
                 pending.append((tuples.id(tuple(o)), tuples.id(tuple(s))))
-        if pending:
-            parts.append(np.array(pending, CHUNK))
+        parts.append(pending, CHUNK)
         mine = np.concatenate([np.empty(0, CHUNK), *blocks(parts, CHUNK)])
         fqn_id = parsed.names.ids.get(fqn)
         stored = np.empty(0, STORAGE) if fqn_id is None else _group(self.by_fqn, self.first, fqn_id)
