@@ -155,6 +155,7 @@ class _Runs:
     entry: re.Pattern[bytes]
     refs_run: re.Pattern[bytes] | None = None
     refs_entry: re.Pattern[bytes] | None = None
+    whole_entry: re.Pattern[bytes] | None = None  # ``entry``, its whole match a group first
 
 
 def _compile(build: Callable[..., bytes], slots: tuple[int, ...]) -> _Runs:
@@ -168,7 +169,8 @@ def _compile(build: Callable[..., bytes], slots: tuple[int, ...]) -> _Runs:
 
     if build is _chunk_entry:
         return _Runs(run(), entry())
-    return _Runs(run(), entry(), run(False), entry(False))
+    whole = re.compile(rb"(" + build(get, rb"(") + rb")", re.DOTALL)
+    return _Runs(run(), entry(), run(False), entry(False), whole)
 
 
 @dataclass
@@ -499,13 +501,13 @@ class _Parser:
                 run = patterns.entry.match(data, pos, limit)
                 if run is None:
                     raise NotRegular
-                entries = [run.groups(b"")]
+                columns: list[tuple[bytes, ...]] = [(group,) for group in run.groups(b"")]
                 if patterns.refs_entry.match(data, run.end(), limit) is None:  # type: ignore[union-attr]
-                    # ... or bring new names too (every entry its own string objects,
-                    # as no torch save pickles them): one run of them all, not a run
-                    # (and a token in the skeleton) per entry
-                    run, entries = self._entries_with_names(patterns, pos, limit)
-                self._take_storage(entries)
+                    # ... or bring new names too (torch pickles each rank's key strings
+                    # afresh): one run of them all, not a run (and a token in the
+                    # skeleton) per entry
+                    run, columns = self._entries_with_names(patterns, pos, limit)
+                self._take_storage(columns)
         if build is _chunk_entry:
             stack.append(_TOKEN)
         else:
@@ -521,21 +523,17 @@ class _Parser:
     def _entries_with_names(
         self, patterns: _Runs, pos: int, limit: int
     ) -> tuple[re.Match[bytes], list[tuple[bytes, ...]]]:
-        """The run of storage entries at ``pos``, names new or named before, and each
-        entry's groups: the entries must tile the run (a lazy string match that split
-        it otherwise is no run here)."""
+        """The run of storage entries at ``pos``, names new or named before, and each of
+        the entry pattern's groups as a column: the entries must tile the run (a lazy
+        string match that split it otherwise is no run here)."""
         run = patterns.run.match(self.data, pos, limit)
-        if run is None:
+        if run is None or patterns.whole_entry is None:
             raise NotRegular
-        entries, at = [], pos
-        for entry in patterns.entry.finditer(self.data, pos, run.end()):
-            if entry.start() != at:
-                raise NotRegular
-            entries.append(entry.groups(b""))
-            at = entry.end()
-        if at != run.end():
+        found = patterns.whole_entry.findall(self.data, pos, run.end())
+        whole, *columns = zip(*found, strict=True)
+        if sum(map(len, whole)) != run.end() - pos:  # (matches apart: a gap between two)
             raise NotRegular
-        return run, entries
+        return run, columns
 
     def _remove(self, slots: int) -> int:
         """Count ``slots`` memo slots of a run (never named by the skeleton); the first."""
@@ -607,9 +605,9 @@ class _Parser:
     def _lengths(self, raw: tuple[bytes, ...]) -> list[int]:
         return self._cached(self.numbers, raw, _int)
 
-    def _take_storage(self, items: list[tuple[bytes, ...]]) -> None:
-        cols = list(zip(*items, strict=True))
-        fqn_ref, fqn_len, fqn_new, offsets, path_ref, path_len, path_new, starts, lengths = cols
+    def _take_storage(self, columns: list[tuple[bytes, ...]]) -> None:
+        """Storage entries with new names, each group of the entry pattern a column."""
+        fqn_ref, fqn_len, fqn_new, offsets, path_ref, path_len, path_new, starts, lengths = columns
         new_fqn = list(map(bool, fqn_len))
         new_path = list(map(bool, path_len))
         size_slots = list(map(operator.sub, repeat(3), map(b")".__eq__, offsets)))
@@ -661,12 +659,10 @@ class _Parser:
             collections.deque(map(names.__setitem__, where, new_texts), maxlen=0)
         if not all(new):
             old = list(map(operator.not_, new))
-            slots = list(_refs(itertools.compress(refs, old)))
-            if not all(map(operator.lt, slots, itertools.compress(at, old))):
+            by_ref = tuple(itertools.compress(refs, old))
+            if not all(map(operator.lt, _refs(by_ref), itertools.compress(at, old))):
                 raise NotRegular  # names what comes later
-            named = list(map(self.strings.get, slots))
-            if None in named:
-                raise NotRegular  # a reference to something that is not a string
+            named = self._cached(self.refs, by_ref, self._string_at)  # (a slot's string for good)
             collections.deque(
                 map(names.__setitem__, itertools.compress(range(len(new)), old), named), maxlen=0
             )
