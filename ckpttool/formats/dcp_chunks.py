@@ -112,6 +112,13 @@ class DcpChunks(Sequence):
         files, starts, lengths, _, _ = self._rows(0, self._count)
         return files, starts, lengths
 
+    def span_ends(self) -> tuple[list[str | None], Any, Any]:
+        """Where each chunk's span ends, as arrays: the files (every tensor's of one
+        folder: the same list), each chunk's file's place in it, its end (what
+        ``inspect``'s size check reduces for millions of chunks)."""
+        rows = self._spill.records(ROW, self._at, self._count)
+        return self._files, rows["path"], rows["start"] + rows["length"]
+
     def __iter__(self) -> Iterator[Shard]:
         return self._shards(0, self._count)
 
