@@ -359,13 +359,15 @@ def test_the_chunk_table_on_disk_reads_the_same(tmp_path, monkeypatch, change):
         assert ckpt is None and expected[0] == "error"
 
 
-@pytest.fixture(scope="module")
-def fuzz_base(tmp_path_factory):
-    """A folder of ~1,300 chunks (3 frames), its .metadata bytes."""
+@pytest.fixture(scope="module", params=["names", "fresh-keys"])
+def fuzz_base(tmp_path_factory, request):
+    """A folder of ~1,300 chunks (3 frames), its .metadata bytes: each storage entry's
+    data file a string of its own, and (``fresh-keys``) its tensor's name too, as
+    torch's saves pickle them (runs of new names)."""
     folder = tmp_path_factory.mktemp("fuzz") / "ckpt"
     shapes = {"w": (64, 8), "b": (64,), "e": (10, 8), "s": (), "d": (8, 2, 2, 2, 2)}
     shapes |= {f"l{i}": (96, 4) for i in range(16)}
-    data = write_folder(folder, 64, shapes)
+    data = write_folder(folder, 64, shapes, fresh_keys=request.param == "fresh-keys")
     return folder, data
 
 
@@ -398,7 +400,7 @@ def _mutations(data, seed, n):
 @pytest.mark.parametrize(
     ("seed", "n"),
     [
-        (0, 45),
+        (0, 90),  # (few mutations leave the file plain: of these 90, 2 of the fresh keys')
         pytest.param(1, 400, marks=pytest.mark.slow),
         pytest.param(2, 400, marks=pytest.mark.slow),
     ],
