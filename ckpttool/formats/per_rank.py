@@ -297,7 +297,8 @@ def read(
     says where every block of every rank lies, so inspecting needs no other file;
     the others are scanned for dangerous globals and read when their data is asked
     for. A DTensor records only its own rank's mesh coordinate, so with DTensor
-    leaves every file is read (metadata only).
+    leaves every file is read (metadata only; under several processes, each reads
+    its share: :meth:`RankFiles.dtensor_blocks`).
 
     Args:
         first: The file already read (one of ``paths``).
