@@ -83,17 +83,10 @@ class DcpChunks(Sequence):
     def __len__(self) -> int:
         return self._count
 
-    def _rows(self, first: int, count: int) -> tuple[list, list, list, list[tuple], list[tuple]]:
-        """Files, starts, lengths, offsets and sizes of ``count`` chunks from ``first``."""
-        rows = self._spill.records(ROW, self._at + first * ROW.itemsize, count)
-        tuple_of = self._tuples.__getitem__
-        return (
-            list(map(self._files.__getitem__, rows["path"].tolist())),
-            rows["start"].tolist(),
-            rows["length"].tolist(),
-            list(map(tuple_of, rows["offsets"].tolist())),
-            list(map(tuple_of, rows["sizes"].tolist())),
-        )
+    def _records(self, first: int = 0, count: int | None = None) -> Any:
+        """The ``ROW`` records of ``count`` chunks (all) from ``first``."""
+        count = self._count - first if count is None else count
+        return self._spill.records(ROW, self._at + first * ROW.itemsize, count)
 
     @overload
     def __getitem__(self, index: int) -> Shard: ...
@@ -106,24 +99,30 @@ class DcpChunks(Sequence):
             raise IndexError("chunk index out of range")
         return next(self._shards(index % self._count, 1))
 
-    def block_spans(self) -> tuple[list[str], Sequence[int], Sequence[int]]:
+    def block_spans(self) -> tuple[list[str | None], Sequence[int], Sequence[int]]:
         """Each chunk's file, start and length (what :class:`DcpChunk` says of its span),
         without making the chunks."""
-        files, starts, lengths, _, _ = self._rows(0, self._count)
-        return files, starts, lengths
+        rows = self._records()
+        files = list(map(self._files.__getitem__, rows["path"].tolist()))
+        return files, rows["start"].tolist(), rows["length"].tolist()
 
     def span_ends(self) -> tuple[list[str | None], Any, Any]:
         """Where each chunk's span ends, as arrays: the files (every tensor's of one
         folder: the same list), each chunk's file's place in it, its end (what
         ``inspect``'s size check reduces for millions of chunks)."""
-        rows = self._spill.records(ROW, self._at, self._count)
+        rows = self._records()
         return self._files, rows["path"], rows["start"] + rows["length"]
 
     def __iter__(self) -> Iterator[Shard]:
         return self._shards(0, self._count)
 
     def _shards(self, first: int, count: int) -> Iterator[Shard]:
-        files, starts, lengths, offsets, sizes = self._rows(first, count)
+        rows = self._records(first, count)
+        tuple_of = self._tuples.__getitem__
+        files = list(map(self._files.__getitem__, rows["path"].tolist()))
+        offsets = list(map(tuple_of, rows["offsets"].tolist()))
+        sizes = list(map(tuple_of, rows["sizes"].tolist()))
+        starts, lengths = rows["start"].tolist(), rows["length"].tolist()
         return map(
             Shard,
             offsets,

@@ -628,20 +628,19 @@ class _Parser:
                 map(operator.add, size_slots, repeat(2)),
             )
         )
-        fqns = self._names(fqn_ref, fqn_len, fqn_new, new_fqn, fqn_at)
-        paths = self._names(path_ref, path_len, path_new, new_path, path_at)
+        # every new string of the run registered before any reference is looked up (an
+        # entry may name a string an earlier one brought, in either column)
+        fqns = self._new_names(fqn_len, fqn_new, new_fqn, fqn_at)
+        paths = self._new_names(path_len, path_new, new_path, path_at)
+        self._named(fqns, fqn_ref, new_fqn, fqn_at)
+        self._named(paths, path_ref, new_path, path_at)
         self._add_storage_run(fqns, offsets, paths, starts, lengths)
 
-    def _names(
-        self,
-        refs: tuple[bytes, ...],
-        lens: tuple[bytes, ...],
-        texts: tuple[bytes, ...],
-        new: list[bool],
-        at: list[int],
-    ) -> list[str]:
-        """Each entry's name: a new string (its slot registered here), or the one it
-        names, which must come before."""
+    def _new_names(
+        self, lens: tuple[bytes, ...], texts: tuple[bytes, ...], new: list[bool], at: list[int]
+    ) -> list[Any]:
+        """Each entry's name where it is a new string (its slot ``at`` registered here),
+        None where it names one (see :meth:`_named`)."""
         names: list[Any] = [None] * len(new)
         if any(new):
             kept_lens = list(itertools.compress(lens, new))
@@ -655,18 +654,23 @@ class _Parser:
                 decoded[raw] = raw.decode("utf-8", "surrogatepass")
             new_texts = list(map(decoded.__getitem__, kept))
             self.strings.add(itertools.compress(at, new), new_texts)
-            where = list(itertools.compress(range(len(new)), new))
+            where = itertools.compress(range(len(new)), new)
             collections.deque(map(names.__setitem__, where, new_texts), maxlen=0)
-        if not all(new):
-            old = list(map(operator.not_, new))
-            by_ref = tuple(itertools.compress(refs, old))
-            if not all(map(operator.lt, _refs(by_ref), itertools.compress(at, old))):
-                raise NotRegular  # names what comes later
-            named = self._cached(self.refs, by_ref, self._string_at)  # (a slot's string for good)
-            collections.deque(
-                map(names.__setitem__, itertools.compress(range(len(new)), old), named), maxlen=0
-            )
         return names
+
+    def _named(
+        self, names: list[Any], refs: tuple[bytes, ...], new: list[bool], at: list[int]
+    ) -> None:
+        """Fill in the names the entries name (``refs``): strings that come before."""
+        if all(new):
+            return
+        old = list(map(operator.not_, new))
+        by_ref = tuple(itertools.compress(refs, old))
+        if not all(map(operator.lt, _refs(by_ref), itertools.compress(at, old))):
+            raise NotRegular  # names what comes later
+        named = self._cached(self.refs, by_ref, self._string_at)  # (a slot's string for good)
+        where = itertools.compress(range(len(new)), old)
+        collections.deque(map(names.__setitem__, where, named), maxlen=0)
 
 
 class _StringSlots:

@@ -139,7 +139,7 @@ class RankFiles:
         self._read_file = read_file
         self._loaded = loaded
         self._base_rank = base_rank
-        self.verdicts = verdicts  # of files read, but not kept, by any process
+        self.verdicts = verdicts  # of the files read for their DTensors, by any process
         self._placed: dict[int, Placed] | None = None
         self._index: dict[int, dict[tuple, LocalShards]] = {}  # a read file's leaves, by path
 
