@@ -42,7 +42,10 @@ import zipfile
 LLAMA70B = {"hidden": 8192, "intermediate": 28672, "kv": 1024, "vocab": 32000, "layers": 80}
 # Llama-3.1-405B: 128 heads, 8 KV heads of 128, untied embeddings
 LLAMA405B = {"hidden": 16384, "intermediate": 53248, "kv": 1024, "vocab": 128256, "layers": 126}
-SHAPES = {"70b": LLAMA70B, "405b": LLAMA405B}
+# the same layout, small: what a test generates in seconds (8 rows of K and V: with
+# more ranks than that, some hold nothing of them)
+TINY = {"hidden": 64, "intermediate": 128, "kv": 8, "vocab": 256, "layers": 8}
+SHAPES = {"70b": LLAMA70B, "405b": LLAMA405B, "tiny": TINY}
 # bf16 model, fp32 Adam moments
 MODEL_BYTES, MOMENT_BYTES = 2, 4
 # torch.save of one chunk: the tensor's bytes plus the zip's records around them

@@ -7,8 +7,8 @@ then times, each side in a fresh process:
   every command plans from) against ``FileSystemReader(DIR).read_metadata()``;
   ``dcp-256-fresh``, ``dcp-2048-fresh`` the same with each storage entry's key string
   its own, as torch's saves pickle them (``make_dcp_scale.py --fresh-keys``);
-* ``dtensor-256``, ``sharded-256``: ``ckpttool inspect`` of the 256 rank files against
-  ``torch.load(f, weights_only=True, mmap=True)`` of each of them.
+* ``dtensor-256``, ``dtensor-256-full``, ``sharded-256``: ``ckpttool inspect`` of the 256
+  rank files against ``torch.load(f, weights_only=True, mmap=True)`` of each of them.
 
 Wall time, CPU time (user + system, from ``os.wait4``: on a machine shared with other
 jobs the fairer figure) and peak RSS (``ru_maxrss`` of the child; this process imports
@@ -68,6 +68,8 @@ CASES = {
     "dcp-256-fresh": (["--ranks", "256", "--fresh-keys"], "dcp"),
     "dcp-2048-fresh": (["--ranks", "2048", "--fresh-keys"], "dcp"),
     "dtensor-256": (["--ranks", "256", "--per-rank", "dtensor", "--layers", "8"], "ranks"),
+    # the whole 70B shape: 2,169 DTensors a file, 555 K blocks (3 minutes to generate)
+    "dtensor-256-full": (["--ranks", "256", "--per-rank", "dtensor"], "ranks"),
     "sharded-256": (["--ranks", "256", "--per-rank", "sharded", "--layers", "2"], "sharded"),
     # (256 ShardedTensor ranks: ~85 s of CPU to generate, 8 minutes on 2 busy cores)
     "sharded-32": (["--ranks", "32", "--per-rank", "sharded", "--layers", "2"], "sharded"),

@@ -279,3 +279,54 @@ def test_dtensor_rank_files_are_dealt_among_processes(monkeypatch):
     assert read == []  # (one process keeps what it read)
     assert_identical(ckpttool.load(ckpt), expected)
     assert read == [files[1]]  # rank 1's blocks: read from its file when their data is
+
+
+@pytest.mark.slow  # 8 and 64 generated rank files of 225 DTensors each, read under tracemalloc
+def test_the_memory_of_a_per_rank_read_does_not_grow_with_the_blocks(tmp_path, monkeypatch):
+    """Every rank of a distributed conversion reads where every block of every rank file
+    lies: past a few MB those places are records on disk (formats/rank_blocks.py), and
+    a block's stored tensor is made again when asked for, not kept. So 8x the rank
+    files costs the read, and resolving every block, little more memory: as objects
+    each block held ~2 KB (its Shard, its TensorRef and storage, the leaf of the file
+    it came from). Here the spills leave memory past 64 KB."""
+    import subprocess
+    import sys
+    import tracemalloc
+    from pathlib import Path
+
+    from ckpttool.formats import dcp_table
+    from ckpttool.tree import iter_tensors
+
+    monkeypatch.setattr(dcp_table, "IN_MEMORY", 64 << 10)
+    generator = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
+    figures = []
+    for ranks in (8, 64):
+        out = tmp_path / f"r{ranks}"
+        subprocess.run(
+            [sys.executable, str(generator), "--shape", "tiny", "--per-rank", "dtensor"]
+            + ["--ranks", str(ranks), "--out", str(out)],
+            check=True,
+            capture_output=True,
+        )
+        tracemalloc.start()
+        ckpt = ckpttool.read(str(out / "ep0-rank0.pt"))
+        held, peak = tracemalloc.get_traced_memory()
+        blocks = 0
+        for _, ref in iter_tensors(ckpt.root):
+            for shard in ref.shards:  # every block's stored tensor, as a writer asks for it
+                stored = shard.tensor.tensor_ref()
+                assert stored.shape == shard.sizes and stored.storage.source.path.endswith(
+                    f"ep0-rank{shard.rank}.pt"
+                )
+                blocks += 1
+        resolved, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert ckpt.world_size == ranks and len(ckpt.files) == ranks
+        figures.append((held, peak, resolved, blocks))
+        del ckpt
+    (held_a, peak_a, resolved_a, blocks_a), (held_b, peak_b, resolved_b, blocks_b) = figures
+    more = blocks_b - blocks_a
+    assert more > 5000, figures
+    assert held_b - held_a < 100 * more, figures
+    assert resolved_b - resolved_a < 100 * more, figures
+    assert peak_b - peak_a < 200 * more, figures

@@ -8,12 +8,14 @@ whose blocks point into every rank's file, and check that they tile the global t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
 import re
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .. import sharing, sources
 from ..errors import CkptError
@@ -26,10 +28,15 @@ from ..tree import (
     TensorRef,
     check_coverage,
     get_path,
+    row_blocks,
     walk,
 )
 from ..unpickler import LocalShards, own_dtensor_block
 from . import torch_legacy, torch_zip
+
+if TYPE_CHECKING:
+    from .dcp_table import Spill
+    from .rank_blocks import RankBlocks
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")
@@ -125,7 +132,13 @@ Placed = list[tuple[tuple[int, ...], tuple[int, ...]]]  # each DTensor's block: 
 
 
 class RankFiles:
-    """The files of a per-rank checkpoint; each is read (metadata only) on first use."""
+    """The files of a per-rank checkpoint and where each block of its sharded tensors
+    lies (:mod:`~ckpttool.formats.rank_blocks`: records, not objects); a file is read
+    (metadata only) on first use, its blocks recorded and its tree dropped.
+
+    Its sharded tensors are numbered: the n-th of ``paths`` (the lowest rank's
+    local-shards leaves, in the order :func:`_local_shards` finds them) is tensor n.
+    """
 
     def __init__(
         self,
@@ -134,95 +147,190 @@ class RankFiles:
         loaded: dict[int, Checkpoint],
         base_rank: int,
         verdicts: dict[int, Verdict],
+        leaves: list[tuple[tuple, LocalShards]],
     ):
         self.by_rank = by_rank
+        self.ranks = sorted(by_rank)
         self._read_file = read_file
         self._loaded = loaded
         self._base_rank = base_rank
-        self.verdicts = verdicts  # of the files read for their DTensors, by any process
-        self._placed: dict[int, Placed] | None = None
-        self._index: dict[int, dict[tuple, LocalShards]] = {}  # a read file's leaves, by path
+        self.verdicts = verdicts  # of the files read, by any process
+        self.paths = [path for path, _ in leaves]
+        self._likes = [_like(local) for _, local in leaves]
+        # (numpy, which the records need, is imported only for a per-rank checkpoint:
+        # every torch file is asked whether it is a rank's)
+        from .dcp_table import Interned
+        from .rank_blocks import Locations, Places
 
-    def leaf(self, rank: int, path: tuple) -> LocalShards | None:
-        """Rank ``rank``'s local-shards leaf at ``path`` (the key paths of
-        :func:`_local_shards`), its file read on first use.
+        tuples: Interned[tuple] = Interned()
+        self.places = Places(tuples)
+        self.locations = Locations(tuples)
+        self._lock = threading.Lock()  # (writers' threads resolve blocks)
+        self._filled: Any = None  # (group_places)
 
-        Of each file read only its local-shards leaves are kept, and of a ShardedTensor's
-        only the blocks in that file: its layout names every rank's blocks, and kept for
-        every file it would grow as the square of the ranks.
-        """
-        index = self._index.get(rank)
-        if index is None:
-            index = self._index[rank] = self._leaves(self._checkpoint(rank))
-        return index.get(path)
+    def key(self, tensor: int) -> str:
+        return ".".join(str(k) for k in self.paths[tensor])
 
-    def _checkpoint(self, rank: int) -> Checkpoint:
-        ckpt = self._loaded.get(rank)
+    def block_ref(self, rank: int, tensor: int, offsets: tuple, sizes: tuple) -> TensorRef:
+        """The stored tensor of rank ``rank``'s block of ``tensor`` at ``offsets``, its
+        file read on first use."""
+        if not self.locations.has(rank):
+            with self._lock:
+                if not self.locations.has(rank):
+                    self._record(rank)
+        file = self.by_rank[rank]
+        if self.locations.disagrees(rank, tensor):
+            raise CkptError(f"rank files disagree about tensor {self.key(tensor)!r}", path=file)
+        ref = self.locations.ref(rank, file, tensor, offsets, sizes)
+        if ref is None:
+            raise CkptError(
+                f"tensor {self.key(tensor)!r}: no block at offsets {list(offsets)}", path=file
+            )
+        return ref
+
+    def _record(self, rank: int) -> Placed:
+        """Read rank ``rank``'s file, record where its blocks lie and its verdict; where
+        its DTensors' blocks lie in their global tensors (each file records its own mesh
+        coordinate). A DTensor whose leaf differs from the lowest rank's is refused now
+        (its place is needed); another sharded tensor's when its data is asked for."""
+        file = self.by_rank[rank]
+        ckpt = self._loaded.get(rank) if rank == self._base_rank else self._loaded.pop(rank, None)
         if ckpt is None:
-            ckpt = self._read_file(self.by_rank[rank])
-            _check_plain_tensors(self._loaded[self._base_rank].root, ckpt.root, ckpt.files[0])
-        return ckpt
+            ckpt = self._read_file(file)
+            _check_plain_tensors(self._loaded[self._base_rank].root, ckpt.root, file)
+        self.verdicts[rank] = (ckpt.globals, ckpt.dangerous, ckpt.unverified)
+        theirs = dict(_local_shards(ckpt.root))
+        del ckpt
+        blocks: list[tuple[int, tuple, Any]] = []
+        disagree: set[int] = set()
+        placed: Placed = []
+        for tensor, (path, like) in enumerate(zip(self.paths, self._likes, strict=True)):
+            local = theirs.get(path)
+            if not _agrees(local, like):
+                if like.kind == "dtensor":
+                    raise CkptError(
+                        f"rank files disagree about tensor {self.key(tensor)!r}", path=file
+                    )
+                disagree.add(tensor)
+                continue
+            assert local is not None
+            if local.kind == "dtensor":
+                own = own_dtensor_block(self.key(tensor), local, rank, file)
+                placed.append((own.offsets, own.sizes))
+                blocks.append((tensor, own.offsets, own.tensor))
+            else:
+                blocks.extend((tensor, s.offsets, s.tensor) for s in local.shards)
+        self.locations.add_file(rank, file, blocks, len(self.paths), disagree)
+        return placed
 
-    @staticmethod
-    def _leaves(ckpt: Checkpoint) -> dict[tuple, LocalShards]:
-        leaves = {}
-        for path, local in _local_shards(ckpt.root):
-            if local.kind != "dtensor":  # (a DTensor's layout is its own mesh coordinate)
-                light = LocalShards(
-                    local.kind, local.dtype, local.shape, local.device, local.requires_grad
-                )
-                light.shards, light.rank, light.world_size = local.shards, local.rank, None
-                local = light
-            leaves[path] = local
-        return leaves
-
-    def dtensor_blocks(self, rank: int, paths: list[tuple], likes: list[LocalShards]) -> Placed:
-        """Where rank ``rank``'s block of each DTensor at ``paths`` lies (``likes``: the
-        lowest rank's leaves there).
+    def place_dtensors(self) -> None:
+        """Record where every rank's block of each DTensor lies.
 
         Each rank's file records its own mesh coordinate, so every file is read for
-        these (its leaves kept: :meth:`leaf`). Under several processes
-        (:mod:`ckpttool.sharing`) each reads its share of the files and the places
-        (numbers only) are gathered: N processes read N files once in all, not N
-        times each. A file that fails to read raises its error here, in the process
-        that read it, as one process would.
+        these. Under several processes (:mod:`ckpttool.sharing`) each reads its share
+        of the files and the places (numbers only: each file's distinct places and
+        which each DTensor has) are gathered: N processes read N files once in all,
+        not N times each. A file that fails to read raises its error here, in the
+        process that read it, as one process would.
         """
-        if self._placed is None:
-            ranks = sorted(self.by_rank)
-            mine: dict[int, tuple[Placed, Verdict]] = {}
-            for i in sharing.my_share(len(ranks)):
-                mine[ranks[i]] = self._place(ranks[i], paths, likes)
-            self._placed = {}
-            for r, (placed, verdict) in sharing.gather(mine).items():
-                self._placed[r] = [(tuple(o), tuple(n)) for o, n in placed]
-                self.verdicts[r] = verdict
-        return self._placed[rank]
+        from .dcp_table import Interned
 
-    def _place(
-        self, rank: int, paths: list[tuple], likes: list[LocalShards]
-    ) -> tuple[Placed, Verdict]:
-        file = self.by_rank[rank]
-        ckpt = self._checkpoint(rank)
-        self._index[rank] = self._leaves(ckpt)
-        placed: Placed = []
-        for path, like in zip(paths, likes, strict=True):
-            key = ".".join(str(k) for k in path)
-            local = _same_leaf(key, self.leaf(rank, path), like, file)
-            block = own_dtensor_block(key, local, rank, file)
-            placed.append((block.offsets, block.sizes))
-        return placed, (ckpt.globals, ckpt.dangerous, ckpt.unverified)
+        dtensors = [t for t, like in enumerate(self._likes) if like.kind == "dtensor"]
+        if not dtensors:
+            return
+        mine: dict[int, tuple[list, list[int], Verdict]] = {}
+        for i in sharing.my_share(len(self.ranks)):
+            rank = self.ranks[i]
+            pairs: Interned[tuple] = Interned()
+            ids = [pairs.id(place) for place in self._record(rank)]
+            mine[rank] = (pairs.values, ids, self.verdicts[rank])
+        index = {rank: i for i, rank in enumerate(self.ranks)}
+        tuples = self.places.tuples
+        for rank, (distinct, ids, verdict) in sorted(sharing.gather(mine).items()):
+            if len(ids) != len(dtensors):
+                raise CkptError("internal error: a process placed another number of DTensors")
+            offsets = [tuples.id(tuple(o)) for o, _ in distinct]
+            sizes = [tuples.id(tuple(n)) for _, n in distinct]
+            self.places.add(
+                dtensors,
+                [index[rank]] * len(ids),
+                [offsets[i] for i in ids],
+                [sizes[i] for i in ids],
+            )
+            self.verdicts[rank] = verdict
+
+    def place_sharded_tensors(self, leaves: list[tuple[tuple, LocalShards]]) -> None:
+        """Record where every block of each ShardedTensor lies: the lowest rank's file
+        names every rank's (``layout``); its own are recorded from its tree. The layouts
+        are dropped once recorded (they grow as ranks times tensors)."""
+        index = {rank: i for i, rank in enumerate(self.ranks)}
+        tuples = self.places.tuples
+        base = index[self._base_rank]
+        for tensor, (_, local) in enumerate(leaves):
+            if local.kind == "dtensor":
+                continue
+            own = {(s.offsets, s.sizes) for s in local.shards}
+            ranks, offsets, sizes = [], [], []
+            for place_offsets, place_sizes, rank in local.layout or []:
+                if math.prod(place_sizes) == 0:
+                    continue  # a rank that holds nothing of this tensor
+                if (place_offsets, place_sizes) in own:
+                    ranks.append(base)
+                elif rank in index:
+                    ranks.append(index[rank])
+                else:
+                    raise CkptError(
+                        f"tensor {self.key(tensor)!r}: the shard at offsets "
+                        f"{list(place_offsets)} is in no file"
+                    )
+                offsets.append(tuples.id(place_offsets))
+                sizes.append(tuples.id(place_sizes))
+            self.places.add([tensor] * len(ranks), ranks, offsets, sizes)
+            local.layout = None
+
+    def group_places(self) -> None:
+        """Group the places recorded by tensor, once all are."""
+        from .rank_blocks import nonempty
+
+        self.places.group(len(self.paths))
+        self._filled = nonempty(self.places.tuples.values)  # the sizes tuples that hold any
+
+    def tensor_blocks(self, tensor: int, spill: Spill) -> RankBlocks:
+        """Tensor ``tensor``'s blocks (after the places are grouped), their records
+        appended to ``spill``: empty ones left out, a DTensor's replicas once, checked
+        to tile the tensor."""
+        from .rank_blocks import RankBlocks, kept_blocks
+
+        like = self._likes[tensor]
+        tuples = self.places.tuples.values
+        rows = kept_blocks(self.places.rows(tensor), self._filled, like.kind == "dtensor")
+        at = spill.append(rows)
+        blocks = RankBlocks(
+            spill, at, len(rows), tuples, self.ranks, functools.partial(RankShard, self, tensor)
+        )
+        offsets = list(map(tuples.__getitem__, rows["offsets"].tolist()))
+        sizes = list(map(tuples.__getitem__, rows["sizes"].tolist()))
+        if not row_blocks(like.shape, offsets, sizes):
+            check_coverage(self.key(tensor), like.shape, list(blocks))
+        return blocks
 
 
-def _same_leaf(key: str, local: Any, like: LocalShards, file: str) -> LocalShards:
-    """Another rank's leaf at the place of ``like`` (the lowest rank's): sharded the same way."""
-    if (
-        not isinstance(local, LocalShards)
-        or local.kind != like.kind
-        or local.shape != like.shape
-        or local.dtype != like.dtype
-    ):
-        raise CkptError(f"rank files disagree about tensor {key!r}", path=file)
-    return local
+def _like(local: LocalShards) -> LocalShards:
+    """What another rank's leaf is compared with (kind, dtype, shape): without the
+    lowest rank's blocks and layout."""
+    like = LocalShards(local.kind, local.dtype, local.shape, local.device, local.requires_grad)
+    like.rank, like.world_size = local.rank, local.world_size
+    return like
+
+
+def _agrees(local: Any, like: LocalShards) -> bool:
+    """Another rank's leaf at the place of ``like`` (the lowest rank's) is sharded the same way."""
+    return (
+        isinstance(local, LocalShards)
+        and local.kind == like.kind
+        and local.shape == like.shape
+        and local.dtype == like.dtype
+    )
 
 
 def _check_plain_tensors(base: Any, other: Any, path: str) -> None:
@@ -251,41 +359,26 @@ def _check_plain_tensors(base: Any, other: Any, path: str) -> None:
 
 
 class RankShard:
-    """A block that another rank's file holds (a ShardedTensor's, a DTensor's), read only
-    when its data is needed."""
+    """A block that a rank's file holds (a ShardedTensor's, a DTensor's), its stored
+    tensor found when its data is needed (:meth:`RankFiles.block_ref`)."""
 
+    __slots__ = ("files", "tensor", "rank", "offsets", "sizes")
     cast_to = None  # read as stored (tree.leaves.Block)
 
     def __init__(
-        self,
-        files: RankFiles,
-        rank: int,
-        path: tuple,
-        like: LocalShards,
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
+        self, files: RankFiles, tensor: int, rank: int, offsets: tuple, sizes: tuple
     ) -> None:
-        self.files, self.rank, self.path = files, rank, path
-        self.like, self.offsets, self.sizes = like, offsets, sizes
+        self.files, self.tensor, self.rank = files, tensor, rank
+        self.offsets, self.sizes = offsets, sizes
 
     def where(self) -> str:
         """The rank file and the block in it (nothing read: the file is read only when
         the block's data is needed)."""
-        return f"{self.files.by_rank[self.rank]}:{self.path}@{self.offsets}+{self.sizes}"
+        path = self.files.paths[self.tensor]
+        return f"{self.files.by_rank[self.rank]}:{path}@{self.offsets}+{self.sizes}"
 
     def tensor_ref(self) -> TensorRef:
-        key = ".".join(str(k) for k in self.path)
-        file = self.files.by_rank[self.rank]
-        local = _same_leaf(key, self.files.leaf(self.rank, self.path), self.like, file)
-        if local.kind == "dtensor":  # its one block, placed by its mesh coordinate
-            own = own_dtensor_block(key, local, self.rank, file)
-            if own.offsets == self.offsets and own.sizes == self.sizes:
-                if isinstance(own.tensor, TensorRef):
-                    return own.tensor
-        for block in local.shards:  # ShardedTensor blocks
-            if block.offsets == self.offsets and block.tensor.shape == self.sizes:
-                return block.tensor
-        raise CkptError(f"tensor {key!r}: no block at offsets {list(self.offsets)}", path=file)
+        return self.files.block_ref(self.rank, self.tensor, self.offsets, self.sizes)
 
 
 def read(
@@ -391,23 +484,22 @@ def _combine(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
         )
-    files = RankFiles(by_rank, read_file, loaded, base_rank, verdicts)
-    # the DTensors' paths, in the order the leaves are replaced below
-    dtensors = [(p, leaf) for p, leaf in _local_shards(base.root) if leaf.kind == "dtensor"]
-    paths, likes = [path for path, _ in dtensors], [local for _, local in dtensors]
+    leaves = _local_shards(base.root)
+    files = RankFiles(by_rank, read_file, loaded, base_rank, verdicts, leaves)
+    files.place_sharded_tensors(leaves)
+    files.place_dtensors()
+    files.group_places()
+    del leaves
+    from .dcp_table import Spill
+
+    spill = Spill()  # every tensor's blocks, kept (RankBlocks)
     order = itertools.count()
 
     def sharded_ref(path: tuple, local: LocalShards) -> ShardedRef:
-        key = ".".join(str(k) for k in path)
-        if local.kind == "dtensor":
-            index = next(order)
-            if paths[index] != path:
-                raise CkptError(f"internal error: DTensor {key!r} found in another order")
-            shards = _dtensor_shards(key, path, local, files, base_rank, (paths, likes, index))
-        else:
-            shards = _sharded_tensor_shards(key, path, local, files)
-        check_coverage(key, local.shape, shards)
-        return _global_ref(local, shards, world_size)
+        tensor = next(order)
+        if files.paths[tensor] != path:
+            raise CkptError(f"internal error: tensor {files.key(tensor)!r} found in another order")
+        return _global_ref(local, files.tensor_blocks(tensor, spill), world_size)
 
     return world_size, _replace_local_shards(base.root, (), sharded_ref)
 
@@ -434,30 +526,39 @@ def _replace_local_shards(
     its children keyed as :meth:`Opaque.children` keys them, so that the same path
     finds the same leaf in another rank's tree. A cycle is followed once.
     """
-    active: set[int] = set()
+    return _Replacer(make)(node, path)
 
-    def replace(node: Node, path: tuple) -> Any:
+
+class _Replacer:
+    """:func:`_replace_local_shards`'s walk. (Not a nested function that calls itself:
+    that is a reference cycle, and the cyclic collector is paused while a checkpoint is
+    read (``formats.gc_paused``), so it would keep every leaf ``make`` saw: every rank
+    file's, for a read of hundreds.)"""
+
+    def __init__(self, make: Callable[[tuple, LocalShards], Any]):
+        self.make = make
+        self.active: set[int] = set()
+
+    def __call__(self, node: Node, path: tuple) -> Any:
         if isinstance(node, LocalShards):
-            return make(path, node)
-        if id(node) in active or not isinstance(node, (dict, list, tuple, Opaque)):
+            return self.make(path, node)
+        if id(node) in self.active or not isinstance(node, (dict, list, tuple, Opaque)):
             return node
-        active.add(id(node))
+        self.active.add(id(node))
         try:
             if isinstance(node, dict):
                 out = type(node)() if type(node) is not dict else {}
                 for k, v in node.items():
-                    out[k] = replace(v, path + (k,))
+                    out[k] = self(v, path + (k,))
                 return out
             if isinstance(node, list):
-                return [replace(v, path + (i,)) for i, v in enumerate(node)]
+                return [self(v, path + (i,)) for i, v in enumerate(node)]
             if isinstance(node, tuple):  # a torch.Size stays one
-                return type(node)(replace(v, path + (i,)) for i, v in enumerate(node))
-            _replace_in_opaque(node, path, replace)
+                return type(node)(self(v, path + (i,)) for i, v in enumerate(node))
+            _replace_in_opaque(node, path, self)
             return node
         finally:
-            active.discard(id(node))
-
-    return replace(node, path)
+            self.active.discard(id(node))
 
 
 def _replace_in_opaque(node: Opaque, path: tuple, replace: Callable[[Any, tuple], Any]) -> None:
@@ -509,7 +610,10 @@ def _lone_rank_ref(path: tuple, local: LocalShards) -> ShardedRef:
 
 
 def _global_ref(
-    local: LocalShards, shards: list[Shard], world_size: int | None, incomplete: str | None = None
+    local: LocalShards,
+    shards: Sequence[Shard],
+    world_size: int | None,
+    incomplete: str | None = None,
 ) -> ShardedRef:
     return ShardedRef(
         dtype=local.dtype,
@@ -549,51 +653,3 @@ def _judge(
         dangerous.update(bad)
         unverified.update(unknown)
     return globals_, dangerous, unverified
-
-
-def _sharded_tensor_shards(
-    key: str, path: tuple, local: LocalShards, files: RankFiles
-) -> list[Shard]:
-    own = {(s.offsets, s.sizes): s for s in local.shards}
-    shards = []
-    for offsets, sizes, rank in local.layout or []:
-        if math.prod(sizes) == 0:
-            continue  # a rank that holds nothing of this tensor
-        if (offsets, sizes) in own:
-            shards.append(own[(offsets, sizes)])
-        elif rank in files.by_rank:
-            block = RankShard(files, rank, path, local, offsets, sizes)
-            shards.append(Shard(offsets, sizes, block, rank))
-        else:
-            raise CkptError(f"tensor {key!r}: the shard at offsets {list(offsets)} is in no file")
-    return shards
-
-
-def _dtensor_shards(
-    key: str,
-    path: tuple,
-    local: LocalShards,
-    files: RankFiles,
-    base_rank: int,
-    dtensors: tuple[
-        list[tuple], list[LocalShards], int
-    ],  # every DTensor's path and leaf; this one's
-) -> list[Shard]:
-    """Every rank's block of a DTensor, placed by that rank's own mesh coordinate.
-
-    Each file records where its rank sits in the mesh; on a submesh (FSDP over the
-    ``dp`` dimension of a 2-D mesh) that cannot be told from the rank number, so
-    every rank's file is read (metadata only, once for every DTensor:
-    :meth:`RankFiles.dtensor_blocks`); a block is read from its file when its data is.
-    """
-    paths, likes, index = dtensors
-    blocks: dict[tuple, Shard] = {}
-    for rank in sorted(files.by_rank):
-        if rank == base_rank:
-            block = own_dtensor_block(key, local, rank, files.by_rank[rank])
-        else:
-            offsets, sizes = files.dtensor_blocks(rank, paths, likes)[index]
-            block = Shard(offsets, sizes, RankShard(files, rank, path, local, offsets, sizes), rank)
-        if math.prod(block.sizes) > 0:  # replicas: keep one
-            blocks.setdefault((block.offsets, block.sizes), block)
-    return list(blocks.values())

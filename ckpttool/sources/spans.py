@@ -134,6 +134,10 @@ class ByteSpan:
         self._zip_header_offset = zip_header_offset
         self._zip_header_check = zip_header_check
 
+    def unresolved(self) -> bool:
+        """A zip entry whose data offset is still to be found (and checked) on first read."""
+        return self._zip_header_offset is not None
+
     def resolve(self, files: OpenFiles | None = None) -> None:
         """Find a zip entry's data offset from its local header (done once, on first use).
 

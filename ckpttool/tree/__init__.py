@@ -51,7 +51,7 @@ from .leaves import (
 from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values
 from .params import count_parameters
 from .plain_data import TorchValue, recorded_classes, to_plain
-from .sharding import check_coverage, raw_parts
+from .sharding import check_coverage, raw_parts, row_blocks
 from .torch_values import (
     BUILTIN_TYPES,
     DEVICE_TYPES,
@@ -128,6 +128,7 @@ __all__ = [
     "parse_key_path",
     "plain_values",
     "raw_parts",
+    "row_blocks",
     "recorded_classes",
     "resolve_prefix",
     "state_attrs",
