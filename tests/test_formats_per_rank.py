@@ -330,3 +330,52 @@ def test_the_memory_of_a_per_rank_read_does_not_grow_with_the_blocks(tmp_path, m
     assert held_b - held_a < 100 * more, figures
     assert resolved_b - resolved_a < 100 * more, figures
     assert peak_b - peak_a < 200 * more, figures
+
+
+def test_block_locations_remake_each_stored_tensor():
+    """A rank file's blocks are kept as records (formats/rank_blocks.Locations) and each
+    block's TensorRef is made again from them, field for field; what a record cannot
+    say (a conjugate view, a remote zip entry not yet checked) keeps its object. A file
+    with several blocks of a tensor, and none of another, is found too."""
+    from ckpttool.dtypes import DTYPES
+    from ckpttool.formats.dcp_table import Interned
+    from ckpttool.formats.rank_blocks import Locations
+    from ckpttool.sources import ByteSpan
+    from ckpttool.tree import StorageRef, TensorRef
+
+    f32, bf16 = DTYPES["float32"], DTYPES["bfloat16"]
+
+    def stored(shape, offset, start, dtype=f32, path="r1.pt", **kw):
+        storage = StorageRef("7", dtype, 64, "cuda:1", ByteSpan(path, start, 64 * dtype.itemsize))
+        return TensorRef(dtype, shape, (shape[1], 1), offset, storage, device="cuda:1", **kw)
+
+    plain = stored((2, 4), 8, 1000, requires_grad=True, parameter=True)
+    second = stored((1, 4), 0, 5000, dtype=bf16)
+    conj = stored((2, 4), 0, 3000, conj=True)
+    unchecked = TensorRef(
+        f32,
+        (2, 4),
+        (4, 1),
+        0,
+        StorageRef("9", f32, 8, "cpu", ByteSpan("r1.pt", 0, 32, zip_header_offset=64)),
+    )
+    locations = Locations(Interned())
+    blocks = [(0, (0, 0), plain), (0, (2, 0), second), (2, (0, 0), conj), (3, (0, 0), unchecked)]
+    locations.add_file(1, "r1.pt", blocks, 4, disagree={1})
+    assert locations.has(1) and not locations.has(0) and locations.disagrees(1, 1)
+
+    def fields(ref):
+        s = ref.storage
+        return (
+            ref.dtype, ref.shape, ref.stride, ref.offset, ref.device, ref.requires_grad,
+            ref.parameter, ref.kind, ref.conj, s.key, s.dtype, s.numel, s.device,
+            s.big_endian, s.source.path, s.source.offset, s.source.length,
+        )  # fmt: skip
+
+    for tensor, offsets, ref in blocks[:2]:
+        again = locations.ref(1, "r1.pt", tensor, offsets, ref.shape)
+        assert again is not ref and fields(again) == fields(ref)
+    assert locations.ref(1, "r1.pt", 2, (0, 0), (2, 4)) is conj
+    assert locations.ref(1, "r1.pt", 3, (0, 0), (2, 4)) is unchecked
+    assert locations.ref(1, "r1.pt", 0, (1, 0), (2, 4)) is None  # no block there
+    assert locations.ref(1, "r1.pt", 1, (0, 0), (2, 4)) is None

@@ -9,13 +9,13 @@ import itertools
 import json
 import re
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any
 
 from .. import sources
 from ..dtypes import DType
 from ..errors import CkptError
 from ..tree import Shard, ShardedRef, TensorRef, state_attrs
-from .dcp_table import ROW, Spill
+from .dcp_table import ROW, Spill, SpilledShards
 from .per_rank import lone_rank_shards
 from .safetensors_file import MAX_HEADER, dcp_saved_offsets
 from .safetensors_file import tensor_ref as safetensors_tensor_ref
@@ -50,7 +50,7 @@ def dcp_tensor(
     )
 
 
-class DcpChunks(Sequence):
+class DcpChunks(SpilledShards):
     """The chunks of one DCP tensor, as records of a spill (:mod:`~ckpttool.formats.dcp_table`):
     its :class:`~ckpttool.tree.Shard` and :class:`DcpChunk` objects are made when read,
     not held.
@@ -80,24 +80,10 @@ class DcpChunks(Sequence):
         self._spill, self._at, self._count = spill, at, count
         self._tuples, self._files, self._dtype, self._fqn = tuples, files, dtype, fqn
 
-    def __len__(self) -> int:
-        return self._count
-
     def _records(self, first: int = 0, count: int | None = None) -> Any:
         """The ``ROW`` records of ``count`` chunks (all) from ``first``."""
         count = self._count - first if count is None else count
         return self._spill.records(ROW, self._at + first * ROW.itemsize, count)
-
-    @overload
-    def __getitem__(self, index: int) -> Shard: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Shard]: ...
-    def __getitem__(self, index: int | slice) -> Shard | list[Shard]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if not -self._count <= index < self._count:
-            raise IndexError("chunk index out of range")
-        return next(self._shards(index % self._count, 1))
 
     def block_spans(self) -> tuple[list[str | None], Sequence[int], Sequence[int]]:
         """Each chunk's file, start and length (what :class:`DcpChunk` says of its span),
@@ -112,9 +98,6 @@ class DcpChunks(Sequence):
         ``inspect``'s size check reduces for millions of chunks)."""
         rows = self._records()
         return self._files, rows["path"], rows["start"] + rows["length"]
-
-    def __iter__(self) -> Iterator[Shard]:
-        return self._shards(0, self._count)
 
     def _shards(self, first: int, count: int) -> Iterator[Shard]:
         rows = self._records(first, count)

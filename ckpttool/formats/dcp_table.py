@@ -18,10 +18,13 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..tree import Shard
 
 # a storage entry: its tensor's and data file's names, its offsets (``Interned``
 # numbers; -1: a byte value's, no offsets), where its bytes are in the data file
@@ -123,6 +126,35 @@ def _raw(data: Any) -> memoryview:
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data).view(np.uint8)
     return memoryview(data).cast("B")
+
+
+class SpilledShards(Sequence):
+    """One sharded tensor's shards kept as records of a spill, each
+    :class:`~ckpttool.tree.Shard` made when read (a DCP tensor's chunks, a per-rank
+    tensor's blocks): a subclass makes ``count`` of them from the ``first``."""
+
+    __slots__ = ()
+    _count: int
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> Shard: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Shard]: ...
+    def __getitem__(self, index: int | slice) -> Shard | list[Shard]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -self._count <= index < self._count:
+            raise IndexError("shard index out of range")
+        return next(iter(self._shards(index % self._count, 1)))
+
+    def __iter__(self) -> Iterator[Shard]:
+        return iter(self._shards(0, self._count))
+
+    def _shards(self, first: int, count: int) -> Iterator[Shard]:
+        raise NotImplementedError
 
 
 class Interned(Generic[T]):

@@ -318,9 +318,7 @@ class RankFiles:
 def _like(local: LocalShards) -> LocalShards:
     """What another rank's leaf is compared with (kind, dtype, shape): without the
     lowest rank's blocks and layout."""
-    like = LocalShards(local.kind, local.dtype, local.shape, local.device, local.requires_grad)
-    like.rank, like.world_size = local.rank, local.world_size
-    return like
+    return LocalShards(local.kind, local.dtype, local.shape, local.device, local.requires_grad)
 
 
 def _agrees(local: Any, like: LocalShards) -> bool:

@@ -25,14 +25,14 @@ entry whose header is checked on first read) keeps its object, as before.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from ..sources import ByteSpan
 from ..tree import Shard, StorageRef, TensorRef
-from .dcp_table import BLOCK_ROWS, Interned, Spill, group_rows
+from .dcp_table import Interned, Spill, SpilledShards, blocks, group_rows
 
 # a block's place: its tensor (the n-th sharded leaf), the rank whose file holds it (its
 # place among the files' ranks: a file's name may claim any number), its offsets and
@@ -79,14 +79,10 @@ class Places:
     def group(self, count: int) -> None:
         """Group the places added by tensor (``count`` of them), each tensor's in the
         order added."""
-        added = self._added
-
-        def passes() -> Iterator[np.ndarray]:
-            total = added.size // PLACE.itemsize
-            for first in range(0, total, BLOCK_ROWS):
-                yield added.records(PLACE, first * PLACE.itemsize, min(BLOCK_ROWS, total - first))
-
-        self._rows, self._first = group_rows(passes, "tensor", count)
+        added: list[tuple[Spill, int, int] | np.ndarray] = [
+            (self._added, 0, self._added.size // PLACE.itemsize)
+        ]
+        self._rows, self._first = group_rows(lambda: blocks(added, PLACE), "tensor", count)
         self._added = Spill()
 
     def rows(self, tensor: int) -> np.ndarray:
@@ -107,7 +103,7 @@ def kept_blocks(rows: np.ndarray, filled: np.ndarray, replicas: bool) -> np.ndar
     return rows
 
 
-class RankBlocks(Sequence):
+class RankBlocks(SpilledShards):
     """One sharded tensor's blocks, as ``PLACE`` records of a spill: its
     :class:`~ckpttool.tree.Shard` objects and their :class:`RankShard` blocks are made
     when read, not held (see the module's docstring)."""
@@ -125,23 +121,6 @@ class RankBlocks(Sequence):
     ):
         self._spill, self._at, self._count = spill, at, count
         self._tuples, self._ranks, self._block = tuples, ranks, block
-
-    def __len__(self) -> int:
-        return self._count
-
-    @overload
-    def __getitem__(self, index: int) -> Shard: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Shard]: ...
-    def __getitem__(self, index: int | slice) -> Shard | list[Shard]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if not -self._count <= index < self._count:
-            raise IndexError("block index out of range")
-        return next(self._shards(index % self._count, 1))
-
-    def __iter__(self) -> Iterator[Shard]:
-        return self._shards(0, self._count)
 
     def _shards(self, first: int, count: int) -> Iterator[Shard]:
         rows = self._spill.records(PLACE, self._at + first * PLACE.itemsize, count)
@@ -224,22 +203,22 @@ class Locations:
         if offsets_id is None or sizes_id is None:
             return None
         for i in candidates:
-            row = self._spill.records(LOCATION, at + i * LOCATION.itemsize, 1)[0]
-            if int(row["offsets"]) != offsets_id or int(row["sizes"]) != sizes_id:
+            row = self._spill.records(LOCATION, at + i * LOCATION.itemsize, 1)[0].tolist()
+            _, offsets_at, sizes_at, stride, meta, offset, start, length, numel = row
+            if offsets_at != offsets_id or sizes_at != sizes_id:
                 continue
-            meta = int(row["meta"])
             if meta < 0:
                 return self._objects[(rank, tensor, offsets_id, sizes_id)]
             (dtype, device, requires_grad, parameter, key, s_dtype, s_device, big_endian) = (
                 self._metas.values[meta]
             )
-            source = ByteSpan(path, int(row["start"]), int(row["length"]))
-            storage = StorageRef(key, s_dtype, int(row["numel"]), s_device, source, big_endian)
+            source = ByteSpan(path, start, length)
+            storage = StorageRef(key, s_dtype, numel, s_device, source, big_endian)
             return TensorRef(
                 dtype,
                 sizes,
-                self.tuples.values[int(row["stride"])],
-                int(row["offset"]),
+                self.tuples.values[stride],
+                offset,
                 storage,
                 device=device,
                 requires_grad=requires_grad,
