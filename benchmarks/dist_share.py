@@ -3,7 +3,7 @@
 A checkpoint saved per rank with DTensor leaves names only its own rank's mesh
 coordinate, so every rank file is read (its metadata) to place the blocks. Under
 ``torchrun -m ckpttool convert`` each process reads only its share of the files and
-the places are gathered (``formats/per_rank.RankFiles.place_dtensors``); before, every
+the places are gathered (``formats/per_rank.RankFiles.read_shares``); before, every
 process read all of them.
 
 For each N, ``torchrun --standalone --nproc-per-node=N`` runs the Python API's

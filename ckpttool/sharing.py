@@ -29,6 +29,10 @@ class Members(Protocol):
         """Every process's ``value`` (plain data), in rank order."""
         ...
 
+    def each_gathered(self, value: Any) -> Iterator[Any]:
+        """The same, one process's value at a time (never all held at once)."""
+        ...
+
 
 _joined: list[Members] = []
 
@@ -65,3 +69,14 @@ def gather(mine: dict[int, Any]) -> dict[int, Any]:
     for theirs in _joined[-1].all_gather(mine):
         merged.update(theirs)
     return merged
+
+
+def gather_each(mine: dict[int, Any]) -> Iterator[tuple[int, Any]]:
+    """Every process's results, as :func:`gather`, but one ``(index, result)`` at a time
+    and one process's results held at a time (a large exchange). Iterate to the end:
+    it is a collective."""
+    if not shared():
+        yield from mine.items()
+        return
+    for theirs in _joined[-1].each_gathered(mine):
+        yield from theirs.items()

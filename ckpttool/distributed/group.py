@@ -29,7 +29,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -277,6 +277,14 @@ class Group:
         key = f"gather/{next(self._exchanges)}"
         self.store.set(f"{key}/{self.rank}", json.dumps(_encode(value)))
         return [_decode(json.loads(self.wait_key(f"{key}/{r}"))) for r in range(self.size)]
+
+    def each_gathered(self, value: Any) -> Iterator[Any]:
+        """:meth:`all_gather`'s values one rank's at a time, so that a large exchange
+        (where every block of thousands of rank files lies) is never held whole."""
+        key = f"gather/{next(self._exchanges)}"
+        self.store.set(f"{key}/{self.rank}", json.dumps(_encode(value)))
+        for r in range(self.size):
+            yield _decode(json.loads(self.wait_key(f"{key}/{r}")))
 
 
 class _TorchStore:

@@ -223,30 +223,35 @@ class RankFiles:
         self.locations.add_file(rank, file, blocks, len(self.paths), disagree)
         return placed
 
-    def place_dtensors(self) -> None:
-        """Record where every rank's block of each DTensor lies.
+    def read_shares(self) -> None:
+        """Read the rank files that must be read before any data is: every file where
+        there are DTensors (each file records its own mesh coordinate, so it is read to
+        place its blocks), every file under several processes (their units will need
+        most of them). Record where their blocks lie.
 
-        Each rank's file records its own mesh coordinate, so every file is read for
-        these. Under several processes (:mod:`ckpttool.sharing`) each reads its share
-        of the files and the places (numbers only: each file's distinct places and
-        which each DTensor has) are gathered: N processes read N files once in all,
-        not N times each. A file that fails to read raises its error here, in the
-        process that read it, as one process would.
+        Under several processes (:mod:`ckpttool.sharing`) each reads its share of the
+        files and hands the others what it found, as plain data: each file's verdict,
+        its DTensors' places (its distinct places, and which each DTensor has) and
+        where its blocks lie (:meth:`Locations.export`). N processes read N files once
+        in all, not N times each. A file that fails to read raises its error here, in
+        the process that read it, as one process would.
         """
         from .dcp_table import Interned
 
         dtensors = [t for t, like in enumerate(self._likes) if like.kind == "dtensor"]
-        if not dtensors:
-            return
-        mine: dict[int, tuple[list, list[int], Verdict]] = {}
+        shared = sharing.shared()
+        if not dtensors and not shared:
+            return  # (ShardedTensor files are read when their blocks' data is)
+        mine: dict[int, tuple[list, list[int], Verdict, dict | None]] = {}
         for i in sharing.my_share(len(self.ranks)):
             rank = self.ranks[i]
             pairs: Interned[tuple] = Interned()
             ids = [pairs.id(place) for place in self._record(rank)]
-            mine[rank] = (pairs.values, ids, self.verdicts[rank])
+            export = self.locations.export(rank) if shared else None
+            mine[rank] = (pairs.values, ids, self.verdicts[rank], export)
         index = {rank: i for i, rank in enumerate(self.ranks)}
         tuples = self.places.tuples
-        for rank, (distinct, ids, verdict) in sorted(sharing.gather(mine).items()):
+        for rank, (distinct, ids, verdict, export) in sharing.gather_each(mine):
             if len(ids) != len(dtensors):
                 raise CkptError("internal error: a process placed another number of DTensors")
             offsets = [tuples.id(tuple(o)) for o, _ in distinct]
@@ -258,6 +263,8 @@ class RankFiles:
                 [sizes[i] for i in ids],
             )
             self.verdicts[rank] = verdict
+            if export is not None and not self.locations.has(rank):
+                self.locations.take(rank, self.by_rank[rank], export)
 
     def place_sharded_tensors(self, leaves: list[tuple[tuple, LocalShards]]) -> None:
         """Record where every block of each ShardedTensor lies: the lowest rank's file
@@ -299,11 +306,16 @@ class RankFiles:
         """Tensor ``tensor``'s blocks (after the places are grouped), their records
         appended to ``spill``: empty ones left out, a DTensor's replicas once, checked
         to tile the tensor."""
+        import numpy as np
+
         from .rank_blocks import RankBlocks, kept_blocks
 
         like = self._likes[tensor]
         tuples = self.places.tuples.values
-        rows = kept_blocks(self.places.rows(tensor), self._filled, like.kind == "dtensor")
+        rows = self.places.rows(tensor)
+        if like.kind == "dtensor":  # every rank's, in the order of the ranks
+            rows = rows[np.argsort(rows["rank"], kind="stable")]
+        rows = kept_blocks(rows, self._filled, like.kind == "dtensor")
         at = spill.append(rows)
         blocks = RankBlocks(
             spill, at, len(rows), tuples, self.ranks, functools.partial(RankShard, self, tensor)
@@ -485,7 +497,7 @@ def _combine(
     leaves = _local_shards(base.root)
     files = RankFiles(by_rank, read_file, loaded, base_rank, verdicts, leaves)
     files.place_sharded_tensors(leaves)
-    files.place_dtensors()
+    files.read_shares()
     files.group_places()
     del leaves
     from .dcp_table import Spill

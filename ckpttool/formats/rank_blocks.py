@@ -24,12 +24,16 @@ entry whose header is checked on first read) keeps its object, as before.
 
 from __future__ import annotations
 
+import base64
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from ..dtypes import DTYPES
+from ..errors import CkptError
 from ..sources import ByteSpan
 from ..tree import Shard, StorageRef, TensorRef
 from .dcp_table import Interned, Spill, SpilledShards, blocks, group_rows
@@ -143,6 +147,8 @@ class Locations:
         self._files: dict[int, tuple[int, int, np.ndarray | None]] = {}
         self._objects: dict[tuple[int, int, int, int], Any] = {}  # what records can't say
         self._disagree: dict[int, set[int]] = {}  # a file's tensors that differ from the lowest's
+        self._odd: set[int] = set()  # the ranks with blocks in ``_objects``
+        self._tensors = 0
 
     def has(self, rank: int) -> bool:
         return rank in self._files
@@ -168,6 +174,7 @@ class Locations:
             found = _location(ref, path)
             if found is None:  # kept as it is
                 self._objects[(rank, tensor, ids(offsets), ids(ref.shape))] = ref
+                self._odd.add(rank)
                 found = (None, (), 0, 0, 0, 0)
             meta, stride, offset, start, length, numel = found
             columns["meta"].append(-1 if meta is None else self._metas.id(meta))
@@ -178,12 +185,52 @@ class Locations:
             columns["numel"].append(numel)
         for name, values in columns.items():
             rows[name] = values
+        self._add_rows(rank, rows, tensors, disagree)
+
+    def _add_rows(self, rank: int, rows: np.ndarray, tensors: int, disagree: set[int]) -> None:
+        self._tensors = tensors
         at = self._spill.append(rows)
         order = rows["tensor"]
         dense = len(rows) == tensors and bool((order == np.arange(tensors)).all())
         self._files[rank] = (at, len(rows), None if dense else order.copy())
         if disagree:
             self._disagree[rank] = disagree
+
+    def export(self, rank: int) -> dict | None:
+        """Rank ``rank``'s recorded blocks as plain data, for another process that has
+        not read its file (:meth:`take`): the records compressed, their tuples and metas
+        listed. None where a block kept its object (the other process reads the file)."""
+        if rank in self._odd:
+            return None
+        at, count, _ = self._files[rank]
+        rows = self._spill.records(LOCATION, at, count).copy()
+        tuples, metas = self.tuples.values, self._metas.values
+        used: dict[str, list] = {}
+        ids = np.concatenate([rows["offsets"], rows["sizes"], rows["stride"]])
+        distinct, local = np.unique(ids, return_inverse=True)
+        rows["offsets"], rows["sizes"], rows["stride"] = np.split(local.astype("<i4"), 3)
+        used["tuples"] = [tuples[i] for i in distinct.tolist()]
+        distinct_metas, local_metas = np.unique(rows["meta"], return_inverse=True)
+        rows["meta"] = local_metas
+        used["metas"] = [_plain_meta(metas[i]) for i in distinct_metas.tolist()]
+        return {
+            "rows": base64.b64encode(zlib.compress(rows.tobytes(), 1)).decode("ascii"),
+            "tuples": used["tuples"],
+            "metas": used["metas"],
+            "disagree": sorted(self._disagree.get(rank, ())),
+            "tensors": self._tensors,
+        }
+
+    def take(self, rank: int, path: str, data: dict) -> None:
+        """Record rank ``rank``'s blocks as another process read them (:meth:`export`)."""
+        raw = zlib.decompress(base64.b64decode(data["rows"]))
+        rows = np.frombuffer(raw, LOCATION).copy()
+        tuple_ids = np.array([self.tuples.id(tuple(t)) for t in data["tuples"]] or [0], "<i4")
+        meta_ids = np.array([self._metas.id(_meta(m)) for m in data["metas"]] or [0], "<i4")
+        for field in ("offsets", "sizes", "stride"):
+            rows[field] = tuple_ids[rows[field]]
+        rows["meta"] = meta_ids[rows["meta"]]
+        self._add_rows(rank, rows, int(data["tensors"]), set(data["disagree"]))
 
     def disagrees(self, rank: int, tensor: int) -> bool:
         return tensor in self._disagree.get(rank, ())
@@ -225,6 +272,22 @@ class Locations:
                 parameter=parameter,
             )
         return None
+
+
+def _plain_meta(meta: tuple) -> list:
+    """A meta as plain data (dtypes by name), for :meth:`Locations.export`."""
+    dtype, device, requires_grad, parameter, key, s_dtype, s_device, big_endian = meta
+    return [dtype.name, device, requires_grad, parameter, key, s_dtype.name, s_device, big_endian]
+
+
+def _meta(plain: list) -> tuple:
+    """:func:`_plain_meta` read back."""
+    dtype, device, requires_grad, parameter, key, s_dtype, s_device, big_endian = plain
+    if dtype not in DTYPES or s_dtype not in DTYPES:
+        raise CkptError(f"internal error: another process named the dtype {dtype!r}")
+    return (
+        DTYPES[dtype], device, requires_grad, parameter, key, DTYPES[s_dtype], s_device, big_endian
+    )  # fmt: skip
 
 
 def _location(ref: Any, path: str) -> tuple | None:
