@@ -60,6 +60,12 @@ def my_share(count: int) -> range:
     return range(members.rank, count, members.size)
 
 
+def largest_share(count: int) -> int:
+    """How many of ``count`` jobs the busiest process does (the same in every process)."""
+    size = _joined[-1].size if shared() else 1
+    return -(-count // size)
+
+
 def gather(mine: dict[int, Any]) -> dict[int, Any]:
     """Every process's results (``{index: result}``, plain data) merged: ``mine`` in one
     process."""

@@ -170,6 +170,38 @@ def test_same_bytes_as_one_process(tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_many_dtensor_rank_files_dealt_in_rounds(tmp_path):
+    """34 DTensor rank files (the tiny shape of ``make_dcp_scale.py``: ranks that hold
+    nothing of the smaller tensors) among 4 ranks: each reads its share and hands the
+    others where the blocks lie, 8 files a round (``per_rank.FILES_A_ROUND``), a round
+    in which some ranks have none; the output is the one process's, byte for byte."""
+    from ckpttool.formats.per_rank import FILES_A_ROUND
+
+    ranks, nproc = 34, 4
+    assert -(-ranks // nproc) > FILES_A_ROUND == ranks // nproc  # 9, 9, 8, 8: two rounds
+    generator = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
+    folder = tmp_path / "dt"
+    subprocess.run(
+        [sys.executable, str(generator), "--shape", "tiny", "--per-rank", "dtensor"]
+        + ["--ranks", str(ranks), "--out", str(folder)],
+        check=True,
+        capture_output=True,
+    )
+    first = str(folder / "ep0-rank0.pt")
+    want = tmp_path / "one.safetensors"
+    convert([first], "safetensors", str(want), select="all")
+    out = tmp_path / "n4.safetensors"
+    done = finish(
+        torchrun(
+            ["convert", first, "--select", "all", "--to", "safetensors", "-o", str(out)], nproc
+        ),
+        300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sha256(out) == sha256(want)
+
+
 @trials
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2, 3, 4, 7])

@@ -450,3 +450,30 @@ def test_torchrun_agent_killed_every_rank_says_the_store_is_lost(tmp_path):
     )
     assert len(ours) == 2 and all(lost.fullmatch(ln) for ln in ours), done.stderr[-3000:]
     assert not out.exists()
+
+
+def test_a_gathered_value_of_any_size_reaches_every_rank(server, monkeypatch):
+    """``Group.each_gathered`` (where every block of thousands of rank files lies, one
+    process's at a time) stores a value in parts below the store's cap on a value:
+    a value of more than ``MAX_VALUE`` reaches every rank whole, each rank's in rank
+    order, and a small one in small parts too."""
+    import itertools
+
+    from ckpttool.distributed import group as group_module
+
+    def member(rank: int) -> group_module.Group:
+        g = group_module.Group.__new__(group_module.Group)  # (no torchrun here)
+        g.rank, g.size, g.store = rank, 2, ours(server.port)
+        g._exchanges = itertools.count()
+        return g
+
+    big = {"rows": "x" * (MAX_VALUE + 12345), "n": (1, 2)}
+    small = {7: ("a", [1, 2, 3])}
+    ranks = [member(0), member(1)]
+    for part, values in ((group_module.GATHER_PART, (big, small)), (5, (small, {}))):
+        monkeypatch.setattr(group_module, "GATHER_PART", part)
+        first, second = (g.each_gathered(v) for g, v in zip(ranks, values, strict=True))
+        got = [next(first), next(second)]  # each posts its own, then reads rank 0's
+        got += [next(first), next(second)]
+        assert got == [values[0], values[0], values[1], values[1]]
+        assert next(first, None) is None and next(second, None) is None

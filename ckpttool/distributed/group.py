@@ -280,11 +280,24 @@ class Group:
 
     def each_gathered(self, value: Any) -> Iterator[Any]:
         """:meth:`all_gather`'s values one rank's at a time, so that a large exchange
-        (where every block of thousands of rank files lies) is never held whole."""
+        (where every block of thousands of rank files lies) is never held whole. A
+        value is stored in parts below the store's cap on one value; its count of parts
+        is set last."""
         key = f"gather/{next(self._exchanges)}"
-        self.store.set(f"{key}/{self.rank}", json.dumps(_encode(value)))
+        text = json.dumps(_encode(value))
+        parts = range(0, len(text), GATHER_PART) or range(1)
+        for i, start in enumerate(parts):
+            self.store.set(f"{key}/{self.rank}/{i}", text[start : start + GATHER_PART])
+        self.store.set(f"{key}/{self.rank}", str(len(parts)))
         for r in range(self.size):
-            yield _decode(json.loads(self.wait_key(f"{key}/{r}")))
+            count = int(self.wait_key(f"{key}/{r}"))
+            text = "".join(self.store.get(f"{key}/{r}/{i}").decode() for i in range(count))
+            yield _decode(json.loads(text))
+
+
+# characters of one stored part of a gathered value (JSON: ASCII), under the store's
+# cap on a value (store.MAX_VALUE)
+GATHER_PART = 4 << 20
 
 
 class _TorchStore:

@@ -128,6 +128,7 @@ ScanFile = Callable[[str], tuple[list[str], list[str], list[str]]]
 
 
 Verdict = tuple[list[str], list[str], list[str]]  # a file's globals: all, dangerous, unverified
+FILES_A_ROUND = 8  # rank files whose findings one process hands the others at a time
 Placed = list[tuple[tuple[int, ...], tuple[int, ...]]]  # each DTensor's block: offsets, sizes
 
 
@@ -151,6 +152,7 @@ class RankFiles:
     ):
         self.by_rank = by_rank
         self.ranks = sorted(by_rank)
+        self._place_of = {rank: i for i, rank in enumerate(self.ranks)}  # (PLACE's ``rank``)
         self._read_file = read_file
         self._loaded = loaded
         self._base_rank = base_rank
@@ -242,35 +244,47 @@ class RankFiles:
         shared = sharing.shared()
         if not dtensors and not shared:
             return  # (ShardedTensor files are read when their blocks' data is)
-        mine: dict[int, tuple[list, list[int], Verdict, dict | None]] = {}
-        for i in sharing.my_share(len(self.ranks)):
-            rank = self.ranks[i]
-            pairs: Interned[tuple] = Interned()
-            ids = [pairs.id(place) for place in self._record(rank)]
-            export = self.locations.export(rank) if shared else None
-            mine[rank] = (pairs.values, ids, self.verdicts[rank], export)
-        index = {rank: i for i, rank in enumerate(self.ranks)}
+        share = list(sharing.my_share(len(self.ranks)))
+        # in rounds of a few files, so that what is handed over is never large
+        for first in range(0, sharing.largest_share(len(self.ranks)), FILES_A_ROUND):
+            mine: dict[int, tuple[list, list[int], Verdict, dict | None]] = {}
+            for i in share[first : first + FILES_A_ROUND]:
+                rank = self.ranks[i]
+                pairs: Interned[tuple] = Interned()
+                ids = [pairs.id(place) for place in self._record(rank)]
+                export = self.locations.export(rank) if shared else None
+                mine[rank] = (pairs.values, ids, self.verdicts[rank], export)
+            for rank, found in sharing.gather_each(mine):
+                self._take(rank, dtensors, *found)
+
+    def _take(
+        self,
+        rank: int,
+        dtensors: list[int],
+        distinct: list,
+        ids: list[int],
+        verdict: Verdict,
+        export: dict | None,
+    ) -> None:
+        """What a process found in rank ``rank``'s file (:meth:`read_shares`)."""
+        if len(ids) != len(dtensors):
+            raise CkptError("internal error: a process placed another number of DTensors")
         tuples = self.places.tuples
-        for rank, (distinct, ids, verdict, export) in sharing.gather_each(mine):
-            if len(ids) != len(dtensors):
-                raise CkptError("internal error: a process placed another number of DTensors")
-            offsets = [tuples.id(tuple(o)) for o, _ in distinct]
-            sizes = [tuples.id(tuple(n)) for _, n in distinct]
-            self.places.add(
-                dtensors,
-                [index[rank]] * len(ids),
-                [offsets[i] for i in ids],
-                [sizes[i] for i in ids],
-            )
-            self.verdicts[rank] = verdict
-            if export is not None and not self.locations.has(rank):
-                self.locations.take(rank, self.by_rank[rank], export)
+        offsets = [tuples.id(tuple(o)) for o, _ in distinct]
+        sizes = [tuples.id(tuple(n)) for _, n in distinct]
+        index = self._place_of[rank]
+        self.places.add(
+            dtensors, [index] * len(ids), [offsets[i] for i in ids], [sizes[i] for i in ids]
+        )
+        self.verdicts[rank] = verdict
+        if export is not None and not self.locations.has(rank):
+            self.locations.take(rank, self.by_rank[rank], export)
 
     def place_sharded_tensors(self, leaves: list[tuple[tuple, LocalShards]]) -> None:
         """Record where every block of each ShardedTensor lies: the lowest rank's file
         names every rank's (``layout``); its own are recorded from its tree. The layouts
         are dropped once recorded (they grow as ranks times tensors)."""
-        index = {rank: i for i, rank in enumerate(self.ranks)}
+        index = self._place_of
         tuples = self.places.tuples
         base = index[self._base_rank]
         for tensor, (_, local) in enumerate(leaves):

@@ -25,6 +25,7 @@ entry whose header is checked on first read) keeps its object, as before.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -43,8 +44,8 @@ from .dcp_table import Interned, Spill, SpilledShards, blocks, group_rows
 # sizes (numbers of ``Interned`` tuples)
 PLACE = np.dtype([("tensor", "<i4"), ("rank", "<i4"), ("offsets", "<i4"), ("sizes", "<i4")])
 # where a block's bytes lie in its file: the TensorRef's offset and stride, its storage
-# (``meta``: the numbered dtype, device, key... of the tensor and its storage), the
-# storage's bytes in the file and its element count
+# (``meta``: the numbered dtype, device... of the tensor and its storage; ``key``: the
+# numbered name of the storage), the storage's bytes in the file and its element count
 LOCATION = np.dtype(
     [
         ("tensor", "<i4"),
@@ -52,6 +53,7 @@ LOCATION = np.dtype(
         ("sizes", "<i4"),
         ("stride", "<i4"),
         ("meta", "<i4"),
+        ("key", "<i4"),
         ("offset", "<i8"),
         ("start", "<i8"),
         ("length", "<i8"),
@@ -142,6 +144,7 @@ class Locations:
     def __init__(self, tuples: Interned[tuple]):
         self.tuples = tuples
         self._metas: Interned[tuple] = Interned()
+        self._keys: Interned[str] = Interned()  # the storages' names
         self._spill = Spill()
         # rank -> (first record, count, each record's tensor where not one per tensor)
         self._files: dict[int, tuple[int, int, np.ndarray | None]] = {}
@@ -175,9 +178,10 @@ class Locations:
             if found is None:  # kept as it is
                 self._objects[(rank, tensor, ids(offsets), ids(ref.shape))] = ref
                 self._odd.add(rank)
-                found = (None, (), 0, 0, 0, 0)
-            meta, stride, offset, start, length, numel = found
+                found = (None, "", (), 0, 0, 0, 0)
+            meta, key, stride, offset, start, length, numel = found
             columns["meta"].append(-1 if meta is None else self._metas.id(meta))
+            columns["key"].append(self._keys.id(key))
             columns["stride"].append(ids(stride))
             columns["offset"].append(offset)
             columns["start"].append(start)
@@ -213,10 +217,15 @@ class Locations:
         distinct_metas, local_metas = np.unique(rows["meta"], return_inverse=True)
         rows["meta"] = local_metas
         used["metas"] = [_plain_meta(metas[i]) for i in distinct_metas.tolist()]
+        distinct_keys, local_keys = np.unique(rows["key"], return_inverse=True)
+        rows["key"] = local_keys
+        used["keys"] = [self._keys.values[i] for i in distinct_keys.tolist()]
         return {
             "rows": base64.b64encode(zlib.compress(rows.tobytes(), 1)).decode("ascii"),
             "tuples": used["tuples"],
             "metas": used["metas"],
+            # (one string, not thousands: a file's storages are named "0", "1", ...)
+            "keys": json.dumps(used["keys"]),
             "disagree": sorted(self._disagree.get(rank, ())),
             "tensors": self._tensors,
         }
@@ -230,6 +239,9 @@ class Locations:
         for field in ("offsets", "sizes", "stride"):
             rows[field] = tuple_ids[rows[field]]
         rows["meta"] = meta_ids[rows["meta"]]
+        keys = json.loads(data["keys"])
+        key_ids = np.array([self._keys.id(str(k)) for k in keys] or [0], "<i4")
+        rows["key"] = key_ids[rows["key"]]
         self._add_rows(rank, rows, int(data["tensors"]), set(data["disagree"]))
 
     def disagrees(self, rank: int, tensor: int) -> bool:
@@ -251,16 +263,18 @@ class Locations:
             return None
         for i in candidates:
             row = self._spill.records(LOCATION, at + i * LOCATION.itemsize, 1)[0].tolist()
-            _, offsets_at, sizes_at, stride, meta, offset, start, length, numel = row
+            _, offsets_at, sizes_at, stride, meta, key, offset, start, length, numel = row
             if offsets_at != offsets_id or sizes_at != sizes_id:
                 continue
             if meta < 0:
                 return self._objects[(rank, tensor, offsets_id, sizes_id)]
-            (dtype, device, requires_grad, parameter, key, s_dtype, s_device, big_endian) = (
+            (dtype, device, requires_grad, parameter, s_dtype, s_device, big_endian) = (
                 self._metas.values[meta]
             )
             source = ByteSpan(path, start, length)
-            storage = StorageRef(key, s_dtype, numel, s_device, source, big_endian)
+            storage = StorageRef(
+                self._keys.values[key], s_dtype, numel, s_device, source, big_endian
+            )
             return TensorRef(
                 dtype,
                 sizes,
@@ -276,17 +290,17 @@ class Locations:
 
 def _plain_meta(meta: tuple) -> list:
     """A meta as plain data (dtypes by name), for :meth:`Locations.export`."""
-    dtype, device, requires_grad, parameter, key, s_dtype, s_device, big_endian = meta
-    return [dtype.name, device, requires_grad, parameter, key, s_dtype.name, s_device, big_endian]
+    dtype, device, requires_grad, parameter, s_dtype, s_device, big_endian = meta
+    return [dtype.name, device, requires_grad, parameter, s_dtype.name, s_device, big_endian]
 
 
 def _meta(plain: list) -> tuple:
     """:func:`_plain_meta` read back."""
-    dtype, device, requires_grad, parameter, key, s_dtype, s_device, big_endian = plain
+    dtype, device, requires_grad, parameter, s_dtype, s_device, big_endian = plain
     if dtype not in DTYPES or s_dtype not in DTYPES:
         raise CkptError(f"internal error: another process named the dtype {dtype!r}")
     return (
-        DTYPES[dtype], device, requires_grad, parameter, key, DTYPES[s_dtype], s_device, big_endian
+        DTYPES[dtype], device, requires_grad, parameter, DTYPES[s_dtype], s_device, big_endian
     )  # fmt: skip
 
 
@@ -308,12 +322,11 @@ def _location(ref: Any, path: str) -> tuple | None:
         ref.device,
         ref.requires_grad,
         ref.parameter,
-        storage.key,
         storage.dtype,
         storage.device,
         storage.big_endian,
     )
-    return (meta, ref.stride, ref.offset, source.offset, source.length, storage.numel)
+    return (meta, storage.key, ref.stride, ref.offset, source.offset, source.length, storage.numel)
 
 
 def nonempty(tuples: list[tuple]) -> np.ndarray:
