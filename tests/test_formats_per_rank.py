@@ -3,6 +3,7 @@ ShardedTensor (FSDP) or DTensor leaves, from real torchrun runs."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -385,3 +386,15 @@ def test_block_locations_remake_each_stored_tensor():
     assert locations.ref(1, "r1.pt", 3, (0, 0), (2, 4)) is unchecked
     assert locations.ref(1, "r1.pt", 0, (1, 0), (2, 4)) is None  # no block there
     assert locations.ref(1, "r1.pt", 1, (0, 0), (2, 4)) is None
+
+    # handed to another process, whose numbering differs: the same blocks there
+    assert locations.export(1) is None  # (objects stay in the process that read them)
+    plain2 = stored((2, 4), 8, 1000, path="r2.pt", requires_grad=True)
+    second2 = stored((1, 4), 0, 5000, dtype=bf16, path="r2.pt")
+    locations.add_file(2, "r2.pt", [(0, (0, 0), plain2), (1, (2, 0), second2)], 4, {3})
+    other = Locations(Interned())
+    other.tuples.id((9, 9, 9))
+    other.take(2, json.loads(json.dumps(locations.export(2))), 4)
+    assert other.has(2) and other.disagrees(2, 3) and not other.disagrees(2, 1)
+    for tensor, offsets, ref in ((0, (0, 0), plain2), (1, (2, 0), second2)):
+        assert fields(other.ref(2, "r2.pt", tensor, offsets, ref.shape)) == fields(ref)

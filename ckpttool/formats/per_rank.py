@@ -278,7 +278,7 @@ class RankFiles:
         )
         self.verdicts[rank] = verdict
         if export is not None and not self.locations.has(rank):
-            self.locations.take(rank, self.by_rank[rank], export)
+            self.locations.take(rank, export, len(self.paths))
 
     def place_sharded_tensors(self, leaves: list[tuple[tuple, LocalShards]]) -> None:
         """Record where every block of each ShardedTensor lies: the lowest rank's file

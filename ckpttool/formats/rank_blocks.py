@@ -15,11 +15,14 @@ shape and rank):
   holds it (``PLACE``, 16 bytes). :class:`RankBlocks` is one tensor's blocks, as a
   sequence of shards made when read.
 * :class:`Locations`: where the block's bytes lie in its rank's file (``LOCATION``,
-  48 bytes), recorded when that file is read; a block's TensorRef is made again from
-  it when its data is needed.
+  52 bytes), recorded when that file is read, by this process or by another of the
+  same command (:meth:`Locations.export` and :meth:`Locations.take`: the records
+  travel compressed); a block's TensorRef is made again from them when its data is
+  needed.
 
 A block the records cannot say (a quantized or conjugate view, a remote file's zip
-entry whose header is checked on first read) keeps its object, as before.
+entry whose header is checked on first read) keeps its object, as before; another
+process then reads that file itself.
 """
 
 from __future__ import annotations
@@ -151,7 +154,6 @@ class Locations:
         self._objects: dict[tuple[int, int, int, int], Any] = {}  # what records can't say
         self._disagree: dict[int, set[int]] = {}  # a file's tensors that differ from the lowest's
         self._odd: set[int] = set()  # the ranks with blocks in ``_objects``
-        self._tensors = 0
 
     def has(self, rank: int) -> bool:
         return rank in self._files
@@ -192,7 +194,6 @@ class Locations:
         self._add_rows(rank, rows, tensors, disagree)
 
     def _add_rows(self, rank: int, rows: np.ndarray, tensors: int, disagree: set[int]) -> None:
-        self._tensors = tensors
         at = self._spill.append(rows)
         order = rows["tensor"]
         dense = len(rows) == tensors and bool((order == np.arange(tensors)).all())
@@ -208,30 +209,24 @@ class Locations:
             return None
         at, count, _ = self._files[rank]
         rows = self._spill.records(LOCATION, at, count).copy()
-        tuples, metas = self.tuples.values, self._metas.values
-        used: dict[str, list] = {}
+        tuples, metas, keys = self.tuples.values, self._metas.values, self._keys.values
         ids = np.concatenate([rows["offsets"], rows["sizes"], rows["stride"]])
         distinct, local = np.unique(ids, return_inverse=True)
         rows["offsets"], rows["sizes"], rows["stride"] = np.split(local.astype("<i4"), 3)
-        used["tuples"] = [tuples[i] for i in distinct.tolist()]
-        distinct_metas, local_metas = np.unique(rows["meta"], return_inverse=True)
-        rows["meta"] = local_metas
-        used["metas"] = [_plain_meta(metas[i]) for i in distinct_metas.tolist()]
-        distinct_keys, local_keys = np.unique(rows["key"], return_inverse=True)
-        rows["key"] = local_keys
-        used["keys"] = [self._keys.values[i] for i in distinct_keys.tolist()]
+        distinct_metas, rows["meta"] = np.unique(rows["meta"], return_inverse=True)
+        distinct_keys, rows["key"] = np.unique(rows["key"], return_inverse=True)
         return {
             "rows": base64.b64encode(zlib.compress(rows.tobytes(), 1)).decode("ascii"),
-            "tuples": used["tuples"],
-            "metas": used["metas"],
+            "tuples": [tuples[i] for i in distinct.tolist()],
+            "metas": [_plain_meta(metas[i]) for i in distinct_metas.tolist()],
             # (one string, not thousands: a file's storages are named "0", "1", ...)
-            "keys": json.dumps(used["keys"]),
+            "keys": json.dumps([keys[i] for i in distinct_keys.tolist()]),
             "disagree": sorted(self._disagree.get(rank, ())),
-            "tensors": self._tensors,
         }
 
-    def take(self, rank: int, path: str, data: dict) -> None:
-        """Record rank ``rank``'s blocks as another process read them (:meth:`export`)."""
+    def take(self, rank: int, data: dict, tensors: int) -> None:
+        """Record rank ``rank``'s blocks as another process read them (:meth:`export`);
+        ``tensors`` as for :meth:`add_file`."""
         raw = zlib.decompress(base64.b64decode(data["rows"]))
         rows = np.frombuffer(raw, LOCATION).copy()
         tuple_ids = np.array([self.tuples.id(tuple(t)) for t in data["tuples"]] or [0], "<i4")
@@ -242,7 +237,7 @@ class Locations:
         keys = json.loads(data["keys"])
         key_ids = np.array([self._keys.id(str(k)) for k in keys] or [0], "<i4")
         rows["key"] = key_ids[rows["key"]]
-        self._add_rows(rank, rows, int(data["tensors"]), set(data["disagree"]))
+        self._add_rows(rank, rows, tensors, set(data["disagree"]))
 
     def disagrees(self, rank: int, tensor: int) -> bool:
         return tensor in self._disagree.get(rank, ())
