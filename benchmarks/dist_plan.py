@@ -4,8 +4,9 @@ Under torchrun every rank of ``convert DIR --to safetensors ...`` reads the inpu
 metadata and plans the output itself (``ckpttool/convert.py``, then
 ``distributed/runner.py``: ``write_distributed``). This script runs those same calls,
 in one fresh process (one rank), phase by phase, on a DCP folder of
-``make_dcp_scale.py`` (sparse data files), and times each phase (wall and CPU) with
-the process's peak RSS after it:
+``make_dcp_scale.py`` (sparse data files; or one of its ``--per-rank`` rank files,
+which reads them all), and times each phase (wall and CPU) with the process's peak
+RSS after it:
 
 1. ``read``: ``ckpttool.read(DIR)`` (the ``.metadata`` and every check);
 2. ``select``: ``select_node`` + ``flatten_tensors`` (``--select``, default ``auto``:
@@ -103,7 +104,7 @@ def rss_mib() -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", help="a DCP folder (make_dcp_scale.py)")
+    parser.add_argument("folder", help="a DCP folder or a rank file (make_dcp_scale.py)")
     parser.add_argument("--to", default="safetensors")
     parser.add_argument("--select", default="auto")
     parser.add_argument("--max-shard-size", default="5GB", help="'' for one file")
