@@ -4,6 +4,8 @@ Each file holds its rank's blocks of every ShardedTensor (FSDP
 ``SHARDED_STATE_DICT``, Composer ``ep{E}-ba{B}-rank{R}.pt``) or DTensor. We take
 the tree of the lowest rank, replace each local-shards leaf by a :class:`ShardedRef`
 whose blocks point into every rank's file, and check that they tile the global tensor.
+Where each block lies is kept as records (:mod:`~ckpttool.formats.rank_blocks`): a
+checkpoint of hundreds of ranks has hundreds of thousands of blocks.
 """
 
 from __future__ import annotations
@@ -508,14 +510,14 @@ def _combine(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
         )
+    from .dcp_table import Spill
+
     leaves = _local_shards(base.root)
     files = RankFiles(by_rank, read_file, loaded, base_rank, verdicts, leaves)
     files.place_sharded_tensors(leaves)
     files.read_shares()
     files.group_places()
     del leaves
-    from .dcp_table import Spill
-
     spill = Spill()  # every tensor's blocks, kept (RankBlocks)
     order = itertools.count()
 
