@@ -457,7 +457,11 @@ def read(
     try:
         world_size, root = _combine(base, by_rank, base_rank, read_file, loaded, verdicts)
     except CkptError:
-        _judge(by_rank, loaded, verdicts, scan_file)  # a dangerous rank file is reported first
+        # a dangerous rank file is reported first; but not by a judging that gathers
+        # from the other processes (a collective), which may be in another one now:
+        # there every file is read by some process, a dangerous one refused as it is
+        if not sharing.shared():
+            _judge(by_rank, loaded, verdicts, scan_file)
         raise
     globals_, dangerous, unverified = _judge(by_rank, loaded, verdicts, scan_file)
     return Checkpoint(
