@@ -342,7 +342,8 @@ def test_the_memory_of_a_per_rank_read_does_not_grow_with_the_blocks(tmp_path, m
 def test_block_locations_remake_each_stored_tensor():
     """A rank file's blocks are kept as records (formats/rank_blocks.Locations) and each
     block's TensorRef is made again from them, field for field; what a record cannot
-    say (a conjugate view, a remote zip entry not yet checked) keeps its object. A file
+    say (a conjugate view, a remote zip entry not yet checked, a number past 64 bits)
+    keeps its object. A file
     with several blocks of a tensor, and none of another, is found too."""
     from ckpttool.dtypes import DTYPES
     from ckpttool.formats.dcp_table import Interned
@@ -366,9 +367,10 @@ def test_block_locations_remake_each_stored_tensor():
         0,
         StorageRef("9", f32, 8, "cpu", ByteSpan("r1.pt", 0, 32, zip_header_offset=64)),
     )
+    huge = TensorRef(f32, (2, 4), (4, 1), 0, StorageRef("5", f32, 2**63, "cpu", ByteSpan("r1.pt")))
     locations = Locations(Interned())
     blocks = [(0, (0, 0), plain), (0, (2, 0), second), (2, (0, 0), conj), (3, (0, 0), unchecked)]
-    locations.add_file(1, "r1.pt", blocks, 4, disagree={1})
+    locations.add_file(1, "r1.pt", [*blocks, (3, (2, 0), huge)], 4, disagree={1})
     assert locations.has(1) and not locations.has(0) and locations.disagrees(1, 1)
 
     def fields(ref):
@@ -384,6 +386,7 @@ def test_block_locations_remake_each_stored_tensor():
         assert again is not ref and fields(again) == fields(ref)
     assert locations.ref(1, "r1.pt", 2, (0, 0), (2, 4)) is conj
     assert locations.ref(1, "r1.pt", 3, (0, 0), (2, 4)) is unchecked
+    assert locations.ref(1, "r1.pt", 3, (2, 0), (2, 4)) is huge  # past a record's 64 bits
     assert locations.ref(1, "r1.pt", 0, (1, 0), (2, 4)) is None  # no block there
     assert locations.ref(1, "r1.pt", 1, (0, 0), (2, 4)) is None
 

@@ -289,10 +289,11 @@ class Group:
         for i, start in enumerate(parts):
             self.store.set(f"{key}/{self.rank}/{i}", text[start : start + GATHER_PART])
         self.store.set(f"{key}/{self.rank}", str(len(parts)))
+        del text
         for r in range(self.size):
             count = int(self.wait_key(f"{key}/{r}"))
-            text = "".join(self.store.get(f"{key}/{r}/{i}").decode() for i in range(count))
-            yield _decode(json.loads(text))
+            theirs = "".join(self.store.get(f"{key}/{r}/{i}").decode() for i in range(count))
+            yield _decode(json.loads(theirs))
 
 
 # characters of one stored part of a gathered value (JSON: ASCII), under the store's

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
@@ -153,8 +154,8 @@ class SpilledShards(Sequence):
     def __iter__(self) -> Iterator[Shard]:
         return iter(self._shards(0, self._count))
 
-    def _shards(self, first: int, count: int) -> Iterator[Shard]:
-        raise NotImplementedError
+    @abstractmethod
+    def _shards(self, first: int, count: int) -> Iterator[Shard]: ...
 
 
 class Interned(Generic[T]):

@@ -65,6 +65,9 @@ LOCATION = np.dtype(
 )
 
 
+INT64 = 2**63
+
+
 class Places:
     """Every block's place, as the files tell it (in any order), then grouped by tensor
     (:meth:`group`)."""
@@ -162,17 +165,18 @@ class Locations:
         self,
         rank: int,
         path: str,
-        blocks: list[tuple[int, tuple, Any]],  # (a TensorRef, or what a pickle made)
+        stored: list[tuple[int, tuple, Any]],  # (a TensorRef, or what a pickle made)
         tensors: int,
         disagree: set[int],
     ) -> None:
-        """Record the blocks of rank ``rank``'s file ``path``: ``(tensor, offsets, block)``
-        in order of tensor, of ``tensors`` in all; ``disagree``: the tensors whose leaf
-        differs from the lowest rank's (refused by name when their data is asked for)."""
+        """Record the blocks of rank ``rank``'s file ``path``: ``stored`` holds each one's
+        ``(tensor, offsets, stored tensor)``, in order of tensor, of ``tensors`` in all;
+        ``disagree``: the tensors whose leaf differs from the lowest rank's (refused by
+        name when their data is asked for)."""
         ids = self.tuples.id
-        rows = np.zeros(len(blocks), LOCATION)
+        rows = np.zeros(len(stored), LOCATION)
         columns: dict[str, list[int]] = {name: [] for name in LOCATION.names or ()}
-        for tensor, offsets, ref in blocks:
+        for tensor, offsets, ref in stored:
             columns["tensor"].append(tensor)
             columns["offsets"].append(ids(offsets))
             columns["sizes"].append(ids(ref.shape))
@@ -311,6 +315,9 @@ def _location(ref: Any, path: str) -> tuple | None:
     if type(source) is not ByteSpan or source.path != path or source.data is not None:
         return None
     if source.unresolved():  # a remote zip entry: its header is checked on first read
+        return None
+    numbers = (ref.offset, source.offset, source.length, storage.numel)
+    if not all(-INT64 <= n < INT64 for n in numbers):  # (the records' 64-bit fields)
         return None
     meta = (
         ref.dtype,
