@@ -29,6 +29,7 @@ the full model are 256 x 555k records).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import io
@@ -219,10 +220,23 @@ def zip_template(dtype, sizes: tuple[int, ...]) -> tuple[bytes, int, bytes]:
     return blob[:start], end - start, blob[end:]
 
 
-def build_per_rank(out: str, ranks: int, layers: int, kind: str, model: dict = LLAMA70B) -> None:
+def tensor_values(index: int, shape: tuple[int, ...], dtype):
+    """The values a generated tensor holds with ``--data``: the ``index``-th tensor is
+    ``index + arange`` over its elements, wrapped to stay exact in bfloat16."""
+    import math
+
+    import torch
+
+    return ((torch.arange(math.prod(shape)) + index) % 251).reshape(shape).to(dtype)
+
+
+def build_per_rank(
+    out: str, ranks: int, layers: int, kind: str, model: dict = LLAMA70B, data: bool = False
+) -> None:
     """One ``torch.save`` per rank of its DTensors or ShardedTensors (a fake process group
     of ``ranks`` joined as each rank in turn, fake tensors, ``skip_data``: the storages'
-    records are laid out, their bytes never written)."""
+    records are laid out, their bytes never written). With ``data``, real tensors: each
+    rank's rows of :func:`tensor_values` (for shapes a test converts)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -240,11 +254,15 @@ def build_per_rank(out: str, ranks: int, layers: int, kind: str, model: dict = L
                 from torch.distributed.device_mesh import init_device_mesh
 
                 mesh = init_device_mesh("cpu", (ranks,))
-            with FakeTensorMode():
+            with contextlib.nullcontext() if data else FakeTensorMode():
                 state: dict = {}
-                for _, path, shape, dtype in tensors:
+                for index, (_, path, shape, dtype) in enumerate(tensors):
                     start, length = chunk_rows(shape[0], rank, ranks)
-                    local = torch.empty((length, *shape[1:]), dtype=dtypes[dtype])
+                    if data:
+                        local = tensor_values(index, shape, dtypes[dtype])[start : start + length]
+                        local = local.clone()
+                    else:
+                        local = torch.empty((length, *shape[1:]), dtype=dtypes[dtype])
                     if kind == "dtensor":
                         value = _dtensor(local, mesh, shape)
                     else:
@@ -257,7 +275,11 @@ def build_per_rank(out: str, ranks: int, layers: int, kind: str, model: dict = L
                     {k[-1]: v for k, v in param_groups(layers, model).items()}
                 ]
                 tmp = os.path.join(out, f".ep0-rank{rank}.pt.tmp")
-                with torch.serialization.skip_data(materialize_fake_tensors=True):
+                with (
+                    contextlib.nullcontext()
+                    if data
+                    else torch.serialization.skip_data(materialize_fake_tensors=True)
+                ):
                     torch.save(state, tmp)
             os.replace(tmp, os.path.join(out, f"ep0-rank{rank}.pt"))
         finally:
@@ -330,6 +352,9 @@ def main() -> None:
     parser.add_argument("--per-rank", choices=["dtensor", "sharded"])
     parser.add_argument("--fresh-keys", action="store_true", help="a key string per chunk")
     parser.add_argument(
+        "--data", action="store_true", help="per-rank: real tensors (each rank's rows written)"
+    )
+    parser.add_argument(
         "--chunk-zips",
         choices=["none", "model", "all"],
         default="none",
@@ -342,7 +367,7 @@ def main() -> None:
     gc.disable()  # millions of long-lived objects: the collector's passes would be most of it
     t0 = time.perf_counter()
     if args.per_rank:
-        build_per_rank(args.out, args.ranks, layers, args.per_rank, model)
+        build_per_rank(args.out, args.ranks, layers, args.per_rank, model, args.data)
     else:
         build_dcp(args.out, args.ranks, layers, args.fresh_keys, model, args.chunk_zips)
     print(f"{args.out}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -769,7 +769,11 @@ def _numbers(raw: bytes) -> tuple[int, ...]:
     """The ints of a torch.Size's tuple as ``_TUPLE`` matched it."""
     if raw == b")":
         return ()
-    body = raw[1:-2] if raw[:1] == b"(" else raw[:-2]
+    return int_opcodes(raw[1:-2] if raw[:1] == b"(" else raw[:-2])
+
+
+def int_opcodes(body: bytes) -> tuple[int, ...]:
+    """The numbers of consecutive int opcodes as ``_INT`` matches them."""
     out, pos = [], 0
     while pos < len(body):
         op = body[pos]

@@ -39,6 +39,7 @@ from . import torch_legacy, torch_zip
 if TYPE_CHECKING:
     from .dcp_table import Spill
     from .rank_blocks import RankBlocks
+    from .shard_opcodes import ShardRun
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")
@@ -286,6 +287,8 @@ class RankFiles:
         """Record where every block of each ShardedTensor lies: the lowest rank's file
         names every rank's (``layout``); its own are recorded from its tree. The layouts
         are dropped once recorded (they grow as ranks times tensors)."""
+        from . import shard_opcodes
+
         index = self._place_of
         tuples = self.places.tuples
         base = index[self._base_rank]
@@ -294,7 +297,13 @@ class RankFiles:
                 continue
             own = {(s.offsets, s.sizes) for s in local.shards}
             ranks, offsets, sizes = [], [], []
-            for place_offsets, place_sizes, rank in local.layout or []:
+            for item in local.layout or []:
+                if isinstance(item, shard_opcodes.ShardRun):
+                    self._place_run(tensor, item, own)
+                    continue
+                if not isinstance(item, tuple):
+                    raise CkptError(f"tensor {self.key(tensor)!r}: corrupt ShardedTensor metadata")
+                place_offsets, place_sizes, rank = item
                 if math.prod(place_sizes) == 0:
                     continue  # a rank that holds nothing of this tensor
                 if (place_offsets, place_sizes) in own:
@@ -302,14 +311,42 @@ class RankFiles:
                 elif rank in index:
                     ranks.append(index[rank])
                 else:
-                    raise CkptError(
-                        f"tensor {self.key(tensor)!r}: the shard at offsets "
-                        f"{list(place_offsets)} is in no file"
-                    )
+                    self._in_no_file(tensor, place_offsets)
                 offsets.append(tuples.id(place_offsets))
                 sizes.append(tuples.id(place_sizes))
             self.places.add([tensor] * len(ranks), ranks, offsets, sizes)
             local.layout = None
+
+    def _place_run(self, tensor: int, run: ShardRun, own: set[tuple[tuple, tuple]]) -> None:
+        """:meth:`place_sharded_tensors` of a run of the layout read as records (each
+        rule the same, over arrays)."""
+        import numpy as np
+
+        from .rank_blocks import nonempty
+
+        rows = run.records()
+        rows = rows[nonempty(run.tuples)[rows["sizes"]]]  # (a rank that holds nothing)
+        ids = np.array(self.places.tuples.ids_of(run.tuples), dtype=np.int64)
+        offsets, sizes = ids[rows["offsets"]], ids[rows["sizes"]]
+        mine = np.zeros(len(rows), bool)
+        for own_offsets, own_sizes in own:
+            mine |= (offsets == self.places.tuples.id(own_offsets)) & (
+                sizes == self.places.tuples.id(own_sizes)
+            )
+        # each rank -> its place in ``ranks`` (-1: no file of that rank)
+        known = np.array(self.ranks, dtype=np.int64)
+        at = np.searchsorted(known, rows["rank"])
+        found = (at < len(known)) & (known[np.minimum(at, len(known) - 1)] == rows["rank"])
+        missing = ~mine & ~found
+        if missing.any():
+            self._in_no_file(tensor, run.tuples[rows["offsets"][np.argmax(missing)]])
+        ranks = np.where(mine, self._place_of[self._base_rank], at)
+        self.places.add([tensor] * len(rows), ranks.tolist(), offsets.tolist(), sizes.tolist())
+
+    def _in_no_file(self, tensor: int, offsets: tuple) -> None:
+        raise CkptError(
+            f"tensor {self.key(tensor)!r}: the shard at offsets {list(offsets)} is in no file"
+        )
 
     def group_places(self) -> None:
         """Group the places recorded by tensor, once all are."""

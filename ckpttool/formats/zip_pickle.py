@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import zipfile
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .. import sources
 from ..errors import CkptError
@@ -30,6 +31,9 @@ from .zip_container import (
     raw_name,
 )
 
+if TYPE_CHECKING:
+    from .shard_opcodes import Parsed
+
 __all__ = ["ZIP_MAGIC", "ZipPickle", "central_directory"]
 
 # A stored data.pkl: its bytes are in the file, which bounds it; real ones are KB to a few MB.
@@ -48,6 +52,9 @@ SMALL_ENTRIES = (
 )
 SMALL_ENTRY_BYTES = 64
 INFLATE_CHUNK = 1 << 20
+# A stored data.pkl this large may be a ShardedTensor rank file's, its every rank's shard
+# metadata read as records (formats.shard_opcodes); a smaller one is read as a whole
+SHARD_RUNS_FROM = 64 << 10
 
 
 class LocalHeaderCheck:
@@ -59,6 +66,12 @@ class LocalHeaderCheck:
 
     def __call__(self, header: bytes) -> int:
         return check_local_header(header, self.info, self.name, self.path, self.end)
+
+
+def _plain(seen: set[str]) -> bool:
+    """No global of ``seen`` (as :func:`~ckpttool.unpickler.load_pickle` fills it) is
+    dangerous or unverified."""
+    return not any(name[:1] in ("!", "?") for name in seen)
 
 
 class ZipPickle:
@@ -307,6 +320,17 @@ class ZipPickle:
     def scan(self, *, permissive: bool = False, seen: set[str] | None = None) -> None:
         """Judge the globals of ``data.pkl`` without rebuilding anything (see GlobalsScanner)."""
         info = self._pickle_info("data.pkl")
+        parsed = self._shard_runs(info)
+        if parsed is not None:
+            found: set[str] = set()
+            try:
+                load_pickle(parsed.skeleton, path=self.path, seen=found, scan_only=True)
+            except CkptError:
+                found.add("!")
+            if _plain(found):
+                if seen is not None:
+                    seen.update(found)
+                return
         data = self.read_entry(info.filename, self._pickle_limit(info))
         load_pickle(data, path=self.path, permissive=permissive, seen=seen, scan_only=True)
 
@@ -362,8 +386,58 @@ class ZipPickle:
                 storages[key] = ref
             return storages[key]
 
+        parsed = self._shard_runs(info)
+        if parsed is not None:
+            found: set[str] = set()
+            try:
+                root = load_pickle(
+                    parsed.skeleton, persistent_load, path=self.path, permissive=permissive,
+                    seen=found,
+                )  # fmt: skip
+            except CkptError:
+                root = None
+            if root is not None and _plain(found) and parsed.resolve(root):
+                if seen is not None:
+                    seen.update(found)
+                return root
+            storages.clear()  # (anything else: the file is read as a whole)
         data = self.read_entry(info.filename, self._pickle_limit(info))
         return load_pickle(data, persistent_load, path=self.path, permissive=permissive, seen=seen)
+
+    def _shard_runs(self, info: zipfile.ZipInfo) -> Parsed | None:
+        """``data.pkl`` with its runs of ShardMetadata as records (a ShardedTensor rank
+        file's: see :mod:`~ckpttool.formats.shard_opcodes`), read a window at a time;
+        None for any other pickle.
+
+        Its skeleton is read in place of the file only where that read finds nothing
+        to say: a skeleton names every global the file does (a run names three, all
+        safe, in the one way torch.save uses them), but an error, a dangerous or an
+        unverified global is the whole file's to report, as every other file's is."""
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size < SHARD_RUNS_FROM:
+            return None
+        from . import shard_opcodes
+
+        return shard_opcodes.parse(self._entry_reader(info))
+
+    def _entry_reader(self, info: zipfile.ZipInfo) -> Callable[[int], bytes]:
+        """``read(n)`` of a stored entry from its start, ``n`` bytes at a time (fewer at
+        its end), its CRC-32 checked as its last byte is read (see :meth:`read_entry`)."""
+        at, size = self._data_offset(info), info.file_size
+        done = crc = 0
+
+        def read(n: int) -> bytes:
+            nonlocal done, crc
+            n = min(n, size - done)
+            data = self._read_at(at + done, n) if n else b""
+            done += n
+            crc = zlib.crc32(data, crc)
+            if n and done == size and info.CRC and crc != info.CRC:
+                raise CkptError(
+                    f"corrupt zip entry {info.filename!r} (CRC-32 mismatch)", path=self.path
+                )
+            return data
+
+        return read
 
     def close(self) -> None:
         self.zip.close()

@@ -55,7 +55,9 @@ class LocalShards(Sealed):
         dtype, shape, device: the global tensor's.
         shards: this rank's blocks, as :class:`~ckpttool.tree.Shard`.
         layout: global description of every block (ShardedTensor: list of
-            (offsets, sizes, rank)); DTensor: mesh shape, coordinate, placements.
+            (offsets, sizes, rank), or a run of them as records: a
+            :class:`~ckpttool.formats.shard_opcodes.ShardRun`); DTensor: mesh shape,
+            coordinate, placements.
         rank, world_size: when the file says so.
     """
 
@@ -88,8 +90,11 @@ def sharded_tensor_local(stub: WrapperStub, state: Any) -> LocalShards:
     out = LocalShards(
         "sharded_tensor", check_dtype(stub.dtype), stub.shape, stub.device, stub.requires_grad
     )
-    layout = []
+    layout: list = []
     for shard_meta in meta.get("shards_metadata", []):
+        if type(shard_meta) is bytes:  # a run of them read as records: its token
+            layout.append(shard_meta)  # (ckpttool.formats.shard_opcodes.resolve)
+            continue
         m = state_attrs(shard_meta)
         layout.append(
             (
