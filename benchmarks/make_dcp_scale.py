@@ -231,12 +231,19 @@ def tensor_values(index: int, shape: tuple[int, ...], dtype):
 
 
 def build_per_rank(
-    out: str, ranks: int, layers: int, kind: str, model: dict = LLAMA70B, data: bool = False
+    out: str,
+    ranks: int,
+    layers: int,
+    kind: str,
+    model: dict = LLAMA70B,
+    data: bool = False,
+    files: int | None = None,
 ) -> None:
     """One ``torch.save`` per rank of its DTensors or ShardedTensors (a fake process group
     of ``ranks`` joined as each rank in turn, fake tensors, ``skip_data``: the storages'
     records are laid out, their bytes never written). With ``data``, real tensors: each
-    rank's rows of :func:`tensor_values` (for shapes a test converts)."""
+    rank's rows of :func:`tensor_values` (for shapes a test converts). ``files``: only the
+    first ranks' files (each still names every rank: one file of thousands measured)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -246,7 +253,7 @@ def build_per_rank(
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     tensors = entries(layers, model)
     shared: dict[tuple, dict] = {}  # ShardedTensor: what every rank's file repeats, built once
-    for rank in range(ranks):
+    for rank in range(ranks if files is None else min(files, ranks)):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=ranks)
         try:
             mesh = None
@@ -354,6 +361,7 @@ def main() -> None:
     parser.add_argument(
         "--data", action="store_true", help="per-rank: real tensors (each rank's rows written)"
     )
+    parser.add_argument("--files", type=int, help="per-rank: only the first FILES ranks' files")
     parser.add_argument(
         "--chunk-zips",
         choices=["none", "model", "all"],
@@ -367,7 +375,9 @@ def main() -> None:
     gc.disable()  # millions of long-lived objects: the collector's passes would be most of it
     t0 = time.perf_counter()
     if args.per_rank:
-        build_per_rank(args.out, args.ranks, layers, args.per_rank, model, args.data)
+        build_per_rank(
+            args.out, args.ranks, layers, args.per_rank, model, args.data, args.files
+        )
     else:
         build_dcp(args.out, args.ranks, layers, args.fresh_keys, model, args.chunk_zips)
     print(f"{args.out}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

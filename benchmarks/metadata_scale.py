@@ -7,8 +7,11 @@ then times, each side in a fresh process:
   every command plans from) against ``FileSystemReader(DIR).read_metadata()``;
   ``dcp-256-fresh``, ``dcp-2048-fresh`` the same with each storage entry's key string
   its own, as torch's saves pickle them (``make_dcp_scale.py --fresh-keys``);
-* ``dtensor-256``, ``dtensor-256-full``, ``sharded-256``: ``ckpttool inspect`` of the 256
-  rank files against ``torch.load(f, weights_only=True, mmap=True)`` of each of them.
+* ``dtensor-256``, ``dtensor-256-full``, ``sharded-256``, ``sharded-64-full``: ``ckpttool
+  inspect`` of the rank files against ``torch.load(f, weights_only=True, mmap=True)`` of
+  each of them (ShardedTensor: ``weights_only=False``, under a fake process group);
+* ``sharded-256-full-one``: one ShardedTensor rank file of 256, the whole 70B shape (its
+  metadata names 555 K shards), read by ckpttool's zip reader against ``torch.load``.
 
 Wall time, CPU time (user + system, from ``os.wait4``: on a machine shared with other
 jobs the fairer figure) and peak RSS (``ru_maxrss`` of the child; this process imports
@@ -55,6 +58,16 @@ TORCH_SHARDED = (  # ShardedTensor: no weights_only; its __setstate__ wants its 
     "    dist.destroy_process_group()\n"
     "print(len(files), n)"
 )
+TORCH_SHARDED_ONE = (  # one rank file (its rank's group, the world its layout names)
+    "import sys, torch, torch.distributed as dist; "
+    "from torch.testing._internal.distributed.fake_pg import FakeStore; "
+    "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=256); "
+    "print(len(torch.load(sys.argv[1] + '/ep0-rank0.pt', weights_only=False, mmap=True)['model']))"
+)
+CKPTTOOL_ONE = (  # the same file's pickle as every per-rank read reads it (not its siblings)
+    "import sys; from ckpttool.formats.zip_pickle import ZipPickle; "
+    "z = ZipPickle(sys.argv[1]); print(len(z.load()['model']))"
+)
 CKPTTOOL_READ = (
     "import sys, ckpttool; ck = ckpttool.read(sys.argv[1]); print(len(ck.files), ck.world_size)"
 )
@@ -73,6 +86,14 @@ CASES = {
     "sharded-256": (["--ranks", "256", "--per-rank", "sharded", "--layers", "2"], "sharded"),
     # (256 ShardedTensor ranks: ~85 s of CPU to generate, 8 minutes on 2 busy cores)
     "sharded-32": (["--ranks", "32", "--per-rank", "sharded", "--layers", "2"], "sharded"),
+    # the whole 70B shape at 64 ranks: 139 K ShardMetadata a file
+    "sharded-64-full": (["--ranks", "64", "--per-rank", "sharded"], "sharded"),
+    # one file of 256 ranks, the whole 70B shape: its 555 K ShardMetadata read (the
+    # pickle of one rank file; 30 GB for all 256)
+    "sharded-256-full-one": (
+        ["--ranks", "256", "--per-rank", "sharded", "--files", "1"],
+        "sharded-one",
+    ),
 }
 
 
@@ -129,7 +150,12 @@ def main() -> None:
     for name in args.cases.split(","):
         folder = generate(workdir, name)
         kind = CASES[name][1]
-        code = {"dcp": TORCH_DCP, "ranks": TORCH_RANKS, "sharded": TORCH_SHARDED}[kind]
+        code = {
+            "dcp": TORCH_DCP,
+            "ranks": TORCH_RANKS,
+            "sharded": TORCH_SHARDED,
+            "sharded-one": TORCH_SHARDED_ONE,
+        }[kind]
         torch_cmd = [PYTHON, "-c", code, str(folder)]
         target = str(folder) if kind == "dcp" else str(folder / "ep0-rank0.pt")
         sides = {
@@ -137,15 +163,16 @@ def main() -> None:
             "inspect": [CKPTTOOL, "inspect", target],
             "read": [PYTHON, "-c", CKPTTOOL_READ, target],
         }
+        if kind == "sharded-one":  # (its siblings are not there)
+            sides = {"torch": torch_cmd, "rank file": [PYTHON, "-c", CKPTTOOL_ONE, target]}
         samples: dict[str, list[tuple[float, float, float, str]]] = {k: [] for k in sides}
         for _ in range(args.repeat):  # interleaved: load drifts over both sides alike
             for side, cmd in sides.items():
                 samples[side].append(run_child(cmd))
         median = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
         t = median["torch"]
-        for side in ("inspect", "read"):
-            c = median[side]
-            rows.append((name, side, c, t))
+        for side in [s for s in sides if s != "torch"]:
+            rows.append((name, side, median[side], t))
     print()
     print(
         "| case | ckpttool | wall s (torch) | ratio | CPU s (torch) | CPU ratio "

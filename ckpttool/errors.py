@@ -6,7 +6,7 @@ import errno
 import functools
 import re
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -130,6 +130,34 @@ class UnsafeError(CkptError):
             path=path,
             hint="only if you trust this file, pass --unsafe",
         )
+
+
+def error_data(exc: CkptError) -> dict:
+    """``exc`` as plain data, for another process of the same command to raise
+    (:func:`error_from_data`): its kind, its line, a refusal's verdict."""
+    data: dict[str, Any] = {"kind": type(exc).__name__, "message": exc.message, "path": exc.path}
+    data["hint"], data["exit_code"] = exc.hint, exc.exit_code
+    if isinstance(exc, UnsafeError):
+        data.update(reasons=exc.reasons, globals=exc.globals, unverified=exc.unverified)
+        data["format"] = exc.format
+    return data
+
+
+def error_from_data(data: dict) -> CkptError:
+    """The error :func:`error_data` describes: a refusal with its verdict, a missing
+    input, or any other as a :class:`CkptError` of the same line and exit code."""
+    exc: CkptError
+    if data["kind"] == "UnsafeError":
+        exc = UnsafeError(
+            list(data["reasons"]), path=data["path"], reasons=data["reasons"],
+            globals=data["globals"], unverified=data["unverified"],
+        )  # fmt: skip
+        exc.format = data["format"]
+        return exc
+    kind = InputNotFoundError if data["kind"] == "InputNotFoundError" else CkptError
+    exc = kind(data["message"], path=data["path"], hint=data["hint"])
+    exc.exit_code = data["exit_code"]
+    return exc
 
 
 # What reading a hostile or damaged file can raise below ckpttool's own checks: the C

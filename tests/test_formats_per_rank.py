@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -401,3 +404,52 @@ def test_block_locations_remake_each_stored_tensor():
     assert other.has(2) and other.disagrees(2, 3) and not other.disagrees(2, 1)
     for tensor, offsets, ref in ((0, (0, 0), plain2), (1, (2, 0), second2)):
         assert fields(other.ref(2, "r2.pt", tensor, offsets, ref.shape)) == fields(ref)
+
+
+def test_a_dangerous_rank_file_comes_first_whichever_process_read_it(tmp_path):
+    """Two processes, four ShardedTensor rank files: process 0 reads ranks 0 and 2 (a
+    damaged file), process 1 ranks 1 and 3 (a dangerous one). Each hands the other
+    what its files gave, errors too, and reads its share through: both refuse with
+    the dangerous file's verdict, the same line, as one process does (the verdict
+    comes first), never the damaged file's error because it was posted first."""
+    from helpers import rewrite_zip
+
+    from ckpttool import sharing
+    from ckpttool.errors import UnsafeError
+
+    generated = tmp_path / "generated"
+    generator = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
+    subprocess.run(
+        [sys.executable, str(generator), "--shape", "tiny", "--per-rank", "sharded", "--data"]
+        + ["--ranks", "4", "--out", str(generated)],
+        check=True,
+        capture_output=True,
+    )
+    evil = b"X\x04\x00\x00\x00evilcposix\nsystem\n(X\x04\x00\x00\x00truetRs."
+    edits = {
+        2: lambda name, data: data[:-20] if name.endswith("/data.pkl") else None,
+        3: lambda name, data: data[:-1] + evil if name.endswith("/data.pkl") else None,
+    }
+    files = []
+    for rank in range(4):
+        path = tmp_path / f"ep0-rank{rank}.pt"
+        rewrite_zip(generated / path.name, path, edits.get(rank, lambda name, data: None))
+        files.append(str(path))
+    with pytest.raises(UnsafeError) as alone:
+        ckpttool.read(files)
+    sent = []
+    for rank in (0, 1):
+        members = _Members(rank, 2)
+        with sharing.joined(members), pytest.raises(_Gathered):
+            ckpttool.read(files)
+        sent.append(members.sent[0])
+    assert set(sent[0]) == {0, 2} and set(sent[1]) == {1, 3}
+    for rank in (0, 1):
+        with sharing.joined(_Members(rank, 2, sent)), pytest.raises(UnsafeError) as refused:
+            ckpttool.read(files)
+        assert refused.value.one_line() == alone.value.one_line()
+        assert (
+            "posix.system" in refused.value.one_line()
+            and "ep0-rank3.pt" in refused.value.one_line()
+        )
+        assert refused.value.dangerous == alone.value.dangerous == ["posix.system"]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import sharing, sources
-from ..errors import CkptError
+from ..errors import CkptError, UnsafeError, error_data, error_from_data
 from ..tree import (
     Checkpoint,
     Node,
@@ -238,8 +238,10 @@ class RankFiles:
         files and hands the others what it found, as plain data: each file's verdict,
         its DTensors' places (its distinct places, and which each DTensor has) and
         where its blocks lie (:meth:`Locations.export`). N processes read N files once
-        in all, not N times each. A file that fails to read raises its error here, in
-        the process that read it, as one process would.
+        in all, not N times each. A file that fails to read has its error handed over
+        too, and every share is read through: then every process raises the same error,
+        a dangerous file's first (the verdict comes first, as in one process, where a
+        failed read is followed by a scan of every file).
         """
         from .dcp_table import Interned
 
@@ -248,17 +250,30 @@ class RankFiles:
         if not dtensors and not shared:
             return  # (ShardedTensor files are read when their blocks' data is)
         share = list(sharing.my_share(len(self.ranks)))
+        errors: dict[int, dict] = {}  # rank -> the error its file raised, in any process
         # in rounds of a few files, so that what is handed over is never large
         for first in range(0, sharing.largest_share(len(self.ranks)), FILES_A_ROUND):
-            mine: dict[int, tuple[list, list[int], Verdict, dict | None]] = {}
+            mine: dict[int, tuple] = {}
             for i in share[first : first + FILES_A_ROUND]:
                 rank = self.ranks[i]
                 pairs: Interned[tuple] = Interned()
-                ids = [pairs.id(place) for place in self._record(rank)]
+                try:
+                    ids = [pairs.id(place) for place in self._record(rank)]
+                except CkptError as exc:
+                    if not shared:
+                        raise
+                    mine[rank] = (error_data(exc),)  # (the others' files are read on)
+                    continue
                 export = self.locations.export(rank) if shared else None
                 mine[rank] = (pairs.values, ids, self.verdicts[rank], export)
             for rank, found in sharing.gather_each(mine):
-                self._take(rank, dtensors, *found)
+                if len(found) == 1:
+                    errors[rank] = found[0]
+                else:
+                    self._take(rank, dtensors, *found)
+        if errors:  # every process raises the same: a refusal first, then the lowest rank's
+            worst = min(errors, key=lambda rank: (errors[rank]["kind"] != "UnsafeError", rank))
+            raise error_from_data(errors[worst])
 
     def _take(
         self,
@@ -496,9 +511,15 @@ def read(
     except CkptError:
         # a dangerous rank file is reported first; but not by a judging that gathers
         # from the other processes (a collective), which may be in another one now:
-        # there every file is read by some process, a dangerous one refused as it is
+        # there every file is read by some process, and a failed read's error handed
+        # over (RankFiles.read_shares), a dangerous file's raised first
         if not sharing.shared():
-            _judge(by_rank, loaded, verdicts, scan_file)
+            try:
+                _judge(by_rank, loaded, verdicts, scan_file)
+            except UnsafeError:
+                raise
+            except CkptError:
+                pass  # (only a refusal takes the place of the error)
         raise
     globals_, dangerous, unverified = _judge(by_rank, loaded, verdicts, scan_file)
     return Checkpoint(
@@ -701,22 +722,30 @@ def _judge(
     scan_file: ScanFile,
 ) -> tuple[set[str], set[str], set[str]]:
     """(globals, dangerous, unverified) of every rank file: read ones know theirs, others
-    are scanned.
+    are scanned. Every file is scanned before any error is raised: a refusal first (the
+    verdict comes first), then the lowest rank's error.
 
     Called last: the scans may still be running in a child process (see prescan.py).
     """
     globals_: set[str] = set()
     dangerous: set[str] = set()
     unverified: set[str] = set()
-    for rank, path in by_rank.items():
+    errors: list[CkptError] = []
+    for rank, path in sorted(by_rank.items()):
         ckpt = loaded.get(rank)
         if ckpt is not None:
             seen, bad, unknown = ckpt.globals, ckpt.dangerous, ckpt.unverified
         elif rank in verdicts:
             seen, bad, unknown = verdicts[rank]
         else:
-            seen, bad, unknown = scan_file(path)
+            try:
+                seen, bad, unknown = scan_file(path)
+            except CkptError as exc:
+                errors.append(exc)
+                continue
         globals_.update(seen)
         dangerous.update(bad)
         unverified.update(unknown)
+    if errors:
+        raise next((e for e in errors if isinstance(e, UnsafeError)), errors[0])
     return globals_, dangerous, unverified
