@@ -202,6 +202,29 @@ def test_many_dtensor_rank_files_dealt_in_rounds(tmp_path):
     assert sha256(out) == sha256(want)
 
 
+@pytest.mark.slow
+def test_sharded_tensor_rank_files_read_as_records_under_several_ranks(tmp_path):
+    """10 ShardedTensor rank files whose metadata is read as records
+    (formats/shard_opcodes.py: each names all 10 ranks' shards of 225 tensors, real
+    data), dealt among 3 ranks: the output is the one process's, byte for byte."""
+    generator = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
+    folder = tmp_path / "st"
+    subprocess.run(
+        [sys.executable, str(generator), "--shape", "tiny", "--per-rank", "sharded", "--data"]
+        + ["--ranks", "10", "--out", str(folder)],
+        check=True,
+        capture_output=True,
+    )
+    first = str(folder / "ep0-rank0.pt")
+    want = tmp_path / "one.safetensors"
+    convert([first], "safetensors", str(want), select="all")
+    out = tmp_path / "n3.safetensors"
+    args = ["convert", first, "--select", "all", "--to", "safetensors", "-o", str(out)]
+    done = finish(torchrun(args, 3), 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sha256(out) == sha256(want)
+
+
 @trials
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2, 3, 4, 7])
