@@ -23,7 +23,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from helpers import FIXTURES, finish, run_many, sha256, subprocess_env
+from helpers import FIXTURES, finish, make_per_rank, run_many, sha256, subprocess_env
 from helpers import _descendants as descendants
 
 from ckpttool.convert import convert
@@ -180,14 +180,7 @@ def test_many_dtensor_rank_files_dealt_in_rounds(tmp_path):
 
     ranks, nproc = 34, 4
     assert -(-ranks // nproc) > FILES_A_ROUND == ranks // nproc  # 9, 9, 8, 8: two rounds
-    generator = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
-    folder = tmp_path / "dt"
-    subprocess.run(
-        [sys.executable, str(generator), "--shape", "tiny", "--per-rank", "dtensor"]
-        + ["--ranks", str(ranks), "--out", str(folder)],
-        check=True,
-        capture_output=True,
-    )
+    folder = make_per_rank(tmp_path / "dt", "dtensor", ranks)
     first = str(folder / "ep0-rank0.pt")
     want = tmp_path / "one.safetensors"
     convert([first], "safetensors", str(want), select="all")
@@ -207,14 +200,7 @@ def test_sharded_tensor_rank_files_read_as_records_under_several_ranks(tmp_path)
     """10 ShardedTensor rank files whose metadata is read as records
     (formats/shard_opcodes.py: each names all 10 ranks' shards of 225 tensors, real
     data), dealt among 3 ranks: the output is the one process's, byte for byte."""
-    generator = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
-    folder = tmp_path / "st"
-    subprocess.run(
-        [sys.executable, str(generator), "--shape", "tiny", "--per-rank", "sharded", "--data"]
-        + ["--ranks", "10", "--out", str(folder)],
-        check=True,
-        capture_output=True,
-    )
+    folder = make_per_rank(tmp_path / "st", "sharded", 10, "--data")
     first = str(folder / "ep0-rank0.pt")
     want = tmp_path / "one.safetensors"
     convert([first], "safetensors", str(want), select="all")

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_identical, check_error, fixture_path, run_cli
+from helpers import assert_identical, check_error, fixture_path, make_per_rank, run_cli
 from safetensors.torch import load_file
 
 import ckpttool
@@ -299,25 +296,15 @@ def test_the_memory_of_a_per_rank_read_does_not_grow_with_the_blocks(tmp_path, m
     files costs the read, and resolving every block, little more memory: as objects
     each block held ~2 KB (its Shard, its TensorRef and storage, the leaf of the file
     it came from). Here the spills leave memory past 64 KB."""
-    import subprocess
-    import sys
     import tracemalloc
-    from pathlib import Path
 
     from ckpttool.formats import dcp_table
     from ckpttool.tree import iter_tensors
 
     monkeypatch.setattr(dcp_table, "IN_MEMORY", 64 << 10)
-    generator = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
     figures = []
     for ranks in (8, 64):
-        out = tmp_path / f"r{ranks}"
-        subprocess.run(
-            [sys.executable, str(generator), "--shape", "tiny", "--per-rank", "dtensor"]
-            + ["--ranks", str(ranks), "--out", str(out)],
-            check=True,
-            capture_output=True,
-        )
+        out = make_per_rank(tmp_path / f"r{ranks}", "dtensor", ranks)
         tracemalloc.start()
         ckpt = ckpttool.read(str(out / "ep0-rank0.pt"))
         held, peak = tracemalloc.get_traced_memory()
@@ -417,14 +404,7 @@ def test_a_dangerous_rank_file_comes_first_whichever_process_read_it(tmp_path):
     from ckpttool import sharing
     from ckpttool.errors import UnsafeError
 
-    generated = tmp_path / "generated"
-    generator = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
-    subprocess.run(
-        [sys.executable, str(generator), "--shape", "tiny", "--per-rank", "sharded", "--data"]
-        + ["--ranks", "4", "--out", str(generated)],
-        check=True,
-        capture_output=True,
-    )
+    generated = make_per_rank(tmp_path / "generated", "sharded", 4, "--data")
     evil = b"X\x04\x00\x00\x00evilcposix\nsystem\n(X\x04\x00\x00\x00truetRs."
     edits = {
         2: lambda name, data: data[:-20] if name.endswith("/data.pkl") else None,

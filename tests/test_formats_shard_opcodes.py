@@ -10,13 +10,12 @@ import io
 import os
 import pickle
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import rewrite_zip, run_cli
+from helpers import make_per_rank, rewrite_zip, run_cli
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed.remote_device import _remote_device
 
@@ -30,13 +29,7 @@ GENERATOR = Path(__file__).parents[1] / "benchmarks" / "make_dcp_scale.py"
 
 
 def generate(out: Path, ranks: int, *extra: str) -> Path:
-    subprocess.run(
-        [sys.executable, str(GENERATOR), "--shape", "tiny", "--per-rank", "sharded"]
-        + ["--ranks", str(ranks), "--out", str(out), *extra],
-        check=True,
-        capture_output=True,
-    )
-    return out
+    return make_per_rank(out, "sharded", ranks, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -440,6 +440,9 @@ class _Walker:
             raise NotRegular
         found = patterns.entry.findall(data, pos, run.end())
         self._take(found)
+        # the run ends with the last entry found (its last PUT, BUILD): the entries tile it
+        if data[run.end() - 6 : run.end()] != b"r" + (self.slots - 1).to_bytes(4, "little") + b"b":
+            raise NotRegular
         self._copy_to(pos)
         run_token = self.parsed.token(len(self.parsed.runs) - 1)
         self.out += b"C" + bytes([len(run_token)]) + run_token

@@ -37,6 +37,18 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
+def make_per_rank(out: Path, kind: str, ranks: int, *extra: str) -> Path:
+    """``ranks`` rank files of ``kind`` (``dtensor``, ``sharded``) of the tiny shape of
+    ``benchmarks/make_dcp_scale.py`` in ``out`` (``--data``: real tensors)."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "make_dcp_scale.py"), "--shape", "tiny"]
+        + ["--per-rank", kind, "--ranks", str(ranks), "--out", str(out), *extra],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
 def run_cli(
     *args: Any, timeout: float = 300, columns: int = 80, fresh: bool = False, **kwargs: Any
 ) -> subprocess.CompletedProcess:
