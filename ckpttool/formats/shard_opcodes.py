@@ -201,15 +201,17 @@ class Parsed:
 Read = Callable[[int], bytes]
 
 
-def parse(read: Read) -> Parsed | None:
+def parse(read: Read, records: bool = True) -> Parsed | None:
     """The skeleton and runs of the pickle ``read(n)`` gives (n bytes at a time, fewer at
     its end), or None: not a pickle this parser vouches for (no ShardMetadata named at
-    its start, no run in it, or any irregularity: the readers after it read it)."""
+    its start, no run in it, or any irregularity: the readers after it read it).
+    Without ``records`` the runs are checked but their numbers not kept (a scan of the
+    file's globals needs the skeleton only)."""
     try:
         first = read(WINDOW)
         if first[:2] != b"\x80\x02" or MARKER not in first:
             return None
-        parsed = _Walker(read, first).parse()
+        parsed = _Walker(read, first, records).parse()
     except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
         return None
     return parsed if parsed.runs else None
@@ -234,8 +236,9 @@ _REF = re.compile(rb"h(.)|j(....)", re.DOTALL)  # a GET
 
 
 class _Walker:
-    def __init__(self, read: Read, first: bytes):
+    def __init__(self, read: Read, first: bytes, records: bool):
         self.read = read
+        self.records = records
         self.data, self.pos, self.copied = first, 2, 2  # (after PROTO 2)
         self.eof = len(first) < WINDOW
         self.crc = 0
@@ -253,12 +256,15 @@ class _Walker:
         self.removed = 0
         self.patterns: dict[tuple[int, ...], _Patterns] = {}
         self.lists: dict[bytes, tuple[int, ...]] = {}  # a list's bytes -> its ints
+        self.ints: dict[bytes, int] = {}  # an int opcode -> its number
 
     def parse(self) -> Parsed:
         steps = 0
+        refill_at = len(self.data) - MARGIN if not self.eof else len(self.data)
         while True:
-            if len(self.data) - self.pos < MARGIN and not self.eof:
+            if self.pos > refill_at:
                 self._refill()
+                refill_at = len(self.data) - MARGIN if not self.eof else len(self.data)
             steps += 1
             if steps > MAX_STEPS:
                 raise NotRegular
@@ -301,7 +307,8 @@ class _Walker:
     def _memo_op(self, op: int, slot: int, end: int) -> int:
         """A PUT (the next slot, as the pickler numbers them) or a GET (of a slot of the
         skeleton), renumbered past the runs' slots; where the walk goes on."""
-        self._copy_to(self.pos)
+        if self.pos > self.copied:
+            self.out += self.data[self.copied : self.pos]
         if op == 0x71 or op == 0x72:  # BINPUT, LONG_BINPUT
             if slot != self.slots or not self.stack or self.stack[-1][0] == "T":
                 raise NotRegular
@@ -315,6 +322,7 @@ class _Walker:
                 raise NotRegular
             i = bisect.bisect_right(self.removed_at, slot)
             if i and slot < self.removed_end[i - 1]:
+                self.copied = self.pos
                 # a run's object named again: the ShardingSpec's placements are the
                 # metadata's _remote_device objects. The marker stands for it, as an
                 # element of a list only (ckpttool keeps no ShardingSpec: Parsed.resolve
@@ -347,13 +355,13 @@ class _Walker:
         """Walk the opcode at ``pos``; True at STOP."""
         data, stack = self.data, self.stack
         end = self.pos + 1
-        if op in _PUSHES:
-            stack.append(_PUSHES[op])
-        elif op in (0x71, 0x68):  # BINPUT, BINGET
-            end = self._memo_op(op, data[self.pos + 1], self._arg(1))
-        elif op in (0x72, 0x6A):  # LONG_BINPUT, LONG_BINGET
+        if op == 0x72 or op == 0x6A:  # LONG_BINPUT, LONG_BINGET (the commonest)
             end = self._arg(4)
             end = self._memo_op(op, int.from_bytes(data[self.pos + 1 : end], "little"), end)
+        elif op == 0x71 or op == 0x68:  # BINPUT, BINGET
+            end = self._memo_op(op, data[self.pos + 1], self._arg(1))
+        elif op in _PUSHES:
+            stack.append(_PUSHES[op])
         elif op in _INT_WIDTH:
             end = self._arg(_INT_WIDTH[op])
             stack.append(_OTHER)
@@ -462,20 +470,30 @@ class _Walker:
             np.frombuffer(puts, "<u4"), expected
         ):
             raise NotRegular
-        columns = list(zip(*found, strict=True))
         parsed = self.parsed
-        records = np.empty(n, SHARD)
-        records["offsets"] = parsed.tuples.ids_of(self._lists(columns[_OFFSETS]))
-        records["sizes"] = parsed.tuples.ids_of(self._lists(columns[_SIZES]))
-        records["rank"] = _ranks(columns[_RANK])
-        parsed.runs.append(
-            ShardRun(parsed.spill, parsed.spill.append(records), n, parsed.tuples.values)
-        )
+        at = -1
+        if self.records:
+            columns = list(zip(*found, strict=True))
+            records = np.empty(n, SHARD)
+            records["offsets"] = parsed.tuples.ids_of(self._lists(columns[_OFFSETS]))
+            records["sizes"] = parsed.tuples.ids_of(self._lists(columns[_SIZES]))
+            records["rank"] = self._cached_ints(columns[_RANK])
+            at = parsed.spill.append(records)
+        parsed.runs.append(ShardRun(parsed.spill, at, n, parsed.tuples.values))
         self.removed_at.append(self.slots)
         self.slots += ENTRY_SLOTS * n
         self.removed_end.append(self.slots)
         self.removed += ENTRY_SLOTS * n
         self.removed_before.append(self.removed)
+
+    def _cached_ints(self, raws: tuple[bytes, ...]) -> list[int]:
+        """The numbers of int opcodes, each distinct one parsed once."""
+        cache = self.ints
+        if len(cache) > MAX_CACHED:
+            cache.clear()
+        for raw in set(raws).difference(cache):
+            cache[raw] = int_opcodes(raw)[0]
+        return list(map(cache.__getitem__, raws))
 
     def _lists(self, raws: tuple[bytes, ...]) -> list[tuple[int, ...]]:
         cache = self.lists
@@ -493,5 +511,3 @@ def _list_ints(raw: bytes) -> tuple[int, ...]:
     return int_opcodes(raw[1:-1] if raw[:1] == b"(" else raw[:-1])
 
 
-def _ranks(raws: tuple[bytes, ...]) -> list[int]:
-    return [int_opcodes(raw)[0] for raw in raws]

@@ -320,7 +320,7 @@ class ZipPickle:
     def scan(self, *, permissive: bool = False, seen: set[str] | None = None) -> None:
         """Judge the globals of ``data.pkl`` without rebuilding anything (see GlobalsScanner)."""
         info = self._pickle_info("data.pkl")
-        parsed = self._shard_runs(info)
+        parsed = self._shard_runs(info, records=False)
         if parsed is not None:
             found: set[str] = set()
             try:
@@ -404,7 +404,7 @@ class ZipPickle:
         data = self.read_entry(info.filename, self._pickle_limit(info))
         return load_pickle(data, persistent_load, path=self.path, permissive=permissive, seen=seen)
 
-    def _shard_runs(self, info: zipfile.ZipInfo) -> Parsed | None:
+    def _shard_runs(self, info: zipfile.ZipInfo, records: bool = True) -> Parsed | None:
         """``data.pkl`` with its runs of ShardMetadata as records (a ShardedTensor rank
         file's: see :mod:`~ckpttool.formats.shard_opcodes`), read a window at a time;
         None for any other pickle.
@@ -417,7 +417,7 @@ class ZipPickle:
             return None
         from . import shard_opcodes
 
-        return shard_opcodes.parse(self._entry_reader(info))
+        return shard_opcodes.parse(self._entry_reader(info), records)
 
     def _entry_reader(self, info: zipfile.ZipInfo) -> Callable[[int], bytes]:
         """``read(n)`` of a stored entry from its start, ``n`` bytes at a time (fewer at
