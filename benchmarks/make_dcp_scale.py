@@ -375,9 +375,7 @@ def main() -> None:
     gc.disable()  # millions of long-lived objects: the collector's passes would be most of it
     t0 = time.perf_counter()
     if args.per_rank:
-        build_per_rank(
-            args.out, args.ranks, layers, args.per_rank, model, args.data, args.files
-        )
+        build_per_rank(args.out, args.ranks, layers, args.per_rank, model, args.data, args.files)
     else:
         build_dcp(args.out, args.ranks, layers, args.fresh_keys, model, args.chunk_zips)
     print(f"{args.out}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -509,5 +509,3 @@ def _list_ints(raw: bytes) -> tuple[int, ...]:
     if not raw:
         return ()
     return int_opcodes(raw[1:-1] if raw[:1] == b"(" else raw[:-1])
-
-
