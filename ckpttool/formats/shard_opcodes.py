@@ -6,7 +6,7 @@ holds ShardedTensors whose metadata names every rank's shard: one rank's ``data.
 holds ranks x tensors ``ShardMetadata`` objects (at 256 ranks of a 70B shape, 555 K,
 over 100 MB of pickle). Unpickled, each is an object, its state dict, two lists, a
 ``_remote_device`` and its state, a ``torch.device``, all kept by the unpickler's memo
-until the end: about 1.5 KB each, 0.8 GB for that one file. torch.save (protocol 2,
+until the end: about 1.5 KB each, 883 MiB for that one file. torch.save (protocol 2,
 its default) writes each the same way, opcode for opcode::
 
     BINGET <ShardMetadata> EMPTY_TUPLE NEWOBJ PUT NONE EMPTY_DICT PUT MARK
@@ -31,13 +31,18 @@ The pickle is read a window at a time (never whole: a 2048-rank file's is GBs).
 
 Safety is structural, as in :mod:`ckpttool.formats.dcp_opcodes`: every byte is an
 opcode walked here or an entry of a run; memo slots are numbered exactly as the
-pickler numbers them (each ``PUT`` the next; a run's ten a entry checked to be those)
-and the skeleton's renumbered past the runs; a run refers only to the three classes
-and six key strings it must, by slots whose contents the walk knows, never to another
-object; a ``GET`` of a run's slot, a token used but as an element of a list, a token
-not found in a ShardedTensor's layout afterwards, a bytes opcode in the file (a token
-could be forged with one), any opcode a torch.save pickle does not hold: the file is
-not this parser's, and it is read as any pickle (:func:`parse` gives None).
+pickler numbers them (each ``PUT`` the next; an entry's ten checked to be those) and
+the skeleton's renumbered past the runs; a run refers only to the three classes and six
+key strings it must, by slots whose contents the walk knows, never to another object.
+A ``GET`` of a run's object (a ShardingSpec's placements are the metadata's
+``_remote_device`` objects) becomes a ``GET`` of a marker value, allowed as an element
+of a list only. Tokens and the marker hold a nonce of this parse, and the walk refuses
+bytes opcodes, so no value of the file can pass for one; a token used but as an
+element of a list, a token not found in a ShardedTensor's layout afterwards or the
+marker anywhere in the tree, any opcode a torch.save pickle does not hold: the file is
+not this parser's, and it is read as any pickle (:func:`parse` gives None, or
+:meth:`Parsed.resolve` False). The caller (:mod:`ckpttool.formats.zip_pickle`) also
+reads the file whole where the skeleton's read has anything to report.
 """
 
 from __future__ import annotations
@@ -178,9 +183,9 @@ class Parsed:
 
     def resolve(self, root: Any) -> bool:
         """Put each run where its token is: in a ShardedTensor's layout. False where a
-        token is elsewhere or twice, or a run's object named again is in the tree (in a
-        ShardingSpec, which ckpttool does not keep, it is not): the file is then read
-        as a whole."""
+        token is elsewhere or twice, or the marker (a run's object named again) is in
+        the tree: the file is then read as a whole. (A ShardingSpec, where the marker
+        stands in a real file, is not kept in the tree.)"""
         runs = {self.token(n): run for n, run in enumerate(self.runs)}
         placed = 0
         for _, value in walk(root):
@@ -223,14 +228,8 @@ _TOKEN = ("T",)  # a run
 _RUN_REF = ("T", "ref")  # an object of a run, named again
 _INT_WIDTH = {0x4B: 1, 0x4D: 2, 0x4A: 4, 0x47: 8}  # BININT1, BININT2, BININT, BINFLOAT
 _PUSHES = {0x7D: _DICT, 0x5D: _LIST_KIND, 0x29: _OTHER, 0x4E: _OTHER, 0x88: _OTHER, 0x89: _OTHER}
-_POP_PUSH = {
-    0x85: 1,
-    0x86: 2,
-    0x87: 3,
-    0x81: 2,
-    0x52: 2,
-    0x51: 1,
-}  # TUPLE1-3 NEWOBJ REDUCE BINPERSID
+# TUPLE1-3, NEWOBJ, REDUCE, BINPERSID: pop n, push one
+_POP_PUSH = {0x85: 1, 0x86: 2, 0x87: 3, 0x81: 2, 0x52: 2, 0x51: 1}
 _POP = {0x62: 1, 0x73: 2, 0x61: 1}  # BUILD SETITEM APPEND: pop n, the target stays
 _REF = re.compile(rb"h(.)|j(....)", re.DOTALL)  # a GET
 
@@ -241,7 +240,6 @@ class _Walker:
         self.records = records
         self.data, self.pos, self.copied = first, 2, 2  # (after PROTO 2)
         self.eof = len(first) < WINDOW
-        self.crc = 0
         self.parsed = Parsed(b"")
         # PROTO, the marker in slot 0 (POP: off the stack), the rest renumbered past it
         marker = self.parsed.marker
