@@ -253,7 +253,7 @@ class RankFiles:
         errors: dict[int, dict] = {}  # rank -> the error its file raised, in any process
         # in rounds of a few files, so that what is handed over is never large
         for first in range(0, sharing.largest_share(len(self.ranks)), FILES_A_ROUND):
-            mine: dict[int, tuple] = {}
+            mine: dict[int, tuple | dict] = {}  # rank -> what its file gave, or its error
             for i in share[first : first + FILES_A_ROUND]:
                 rank = self.ranks[i]
                 pairs: Interned[tuple] = Interned()
@@ -262,13 +262,13 @@ class RankFiles:
                 except CkptError as exc:
                     if not shared:
                         raise
-                    mine[rank] = (error_data(exc),)  # (the others' files are read on)
+                    mine[rank] = {"error": error_data(exc)}  # (the rest are read on)
                     continue
                 export = self.locations.export(rank) if shared else None
                 mine[rank] = (pairs.values, ids, self.verdicts[rank], export)
             for rank, found in sharing.gather_each(mine):
-                if len(found) == 1:
-                    errors[rank] = found[0]
+                if isinstance(found, dict):
+                    errors[rank] = found["error"]
                 else:
                     self._take(rank, dtensors, *found)
         if errors:  # every process raises the same: a refusal first, then the lowest rank's

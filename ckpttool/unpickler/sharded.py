@@ -93,7 +93,7 @@ def sharded_tensor_local(stub: WrapperStub, state: Any) -> LocalShards:
     layout: list = []
     for shard_meta in meta.get("shards_metadata", []):
         if type(shard_meta) is bytes:  # a run of them read as records: its token
-            layout.append(shard_meta)  # (ckpttool.formats.shard_opcodes.resolve)
+            layout.append(shard_meta)  # (formats.shard_opcodes.Parsed.resolve)
             continue
         m = state_attrs(shard_meta)
         layout.append(
