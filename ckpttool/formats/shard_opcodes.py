@@ -473,9 +473,14 @@ class _Walker:
         if self.records:
             columns = list(zip(*found, strict=True))
             records = np.empty(n, SHARD)
-            records["offsets"] = parsed.tuples.ids_of(self._lists(columns[_OFFSETS]))
-            records["sizes"] = parsed.tuples.ids_of(self._lists(columns[_SIZES]))
-            records["rank"] = self._cached_ints(columns[_RANK])
+            lists = self.lists
+            records["offsets"] = parsed.tuples.ids_of(
+                self._cached(lists, columns[_OFFSETS], _list_ints)
+            )
+            records["sizes"] = parsed.tuples.ids_of(
+                self._cached(lists, columns[_SIZES], _list_ints)
+            )
+            records["rank"] = self._cached(self.ints, columns[_RANK], _int)
             at = parsed.spill.append(records)
         parsed.runs.append(ShardRun(parsed.spill, at, n, parsed.tuples.values))
         self.removed_at.append(self.slots)
@@ -484,26 +489,23 @@ class _Walker:
         self.removed += ENTRY_SLOTS * n
         self.removed_before.append(self.removed)
 
-    def _cached_ints(self, raws: tuple[bytes, ...]) -> list[int]:
-        """The numbers of int opcodes, each distinct one parsed once."""
-        cache = self.ints
+    @staticmethod
+    def _cached(cache: dict, raws: tuple[bytes, ...], make: Callable[[bytes], Any]) -> list:
+        """``make(raw)`` of each of ``raws``, each distinct one made once (the cache is
+        emptied past ``MAX_CACHED``: it may not grow with the file)."""
         if len(cache) > MAX_CACHED:
             cache.clear()
         for raw in set(raws).difference(cache):
-            cache[raw] = int_opcodes(raw)[0]
+            cache[raw] = make(raw)
         return list(map(cache.__getitem__, raws))
 
-    def _lists(self, raws: tuple[bytes, ...]) -> list[tuple[int, ...]]:
-        cache = self.lists
-        if len(cache) > MAX_CACHED:
-            cache.clear()
-        for raw in set(raws).difference(cache):
-            cache[raw] = _list_ints(raw)
-        return list(map(cache.__getitem__, raws))
+
+def _int(raw: bytes) -> int:
+    return int_opcodes(raw)[0]
 
 
 def _list_ints(raw: bytes) -> tuple[int, ...]:
-    """The ints of a list as ``_LIST`` matched its body."""
+    """The ints of a list as ``_LIST_BODY`` matched it."""
     if not raw:
         return ()
     return int_opcodes(raw[1:-1] if raw[:1] == b"(" else raw[:-1])
