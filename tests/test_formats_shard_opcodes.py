@@ -39,12 +39,6 @@ def ranks8(tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("sharded8"), 8, "--data")
 
 
-@pytest.fixture
-def whole(monkeypatch):
-    """Read every data.pkl whole, as before the opcode reader."""
-    monkeypatch.setattr(zip_pickle, "SHARD_RUNS_FROM", 1 << 62)
-
-
 def layouts(root) -> list:
     """Every ShardedTensor's (offsets, sizes, rank) of each shard, its local shards' blocks."""
     out = []
