@@ -76,8 +76,10 @@ _FIXED_KINDS = (
     ("S", "_device"),
     ("G", "torch", "device"),
 )
-# what a file must name (in its first window) for the walk to be worth its time
+# what a file must name (in its first bytes: its first ShardedTensor's local shard, a
+# few KB in) for the walk to be worth its time; any other pickle costs one small read
 MARKER = b"c" + SHARD_MODULE.encode() + b"\nShardMetadata\n"
+MARKER_WITHIN = 64 << 10
 
 # a rank's record: its offsets and sizes (numbered by ``Parsed.tuples``), its rank
 SHARD = np.dtype([("offsets", "<i4"), ("sizes", "<i4"), ("rank", "<i8")])
@@ -213,9 +215,11 @@ def parse(read: Read, records: bool = True) -> Parsed | None:
     Without ``records`` the runs are checked but their numbers not kept (a scan of the
     file's globals needs the skeleton only)."""
     try:
-        first = read(WINDOW)
+        first = read(MARKER_WITHIN)
         if first[:2] != b"\x80\x02" or MARKER not in first:
             return None
+        if len(first) == MARKER_WITHIN:
+            first += read(WINDOW - MARKER_WITHIN)
         parsed = _Walker(read, first, records).parse()
     except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
         return None
