@@ -66,7 +66,7 @@ _METADATA_NAMES = frozenset(
 MAX_STEPS = 2_000_000
 MAX_PATTERNS = 32  # distinct (class, keys, Size) memo slots runs are compiled for
 MAX_STRING = 1 << 20  # a BINUNICODE of the skeleton
-MAX_CACHED = 1 << 16  # distinct bytes a cache of the runs' values keeps (see _cached)
+MAX_CACHED = 1 << 16  # distinct bytes a cache of the runs' values keeps (see cached)
 RECENT_STRINGS = 1 << 12  # new strings of the runs held until named (see _StringSlots)
 
 # A number as the pickler writes one in [0, 2**63): BININT1, BININT2 of 256 and up,
@@ -544,25 +544,11 @@ class _Parser:
         self.slots += slots
         return first
 
-    def _cached(self, cache: dict, raw: tuple[bytes, ...] | list[bytes], make: Callable) -> list:
-        """``make(r)`` of each of ``raw``, made once per distinct bytes (equal ones shared;
-        the cache is emptied past ``MAX_CACHED`` entries: it may not grow with the file)."""
-        got = list(map(cache.get, raw))
-        if None in got:
-            missing = set(itertools.compress(raw, map(operator.not_, got)))
-            if len(cache) > MAX_CACHED:
-                cache.clear()
-                missing = set(raw)
-            for new in missing:
-                cache[new] = make(new)
-            got = list(map(cache.__getitem__, raw))
-        return got
-
     def _tuples(self, raw: tuple[bytes, ...]) -> list[tuple[int, ...]]:
-        return self._cached(self.sizes, raw, _numbers)
+        return cached(self.sizes, raw, _numbers)
 
     def _take_chunks(self, items: list[bytes]) -> None:
-        offsets, sizes = zip(*self._cached(self.pairs, items, _pair), strict=True)
+        offsets, sizes = zip(*cached(self.pairs, items, _pair), strict=True)
         # 2 slots (the object, its dict) and 3 per torch.Size (2 for an empty one)
         empty = offsets.count(()) + sizes.count(())
         self._remove(8 * len(items) - empty)
@@ -577,8 +563,8 @@ class _Parser:
         # 2 + 2 slots: the objects and their dicts; 3 per torch.Size (2 for an empty one)
         self._remove(7 * len(items) - offsets.count(b")"))
         # (a slot holds one value for good: a reference's string is looked up once)
-        fqns = self._cached(self.refs, fqn_ref, self._string_at)
-        paths = self._cached(self.refs, path_ref, self._string_at)
+        fqns = cached(self.refs, fqn_ref, self._string_at)
+        paths = cached(self.refs, path_ref, self._string_at)
         self._add_storage_run(fqns, offsets, paths, starts, lengths)
 
     def _add_storage_run(
@@ -603,7 +589,7 @@ class _Parser:
         return text
 
     def _lengths(self, raw: tuple[bytes, ...]) -> list[int]:
-        return self._cached(self.numbers, raw, _int)
+        return cached(self.numbers, raw, _int)
 
     def _take_storage(self, columns: list[tuple[bytes, ...]]) -> None:
         """Storage entries with new names, each group of the entry pattern a column."""
@@ -668,7 +654,7 @@ class _Parser:
         by_ref = tuple(itertools.compress(refs, old))
         if not all(map(operator.lt, _refs(by_ref), itertools.compress(at, old))):
             raise NotRegular  # names what comes later
-        named = self._cached(self.refs, by_ref, self._string_at)  # (a slot's string for good)
+        named = cached(self.refs, by_ref, self._string_at)  # (a slot's string for good)
         where = itertools.compress(range(len(new)), old)
         collections.deque(map(names.__setitem__, where, named), maxlen=0)
 
@@ -731,6 +717,21 @@ def _allowed(module: str, name: str) -> bool:
         ("pathlib", "PosixPath"),
         ("pathlib", "WindowsPath"),
     } or (module == "torch" and name in DTYPES)
+
+
+def cached(cache: dict, raw: tuple[bytes, ...] | list[bytes], make: Callable) -> list:
+    """``make(r)`` of each of ``raw``, made once per distinct bytes (equal ones shared;
+    the cache is emptied past ``MAX_CACHED`` entries: it may not grow with the file)."""
+    got = list(map(cache.get, raw))
+    if None in got:
+        missing = set(itertools.compress(raw, map(operator.is_, got, repeat(None))))
+        if len(cache) > MAX_CACHED:
+            cache.clear()
+            missing = set(raw)
+        for new in missing:
+            cache[new] = make(new)
+        got = list(map(cache.__getitem__, raw))
+    return got
 
 
 _FROM_BYTES: Callable[[bytes, str], int] = int.from_bytes  # type: ignore[assignment]

@@ -60,7 +60,7 @@ import numpy as np
 
 from ..tree import walk
 from ..unpickler import LocalShards
-from .dcp_opcodes import _INT, MAX_CACHED, NotRegular, int_opcodes
+from .dcp_opcodes import _INT, NotRegular, _int, cached, int_opcodes
 from .dcp_table import Interned, Spill
 
 SHARD_MODULE = "torch.distributed._shard.metadata"
@@ -478,13 +478,9 @@ class _Walker:
             columns = list(zip(*found, strict=True))
             records = np.empty(n, SHARD)
             lists = self.lists
-            records["offsets"] = parsed.tuples.ids_of(
-                self._cached(lists, columns[_OFFSETS], _list_ints)
-            )
-            records["sizes"] = parsed.tuples.ids_of(
-                self._cached(lists, columns[_SIZES], _list_ints)
-            )
-            records["rank"] = self._cached(self.ints, columns[_RANK], _int)
+            records["offsets"] = parsed.tuples.ids_of(cached(lists, columns[_OFFSETS], _list_ints))
+            records["sizes"] = parsed.tuples.ids_of(cached(lists, columns[_SIZES], _list_ints))
+            records["rank"] = cached(self.ints, columns[_RANK], _int)
             at = parsed.spill.append(records)
         parsed.runs.append(ShardRun(parsed.spill, at, n, parsed.tuples.values))
         self.removed_at.append(self.slots)
@@ -492,20 +488,6 @@ class _Walker:
         self.removed_end.append(self.slots)
         self.removed += ENTRY_SLOTS * n
         self.removed_before.append(self.removed)
-
-    @staticmethod
-    def _cached(cache: dict, raws: tuple[bytes, ...], make: Callable[[bytes], Any]) -> list:
-        """``make(raw)`` of each of ``raws``, each distinct one made once (the cache is
-        emptied past ``MAX_CACHED``: it may not grow with the file)."""
-        if len(cache) > MAX_CACHED:
-            cache.clear()
-        for raw in set(raws).difference(cache):
-            cache[raw] = make(raw)
-        return list(map(cache.__getitem__, raws))
-
-
-def _int(raw: bytes) -> int:
-    return int_opcodes(raw)[0]
 
 
 def _list_ints(raw: bytes) -> tuple[int, ...]:

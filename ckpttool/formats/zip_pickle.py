@@ -17,7 +17,7 @@ from .. import sources
 from ..errors import CkptError
 from ..sources import ByteSpan
 from ..tree import Device, StorageRef, check_storage_reference
-from ..unpickler import load_pickle, text_persistent_id
+from ..unpickler import load_pickle, split_seen, text_persistent_id
 from .zip_container import (
     LOCAL_HEADER,
     ZIP_ERRORS,
@@ -71,7 +71,8 @@ class LocalHeaderCheck:
 def _plain(seen: set[str]) -> bool:
     """No global of ``seen`` (as :func:`~ckpttool.unpickler.load_pickle` fills it) is
     dangerous or unverified."""
-    return not any(name[:1] in ("!", "?") for name in seen)
+    _, dangerous, unverified = split_seen(seen)
+    return not dangerous and not unverified
 
 
 class ZipPickle:
@@ -204,11 +205,17 @@ class ZipPickle:
                 path=self.path,
                 hint="unzip it and zip it again without compression (zip -0)",
             )
+        self._check_crc(info, zlib.crc32(data))
+        return data
+
+    def _check_crc(self, info: zipfile.ZipInfo, crc: int) -> None:
+        """An entry's bytes, of CRC-32 ``crc``, are the ones its directory entry records."""
         # torch.save with ``config.save.compute_crc32 = False`` records every CRC as 0
         # (torch.load does not check them)
-        if info.CRC and zlib.crc32(data) != info.CRC:
-            raise CkptError(f"corrupt zip entry {name!r} (CRC-32 mismatch)", path=self.path)
-        return data
+        if info.CRC and crc != info.CRC:
+            raise CkptError(
+                f"corrupt zip entry {info.filename!r} (CRC-32 mismatch)", path=self.path
+            )
 
     def _info(self, name: str) -> zipfile.ZipInfo:
         info = self.infos.get(name)
@@ -431,10 +438,8 @@ class ZipPickle:
             data = self._read_at(at + done, n) if n else b""
             done += n
             crc = zlib.crc32(data, crc)
-            if n and done == size and info.CRC and crc != info.CRC:
-                raise CkptError(
-                    f"corrupt zip entry {info.filename!r} (CRC-32 mismatch)", path=self.path
-                )
+            if n and done == size:
+                self._check_crc(info, crc)
             return data
 
         return read
