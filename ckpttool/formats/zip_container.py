@@ -4,10 +4,15 @@ every reader see the same entries.
 A zip describes each entry twice: in the central directory (what ``zipfile`` and
 ``torch.load`` use) and in a local header before its bytes (what a streaming reader
 uses). Anything that lets the two disagree, or that needs a password, is refused.
+
+Names are compared as torch's reader compares them: miniz's ``mz_zip_reader_locate_file``
+folds ASCII letters (``Data.pkl`` is ``data.pkl``) and stops at no NUL, where
+``zipfile`` (and many a C reader) ends a name at its first NUL.
 """
 
 from __future__ import annotations
 
+import string
 import zipfile
 import zlib
 from collections.abc import Hashable
@@ -133,6 +138,21 @@ class FileSpan(SourceFile):
 
     def __init__(self, path: str, start: int = 0, length: int | None = None):
         super().__init__(path, start, length, edge=self.EDGE_BYTES)
+
+
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def folded(name: str) -> str:
+    """A name as torch's reader matches it: ASCII letters in either case (miniz's
+    ``MZ_TOLOWER``; other letters as they are)."""
+    return name.translate(_ASCII_LOWER)
+
+
+def name_variants(info: zipfile.ZipInfo) -> set[str]:
+    """The names some reader finds an entry under, folded: the whole name (torch's
+    reader) and the name up to its first NUL (``zipfile``'s)."""
+    return {folded(info.orig_filename), folded(info.filename)}
 
 
 def raw_name(info: zipfile.ZipInfo) -> bytes:

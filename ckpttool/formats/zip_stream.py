@@ -192,6 +192,7 @@ def zip_tasks(path: str, base: int = 0, length: int | None = None) -> tuple[list
     """
     counts = [0, 0]
     with ZipPickle(path, base, length) as archive:
+        archive.check()  # (its damage: the pickle's verdict came first, from the read)
         infos = sorted(archive.infos.values(), key=lambda info: info.header_offset)
         ends = entry_ends(infos, getattr(archive.zip, "start_dir", archive.length), path)
     where = f" of the archive at byte {base:,}" if base else ""

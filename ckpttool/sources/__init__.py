@@ -51,7 +51,15 @@ from .source import (
     Source,
     read_fd_into,
 )
-from .spans import ByteSpan, ZipHeaderCheck, local_fd, open_fd, read_at, read_span_into
+from .spans import (
+    ByteSpan,
+    ZipHeaderCheck,
+    inflate,
+    local_fd,
+    open_fd,
+    read_at,
+    read_span_into,
+)
 
 __all__ = [
     "HEAD_BYTES",
@@ -73,6 +81,7 @@ __all__ = [
     "getsize",
     "glob",
     "identity",
+    "inflate",
     "input_name",
     "is_contained",
     "is_file_name",

@@ -5,13 +5,19 @@ block compare, the writers' copy path) comes here: a file with a local path is r
 with ``preadv`` through a descriptor kept open in :class:`~ckpttool.sources.OpenFiles`
 (thousands of spans from the same few files cost one ``open`` each); any other file
 through its source's :meth:`~ckpttool.sources.Source.read_into` (a ranged request).
-Both count what they transfer on the path's source. No torch here.
+Both count what they transfer on the path's source. A zip entry stored deflated (a
+re-zipped checkpoint: torch reads those too) cannot be read in place: its span holds its
+bytes inflated, a bounded number of them at a time (:func:`inflate`). No torch here.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Protocol
+import weakref
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import CkptError, InputNotFoundError
 from . import paths as sources
@@ -19,6 +25,15 @@ from .source import OpenFiles, read_fd_into
 
 if TYPE_CHECKING:
     pass
+
+# a deflated entry is read (and inflated) this much at a time
+INFLATE_CHUNK = 1 << 20
+# deflate's densest stream: 258 bytes a 2-bit code, 1032 to 1 (RFC 1951); an entry that
+# declares more per stored byte cannot hold it, and would only cost memory to find out
+MAX_DEFLATE_RATIO = 1032
+# inflated entries kept for their next reads (a storage is read a chunk at a time); the
+# most recent one is always kept, whatever its size: it is being read
+INFLATED_CACHE_BYTES = 256 << 20
 
 
 def open_fd(files: OpenFiles, local: str, path: str) -> int:
@@ -102,6 +117,87 @@ def read_span_into(
     read_at(source.path, source.offset + start, view, files)
 
 
+def inflate(
+    read: Callable[[int, int], bytes | bytearray],
+    stored: int,
+    size: int | None,
+    *,
+    name: str,
+    path: object = None,
+    limit: int | None = None,
+) -> bytearray:
+    """Inflate a raw deflate stream of ``stored`` bytes (``read(offset, n)`` from its
+    start) that declares ``size`` bytes: a chunk at a time, never past ``size`` (or
+    ``limit``, where smaller: then the first ``limit`` bytes, unchecked past them).
+    ``size`` None: as many as the stream holds, up to ``limit``.
+
+    Raises:
+        CkptError: A stream that is not deflate, ends early, inflates to another size,
+            or declares more than ``stored`` bytes of deflate can hold.
+    """
+    exact = size is not None
+    if size is None:
+        size = MAX_DEFLATE_RATIO * stored + INFLATE_CHUNK
+        limit = size if limit is None else limit
+    elif size > MAX_DEFLATE_RATIO * stored + INFLATE_CHUNK:
+        raise CkptError(
+            f"corrupt zip entry {name!r} (declares {size} bytes inflated from {stored}: "
+            "more than deflate can hold)",
+            path=None if path is None else str(path),
+        )
+    want = size if limit is None else min(size, limit)
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+    out = bytearray()
+    done = 0
+    shown = None if path is None else str(path)
+    try:
+        while not inflater.eof and len(out) < want + 1:
+            chunk: bytes | bytearray = inflater.unconsumed_tail
+            if not chunk and done < stored:
+                chunk = read(done, min(INFLATE_CHUNK, stored - done))
+                done += len(chunk)
+            if not chunk:
+                raise CkptError(
+                    f"corrupt zip entry {name!r} (deflate stream ends early)", path=shown
+                )
+            out += inflater.decompress(chunk, want + 1 - len(out))
+    except zlib.error as exc:
+        raise CkptError(f"corrupt zip entry {name!r} ({exc})", path=shown) from None
+    if len(out) > size:
+        raise CkptError(
+            f"corrupt zip entry {name!r} (inflates past the {size} bytes it declares)",
+            path=shown,
+        )
+    if limit is not None and len(out) > limit:
+        del out[limit:]  # (the first ``limit`` bytes: a prefix, for a verdict)
+    elif exact and len(out) != size:
+        raise CkptError(
+            f"corrupt zip entry {name!r} (inflates to {len(out)} bytes, declares {size})",
+            path=shown,
+        )
+    return out
+
+
+# deflated spans whose inflated bytes are kept, the most recently read last; held
+# weakly: a span dropped (its checkpoint's) takes its bytes with it
+_INFLATED: OrderedDict[int, weakref.ref[ByteSpan]] = OrderedDict()
+
+
+def _keep_inflated(span: ByteSpan) -> None:
+    _INFLATED.pop(id(span), None)
+    _INFLATED[id(span)] = weakref.ref(span)
+    live = [(key, s) for key, ref in _INFLATED.items() if (s := ref()) is not None]
+    total = sum(len(s._inflated or b"") for _, s in live)
+    for key, oldest in live[:-1]:
+        if total <= INFLATED_CACHE_BYTES:
+            break
+        total -= len(oldest._inflated or b"")
+        oldest._inflated = None
+        del _INFLATED[key]
+    for key in [key for key, ref in _INFLATED.items() if ref() is None]:
+        del _INFLATED[key]
+
+
 class ZipHeaderCheck(Protocol):
     """Checks a zip entry's local header (``size`` bytes: the fixed part and the name)
     against the central directory and returns where the entry's data starts in it."""
@@ -115,6 +211,9 @@ class ByteSpan:
     """Where a run of bytes lives: a span of a file, an entry of a zip, or memory.
 
     A zip entry's data offset needs its local header, so it is found on first read.
+    A deflated zip entry (``deflated``: its stored size) is ``length`` bytes once
+    inflated: ``path`` and ``offset`` place its stored bytes, and :attr:`data` inflates
+    them on first use (every reader of spans reads one held in memory as such).
     """
 
     def __init__(
@@ -126,13 +225,46 @@ class ByteSpan:
         data: bytes | bytearray | memoryview | None = None,
         zip_header_offset: int | None = None,
         zip_header_check: ZipHeaderCheck | None = None,
+        deflated: int | None = None,
+        name: str = "",
     ):
         self.path = path
         self.offset = offset
         self.length = length if data is None else len(data)
-        self.data = data
+        self._data = data
         self._zip_header_offset = zip_header_offset
         self._zip_header_check = zip_header_check
+        self.deflated = deflated
+        self.name = name
+        self._inflated: bytearray | None = None
+
+    @property
+    def data(self) -> bytes | bytearray | memoryview | None:
+        """The bytes held in memory (a deflated entry's, inflated now where not kept)."""
+        if self.deflated is None:
+            return self._data
+        if self._inflated is None:
+            self._inflated = self._inflate()
+        _keep_inflated(self)
+        return self._inflated
+
+    def _inflate(self) -> bytearray:
+        if self.path is None:
+            raise CkptError("tensor bytes have no file")
+        self.resolve()
+        path, at, stored = self.path, self.offset, self.deflated or 0
+        return inflate(
+            lambda start, n: sources.read(path, at + start, n),
+            stored,
+            self.length,
+            name=self.name,
+            path=path,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_inflated"] = None  # (inflated again where it is read)
+        return state
 
     def unresolved(self) -> bool:
         """A zip entry whose data offset is still to be found (and checked) on first read."""
