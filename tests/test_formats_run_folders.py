@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 
 import pytest
@@ -447,19 +448,74 @@ def test_trainer_checkpoint_with_a_hostile_part_is_refused_naming_it(tmp_path):
     assert not out.exists()
 
 
-def test_trainer_checkpoint_reads_without_its_training_args(tmp_path):
-    # resuming never loads training_args.bin: a class in it that ckpttool refuses (a
-    # custom Enum of a TRL config is called by the pickle) does not stop the folder
-    from payloads import Reduce, write_malicious_zip
+@pytest.fixture(scope="module")
+def hostile_run_folders(tmp_path_factory):
+    """Run folders with a pickle beside the model that no resume reads but anyone may
+    ``torch.load`` (what transformers' own code does with training_args.bin), each
+    proven live: one child torch.loads every such file, and each makes its marker."""
+    from helpers import run_child
+    from payloads import Reduce, write_malicious_legacy, write_malicious_zip
 
+    base = tmp_path_factory.mktemp("run-folder-pickles")
+    src = TRANSFORMERS / "gpt2_tied" / "checkpoint-2"
+    folders, files = {}, []
+
+    def evil(name):
+        return Reduce(os.system, (f"touch {base / ('marker-' + name)}",))
+
+    trainer = base / "trainer" / "checkpoint-2"  # with trainer_state.json: the Trainer rule
+    shutil.copytree(src, trainer)
+    write_malicious_zip(trainer / "training_args.bin", evil("trainer"))
+    folders["trainer"] = (trainer, ["training_args.bin"])
+    model = base / "model" / "checkpoint-500"  # no trainer_state.json: the weights' folder
+    model.mkdir(parents=True)
+    shutil.copy(src / "model.safetensors", model)
+    write_malicious_zip(model / "training_args.bin", evil("model"))
+    folders["model"] = (model, ["training_args.bin"])
+    accelerate = base / "accelerate"  # a pickle of one's own, and a second copy of the weights
+    shutil.copytree(ACCELERATE / "ddp" / "state", accelerate)
+    (accelerate / "custom.pkl").write_bytes(pickle.dumps(evil("pkl"), protocol=2))
+    write_malicious_legacy(accelerate / "extra.pt", evil("legacy"))
+    folders["accelerate"] = (accelerate, ["custom.pkl", "extra.pt"])
+    for folder, names in folders.values():
+        files += [str(folder / n) for n in names]
+    run_child("run-payloads", items=files, cwd=base)
+    markers = sorted(p.name for p in base.glob("marker-*"))
+    assert markers == ["marker-legacy", "marker-model", "marker-pkl", "marker-trainer"], markers
+    for marker in base.glob("marker-*"):
+        marker.unlink()
+    return base, folders
+
+
+@pytest.mark.parametrize("kind", ["trainer", "model", "accelerate"])
+def test_a_run_folders_every_pickle_is_judged(hostile_run_folders, kind, tmp_path):
+    base, folders = hostile_run_folders
+    folder, names = folders[kind]
+    line = check_error(run_cli("inspect", folder), 3, str(folder / names[0]), "posix.system")
+    for name in names:  # each file named with what it calls
+        assert name in line, (name, line)
+    out = tmp_path / "model.safetensors"
+    check_error(run_cli("convert", folder, "--to", "safetensors", "-o", out), 3, "posix.system")
+    assert not out.exists()
+    with pytest.raises(ckpttool.UnsafeError):
+        ckpttool.load(folder)
+    assert list(base.glob("marker-*")) == []
+    # --unsafe: the model, as before
+    assert ckpttool.read(folder, unsafe=True).dangerous == []
+
+
+def test_a_run_folders_benign_pickles_read(tmp_path):
+    # training_args.bin with TrainingArguments and its enums, a second copy of the weights
     ckpt = tmp_path / "checkpoint-2"
-    shutil.copytree(TRANSFORMERS / "gpt2_tied" / "checkpoint-2", ckpt)
-    args = ckpt / "training_args.bin"
-    write_malicious_zip(args, Reduce(os.system, ("echo owned",)))
-    assert str(args) not in ckpttool.read(ckpt).files
-    truth = torch.load(TRANSFORMERS / "gpt2_tied" / "truth.pt", weights_only=True)["model"]
-    assert_identical(ckpttool.load(ckpt), truth, exact_types=False)
-    check_error(run_cli("inspect", args), 3, "posix.system")  # read alone, it is judged
+    shutil.copytree(TRANSFORMERS / "gpt2_bin" / "checkpoint-2", ckpt)
+    shutil.copy(TRANSFORMERS / "gpt2_tied" / "checkpoint-2" / "model.safetensors", ckpt)
+    (ckpt / "notes.txt").write_text("cat\ndog\n")  # protocol 0 text, naming a global only
+    assert ckpttool.read(ckpt).format == "safetensors"
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(ckpt / "model.safetensors", alone)
+    shutil.copy(ckpt / "training_args.bin", alone)
+    assert ckpttool.read(alone).files == [str(alone / "model.safetensors")]
 
 
 def test_a_run_folders_parts_are_not_read_as_run_folders(tmp_path, monkeypatch):

@@ -31,6 +31,10 @@ verl / SkyRL           ``model_world_size_N_``       those N rank files
 torchtune output       ``recipe_state/`` or          the one ``epoch_N/`` folder
                        ``epoch_N/`` folders          (its model files, not its
                                                      ``adapter_model.pt``)
+Hugging Face model     the weights of                those weights
+with Trainer files     ``from_pretrained`` and a
+                       Trainer file beside them
+                       (``training_args.bin``...)
 =====================  ============================  ================================
 
 The checkpoint's tree holds each part under its name (the file name without its
@@ -41,6 +45,14 @@ every part. A Lightning sharded folder is read as Lightning's own consolidation
 torchtune's output folder brings ``recipe_state/recipe_state.pt`` as ``recipe_state``
 and a LoRA epoch's ``adapter_model.pt`` as ``adapter_model``: what its resume reads.
 The checkpoint is reported with its model part's format id.
+
+Every other pickle of the folder is judged too, though no resume reads it
+(``training_args.bin``, a second copy of the weights, a ``.pkl`` of one's own): anyone
+may ``torch.load`` it. Each file of the folder itself that is not a part and starts as
+a zip, a tar or a pickle has its globals scanned (a zip's ``data.pkl`` and TorchScript
+code, a legacy stream or raw pickle as :mod:`.torch_legacy` judges it, nothing
+rebuilt), before the read's own errors: one that would run code refuses the folder,
+naming each such file and what it calls.
 """
 
 from __future__ import annotations
@@ -52,11 +64,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import sources
-from ..errors import CkptError
+from ..errors import CkptError, UnsafeError
 from ..tree import Checkpoint, model_key, verdicts
 from ..unpickler import check_structure
-from . import dcp
-from .folders import deepspeed_latest_tag
+from ..zip_records import ZIP_MAGIC
+from . import catalog, dcp
+from .folders import deepspeed_latest_tag, hf_weights_file
 
 ReadPart = Callable[[Any], Checkpoint]  # one path or a list of rank files -> Checkpoint
 
@@ -133,7 +146,17 @@ def read(folder: str, rule: Rule, read_part: ReadPart, *, unsafe: bool = False) 
         CkptError: The model is not exactly one of the rule's candidates.
         UnsafeError: A part's pickle references dangerous globals.
     """
-    ckpt = rule.read(folder, sources.listdir(folder), _read_once(read_part), unsafe)
+    names = sources.listdir(folder)
+    try:
+        ckpt = rule.read(folder, names, _read_once(read_part), unsafe)
+    except UnsafeError:
+        raise
+    except CkptError:
+        if not unsafe:
+            judge_other_pickles(folder, names, [])  # the verdict comes first
+        raise
+    if not unsafe:
+        judge_other_pickles(folder, names, ckpt.files)
     # Parts that are one file are one read, yet the tree holds it under each name: a
     # thousand symlinks (or hard links) to one 500 KB file were a thousand reads (65 s)
     # and a tree of a thousand copies. Bounded as one pickle's shared containers are.
@@ -159,6 +182,81 @@ def _read_once(read_part: ReadPart) -> ReadPart:
         return read[key]
 
     return read_one
+
+
+def judge_other_pickles(folder: str, names: list[str], read: list[str]) -> None:
+    """Judge every file of ``folder`` (its entries ``names``) that the read (its files
+    ``read``) did not: a zip's, a tar's or a pickle's globals scanned, nothing rebuilt.
+
+    Raises:
+        UnsafeError: One or more would run code under ``torch.load``: the first named as
+            the path, each in the message with what it calls.
+    """
+    done = {_file_key(path) for path in read}
+    refused: list[UnsafeError] = []
+    for name in sorted(names):
+        path = sources.join(folder, name)
+        try:
+            if _file_key(path) in done or not sources.isfile(path):
+                continue
+            judge_file(path)
+        except UnsafeError as exc:
+            refused.append(exc)
+        except (CkptError, OSError):
+            pass  # no pickle, or one that runs nothing before its damage stops torch too
+    if refused:
+        raise _refusal(refused)
+
+
+def judge_file(path: str) -> None:
+    """Judge one file as ``torch.load(weights_only=False)`` would meet it, cheaply: a
+    zip's ``data.pkl`` (and TorchScript code) scanned; a tar, legacy stream or other
+    pickle as :mod:`.torch_legacy` reads it (its pickles are small beside a zip's data).
+
+    Raises:
+        UnsafeError: It would run code.
+        CkptError: It is no pickle torch reads, or damaged (no verdict of refusal).
+    """
+    head = sources.read_head(path)
+    if head.startswith(ZIP_MAGIC):
+        from . import torchscript
+        from .zip_pickle import ZipPickle
+
+        with ZipPickle(path) as archive:
+            if any(torchscript.is_code_entry(n) for n in archive.names()):
+                torchscript.read_code(archive, path)
+            archive.scan(seen=set())
+        return
+    from . import torch_legacy
+
+    if head and torch_legacy.detect(path, head):
+        torch_legacy.read(path)
+
+
+def _file_key(path: str) -> Any:
+    """One key per local file, however many names it has; a remote path is its own."""
+    local = sources.local_path(path)
+    return os.path.realpath(local) if local is not None else path
+
+
+def _refusal(refused: list[UnsafeError]) -> UnsafeError:
+    """The refusals of several files of a folder as one: the first file as its path,
+    every file named with what it calls."""
+    if len(refused) == 1:
+        return refused[0]
+    exc = UnsafeError(
+        [name for r in refused for name in r.dangerous],
+        path=refused[0].path,
+        reasons={name: reason for r in refused for name, reason in r.reasons.items()},
+        globals=[name for r in refused for name in r.globals],
+        unverified=[name for r in refused for name in r.unverified],
+    )
+    shown = "; ".join(f"{sources.basename(str(r.path))}: {', '.join(r.dangerous)}" for r in refused)
+    exc.message = (
+        f"pickles of the folder reference dangerous globals ({shown}); nothing was executed"
+    )
+    exc.args = (exc.one_line(),)
+    return exc
 
 
 def _part_name(entry: str) -> str:
@@ -388,6 +486,23 @@ def _read_torchtune(folder: str, names: list[str], read_part: ReadPart, unsafe: 
     return _combine(folder, epoch, parts)
 
 
+# --- a Hugging Face model folder with a Trainer's files ---------------------------------
+
+
+def _is_hf_trainer(folder: str, names: list[str]) -> bool:
+    # Trainer.save_model's output_dir, or a checkpoint-N/ without its trainer_state.json:
+    # the folder is its weights, and training_args.bin & co. are pickles beside them
+    return hf_weights_file(names) is not None and any(catalog.is_hf_companion(n) for n in names)
+
+
+def _read_hf_trainer(
+    folder: str, names: list[str], read_part: ReadPart, unsafe: bool
+) -> Checkpoint:
+    weights = hf_weights_file(names)
+    assert weights is not None  # (the marker found them)
+    return read_part(sources.join(folder, weights))  # the folder as from_pretrained reads it
+
+
 RULES: list[Rule] = [
     Rule("accelerate save_state", _is_accelerate, _read_accelerate),
     Rule("Hugging Face Trainer FSDP", _is_trainer_fsdp, _read_trainer_fsdp),
@@ -396,4 +511,9 @@ RULES: list[Rule] = [
     Rule("Lightning sharded .ckpt", _is_lightning_sharded, _read_lightning_sharded),
     Rule("verl / SkyRL", _is_verl, _read_verl),
     Rule("torchtune output", _is_torchtune, _read_torchtune),
+    Rule(
+        "Hugging Face model with Trainer files",
+        _is_hf_trainer,
+        _read_hf_trainer,
+    ),
 ]

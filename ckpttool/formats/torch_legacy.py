@@ -14,7 +14,7 @@ from .. import sources
 from ..errors import CkptError, UnsafeError
 from ..sources import ByteSpan, SourceFile, open_input
 from ..tree import Checkpoint, Device, Opaque, StorageRef, check_storage_reference, opaque_class
-from ..unpickler import is_pickle_start, load_pickle, text_persistent_id
+from ..unpickler import ALLOWED, is_pickle_start, load_pickle, text_persistent_id
 from .torch_zip import checkpoint
 
 FORMAT = "torch-legacy"
@@ -40,8 +40,26 @@ def detect(path: str, head: bytes) -> bool:
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
     from .torch_tar import is_tar, judge_tar
 
-    if is_tar(sources.read_head(path)):
+    if not is_tar(sources.read_head(path)):
+        return _read_stream(path, permissive)
+    try:
         judge_tar(path, permissive=permissive)  # refused, or not supported: raises
+    except UnsafeError:
+        raise
+    except CkptError as unsupported:
+        # Where torch's tar reader raises a TarError (a member cut short, a bad header
+        # past the first), torch.load reads the file again from its start as a legacy
+        # stream: the pickles it would meet there are judged too
+        try:
+            _read_stream(path, permissive)
+        except UnsafeError:
+            raise
+        except CkptError:
+            pass
+        raise unsupported from None
+
+
+def _read_stream(path: str, permissive: bool) -> Checkpoint:
     seen: set[str] = set()
     size = sources.getsize(path)
     with open_input(path) as f:
@@ -67,10 +85,9 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         def persistent_load(pid: Any) -> Any:
             pid = text_persistent_id(pid)  # (protocol 0 writes the tuple's text)
             if isinstance(pid, tuple) and pid and pid[0] == "module":
-                # ("module", cls, source_file, source): torch hands back the class itself
-                cls = pid[1] if len(pid) > 1 else None
-                is_stand_in = isinstance(cls, type) and issubclass(cls, Opaque)
-                return cls if is_stand_in else opaque_class("torch.nn", "Module")
+                # ("module", cls, source_file, source): torch checks the source, then
+                # hands back the class itself
+                return container_record(pid[1:], refused)
             if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] != "storage":
                 raise CkptError(f"corrupt pickle: unknown persistent id {pid!r:.80}")
             storage_type, key, location, numel = pid[1:5]
@@ -94,7 +111,16 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
                 return ref
             return storages[key]
 
-        root = load_pickle(f, persistent_load, path=path, permissive=permissive, seen=seen)
+        refused: dict[str, str] = {}
+        try:
+            root = load_pickle(f, persistent_load, path=path, permissive=permissive, seen=seen)
+        except CkptError as exc:
+            if refused and not permissive:
+                raise container_refusal(exc, refused, path) from None
+            raise
+        if refused and not permissive:
+            raise container_refusal(None, refused, path)
+        seen.update(f"!{name}" for name in refused)  # (--unsafe: listed as dangerous)
         keys = load_pickle(f, path=path, seen=seen)
         if not isinstance(keys, list):
             raise CkptError("corrupt legacy checkpoint: no storage key list", path=path)
@@ -126,6 +152,80 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if ref.source is None:
             raise CkptError(f"corrupt legacy checkpoint: storage {key} has no data", path=path)
     return checkpoint(FORMAT, [path], root, seen)
+
+
+# --- the container records: torch's _check_container_source -------------------------
+
+
+def container_record(record: tuple, refused: dict[str, str]) -> Any:
+    """What a legacy pickle's container record ``(cls, source_file, source)`` stands for
+    (the class, inert), judged as ``torch.load`` meets it; ``refused`` collects
+    ``{name: reason}`` for one it would act on.
+
+    ``torch.load`` hands a record whose file and source are both set to
+    ``_check_container_source``: it reads ``cls``'s source through ``inspect``, and
+    where it differs and ``cls.dump_patches`` is set, writes ``<cls.__name__>.patch``
+    into the working folder. Only a plain global naming a ``torch.nn`` class on
+    ckpttool's lists is real torch there (no ``dump_patches``), or one the user allowed;
+    anything else (a class the pickle made, say by a metaclass, posing as one) is
+    refused. A record without source is handed back unchecked, as torch does.
+    """
+    cls = record[0] if record else None
+    stand_in = cls if isinstance(cls, type) and issubclass(cls, Opaque) else None
+    value = stand_in or opaque_class("torch.nn", "Module")
+    if any(_plainly_empty(v) for v in record[1:]):
+        return value  # "Ignore containers that don't have any sources saved"
+    if stand_in is not None and _real_container_class(stand_in):
+        return value
+    name = stand_in.class_name() if stand_in is not None else _value_name(cls)
+    refused[name] = "a container record with source: torch.load checks it and may write a .patch"
+    return value
+
+
+def _real_container_class(cls: type[Opaque]) -> bool:
+    """A stand-in for a real ``torch.nn`` class (a CapWords name on ckpttool's lists, as a
+    GLOBAL names it), or for a class the user allowed."""
+    if cls.dangerous:
+        return False
+    if ALLOWED.get().matches(cls.class_name()):
+        return True
+    in_nn = cls.module == "torch.nn" or cls.module.startswith("torch.nn.")
+    return in_nn and cls.known and cls.qualname.isidentifier() and not cls.qualname.startswith("_")
+
+
+def _plainly_empty(value: Any) -> bool:
+    """Falsy without running anything of the file (``all()`` asks each its truth)."""
+    return value is None or (type(value) in (str, bytes, int, bool, tuple, list) and not value)
+
+
+def _value_name(value: Any) -> str:
+    if isinstance(value, Opaque):
+        return type(value).class_name()  # an object the pickle made: abc.ABCMeta(...)
+    return f"<a container record of a {type(value).__name__}>"
+
+
+def container_refusal(exc: CkptError | None, refused: dict[str, str], path: str) -> UnsafeError:
+    """The refusal of a legacy pickle whose container records ``refused`` names, merged
+    with the read's own error ``exc`` where that is a refusal too (any other error of
+    the read gives way: the verdict comes first)."""
+    if isinstance(exc, UnsafeError):
+        merged = UnsafeError(
+            [*exc.dangerous, *refused],
+            path=exc.path,
+            reasons={**exc.reasons, **refused},
+            globals=exc.globals,
+            unverified=exc.unverified,
+        )
+        merged.format = exc.format
+        return merged
+    refusal = UnsafeError(list(refused), path=path, reasons=refused)
+    shown = ", ".join(sorted(refused))
+    refusal.message = (
+        f"the pickle gives torch.load a container class whose source it checks, {shown}, "
+        "which is no torch.nn class (torch.load would write a .patch file); nothing was executed"
+    )
+    refusal.args = (refusal.one_line(),)
+    return refusal
 
 
 def _read_counts(f: Any, positions: list[int], size: int) -> list[bytes]:
