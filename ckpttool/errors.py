@@ -97,7 +97,8 @@ class SeveralCheckpointsError(CkptError):
 
 
 class UnsafeError(CkptError):
-    """A pickle references dangerous callables; nothing was executed (exit 3).
+    """A pickle would run code, or construct what ckpttool cannot vouch for; nothing
+    was executed (exit 3).
 
     Args:
         dangerous: The offending globals, as ``module.name``.
@@ -105,6 +106,9 @@ class UnsafeError(CkptError):
         reasons: How the pickle uses each of them (``called``, ``BUILD-set on x.Y``...).
         globals: Every global the refused file names, as far as it was read.
         unverified: Those on none of ckpttool's allow-lists.
+        allowable: Those of ``dangerous`` refused only because ckpttool cannot vouch for
+            them (a class the pickle constructs or calls, on no list): ``--allow`` reads
+            them. Where every one is, the message names the ``--allow`` that reads the file.
     """
 
     exit_code = 3
@@ -117,19 +121,32 @@ class UnsafeError(CkptError):
         reasons: dict[str, str] | None = None,
         globals: list[str] | None = None,
         unverified: list[str] | None = None,
+        allowable: list[str] | None = None,
     ):
         self.dangerous = sorted(set(dangerous))
         self.reasons = {name: (reasons or {}).get(name, "referenced") for name in self.dangerous}
         self.globals = sorted(set(globals or ()) | set(self.dangerous))
         self.unverified = sorted(set(unverified or ()) - set(self.dangerous))
+        self.allowable = sorted(set(allowable or ()) & set(self.dangerous))
         self.format: str | None = None  # the detected format, where the reader knew it
-        super().__init__(
-            "the pickle references dangerous globals "
-            + ", ".join(self.dangerous)
-            + "; nothing was executed",
-            path=path,
-            hint="only if you trust this file, pass --unsafe",
-        )
+        if self.dangerous and self.allowable == self.dangerous:
+            shown = self.dangerous[:4]
+            flags = " ".join(f"--allow {name}" for name in shown)
+            message = (
+                "the pickle constructs or calls globals ckpttool cannot vouch for: "
+                + ", ".join(f"{name} ({self.reasons[name].split(' (')[0]})" for name in shown)
+                + ("..." if len(self.dangerous) > len(shown) else "")
+                + "; nothing was executed"
+            )
+            hint = f"if you trust them, pass {flags}; only if you trust this file, --unsafe"
+        else:
+            message = (
+                "the pickle references dangerous globals "
+                + ", ".join(self.dangerous)
+                + "; nothing was executed"
+            )
+            hint = "only if you trust this file, pass --unsafe"
+        super().__init__(message, path=path, hint=hint)
 
 
 def error_data(exc: CkptError) -> dict:
@@ -139,6 +156,7 @@ def error_data(exc: CkptError) -> dict:
     data["hint"], data["exit_code"] = exc.hint, exc.exit_code
     if isinstance(exc, UnsafeError):
         data.update(reasons=exc.reasons, globals=exc.globals, unverified=exc.unverified)
+        data["allowable"] = exc.allowable
         data["format"] = exc.format
     return data
 
@@ -151,6 +169,7 @@ def error_from_data(data: dict) -> CkptError:
         exc = UnsafeError(
             list(data["reasons"]), path=data["path"], reasons=data["reasons"],
             globals=data["globals"], unverified=data["unverified"],
+            allowable=data.get("allowable"),
         )  # fmt: skip
         exc.format = data["format"]
         return exc

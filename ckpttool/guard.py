@@ -55,21 +55,30 @@ def guarded_read(pickle_size: int) -> Iterator[ReadGuard]:
         _CURRENT.reset(token)
 
 
-def note_call(name: str) -> None:
-    """Record that the pickle being read calls ``name``."""
+# How a pickle uses a global that makes it refused, where it is not a plain call (the
+# reason shown for it; a plain call is "called")
+CONSTRUCTED = "constructed (NEWOBJ: its __new__ and __setstate__ would run)"
+BUILD_ON_GLOBAL = "given BUILD state (the global itself changed)"
+MUTATED = "changed by SETITEM/APPEND (a module-level object)"
+CLASS_SWAP = "given a __class__ or __dict__ by BUILD (a class swap)"
+MAKES_CLASS = "made a class of (a metaclass instantiated)"
+
+
+def note_call(name: str, use: str | None = None) -> None:
+    """Record that the pickle being read calls ``name`` (or uses it so: ``use``, one of
+    the uses above): the file is refused at the end of the read."""
     guard = _CURRENT.get()
     if guard is not None:
         guard.called.add(name)
+        if use is not None:
+            guard.uses.setdefault(name, use)
 
 
 def note_build_on_global(name: str) -> None:
     """Record that the pickle gives the global ``name`` itself BUILD state: the real
     unpickler would change that module, class or function for the rest of the process
     (picklescan's "module override"). No checkpoint does: refused like a call."""
-    guard = _CURRENT.get()
-    if guard is not None:
-        guard.called.add(name)
-        guard.uses[name] = "given BUILD state (the global itself changed)"
+    note_call(name, BUILD_ON_GLOBAL)
 
 
 def charge(amount: int) -> None:

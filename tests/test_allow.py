@@ -112,13 +112,16 @@ def test_allow_reads_the_enum_inert_in_every_command(files, tmp_path, name, stem
     assert torch.equal(merged["w"], torch.arange(6.0).reshape(2, 3))
 
 
-def test_a_namedtuple_is_unverified_and_moves_to_allowed(files):
+def test_a_namedtuple_is_refused_until_allowed(files):
     path = files["namedtuple"]
     results = run_many(
         [["inspect", "--json", path], ["inspect", "--json", path, "--allow", "trainlib_cfg.Point"]]
     )
+    # constructed (NEWOBJ): refused without --allow, naming the --allow that reads it
+    line = check_error_json(results[0])
+    assert "trainlib_cfg.Point (constructed)" in line and "--allow trainlib_cfg.Point" in line
     plain, allowed = (json.loads(r["stdout"]) for r in results)
-    assert plain["unverified"] == ["trainlib_cfg.Point"] and plain["allowed"] == []
+    assert plain["unverified"] == [] and plain["dangerous"] == ["trainlib_cfg.Point"]
     assert allowed["unverified"] == [] and allowed["allowed"] == ["trainlib_cfg.Point"]
 
 

@@ -91,12 +91,26 @@ def test_refused_files_name_their_globals_in_json_fields(corpus):
 
 
 def test_a_benign_unknown_class_is_unverified_not_dangerous(corpus):
-    result = corpus["unknown-class-newobj-build"]["results"]["inspect"]
+    result = corpus["unknown-class-referenced"]["results"]["inspect"]
     report = json.loads(result["stdout"])
     assert report["dangerous"] == []
     assert report["unverified"] == ["mylib.config.TrainConfig"]
     assert "mylib.config.TrainConfig" in report["globals"]
     assert "collections.OrderedDict" not in report["unverified"]  # allowed names are not
+
+
+def test_an_unknown_class_constructed_is_refused_naming_the_allow_that_reads_it(corpus):
+    result = corpus["unknown-class-newobj-build"]["results"]["inspect"]
+    assert result["code"] == 3
+    report = json.loads(result["stdout"])
+    assert report["dangerous"] == ["mylib.config.TrainConfig"]
+    assert report["reasons"]["mylib.config.TrainConfig"].startswith("constructed (NEWOBJ")
+    assert result["stderr"].splitlines() == [
+        f"ckpttool: refused: {corpus['unknown-class-newobj-build']['path']}: the pickle "
+        "constructs or calls globals ckpttool cannot vouch for: mylib.config.TrainConfig "
+        "(constructed); nothing was executed (if you trust them, pass --allow "
+        "mylib.config.TrainConfig; only if you trust this file, --unsafe)"
+    ]
 
 
 def test_outputs_of_valid_hostile_inputs_load_safely(corpus):
@@ -150,7 +164,7 @@ def test_costly_files_are_refused_within_the_memory_bound(tmp_path, name):
     path = write_case(case, tmp_path)
     # the same command on a plain checkpoint: what starting up and importing costs
     (tmp_path / "plain").mkdir()
-    plain = write_case(CASES_BY_NAME["unknown-class-newobj-build"], tmp_path / "plain")
+    plain = write_case(CASES_BY_NAME["unknown-class-referenced"], tmp_path / "plain")
     for command in (["inspect", "--json"], ["merge", "-o", str(tmp_path / "out.pt")]):
         base_code, base_rss = peak_rss_mib([*command[:1], str(plain), *command[1:]], tmp_path)
         (tmp_path / "out.pt").unlink(missing_ok=True)

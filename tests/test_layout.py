@@ -385,22 +385,28 @@ def test_pickled_module_reads_as_its_state_dict_everywhere(tmp_path):
     truth = model.state_dict()
     names = list(truth)
     assert "scale" not in names and "stride" not in names and "body.0.bias" not in names
-    loaded = ckpttool.load(path)
+    # the model's own class is on no list: constructing it is refused until allowed
+    allow = [f"{TiedNet.__module__}.{TiedNet.__qualname__}"]
+    refused = run_cli("inspect", path)
+    assert refused.returncode == 3 and f"--allow {allow[0]}" in refused.stderr
+    loaded = ckpttool.load(path, allow=allow)
     assert list(loaded) == names
     for name in names:
         assert torch.equal(loaded[name], truth[name]), name
     assert loaded["head.weight"].data_ptr() == loaded["emb.weight"].data_ptr()
-    report = inspect_report(ckpttool.read(path))  # listed under the names torch gives
+    report = inspect_report(ckpttool.read(path, allow=allow))  # under the names torch gives
     assert [".".join(t["key"]) for t in report["tensors"]] == [f"model.{n}" for n in names]
     out = tmp_path / "all.safetensors"
-    proc = run_cli("convert", path, "--select", "all", "--to", "safetensors", "-o", out)
+    proc = run_cli(
+        "convert", path, "--select", "all", "--to", "safetensors", "-o", out, "--allow", allow[0]
+    )
     assert proc.returncode == 0, proc.stderr
     written = load_file(out)
     assert list(written) == [f"model.{n}" for n in names]
     for name in names:
         assert torch.equal(written[f"model.{name}"], truth[name]), name
     fresh = TiedNet()
-    ckpttool.load_into(fresh, path)
+    ckpttool.load_into(fresh, path, allow=allow)
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, truth[name]), name
 
@@ -432,11 +438,12 @@ def test_pickled_module_holding_a_partial_of_a_torch_class_reads(tmp_path):
     model = WithNormLayer()
     path = tmp_path / "vit.pt"
     torch.save(model, path)
-    proc = run_cli("inspect", path, "--json")
+    allow = f"{WithNormLayer.__module__}.{WithNormLayer.__qualname__}"  # the model's own class
+    proc = run_cli("inspect", path, "--json", "--allow", allow)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["dangerous"] == []
-    assert list(ckpttool.load(path)) == ["norm.weight", "norm.bias"]
-    assert run_cli("merge", path, "-o", tmp_path / "out.pt").returncode == 0
+    assert list(ckpttool.load(path, allow=[allow])) == ["norm.weight", "norm.bias"]
+    assert run_cli("merge", path, "-o", tmp_path / "out.pt", "--allow", allow).returncode == 0
 
 
 def test_pickled_module_that_holds_itself_reads_once(tmp_path):

@@ -250,7 +250,14 @@ def benign_files(tmp_path):
 
 @pytest.mark.parametrize("kind", MALICIOUS_KINDS)
 def test_benign_custom_classes_never_stop_inspection(benign_files, kind):
-    proc = run_cli("inspect", "--json", benign_files[kind])
+    """Once allowed: a class on no list that the pickle constructs is refused without
+    it, and the refusal names the class and the --allow that reads it."""
+    refused = run_cli("inspect", benign_files[kind])
+    assert refused.returncode == 3, refused.stderr
+    assert refused.stderr.count("\n") == 1
+    assert "cannot vouch for: ckpttool_throwaway_mod.Config (constructed)" in refused.stderr
+    assert "--allow ckpttool_throwaway_mod.Config" in refused.stderr
+    proc = run_cli("inspect", "--json", benign_files[kind], "--allow", "ckpttool_throwaway_mod.Config")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["format"] == kind
@@ -270,15 +277,19 @@ def test_benign_custom_classes_never_stop_inspection(benign_files, kind):
 def test_benign_custom_class_load_gives_stand_in_and_tensors(benign_files):
     import torch
 
-    everything = ckpttool.load(benign_files["torch-zip"], select="all")
+    with pytest.raises(ckpttool.errors.UnsafeError) as refused:
+        ckpttool.load(benign_files["torch-zip"])
+    assert refused.value.allowable == ["ckpttool_throwaway_mod.Config"]
+    allow = ["ckpttool_throwaway_mod.Config"]
+    everything = ckpttool.load(benign_files["torch-zip"], select="all", allow=allow)
     assert torch.equal(everything["model"]["w"], torch.ones(2, 3))
     assert everything["args"] == {
         "__class__": "argparse.Namespace",
         "state": {"lr": 0.1, "epochs": 3},
     }
-    lazy = ckpttool.read(benign_files["torch-zip"]).root["args"]  # the lazy tree keeps the object
+    lazy = ckpttool.read(benign_files["torch-zip"], allow=allow).root["args"]  # the object kept
     assert repr(lazy) == "<opaque argparse.Namespace>"
-    assert ckpttool.load(benign_files["torch-zip"]).keys() == {"w"}
+    assert ckpttool.load(benign_files["torch-zip"], allow=allow).keys() == {"w"}
 
 
 def test_reader_never_imports_the_module_of_a_class(tmp_path):
@@ -299,7 +310,10 @@ def test_reader_never_imports_the_module_of_a_class(tmp_path):
         sys.modules.pop("sideeffect_mod", None)
     marker.unlink()
     # ``python -m`` puts the working directory on sys.path: the module IS importable.
-    proc = run_cli("inspect", "--json", "t.pt", cwd=tmp_path)
+    refused = run_cli("inspect", "t.pt", cwd=tmp_path)  # constructed: refused, not imported
+    assert refused.returncode == 3 and "--allow sideeffect_mod.Thing" in refused.stderr
+    assert not marker.exists()
+    proc = run_cli("inspect", "--json", "t.pt", "--allow", "sideeffect_mod.Thing", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert {"key": ["thing"], "type": "opaque", "value": "<opaque sideeffect_mod.Thing>"} in report[

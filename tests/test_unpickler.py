@@ -16,6 +16,7 @@ from ckpttool.errors import CkptError, UnsafeError
 from ckpttool.sources.spans import ByteSpan
 from ckpttool.tree.leaves import StorageRef, TensorRef
 from ckpttool.tree.opaque import Opaque
+from ckpttool.unpickler import allowing, parse_allow
 from ckpttool.unpickler.policy import is_dangerous
 from ckpttool.unpickler.restricted import load_pickle
 
@@ -98,8 +99,14 @@ class Unknown:
 
 
 def test_unknown_class_is_an_inert_opaque_with_its_attributes():
+    data = pickle.dumps({"cfg": Unknown()}, protocol=2)
+    with pytest.raises(UnsafeError) as refused:  # constructed (NEWOBJ): refused
+        load_pickle(data)
+    assert refused.value.dangerous == refused.value.allowable == [f"{__name__}.Unknown"]
+    assert refused.value.reasons[f"{__name__}.Unknown"].startswith("constructed")
     seen: set[str] = set()
-    out = load_pickle(pickle.dumps({"cfg": Unknown()}, protocol=2), seen=seen)
+    with allowing(parse_allow([f"{__name__}.Unknown"])):  # allowed: read inert
+        out = load_pickle(data, seen=seen)
     cfg = out["cfg"]
     assert isinstance(cfg, Opaque)
     assert cfg.class_name() == f"{__name__}.Unknown"
@@ -210,12 +217,11 @@ def test_getattr_reaches_nested_torch_classes_only():
 
 def test_python2_names_of_safe_builtins_load():
     assert load_pickle(b"c__builtin__\nunicode\n(Vabc\ntR.") == "abc"
-    assert (
-        load_pickle(
-            b"ccopy_reg\n_reconstructor\n(c__main__\nC\nc__builtin__\nobject\nNtR."
-        ).class_name()
-        == "__main__.C"
-    )
+    made = b"ccopy_reg\n_reconstructor\n(c__main__\nC\nc__builtin__\nobject\nNtR."
+    with pytest.raises(UnsafeError, match="--allow __main__.C"):  # constructed: refused
+        load_pickle(made)
+    with allowing(parse_allow(["__main__.C"])):
+        assert load_pickle(made).class_name() == "__main__.C"
 
 
 def test_range_is_an_inert_placeholder_that_cannot_be_iterated():
@@ -393,16 +399,20 @@ class _SwappedPartial:
         return functools.partial, (self.first,), (self.then, self.args, {}, None)
 
 
-def _judged_both_ways(obj) -> list[str]:
+def _judged_both_ways(obj, allow: tuple[str, ...] = ()) -> list[str]:
     """What a full read and a globals scan each refuse in the pickle of ``obj``."""
     data = pickle.dumps(obj, protocol=2)
     refused = []
     for scan_only in (False, True):
         try:
-            load_pickle(data, lambda pid: None, scan_only=scan_only)
+            with allowing(parse_allow(allow)):
+                load_pickle(data, lambda pid: None, scan_only=scan_only)
         except UnsafeError as exc:
             refused.append(str(exc))
     return refused
+
+
+_HOLDER = f"{__name__}._Holder"
 
 
 def test_an_objects_partial_of_a_torch_class_is_no_call_of_note():
@@ -411,7 +421,10 @@ def test_an_objects_partial_of_a_torch_class_is_no_call_of_note():
     import torch.nn as nn
 
     # torchvision's VisionTransformer keeps norm_layer = partial(nn.LayerNorm, eps=1e-6)
-    assert _judged_both_ways(_Holder(norm_layer=functools.partial(nn.LayerNorm, eps=1e-6))) == []
+    held = _Holder(norm_layer=functools.partial(nn.LayerNorm, eps=1e-6))
+    assert _judged_both_ways(held, (_HOLDER,)) == []  # the holder's class allowed
+    refused = _judged_both_ways(held)  # else the holder is refused, as constructed
+    assert len(refused) == 2 and all(f"{_HOLDER} (constructed)" in r for r in refused), refused
 
 
 def test_an_objects_partial_that_calls_something_of_note_is_refused_both_ways():
@@ -425,8 +438,10 @@ def test_an_objects_partial_that_calls_something_of_note_is_refused_both_ways():
         functools.partial(nn.LayerNorm, _Holder()),  # an unknown object given to a known class
         _SwappedPartial(nn.LayerNorm, logging.FileHandler, "marker"),  # BUILD swaps the function
     ):
+        # (the holder on no list is refused as constructed, the partial as called)
         refused = _judged_both_ways(_Holder(hook=held))
         assert len(refused) == 2 and all("functools.partial()" in r for r in refused), refused
+        assert all(_HOLDER in r for r in refused), refused
 
 
 def test_a_partial_built_again_and_again_keeps_only_its_last_state():

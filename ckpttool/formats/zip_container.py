@@ -12,7 +12,6 @@ folds ASCII letters (``Data.pkl`` is ``data.pkl``) and stops at no NUL, where
 
 from __future__ import annotations
 
-import string
 import zipfile
 import zlib
 from collections.abc import Hashable
@@ -140,7 +139,7 @@ class FileSpan(SourceFile):
         super().__init__(path, start, length, edge=self.EDGE_BYTES)
 
 
-_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
 def folded(name: str) -> str:

@@ -17,7 +17,6 @@ dangerous one is exit 3; only then is the damage reported (exit 2).
 
 from __future__ import annotations
 
-import hashlib
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import sources
 from ..errors import CkptError, UnsafeError
-from ..sources import ByteSpan, inflate
+from ..sources import ByteSpan, DeflatedSpan, inflate
 from ..tree import Device, StorageRef, check_storage_reference
 from ..unpickler import load_pickle, split_seen, text_persistent_id
 from .zip_container import (
@@ -327,7 +326,14 @@ class ZipPickle:
         name = f"{self.prefix}byteorder"
         if folded(name) not in self._named:
             return False
-        return self.read_entry(name, SMALL_ENTRY_BYTES, check_crc=check_crc).strip() == b"big"
+        # read once (its CRC-32 is checked after the pickle's verdict, on the same bytes:
+        # a remote file pays one request for it)
+        data = self.__dict__.get("_byteorder")
+        if data is None:
+            data = self._byteorder = self.read_entry(name, SMALL_ENTRY_BYTES, check_crc=False)
+        if check_crc:
+            self._check_crc(self._info(name), zlib.crc32(data))
+        return data.strip() == b"big"
 
     def source(self, name: str) -> ByteSpan:
         info = self._info(name)
@@ -338,23 +344,25 @@ class ZipPickle:
             deflated = info.compress_size
         elif info.compress_type != zipfile.ZIP_STORED:
             raise self._method_error(info)
+        header: dict[str, Any] = {}
         if self._remote:
             # checked on first read instead: inspect of a remote file fetches no header
-            return ByteSpan(
-                self.path,
-                0,
-                info.file_size,
-                zip_header_offset=self.start + info.header_offset,
-                zip_header_check=LocalHeaderCheck(
+            offset = 0
+            header = {
+                "zip_header_offset": self.start + info.header_offset,
+                "zip_header_check": LocalHeaderCheck(
                     info, raw_name(info), self.path, self._ends.get(info.filename, self.length)
                 ),
-                deflated=deflated,
-                name=info.filename,
-            )
-        # the local header is checked now, not on first read: inspect, which reads no
-        # tensor bytes, refuses a disguised entry as convert does
-        offset = self.start + self._data_offset(info)
-        return ByteSpan(self.path, offset, info.file_size, deflated=deflated, name=info.filename)
+            }
+        else:
+            # the local header is checked now, not on first read: inspect, which reads no
+            # tensor bytes, refuses a disguised entry as convert does
+            offset = self.start + self._data_offset(info)
+        if deflated is None:
+            return ByteSpan(self.path, offset, info.file_size, **header)
+        return DeflatedSpan(
+            self.path, offset, info.file_size, deflated=deflated, name=info.filename, **header
+        )
 
     def scan(self, *, permissive: bool = False, seen: set[str] | None = None) -> None:
         """Judge the globals of ``data.pkl`` without rebuilding anything (see GlobalsScanner)."""
@@ -442,6 +450,8 @@ class ZipPickle:
         Raises:
             UnsafeError: One is dangerous (not ``permissive``).
         """
+        import hashlib  # (a damaged archive only: OpenSSL is a few MB of every process)
+
         judged: set[bytes] = set()
         for data in self._candidates(entry):
             digest = hashlib.sha256(data).digest()

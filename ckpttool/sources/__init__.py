@@ -53,6 +53,7 @@ from .source import (
 )
 from .spans import (
     ByteSpan,
+    DeflatedSpan,
     ZipHeaderCheck,
     inflate,
     local_fd,
@@ -68,6 +69,7 @@ __all__ = [
     "OPEN_BLOCK_BYTES",
     "URL_RE",
     "ByteSpan",
+    "DeflatedSpan",
     "LocalSource",
     "OpenFiles",
     "Source",

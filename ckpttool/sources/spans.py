@@ -180,10 +180,10 @@ def inflate(
 
 # deflated spans whose inflated bytes are kept, the most recently read last; held
 # weakly: a span dropped (its checkpoint's) takes its bytes with it
-_INFLATED: OrderedDict[int, weakref.ref[ByteSpan]] = OrderedDict()
+_INFLATED: OrderedDict[int, weakref.ref[DeflatedSpan]] = OrderedDict()
 
 
-def _keep_inflated(span: ByteSpan) -> None:
+def _keep_inflated(span: DeflatedSpan) -> None:
     _INFLATED.pop(id(span), None)
     _INFLATED[id(span)] = weakref.ref(span)
     live = [(key, s) for key, ref in _INFLATED.items() if (s := ref()) is not None]
@@ -211,9 +211,8 @@ class ByteSpan:
     """Where a run of bytes lives: a span of a file, an entry of a zip, or memory.
 
     A zip entry's data offset needs its local header, so it is found on first read.
-    A deflated zip entry (``deflated``: its stored size) is ``length`` bytes once
-    inflated: ``path`` and ``offset`` place its stored bytes, and :attr:`data` inflates
-    them on first use (every reader of spans reads one held in memory as such).
+    (A deflated zip entry is a :class:`DeflatedSpan`: a plain span, of which a
+    checkpoint has thousands, keeps its five attributes.)
     """
 
     def __init__(
@@ -225,46 +224,13 @@ class ByteSpan:
         data: bytes | bytearray | memoryview | None = None,
         zip_header_offset: int | None = None,
         zip_header_check: ZipHeaderCheck | None = None,
-        deflated: int | None = None,
-        name: str = "",
     ):
         self.path = path
         self.offset = offset
         self.length = length if data is None else len(data)
-        self._data = data
+        self.data = data
         self._zip_header_offset = zip_header_offset
         self._zip_header_check = zip_header_check
-        self.deflated = deflated
-        self.name = name
-        self._inflated: bytearray | None = None
-
-    @property
-    def data(self) -> bytes | bytearray | memoryview | None:
-        """The bytes held in memory (a deflated entry's, inflated now where not kept)."""
-        if self.deflated is None:
-            return self._data
-        if self._inflated is None:
-            self._inflated = self._inflate()
-        _keep_inflated(self)
-        return self._inflated
-
-    def _inflate(self) -> bytearray:
-        if self.path is None:
-            raise CkptError("tensor bytes have no file")
-        self.resolve()
-        path, at, stored = self.path, self.offset, self.deflated or 0
-        return inflate(
-            lambda start, n: sources.read(path, at + start, n),
-            stored,
-            self.length,
-            name=self.name,
-            path=path,
-        )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_inflated"] = None  # (inflated again where it is read)
-        return state
 
     def unresolved(self) -> bool:
         """A zip entry whose data offset is still to be found (and checked) on first read."""
@@ -308,3 +274,62 @@ class ByteSpan:
         # checked against the file's size before the buffer is allocated: never
         # allocate what a file only declares
         return sources.read(self.path, self.offset + start, size)
+
+
+class DeflatedSpan(ByteSpan):
+    """A zip entry stored deflated (a re-zipped checkpoint, which torch reads): ``length``
+    bytes once inflated, ``deflated`` bytes stored where ``path`` and ``offset`` place
+    them. :attr:`data` inflates them on first use, so every reader of spans reads it as
+    one held in memory; a bounded number of inflated entries is kept (``_keep_inflated``)."""
+
+    def __init__(
+        self,
+        path: str,
+        offset: int,
+        length: int,
+        *,
+        deflated: int,
+        name: str,
+        zip_header_offset: int | None = None,
+        zip_header_check: ZipHeaderCheck | None = None,
+    ):
+        self._inflated: bytearray | None = None
+        super().__init__(
+            path,
+            offset,
+            length,
+            zip_header_offset=zip_header_offset,
+            zip_header_check=zip_header_check,
+        )
+        self.deflated = deflated
+        self.name = name
+
+    @property  # type: ignore[override]
+    def data(self) -> bytearray:
+        """The entry's bytes, inflated now where they are not kept."""
+        if self._inflated is None:
+            self._inflated = self._inflate()
+        _keep_inflated(self)
+        return self._inflated
+
+    @data.setter
+    def data(self, value: bytes | bytearray | memoryview | None) -> None:
+        if value is not None:  # (ByteSpan's __init__ sets None: the bytes are the file's)
+            raise ValueError("a deflated span's bytes are its file's")
+
+    def _inflate(self) -> bytearray:
+        self.resolve()
+        path, at = self.path, self.offset
+        assert path is not None
+        return inflate(
+            lambda start, n: sources.read(path, at + start, n),
+            self.deflated,
+            self.length,
+            name=self.name,
+            path=path,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_inflated"] = None  # (inflated again where it is read)
+        return state

@@ -48,7 +48,7 @@ from .leaves import (
     contiguous_stride,
     is_tensor,
 )
-from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values
+from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values, swaps_class
 from .params import count_parameters
 from .plain_data import TorchValue, recorded_classes, to_plain
 from .sharding import check_coverage, raw_parts, row_blocks
@@ -133,6 +133,7 @@ __all__ = [
     "resolve_prefix",
     "state_attrs",
     "state_values",
+    "swaps_class",
     "strip_prefix",
     "to_plain",
     "verdicts",

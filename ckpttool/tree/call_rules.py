@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..guard import charge, note_call
+from ..guard import CONSTRUCTED, MAKES_CLASS, charge, note_call
 
 # Known classes whose objects exist to hold a callable they are given and call it
 # later, when called themselves: making one calls nothing.
@@ -33,8 +33,11 @@ class GlobalClass(NamedTuple):
     """A global the pickle named, as a class it may call."""
 
     name: str  # module.qualname
-    known: bool  # on an allow-list
+    known: bool  # vouched for: its objects may be made (NEWOBJ) and restored (BUILD)
     dangerous: bool
+    # and it may be called (REDUCE: its __init__ runs with the pickle's arguments);
+    # False for a class vouched for by its family only (a framework's configs)
+    may_call: bool = True
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def callable_name(item: Any, verdicts: CallVerdicts, kinds: Kinds) -> str | None
     """What calling ``item`` would be named, where it is a callable of note: a partial
     whose call would be (:func:`held_callable_name`), or a global on no allow-list."""
     cls = kinds.global_class(item)
-    if cls is not None and not (cls.known or cls.dangerous):
+    if cls is not None and not (cls.known and cls.may_call) and not cls.dangerous:
         return cls.name
     return held_callable_name(item, verdicts, kinds)
 
@@ -136,11 +139,15 @@ def handed_callables(
 def judge_class_call(
     cls: GlobalClass, args: tuple[Any, ...], kwargs: dict[str, Any], kinds: Kinds
 ) -> None:
-    """A pickle calls a global's class (REDUCE): calling one on no allow-list is what
-    gadgets do (``FileHandler(path)``); a known class's constructor may call the
-    callables it is handed, and iterates or converts the objects it is handed (``deque(x)``
-    iterates ``x``: an object of a class on no allow-list runs its own code)."""
-    if not (cls.known or cls.dangerous):
+    """A pickle calls a global's class (REDUCE, INST, OBJ): its ``__init__`` runs with the
+    pickle's arguments. Calling one ckpttool does not vouch for as callable is what
+    gadgets do (``FileHandler(path)``, sympy's classes evaluating a string); a vouched
+    class's constructor may call the callables it is handed, and iterates or converts
+    the objects it is handed (``deque(x)`` iterates ``x``: an object of a class on no
+    allow-list runs its own code)."""
+    if makes_a_class(args, kinds) and not cls.dangerous:
+        note_call(cls.name, MAKES_CLASS)
+    elif not (cls.known and cls.may_call) and not cls.dangerous:
         note_call(cls.name)
     elif cls.known and cls.name not in HOLDS_CALLABLES:
         for called in handed_callables(args, kwargs, kinds):
@@ -151,20 +158,44 @@ def judge_class_call(
 def judge_new(
     cls: GlobalClass, args: tuple[Any, ...], kwargs: dict[str, Any], kinds: Kinds
 ) -> None:
-    """NEWOBJ's ``cls.__new__(cls, *args)``: creates the object, calls nothing. An object
-    of a class on no allow-list that is made with a callable may call it when used
-    (iterating ``itertools.starmap(FileHandler, [(path,)])`` makes the file), so the
-    callables it is handed count as called."""
-    if args and not (cls.known or cls.dangerous):
+    """NEWOBJ's ``cls.__new__(cls, *args)`` (and copyreg's ``__newobj__`` and
+    ``_reconstructor``): construction is a call. The real class's ``__new__`` runs with
+    the pickle's arguments (sympy's ``Tuple.__new__`` sympifies, that is evaluates, a
+    string), and so do its ``__setstate__``, ``__setitem__`` and ``append`` on what the
+    pickle does to the object next: a class ckpttool does not vouch for is refused as
+    constructed, and so is any construction that makes a class."""
+    if cls.dangerous:
+        return  # (refused by its name already)
+    if makes_a_class(args, kinds):
+        note_call(cls.name, MAKES_CLASS)
+    elif not cls.known:
+        note_call(cls.name, CONSTRUCTED)
+        # and what it is handed may be called by it when used (iterating
+        # ``itertools.starmap(FileHandler, [(path,)])`` makes the file): named too
         for called in handed_callables(args, kwargs, kinds):
             note_call(called)
 
 
+def makes_a_class(args: tuple[Any, ...], kinds: Kinds) -> bool:
+    """Whether a construction's arguments are a class's: a name, bases that are
+    globals, a namespace (``type(name, bases, ns)``). Only a metaclass takes them, and
+    the class it makes is one torch would then trust (a legacy ``module`` record's
+    ``dump_patches``). No checkpoint makes a class, whatever the metaclass is named."""
+    return (
+        len(args) >= 3
+        and type(args[0]) is str
+        and type(args[1]) is tuple
+        and type(args[2]) is dict
+        and all(kinds.global_class(base) is not None for base in args[1])
+    )
+
+
 def judge_build(cls: GlobalClass, values: tuple[Any, ...], kinds: Kinds) -> None:
     """BUILD hands an object ``values`` (its attributes): an object of a class on no
-    allow-list given a partial is as one made with it (its methods use what it holds: a
-    ``WeakSet`` calls each item of its ``data`` as it is iterated). A global function
-    among its attributes is not a call: objects hold functions (``self.act = F.relu``)."""
+    allow-list (one refused as constructed already, or made by ckpttool's own stand-ins)
+    given a partial is as one made with it (its methods use what it holds: a ``WeakSet``
+    calls each item of its ``data`` as it is iterated). A global function among its
+    attributes is not a call: objects hold functions (``self.act = F.relu``)."""
     if not (cls.known or cls.dangerous):
         for called in handed_callables(values, {}, kinds, partials_only=True):
             note_call(called)
@@ -187,4 +218,4 @@ def judge_objects_handed(
 
 def _is_known_class(item: Any, kinds: Kinds) -> bool:
     cls = kinds.global_class(item)
-    return cls is not None and cls.known and cls.name not in HOLDS_CALLABLES
+    return cls is not None and cls.known and cls.may_call and cls.name not in HOLDS_CALLABLES

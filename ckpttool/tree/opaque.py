@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from ..guard import note_build_on_global, note_call
+from ..guard import CLASS_SWAP, MUTATED, note_build_on_global, note_call
 from ..sealed import Sealed
 from .call_rules import (
     HOLDS_CALLABLES,
@@ -32,6 +32,7 @@ class _ReadOnlyClass(type):
     qualname: str
     dangerous: bool
     known: bool
+    may_call: bool
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         # only a pickle calls a stand-in class (ckpttool's own code uses make())
@@ -40,7 +41,22 @@ class _ReadOnlyClass(type):
 
     def as_global(cls) -> GlobalClass:
         """The global this stand-in class is, as the call rules see it."""
-        return GlobalClass(f"{cls.module}.{cls.qualname}", cls.known, cls.dangerous)
+        return GlobalClass(f"{cls.module}.{cls.qualname}", cls.known, cls.dangerous, cls.may_call)
+
+    # SETITEM, APPEND(S) on the global itself (``_compat_pickle.NAME_MAPPING[k] = v``):
+    # the real unpickler would change a module-level object for the rest of the process
+    # (that mapping renames the globals later pickles import). No checkpoint does.
+    # Properties of the metaclass: found before the methods Opaque's objects have.
+    def __setitem__(cls, key: Any, value: Any) -> None:
+        note_call(cls.class_name(), MUTATED)  # type: ignore[attr-defined]
+
+    @property
+    def append(cls) -> Callable[[Any], None]:
+        return lambda value: note_call(cls.class_name(), MUTATED)  # type: ignore[attr-defined]
+
+    @property
+    def extend(cls) -> Callable[[Any], None]:
+        return lambda values: note_call(cls.class_name(), MUTATED)  # type: ignore[attr-defined]
 
     @property
     def __setstate__(cls) -> Callable[[Any], None]:
@@ -70,7 +86,8 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
     module = "builtins"
     qualname = "object"
     dangerous = False
-    known = False  # a torch metadata class we understand, not worth a warning
+    known = False  # vouched for: may be made (NEWOBJ) and restored (BUILD), not listed
+    may_call = True  # and, where known, called (REDUCE); False: vouched for by family only
 
     # What SETITEM(S) and APPENDS gave it; shared empty defaults until then (hot: a
     # ShardedTensor pickles a dozen metadata objects, none with items).
@@ -102,6 +119,8 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
         partials in them count as called. A global function among its attributes does
         not: objects hold functions (a pickled module's ``self.act = F.relu``).
         """
+        if swaps_class(state):
+            note_call(type(self).class_name(), CLASS_SWAP)
         judge_build(type(self).as_global(), state_values(state), FULL_READ)
         self.state = state
 
@@ -178,6 +197,19 @@ class Opaque(Sealed, metaclass=_ReadOnlyClass):
             yield "__args__", self.args
 
 
+# Attributes a BUILD may not set: ``setattr(obj, "__class__", C)`` swaps the object's
+# class, so that a second BUILD runs C's ``__setstate__`` (a nested pickle's loader) on
+# an object made as a harmless one; ``__dict__`` replaces every attribute at once.
+_SWAPPING = frozenset({"__class__", "__dict__"})
+
+
+def swaps_class(state: Any) -> bool:
+    """Whether a BUILD state sets ``__class__`` or ``__dict__``: as a dict or either half
+    of a ``(dict, slots)`` pair (``setattr`` of the slots half is what swaps)."""
+    halves = state if type(state) is tuple and len(state) == 2 else (state,)
+    return any(isinstance(half, dict) and not _SWAPPING.isdisjoint(half) for half in halves)
+
+
 def is_module_state(attrs: Mapping[str, Any]) -> bool:
     """Whether an object's attributes are those of a pickled ``nn.Module`` (its
     parameters and submodules, each a dict)."""
@@ -240,18 +272,29 @@ def state_attrs(state: Any) -> dict[str, Any]:
     return dict(state) if isinstance(state, dict) else {}
 
 
-_OPAQUE_CLASSES: dict[tuple[str, str, bool, bool], type] = {}
+_OPAQUE_CLASSES: dict[tuple[str, str, bool, bool, bool], type] = {}
 
 
 def opaque_class(
-    module: str, qualname: str, *, dangerous: bool = False, known: bool = False
+    module: str,
+    qualname: str,
+    *,
+    dangerous: bool = False,
+    known: bool = False,
+    may_call: bool = True,
 ) -> type[Opaque]:
-    """The Opaque subclass standing in for ``module.qualname`` (one per name)."""
-    key = (module, qualname, dangerous, known)  # (a known one is not the unknown one)
+    """The Opaque subclass standing in for ``module.qualname`` (one per name and verdict)."""
+    key = (module, qualname, dangerous, known, may_call)  # (a known one is not the unknown one)
     cls = _OPAQUE_CLASSES.get(key)
     if cls is None:
         name = qualname.rsplit(".", 1)[-1]
-        attrs = {"module": module, "qualname": qualname, "dangerous": dangerous, "known": known}
+        attrs = {
+            "module": module,
+            "qualname": qualname,
+            "dangerous": dangerous,
+            "known": known,
+            "may_call": may_call,
+        }
         cls = type(name if name.isidentifier() else "Opaque", (Opaque,), attrs)
         _OPAQUE_CLASSES[key] = cls
     return cls

@@ -27,10 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..guard import BUILD_ON_GLOBAL, CLASS_SWAP, CONSTRUCTED, MUTATED
+
 # What a pickle may do with a global, strongest first (the reason shown for it).
 CALLED = "called"
-INSTANTIATED = "instantiated by NEWOBJ"
-BUILD_TARGET = "given BUILD state (the global itself changed)"
+INSTANTIATED = CONSTRUCTED  # NEWOBJ, NEWOBJ_EX
+BUILD_TARGET = BUILD_ON_GLOBAL
 BUILD_SET = "BUILD-set"
 HANDED = "handed to"
 PERSISTENT = "handed to persistent_load"
@@ -42,8 +44,10 @@ _RANK = {
     CALLED: 0,
     INSTANTIATED: 1,
     BUILD_TARGET: 2,
-    BUILD_SET: 3,
-    HANDED: 4,
+    MUTATED: 2,
+    CLASS_SWAP: 2,
+    HANDED: 3,  # (before BUILD-set: what a call was handed stays known as such)
+    BUILD_SET: 4,
     NESTED_GETATTR: 5,
     PERSISTENT: 6,
     REFERENCED: 7,
@@ -55,6 +59,13 @@ _GETATTR = frozenset({"builtins.getattr"})
 # unpickler looks up in ``copyreg``'s registry. No checkpoint does either.
 COMPUTED_NAME = "<a global named by a value computed while unpickling>"
 EXTENSION_NAME = "<a global named by a copyreg extension code>"
+# What the walk refuses that is no global: a REDUCE of an object (a partial, a method
+# reached by getattr) rather than of a global, and a BUILD state with a ``__class__`` or
+# ``__dict__`` key (a class swap). Named as globals are, never importable.
+OBJECT_CALLED = "<an object>()"
+CLASS_SWAP_KEY = "<a __class__ or __dict__ key>"
+_SWAP_KEYS = frozenset({"__class__", "__dict__"})
+_SWAP: frozenset[str] = frozenset({CLASS_SWAP_KEY})
 
 # A value keeps at most this many of the globals it came from (for the reasons only:
 # every global is recorded where it is named).
@@ -355,7 +366,10 @@ def _walk(
                 # whatever other marks say)
                 if len(stack) - taken < (0 if mark else fence):
                     raise _Stop("stack underflow")
-                items += stack[-taken:]
+                below = stack[-taken:]
+                if mark and _is_global(below[0]):  # a module-level object changed
+                    out.note(_head(below[0]), MUTATED)
+                items += below
                 del stack[-taken:]
             if left:
                 held = None
@@ -363,6 +377,8 @@ def _walk(
                     if item is not None and type(item) is tuple:
                         held = _sym(_EMPTY, *items)
                         break
+                if not _SWAP_KEYS.isdisjoint(i for i in items if type(i) is str):
+                    held = _sym(_EMPTY, *items, (_EMPTY, _SWAP, False))
                 if len(items) == 2 and _is_global(items[0]) and type(items[1]) is str:
                     # (X, "Name"): getattr's arguments, if it is called with them
                     target = next(iter(_head(items[0])))
@@ -423,6 +439,8 @@ def _walk(
                 stack.append(value)
                 out.acts = True
                 continue
+            if not _is_global(func):  # an object called: a partial, a method
+                out.note(frozenset({OBJECT_CALLED}), CALLED)
             out.note(_head(func), CALLED)
             out.note(_all(args_value), HANDED, _head(func))
             stack.append(_sym(_head(func), func, args_value))
@@ -444,7 +462,9 @@ def _walk(
             built = pop()
             if _is_global(built):  # a module or class itself changed
                 out.note(_head(built), BUILD_TARGET)
-            out.note(_all(state), BUILD_SET, _head(built))
+            if CLASS_SWAP_KEY in _all(state):
+                out.note(_SWAP, CLASS_SWAP)
+            out.note(_all(state) - _SWAP, BUILD_SET, _head(built))
             stack.append(_sym(_head(built), built, state))
         elif kind == _EXT:
             argument(fixed, length)
@@ -481,6 +501,10 @@ def _walk(
             items = stack[-count:]
             del stack[-count:]
             held = stack[-1]
+            if _is_global(held):  # a module-level object changed
+                out.note(_head(held), MUTATED)
+            if kind == _SETITEM and type(items[0]) is str and items[0] in _SWAP_KEYS:
+                items.append((_EMPTY, _SWAP, False))
             stack[-1] = _sym(_head(held), held, *items)
         else:  # NEXT_BUFFER
             raise _Stop("out-of-band buffers (torch.load passes none)")

@@ -2,12 +2,17 @@
 checkpoint has.
 
 Every global a pickle names is judged by its name, resolved as pickle resolves it
-(each part of a dotted name counts), and never imported: :func:`judge` says KNOWN (a
-plain value class on an allow-list), UNVERIFIED (on no list: read inert, and refused
-by the unpickler if the pickle calls it) or DANGEROUS (a module family or name that
-reaches the OS, processes, files, the network, the interpreter, a debugger or
-another deserializer: refused). The globals ckpttool rebuilds itself (tensors,
-containers) are decided before, in :mod:`ckpttool.unpickler`.
+(each part of a dotted name counts), and never imported: :func:`judge` says KNOWN
+(vouched for: a plain value class on the reviewed list below, whose construction runs
+nothing of note), RESTORABLE (a class of a framework family whose objects checkpoints
+hold: it may be made and restored, NEWOBJ and BUILD, but not called), UNVERIFIED (on no
+list: read inert where it is only referenced; constructing or calling it is refused)
+or DANGEROUS (a module family or name that reaches the OS, processes, files, the
+network, the interpreter, a debugger, another deserializer or an evaluator: refused
+whatever the pickle does with it). The rule is an allow-list's: what torch would
+construct or call is refused unless ckpttool vouches for it or the user allows it.
+The globals ckpttool rebuilds itself (tensors, containers) are decided before, in
+:mod:`ckpttool.unpickler`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 from ..errors import CkptError, UsageError
 from ..tree import Opaque, TensorRef
 from .allow_list import ALLOWED, AllowList
-from .pickle_scan import BUILD_TARGET, CALLED
+from .pickle_scan import BUILD_TARGET, CALLED, HANDED, INSTANTIATED, MUTATED
 from .sharded import LocalShards
 
 # Modules whose every global is refused: they reach the OS, the network, files, the
@@ -36,6 +41,7 @@ DANGEROUS_MODULES = frozenset(
     select selectors mmap operator _operator xmlrpc socketserver pydoc _posixsubprocess
     _socket _winapi venv ensurepip doctest idlelib lib2to3 tkinter turtle turtledemo
     concurrent _xxsubinterpreters _xxinterpchannels _interpreters _interpqueues
+    sympy numexpr asteval simpleeval jinja2 mako _compat_pickle abc _py_abc
     interpreters zipfile tarfile gzip bz2 lzma zlib shelve dbm glob fileinput linecache
     tokenize netrc mailbox codecs _codecs site sysconfig atexit sched cmd copy
     copyreg ctypeslib cffi antigravity unittest fsspec s3fs gcsfs boto3 botocore
@@ -85,6 +91,12 @@ DANGEROUS_PREFIXES = (
     "torch.utils.tensorboard",
     "torch.utils.model_zoo",
     "torch.utils.data.datapipes",
+    # sympify (that is, evaluate) the strings they are made with: FloorDiv("...")
+    "torch.utils._sympy",
+    "torch.fx.experimental",
+    "torch._functorch",
+    "pandas.core.computation",  # pandas.eval
+    "pandas.io",
     "torch.profiler",
     "torch.autograd.profiler",
     "torch.testing",
@@ -117,7 +129,21 @@ DANGEROUS_ATTRS = frozenset(
     # when made), and modules of benign packages re-export them
     # (torch.distributed.checkpoint._async_process_executor.TCPStore): refused by name
     # under any module
-    """ FileStore TCPStore HashStore PrefixStore""".split()
+    """ FileStore TCPStore HashStore PrefixStore"""
+    # datapipes' wrappers unpickle (or dill-load) the bytes their BUILD state holds, and
+    # torch.utils.data re-exports them (dataloader._IterDataPipeSerializationWrapper)
+    """ _IterDataPipeSerializationWrapper _MapDataPipeSerializationWrapper
+    _DataPipeSerializationWrapper IterDataPipe MapDataPipe""".split()
+)
+# Metaclasses: making one makes a class (``abc.ABCMeta(name, bases, namespace)``),
+# whose attributes torch then trusts (a legacy ``module`` record's ``dump_patches``
+# writes a patch file). No checkpoint makes a class: the standard library's are refused
+# by name here, and any construction with a class's arguments (a name, bases that are
+# globals, a namespace) by the call rules (``call_rules.makes_a_class``).
+METACLASSES = frozenset(
+    """builtins.type abc.ABCMeta _py_abc.ABCMeta typing._ProtocolMeta typing.NamedTupleMeta
+    typing._TypedDictMeta typing._AnyMeta typing.GenericMeta enum.EnumMeta enum.EnumType
+    types.new_class types.prepare_class""".split()
 )
 # Words in a function's name that say it loads, saves, runs or reaches files and
 # processes (``torch_save_to_dcp``, ``run_string``, ``from_file``): a function named
@@ -154,69 +180,117 @@ HARMLESS_NAMES = frozenset(
     types.SimpleNamespace""".split()
 )
 
-# Classes known to be plain values, whose construction by a pickle runs nothing of note.
+# Vouched for, one by one: classes whose construction by a pickle (NEWOBJ, REDUCE with
+# its arguments, BUILD) runs nothing of note. Each group says why.
 KNOWN_CLASSES = frozenset(
+    # the standard library's value types: their constructors parse or store the
+    # arguments (a path, a date, a number), nothing else; deque and Counter copy an
+    # iterable (an object among the arguments is judged: call_rules.judge_objects_handed)
     """argparse.Namespace pathlib.Path pathlib.PosixPath pathlib.WindowsPath
     pathlib.PurePath pathlib.PurePosixPath pathlib.PureWindowsPath pathlib._local.Path
     pathlib._local.PosixPath pathlib._local.WindowsPath pathlib._local.PurePosixPath
     pathlib._local.PureWindowsPath datetime.datetime datetime.date datetime.time
     datetime.timedelta datetime.timezone decimal.Decimal fractions.Fraction uuid.UUID
     uuid.SafeUUID collections.deque collections.Counter collections.ChainMap
-    functools.partial enum.Enum enum.IntEnum enum.Flag enum.IntFlag enum.StrEnum
-    numpy.dtype numpy.ndarray numpy.generic numpy.random._pickle.__randomstate_ctor
+    functools.partial enum.Enum enum.IntEnum enum.Flag enum.IntFlag enum.StrEnum"""
+    # numpy's dtypes and RNG states: the dtype parses a type code; the bit generators
+    # are made by name and restored from their state dict
+    """ numpy.dtype numpy.ndarray numpy.generic numpy.random._pickle.__randomstate_ctor
     numpy.random._pickle.__bit_generator_ctor numpy.random._pickle.__generator_ctor
     numpy.random.mtrand.RandomState numpy.random._generator.Generator
     numpy.random._mt19937.MT19937 numpy.random._pcg64.PCG64 numpy.random._pcg64.PCG64DXP
-    numpy.random._philox.Philox numpy.random._sfc64.SFC64 numpy.random.bit_generator.SeedSequence
-    torch.torch_version.TorchVersion torch.nn.parameter.Parameter torch.Tensor
+    numpy.random._philox.Philox numpy.random._sfc64.SFC64 numpy.random.bit_generator.SeedSequence"""
+    # torch's own values: a version string, a tensor class, quantization schemes
+    """ torch.torch_version.TorchVersion torch.nn.parameter.Parameter torch.Tensor
     torch._tensor.Tensor torch.per_tensor_affine torch.per_tensor_symmetric
     torch.per_channel_affine torch.per_channel_symmetric torch.per_channel_affine_float_qparams
     torch.distributed.remote_device._remote_device"""
+    # DeepSpeed's ZeRO checkpoints keep each parameter's place in its flat partition as
+    # this dataclass of two ints (its name is not CapWords, so no family rule finds it)
+    """ deepspeed.utils.tensor_fragment.fragment_address"""
+    # frameworks' enums, pickled as a call of the class with the member's value
+    # (Enum.__reduce_ex__): the call looks the member up, nothing else
+    """ transformers.trainer_utils.IntervalStrategy transformers.trainer_utils.SaveStrategy
+    transformers.trainer_utils.HubStrategy transformers.trainer_utils.SchedulerType
+    transformers.trainer_utils.EvaluationStrategy transformers.trainer_utils.FSDPOption
+    transformers.trainer_utils.ShardedDDPOption transformers.training_args.OptimizerNames
+    transformers.debug_utils.DebugOption transformers.utils.generic.ExplicitEnum
+    transformers.utils.generic.PaddingStrategy transformers.utils.generic.TensorType
+    accelerate.utils.dataclasses.DistributedType accelerate.utils.dataclasses.PrecisionType
+    accelerate.utils.dataclasses.DynamoBackend accelerate.utils.dataclasses.RNGType
+    accelerate.utils.dataclasses.ComputeEnvironment accelerate.utils.dataclasses.LoggerType
+    accelerate.utils.dataclasses.SageMakerDistributedType
+    megatron.core.enums.ModelType megatron.core.transformer.enums.AttnMaskType
+    megatron.core.transformer.enums.AttnType megatron.core.transformer.enums.AttnBackend
+    megatron.core.transformer.enums.ModelType deepspeed.runtime.zero.config.ZeroStageEnum
+    deepspeed.runtime.zero.offload_config.OffloadDeviceEnum
+    lightning.pytorch.trainer.states.TrainerFn lightning.pytorch.trainer.states.TrainerStatus
+    lightning.pytorch.trainer.states.RunningStage
+    pytorch_lightning.trainer.states.TrainerFn pytorch_lightning.trainer.states.TrainerStatus
+    pytorch_lightning.trainer.states.RunningStage composer.core.time.TimeUnit
+    peft.utils.peft_types.PeftType peft.utils.peft_types.TaskType"""
     # a types.SimpleNamespace with __iter__ and get(): the model's `args` in every
     # checkpoint Ultralytics writes during training; SimpleNamespace pickles itself
     # as a call of its class with no arguments, then BUILD
     """ ultralytics.utils.IterableSimpleNamespace""".split()
 )
-# Packages whose classes (CapWords names: configs, enums, dataclasses) checkpoints hold.
-# A function there is judged like any other global.
-KNOWN_CLASS_PACKAGES = (
-    "torch.distributed.",
-    "torch.optim.",
-    "torch.nn.",
-    "transformers.",
-    "accelerate.",
-    "lightning.",
+# torch's own families whose classes (CapWords names) may be made, restored and called:
+# nn.Module's and Optimizer's __setstate__ restore attributes; torch.distributed's are
+# the metadata dataclasses and enums of ShardedTensor, DTensor and DCP (the families of
+# torch.distributed that start processes, threads or servers are dangerous, above).
+# Their constructors take tensors, sizes and flags; none evaluates or loads anything.
+KNOWN_CLASS_PACKAGES = ("torch.distributed.", "torch.optim.", "torch.nn.")
+# Frameworks whose classes (CapWords names: configs, dataclasses, the modules of a
+# pickled model) checkpoints hold: vouched for as objects to make and restore (NEWOBJ,
+# BUILD, SETITEMS: how a dataclass or a dict subclass is pickled), not as callables
+# (REDUCE runs ``__init__``, which for a trainer or a logger does real work): their
+# enums, which are called, are listed one by one above. A function there is judged
+# like any other global.
+RESTORABLE_CLASS_PACKAGES = (
+    "transformers.",  # TrainingArguments, AcceleratorConfig (training_args.bin)
+    "accelerate.",  # PartialState and dataclasses beside them
+    "lightning.",  # AttributeDict (hyper_parameters), callbacks' states
     "lightning_fabric.",
     "pytorch_lightning.",
-    "omegaconf.",
-    "megatron.",
+    "omegaconf.",  # DictConfig, ListConfig and their metadata (NeMo, Lightning)
+    "megatron.",  # its configs beside argparse.Namespace args
     "nemo.",
-    "deepspeed.",
-    "peft.",
+    "deepspeed.",  # LossScaler in ZeRO's optimizer states
+    "peft.",  # LoraConfig
     "torchtune.",
-    "composer.",
-    "mmengine.",
+    "composer.",  # Time, State's dataclasses
+    "mmengine.",  # ConfigDict, HistoryBuffer
     "timm.",
-    "numpy.",
+    "ultralytics.nn.",  # a pickled model's modules (nn.Module subclasses)
+    "numpy.",  # arrays of other kinds (numpy.ma) restored inert
 )
 
 # What a pickle's global is to ckpttool:
 SAFE = "safe"  # rebuilt by ckpttool itself (SAFE_GLOBALS, dtypes, storages): never listed
-KNOWN = "known"  # on an allow-list of plain value classes: read inert
-UNVERIFIED = "unverified"  # on no list: read inert, refused if the pickle calls it
+KNOWN = "known"  # vouched for (a reviewed list, or --allow): read inert, may be constructed
+RESTORABLE = "restorable"  # of a framework family: may be made and restored, not called
+UNVERIFIED = "unverified"  # on no list: read inert if only referenced, else refused
 DANGEROUS = "dangerous"  # refused without --unsafe
 
 
 def refused_use(verdict: str, use: str) -> bool:
     """Whether a global of ``verdict`` that a pickle uses so (a use named by
-    :mod:`ckpttool.pickle_scan`) is refused: a dangerous one whatever the use, one on no
-    allow-list where the pickle calls it (REDUCE, INST, OBJ: its code would run), and a
-    module or class the pickle gives BUILD state to (it would change it)."""
+    :mod:`ckpttool.pickle_scan`, the walk of a pickle whose full read stopped early) is
+    refused: the full read's rules where the walk can tell, and where it cannot, the
+    stricter reading (a global on no list handed to any call may be called by it, as
+    copyreg's ``_reconstructor`` calls its base).
+
+    A dangerous global whatever the use; a module or class given BUILD state or
+    changed by SETITEM/APPEND (it would be changed for the whole process); one on no
+    list that the pickle calls, constructs, or hands to a call;
+    a framework class vouched for as an object only, where the pickle calls it."""
     if verdict == DANGEROUS:
         return True
-    if use == BUILD_TARGET:  # BUILD on a module or class itself: it would be changed
-        return verdict in (KNOWN, UNVERIFIED)  # (ckpttool's own values refuse it as corrupt)
-    return verdict == UNVERIFIED and use == CALLED
+    if use in (BUILD_TARGET, MUTATED):  # the global itself would be changed
+        return verdict in (KNOWN, RESTORABLE, UNVERIFIED)  # (ckpttool's values: corrupt)
+    if verdict == UNVERIFIED:
+        return use in (CALLED, INSTANTIATED, HANDED)
+    return verdict == RESTORABLE and use == CALLED
 
 
 def nested_class_getattr(module: str, qualname: str, attr: object, verdict: str) -> bool:
@@ -225,7 +299,7 @@ def nested_class_getattr(module: str, qualname: str, attr: object, verdict: str)
     (ShardedTensor pickles ``getattr(ShardedTensor, "ProcessGroupState")``)."""
     return (
         module.startswith("torch.")
-        and verdict in (KNOWN, UNVERIFIED)  # a class read inert (not rebuilt, not refused)
+        and verdict in (KNOWN, RESTORABLE, UNVERIFIED)  # read inert (not rebuilt, not refused)
         and isinstance(attr, str)
         and attr.isidentifier()
         and attr[:1].isupper()  # a nested class (CapWords), never a method
@@ -270,8 +344,12 @@ def _judge_unlisted(module: str, name: str) -> str:
         return KNOWN
     # a class, or a class nested in one (ShardedTensor.ProcessGroupState)
     classes = all(_is_class_name(part) for part in chain)
-    if module == "typing" or (classes and full.startswith(KNOWN_CLASS_PACKAGES)):
+    if classes and full.startswith(KNOWN_CLASS_PACKAGES):
         return KNOWN
+    # typing's special forms are referenced, never made: calling one (NamedTuple,
+    # TypedDict) makes a class
+    if module == "typing" or (classes and full.startswith(RESTORABLE_CLASS_PACKAGES)):
+        return RESTORABLE
     return UNVERIFIED
 
 
@@ -287,6 +365,8 @@ def is_dangerous(module: str, name: str) -> bool:
         return not is_value or len(chain) > 1
     if any(not part.isidentifier() for part in [*module.split("."), *chain]):
         return True  # nothing importable is spelled so: a trick, not a checkpoint
+    if full in METACLASSES:
+        return True
     if root in PARTLY_DANGEROUS:
         allowed = PARTLY_DANGEROUS[root]
         if allowed is None:  # typing: its special forms are values; its functions evaluate
@@ -299,6 +379,21 @@ def is_dangerous(module: str, name: str) -> bool:
         or full in DANGEROUS_NAMES
         or any(f"{full}.".startswith(p + ".") for p in DANGEROUS_PREFIXES)
         or (not _is_class_name(chain[-1]) and bool(_words(chain[-1]) & DANGEROUS_WORDS))
+    )
+
+
+def allowable(full: str) -> bool:
+    """Whether the refused global ``full`` (``module.name``, as a refusal names it) is
+    one ``--allow`` reads: a class or function refused only because ckpttool cannot
+    vouch for what the pickle does with it, not a dangerous family, and no object
+    (``x.Class()``) or walk's marker (``<an object>()``)."""
+    module, _, name = full.rpartition(".")
+    return (
+        bool(module)
+        and not full.startswith("<")
+        and not full.endswith(")")
+        and _ALLOW_NAME.fullmatch(full) is not None
+        and not is_dangerous(*python3_name(module, name))
     )
 
 

@@ -25,7 +25,15 @@ from typing import IO, Any
 
 from ..dtypes import DTYPES, STORAGE_CLASSES
 from ..errors import CkptError, UnsafeError
-from ..guard import ReadGuard, address_space_limit, guarded_read, note_build_on_global, note_call
+from ..guard import (
+    CLASS_SWAP,
+    MUTATED,
+    ReadGuard,
+    address_space_limit,
+    guarded_read,
+    note_build_on_global,
+    note_call,
+)
 from ..tree import (
     HOLDS_CALLABLES,
     TORCH_LAYOUTS,
@@ -42,13 +50,16 @@ from ..tree import (
     judge_objects_handed,
     opaque_class,
     state_values,
+    swaps_class,
 )
 from .pickle_scan import CALLED, NESTED_GETATTR, Uses, scan_pickle
 from .policy import (
     DANGEROUS,
     KNOWN,
+    RESTORABLE,
     SAFE,
     UNVERIFIED,
+    allowable,
     check_structure,
     judge,
     nested_class_getattr,
@@ -115,7 +126,9 @@ class SafeUnpickler(pickle.Unpickler):
             return opaque_class(module, name, dangerous=True)
         if verdict == UNVERIFIED:
             self.unverified.add(full)
-        return opaque_class(module, name, known=verdict == KNOWN)
+        return opaque_class(
+            module, name, known=verdict != UNVERIFIED, may_call=verdict != RESTORABLE
+        )
 
     def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
         """``getattr`` is allowed only to reach a nested class of a torch class.
@@ -130,9 +143,15 @@ class SafeUnpickler(pickle.Unpickler):
                 obj.module, obj.qualname, name, KNOWN if obj.known else UNVERIFIED
             )
         ):
+            # a nested class is judged as its own global (RESTORABLE or KNOWN by family)
             qualname = f"{obj.qualname}.{name}"
             self.seen.add(f"{obj.module}.{qualname}")
-            return opaque_class(obj.module, qualname, known=obj.known)
+            verdict = judge(obj.module, qualname)
+            if verdict == UNVERIFIED:
+                self.unverified.add(f"{obj.module}.{qualname}")
+            return opaque_class(
+                obj.module, qualname, known=verdict != UNVERIFIED, may_call=verdict != RESTORABLE
+            )
         self.dangerous.add("builtins.getattr")
         return opaque_class("builtins", "getattr", dangerous=True).make(obj, name)
 
@@ -174,12 +193,15 @@ def _nested(uses: Uses, target: str, attr: str) -> bool:
 class _Sink:
     """The one object a globals scan builds: it accepts whatever the pickle does to it."""
 
+    name = "<an object>"  # what a full read names it by (its class), where known
+
     def __call__(self, *args: Any, **kwargs: Any) -> _Sink:
         note_call("<an object>()")  # as a full read: no checkpoint calls an object
         return self
 
     def __setstate__(self, state: Any) -> None:
-        pass
+        if swaps_class(state):  # as a full read: Opaque.__setstate__
+            note_call(self.name, CLASS_SWAP)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         pass
@@ -196,6 +218,7 @@ class _UnverifiedSink(_Sink):
     hands it are judged as called (``call_rules.judge_build``), as in a full read."""
 
     def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
         judge_build(_UNKNOWN, state_values(state), SCAN)
 
 
@@ -215,11 +238,30 @@ _ABSORB = _Sink()
 _UNVERIFIED = _UnverifiedSink()  # an object of a class on no allow-list, in a scan
 
 
-def _new_unverified(cls: type, *args: Any, **kwargs: Any) -> _Sink:
-    """NEWOBJ of a class on no allow-list, in a scan: told apart from other objects, and
-    the callables it is handed judged as called (as ``Opaque.__new__`` does)."""
-    judge_new(_UNKNOWN, args, kwargs, SCAN)
+def _new_unverified(cls: _AbsorbClass, *args: Any, **kwargs: Any) -> _Sink:
+    """NEWOBJ of a class on no allow-list, in a scan: refused as constructed (as
+    ``Opaque.__new__`` judges it), and told apart from other objects."""
+    judge_new(cls.as_global(), args, kwargs, SCAN)
     return _UNVERIFIED
+
+
+def _new_known(cls: _AbsorbClass, *args: Any, **kwargs: Any) -> _Sink:
+    """NEWOBJ of a vouched class, in a scan: judged as ``Opaque.__new__`` judges it (a
+    construction that makes a class is refused); the object is one sink per class, so
+    that what a BUILD does to it is named as a full read names it."""
+    judge_new(cls.as_global(), args, kwargs, SCAN)
+    name = f"{cls.module}.{cls.qualname}"
+    sink = _CLASS_SINKS.get(name)
+    if sink is None:
+        sink = _Sink()
+        sink.name = name
+        if len(_CLASS_SINKS) < _MAX_CLASS_SINKS:  # (names are the files': bounded)
+            _CLASS_SINKS[name] = sink
+    return sink
+
+
+_CLASS_SINKS: dict[str, _Sink] = {}
+_MAX_CLASS_SINKS = 4096
 
 
 def _new_held(cls: type, *args: Any, **kwargs: Any) -> _Sink:
@@ -260,16 +302,16 @@ class GlobalsScanner(SafeUnpickler):
             return _absorb_judging(full)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
             # getattr may look into it; calling it is judged as in a full read
-            return _named_absorb(value.module, value.qualname, value.known)
+            return _named_absorb(value.module, value.qualname, value.known, value.may_call)
         return _Absorb
 
     def _getattr(self, obj: Any, name: Any, *default: Any) -> Any:
         if isinstance(obj, _AbsorbClass):
             # the same rule as a full read, on the class the absorbing one stands for
-            obj = opaque_class(obj.module, obj.qualname, known=obj.known)
+            obj = opaque_class(obj.module, obj.qualname, known=obj.known, may_call=obj.may_call)
         value = super()._getattr(obj, name, *default)
         if isinstance(value, type) and issubclass(value, Opaque) and not value.dangerous:
-            return _named_absorb(value.module, value.qualname, value.known)
+            return _named_absorb(value.module, value.qualname, value.known, value.may_call)
         return _Absorb
 
     def persistent_load(self, pid: Any) -> Any:
@@ -292,8 +334,10 @@ def _absorb_calling(position: int) -> Callable[..., _Sink]:
     def absorb(*args: Any, **kwargs: Any) -> _Sink:
         if len(args) > position and isinstance(args[position], (_AbsorbClass, _Sink)):
             args[position]()
-        if args and isinstance(args[0], _AbsorbClass) and not args[0].known:
-            return _UNVERIFIED  # copyreg._reconstructor(cls, ...): an object of cls
+        if position == 1 and args and isinstance(args[0], _AbsorbClass):
+            # copyreg._reconstructor(cls, base, state): an object of cls, constructed
+            judge_new(args[0].as_global(), (), {}, SCAN)
+            return _ABSORB if args[0].known else _UNVERIFIED
         return _ABSORB
 
     return absorb
@@ -339,6 +383,7 @@ class _AbsorbClass(type):
     module: str
     qualname: str
     known: bool
+    may_call: bool
 
     @property
     def __setstate__(cls) -> Callable[[Any], None]:
@@ -349,6 +394,18 @@ class _AbsorbClass(type):
 
         return build
 
+    # SETITEM, APPEND(S) on the global itself: as ``_ReadOnlyClass`` judges them
+    def __setitem__(cls, key: Any, value: Any) -> None:
+        note_call(f"{cls.module}.{cls.qualname}", MUTATED)
+
+    @property
+    def append(cls) -> Callable[[Any], None]:
+        return lambda value: note_call(f"{cls.module}.{cls.qualname}", MUTATED)
+
+    @property
+    def extend(cls) -> Callable[[Any], None]:
+        return lambda values: note_call(f"{cls.module}.{cls.qualname}", MUTATED)
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls.known and f"{cls.module}.{cls.qualname}" in HOLDS_CALLABLES:
             return _HeldSink(args, kwargs)  # told apart when handed to another constructor
@@ -357,23 +414,28 @@ class _AbsorbClass(type):
 
     def as_global(cls) -> GlobalClass:
         """The global this absorbing class stands for, as the call rules see it."""
-        return GlobalClass(f"{cls.module}.{cls.qualname}", cls.known, False)
+        return GlobalClass(f"{cls.module}.{cls.qualname}", cls.known, False, cls.may_call)
 
 
-_NAMED_ABSORB: dict[tuple[str, str, bool], type] = {}
+_NAMED_ABSORB: dict[tuple[str, str, bool, bool], type] = {}
 
 
-def _named_absorb(module: str, qualname: str, known: bool = False) -> type:
+def _named_absorb(module: str, qualname: str, known: bool = False, may_call: bool = True) -> type:
     """An absorbing class that remembers which global it stands for."""
-    cls = _NAMED_ABSORB.get((module, qualname, known))
+    key = (module, qualname, known, may_call)
+    cls = _NAMED_ABSORB.get(key)
     if cls is None:
-        attrs: dict[str, Any] = {"module": module, "qualname": qualname, "known": known}
+        attrs: dict[str, Any] = {
+            "module": module, "qualname": qualname, "known": known, "may_call": may_call
+        }  # fmt: skip
         if not known:
             attrs["__new__"] = _new_unverified
         elif f"{module}.{qualname}" in HOLDS_CALLABLES:
             attrs["__new__"] = _new_held  # a partial made by NEWOBJ is one too
+        else:
+            attrs["__new__"] = _new_known
         cls = _AbsorbClass("Absorb", (_Absorb,), attrs)
-        _NAMED_ABSORB[(module, qualname, known)] = cls
+        _NAMED_ABSORB[key] = cls
     return cls
 
 
@@ -487,6 +549,7 @@ def load_pickle(
             reasons={g: _reason(g, guard, reasons) for g in dangerous},
             globals=globals_,
             unverified=unverified,
+            allowable=[g for g in dangerous if allowable(g)],
         )
     if isinstance(error, CkptError):
         if error.path is None:

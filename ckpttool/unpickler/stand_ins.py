@@ -22,6 +22,7 @@ from ..tree import (
     Opaque,
     TorchName,
     TorchSize,
+    judge_new,
     judge_objects_handed,
     opaque_class,
 )
@@ -174,7 +175,9 @@ def _reconstructor(cls: Any, base: Any, state: Any = None) -> Any:
     # (object, or dict for a dict subclass, in real files)
     calls(base)
     if isinstance(cls, type) and issubclass(cls, Opaque):
-        return cls.make()  # object.__new__(cls): creates, calls nothing
+        # base.__new__(cls): a construction of cls, judged as NEWOBJ's
+        judge_new(cls.as_global(), (), {}, FULL_READ)
+        return cls.make()
     return opaque_class("copyreg", "_reconstructor").make(cls, base, state)
 
 

@@ -681,7 +681,8 @@ CASES = [
         3,
         ("mylib.helpers.make_config",),
     ),
-    # --- benign: a class on no allow-list, created as pickle creates objects: read inert
+    # --- a class on no allow-list, created as pickle creates objects: construction is a
+    # call (its __new__ and __setstate__ would run), refused until allowed
     Case(
         "unknown-class-newobj-build",
         lambda m: checkpoint(
@@ -694,6 +695,13 @@ CASES = [
                 + BUILD,
             ),  # fmt: skip
         ),
+        3,
+        ("mylib.config.TrainConfig",),
+    ),
+    # --- benign: a class on no allow-list only referenced (a value, never made): inert
+    Case(
+        "unknown-class-referenced",
+        lambda m: checkpoint(("cfg_class", glob("mylib.config", "TrainConfig"))),
         0,
         ("mylib.config.TrainConfig",),
     ),
