@@ -250,6 +250,7 @@ def _refusal(refused: list[UnsafeError]) -> UnsafeError:
         reasons={name: reason for r in refused for name, reason in r.reasons.items()},
         globals=[name for r in refused for name in r.globals],
         unverified=[name for r in refused for name in r.unverified],
+        allowable=[name for r in refused for name in r.allowable],
     )
     shown = "; ".join(f"{sources.basename(str(r.path))}: {', '.join(r.dangerous)}" for r in refused)
     exc.message = (

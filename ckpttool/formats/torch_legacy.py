@@ -215,6 +215,7 @@ def container_refusal(exc: CkptError | None, refused: dict[str, str], path: str)
             reasons={**exc.reasons, **refused},
             globals=exc.globals,
             unverified=exc.unverified,
+            allowable=exc.allowable,
         )
         merged.format = exc.format
         return merged
