@@ -257,7 +257,8 @@ def test_benign_custom_classes_never_stop_inspection(benign_files, kind):
     assert refused.stderr.count("\n") == 1
     assert "cannot vouch for: ckpttool_throwaway_mod.Config (constructed)" in refused.stderr
     assert "--allow ckpttool_throwaway_mod.Config" in refused.stderr
-    proc = run_cli("inspect", "--json", benign_files[kind], "--allow", "ckpttool_throwaway_mod.Config")
+    allow = ("--allow", "ckpttool_throwaway_mod.Config")
+    proc = run_cli("inspect", "--json", benign_files[kind], *allow)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["format"] == kind
