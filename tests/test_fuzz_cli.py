@@ -77,3 +77,69 @@ def test_mutants_get_a_result_or_one_clear_line(tmp_path: Path):
         else:  # whatever the file held, the output is one torch reads
             torch.load(out / "x.pt", weights_only=True)
         assert sha256(target.parent) == digest, where
+
+
+# Stack-neutral opcode runs that make torch.load construct or change what ckpttool
+# cannot vouch for (issue 46's families): inserted between any two opcodes of a real
+# data.pkl, the pickle stays valid, so the verdict must be exit 3 naming it.
+def _glob(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _text(value: str) -> bytes:
+    return b"\x8c" + bytes([len(value)]) + value.encode()
+
+
+GADGETS = {
+    "mylib.gadget.Thing": _glob("mylib.gadget", "Thing") + b")\x81" + b"0",  # NEWOBJ
+    "mylib.gadget.Other": _glob("mylib.gadget", "Other") + b")}\x92" + b"0",  # NEWOBJ_EX
+    "_compat_pickle.NAME_MAPPING": _glob("_compat_pickle", "NAME_MAPPING")
+    + _text("k")
+    + _text("v")
+    + b"s0",  # SETITEM on a module-level object
+    "argparse.Namespace": _glob("argparse", "Namespace")
+    + b")\x81N}"
+    + _text("__class__")
+    + _glob("argparse", "Namespace")
+    + b"s\x86b0",  # BUILD (None, {"__class__": ...}): a class swap
+    "sympy.core.containers.Tuple": _glob("sympy.core.containers", "Tuple")
+    + b"("
+    + _text("1")
+    + b"t\x81"
+    + b"0",
+}
+
+
+def _insert_gadget(original: Path, target: Path, rng: random.Random) -> str:
+    """Copy a torch zip with one gadget inserted between two opcodes of its data.pkl."""
+    import pickletools
+
+    name = rng.choice(sorted(GADGETS))
+    with zipfile.ZipFile(original) as zin, zipfile.ZipFile(target, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                ends = [pos for _, _, pos in pickletools.genops(data)][1:]  # after PROTO
+                at = rng.choice(ends)  # (the STOP's own position: before it)
+                data = data[:at] + GADGETS[name] + data[at:]
+            zout.writestr(info.filename, data)
+    return name
+
+
+def test_gadgets_inserted_anywhere_in_a_real_pickle_are_refused(tmp_path: Path):
+    rng = random.Random(46)
+    zips = [FIXTURES / n for n in SOURCES if (FIXTURES / n).exists()]
+    zips = [p for p in zips if zipfile.is_zipfile(p) and "torchscript" not in str(p)]
+    assert len(zips) >= 6
+    mutants = []
+    for i in range(max(MUTANTS // 5, 40)):
+        source = rng.choice(zips)
+        folder = tmp_path / f"g{i}"
+        shutil.copytree(source.parent, folder)  # siblings too: rank files
+        target = folder / source.name
+        mutants.append((target, _insert_gadget(source, target, rng)))
+    results = run_many([["inspect", str(t)] for t, _ in mutants])
+    for (target, name), result in zip(mutants, results, strict=True):
+        where = (str(target), name, result["stderr"][-500:])
+        assert result["code"] == 3, where
+        assert name in result["stderr"] and len(result["stderr"].splitlines()) == 1, where
