@@ -530,3 +530,19 @@ def test_a_read_keeps_nothing_it_built_once_its_result_is_dropped(scan_only):
     finally:
         gc.enable()
     assert kept < 10_000, kept  # the 100,000 tuples (300,000 blocks) are gone
+
+
+def test_a_stopped_read_whose_rest_the_walk_cannot_reach_is_refused(monkeypatch):
+    """One of ckpttool's limits stops the read; the rest of the pickle goes past what the
+    static walk reads: its verdict cannot be reached, so it is refused, never exit 2."""
+    import ckpttool.unpickler.restricted as restricted
+
+    monkeypatch.setattr(restricted, "MAX_STATIC_SCAN_BYTES", 1 << 20)
+    monkeypatch.setattr(restricted, "STATIC_SCAN_CHUNK", 1 << 18)
+    limit = b"\x80\x02cbuiltins\nbytearray\n(J\x00\x2d\x31\x01tR0"  # bytearray(20_000_000)
+    text = b"X" + (3 << 20).to_bytes(4, "little") + b"a" * (3 << 20) + b"0"
+    with pytest.raises(UnsafeError, match="cannot be vouched for"):
+        load_pickle(limit + text + b"N.")
+    with pytest.raises(CkptError, match="absurd buffer size") as short:  # walked to STOP
+        load_pickle(limit + b"N.")
+    assert not isinstance(short.value, UnsafeError)

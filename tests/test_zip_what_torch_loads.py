@@ -226,3 +226,21 @@ def test_deflated_storage_that_declares_more_than_deflate_holds_is_refused(tmp_p
     path = tmp_path / "bomb.pt"
     path.write_bytes(zip_bytes(entries))
     check_error(run_cli("inspect", path), 2, "archive/data/0", "more than deflate can hold")
+
+
+def test_a_candidate_past_what_is_judged_cannot_be_vouched_for(tmp_path):
+    """Two data.pkl, one a deflated pickle that inflates past the 64 MiB judged of it
+    (a long string, then anything): its verdict cannot be reached, so the file is
+    exit 3 "cannot be vouched for", never the damage's exit 2."""
+    filler = b"a" * (70 << 20)
+    long = b"\x80\x02X" + len(filler).to_bytes(4, "little") + filler + b"0" + PAYLOAD[2:]
+    raw = deflate(long)
+    entries = _with_pickles((PKL, _benign()), (PKL, raw))
+    entries[1].method, entries[1].crc, entries[1].size = 8, zlib.crc32(long), len(long)
+    path = tmp_path / "long.pt"
+    path.write_bytes(zip_bytes(entries))
+    proc = run_cli("inspect", path)
+    assert proc.returncode == 3, proc.stderr
+    assert "past what ckpttool judges: cannot be vouched for" in proc.stderr
+    with pytest.raises(UnsafeError):
+        ckpttool.load(path)

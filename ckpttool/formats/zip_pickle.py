@@ -52,6 +52,8 @@ MAX_PICKLE_BYTES = 1 << 30
 # A compressed entry (a re-zipped data.pkl, TorchScript code) is inflated at most this far:
 # a few MB of deflate can declare gigabytes.
 MAX_INFLATED_BYTES = 64 << 20
+# A candidate pickle cut at one of these bounds whose judged part ends inside it
+NOT_JUDGED = "<a data.pkl past what ckpttool judges: cannot be vouched for>"
 # byteorder, version, .data/serialization_id: a word, a number, an id
 SMALL_ENTRIES = (
     "byteorder",
@@ -464,7 +466,13 @@ class ZipPickle:
             except UnsafeError:
                 raise
             except CkptError:
-                pass  # not a pickle: no reader runs anything from it
+                if len(data) in (MAX_PICKLE_BYTES, MAX_INFLATED_BYTES) and not permissive:
+                    # cut at a bound, and the part judged ends inside a pickle: what the
+                    # rest makes torch do cannot be vouched for (never exit 2)
+                    raise UnsafeError(
+                        [NOT_JUDGED], path=self.path, reasons={NOT_JUDGED: "not judged"}
+                    ) from None
+                # else not a pickle: no reader runs anything from it
             if seen is not None:
                 seen.update(found)
 

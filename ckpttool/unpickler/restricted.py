@@ -570,6 +570,8 @@ def load_pickle(
 # this much of it: the pickles of checkpoints are KB to a few MB.
 MAX_STATIC_SCAN_BYTES = 1 << 30
 STATIC_SCAN_CHUNK = 1 << 20
+# A stopped read's pickle that goes on past what the walk reads: refused, never exit 2
+UNREACHED = "<a pickle past 1 GiB after the read stopped: cannot be vouched for>"
 
 
 def _static_scan(stream: IO[bytes], start: int, unpickler: SafeUnpickler) -> Uses:
@@ -584,6 +586,9 @@ def _static_scan(stream: IO[bytes], start: int, unpickler: SafeUnpickler) -> Use
         except (OSError, ValueError):
             return Uses()
         uses = scan_pickle(data, python3_name, encoding=encoding)
+        if uses.truncated and len(data) >= MAX_STATIC_SCAN_BYTES:
+            # the rest is not walked: what it would make torch do cannot be vouched for
+            uses.note(frozenset({UNREACHED}), CALLED)
         if not uses.truncated or len(data) < chunk or chunk >= MAX_STATIC_SCAN_BYTES:
             return uses
         chunk = min(chunk * 8, MAX_STATIC_SCAN_BYTES)
