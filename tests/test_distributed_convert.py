@@ -567,3 +567,30 @@ def test_bad_worker_count_is_one_line():
     (run,) = run_many([["merge", *INPUTS["per-rank"], "-o", "/nonexistent/x.pt", "--workers", "0"]])
     assert run["code"] == 2
     assert run["stderr"] == "ckpttool: error: --workers must be at least 1, got 0\n"
+
+
+@pytest.mark.slow
+def test_a_sparse_tensor_merged_and_converted_by_workers_is_one_process_s_bytes(tmp_path):
+    """The ranks write a sparse tensor's pieces through the same piece rule as one
+    process (its invariants read before its first bytes): the same sha256, no error."""
+    import torch
+
+    indices = torch.tensor([[0, 1, 2], [2, 0, 1]])
+    sparse = torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0, 3.0]), (3, 3))
+    src = tmp_path / "sp.pt"
+    torch.save({"w": torch.ones(3), "s": sparse}, src)
+    for verb in (["merge"], ["convert", "--to", "pt", "--select", "all"]):
+        one, two = tmp_path / f"{verb[0]}-1.pt", tmp_path / f"{verb[0]}-2.pt"
+        for out, extra in ((one, []), (two, ["--workers", "2"])):
+            done = subprocess.run(
+                [sys.executable, "-m", "ckpttool", verb[0], str(src), *verb[1:], "-o", str(out)]
+                + extra,
+                capture_output=True,
+                text=True,
+                env=subprocess_env(CKPTTOOL_UNIT_BYTES="64"),
+                timeout=300,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+        assert sha256(two) == sha256(one), verb
+        loaded = torch.load(two, weights_only=True)
+        assert torch.equal(loaded["s"].to_dense(), sparse.to_dense())

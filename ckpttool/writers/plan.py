@@ -21,6 +21,7 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError
 from ..progress import Progress
+from ..tree import SparseRef
 from . import write_leaf
 from .output_file import OutputFile
 
@@ -71,11 +72,24 @@ class Piece:
     crc: bool = False
     build: Callable[[Crcs], bytes] | None = None
     needs: tuple[int, ...] = ()
-    check: Any = None
+    check: SparseRef | None = None
 
     @property
     def end(self) -> int:
         return self.offset + self.nbytes
+
+    def check_invariants(self) -> None:
+        """Read :attr:`check`'s sparse tensor whole before its first bytes are written:
+        ``torch.load`` would refuse an output holding an invalid one. One rule for every
+        route that writes pieces (one process, the ranks of a job).
+
+        Raises:
+            CkptError: The sparse tensor's indices break its invariants.
+        """
+        if self.check is not None:
+            from ..tensors import load_leaf
+
+            load_leaf(self.check, "cpu")
 
 
 @dataclass
@@ -180,10 +194,7 @@ def write(part: Part, out: OutputFile, progress: Progress | None = None) -> Writ
             if not ready:
                 waiting[piece.offset] = (piece.needs, piece.build)
         else:
-            if piece.check is not None:
-                from ..tensors import load_leaf
-
-                load_leaf(piece.check, "cpu")  # torch.load would refuse an invalid sparse tensor
+            piece.check_invariants()
             if piece.crc:
                 out.begin_crc32()
             write_leaf(out, piece.leaf, piece.cast, progress)

@@ -306,7 +306,9 @@ class _ZipLayout:
         self.pieces.append(Piece(self.base + self.pos, len(data), data=data))
         self.pos += len(data)
 
-    def add_tensor(self, name: str, size: int, leaf: Leaf, cast: DType | None, check: Any) -> None:
+    def add_tensor(
+        self, name: str, size: int, leaf: Leaf, cast: DType | None, check: SparseRef | None
+    ) -> None:
         """An entry whose data is a tensor's output bytes (their CRC known once written)."""
         entry = _Entry(name.encode(), self.pos, size, None)
         header = self._header(entry)
