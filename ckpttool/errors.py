@@ -194,6 +194,37 @@ _INPUT_ERRORS = (
 )
 
 
+class InternalError(CkptError):
+    """An error of ckpttool's own, not of the input (exit 2): says so, names ``--debug``,
+    and never calls the input corrupt."""
+
+    def __init__(self, exc: BaseException):
+        text = " ".join(str(exc).split())[:200]
+        super().__init__(
+            f"internal error ({type(exc).__name__}: {text}); the input is not to blame",
+            hint="rerun with --debug for the traceback, and report it",
+        )
+
+
+# Exceptions that, raised in ckpttool's own code, are a mistake of that code: a name or an
+# attribute it expected (the input's own values are checked before they are used so),
+# an assertion, an import. Raised in a library below (struct, zlib, the C unpickler,
+# torch), or any other kind, they are what a damaged or hostile input provokes.
+_BUG_ERRORS = (AttributeError, NameError, AssertionError, ImportError)
+_PACKAGE = __file__.rsplit("/", 1)[0] + "/"
+
+
+def is_internal(exc: BaseException) -> bool:
+    """Whether ``exc`` is a mistake of ckpttool's own (see :data:`_BUG_ERRORS`): raised
+    by a frame of the package itself, not by a library below it."""
+    if not isinstance(exc, _BUG_ERRORS):
+        return False
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+
+
 def translate_errors(function: Callable[P, R]) -> Callable[P, R]:
     """Raise only :class:`CkptError` (and its subclasses) from ``function`` on bad input.
 
@@ -215,6 +246,8 @@ def translate_errors(function: Callable[P, R]) -> Callable[P, R]:
             reason = exc.strerror or str(exc) or type(exc).__name__
             raise CkptError(f"I/O error ({reason})", path=exc.filename) from None
         except _INPUT_ERRORS as exc:
+            if is_internal(exc):
+                raise InternalError(exc) from exc
             text = " ".join(str(exc).split())[:200]
             reason = f"{type(exc).__name__}: {text}"
             raise CkptError(f"corrupt or unsupported input ({reason})") from None

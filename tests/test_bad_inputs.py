@@ -455,3 +455,32 @@ def test_storage_types_ckpttool_cannot_read_are_named(tmp_path, legacy):
     torch.save({"emb": q4}, path, _use_new_zipfile_serialization=not legacy)
     check_error(run_cli("inspect", path), 2,
                 "tensors of storage type torch.QUInt4x2Storage are not supported")  # fmt: skip
+
+
+def test_an_error_of_ckpttools_own_says_internal_error_not_corrupt_input():
+    """A mistake of ckpttool's own code (an attribute it expected, raised in its own
+    frame) is an internal error naming --debug; the same kind raised by what a damaged
+    input provokes below ckpttool stays a corrupt input."""
+    from ckpttool.errors import CkptError, InternalError, translate_errors
+    from ckpttool.writers.plan import Piece
+
+    class NotASparseTensor:
+        pass
+
+    @translate_errors
+    def own_mistake():
+        Piece(0, 0, check=NotASparseTensor()).check_invariants()  # type: ignore[arg-type]
+
+    with pytest.raises(InternalError) as caught:
+        own_mistake()
+    line = caught.value.one_line()
+    assert line.startswith("internal error (AttributeError: ") and "--debug" in line
+    assert "corrupt" not in line
+
+    @translate_errors
+    def input_mistake():
+        raise AttributeError("a value of the file lacks it")  # raised outside the package
+
+    with pytest.raises(CkptError, match="corrupt or unsupported input") as plain:
+        input_mistake()
+    assert not isinstance(plain.value, InternalError)

@@ -11,7 +11,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from .. import distributed
-from ..errors import CkptError
+from ..errors import CkptError, InternalError
 from .text import printable
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_UNSAFE = 0, 1, 2, 3
@@ -192,10 +192,9 @@ def exit_code_for(exc: BaseException) -> int:
         where = ctx.command_path if ctx is not None else "ckpttool"
         code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
         message = f"error: {exc.format_message()} (see: {where} --help)"
-    else:  # a bug or an input we failed to classify: still one line, still exit 2
+    else:  # a bug of ckpttool's own: still one line, still exit 2, the input not blamed
         code = EXIT_BAD_INPUT
-        text = str(exc)[:300]
-        message = f"error: unexpected {type(exc).__name__}: {text} (rerun with --debug)"
+        message = f"error: {InternalError(exc).one_line()}"
     if settings.debug:
         import traceback
 
