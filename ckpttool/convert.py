@@ -21,6 +21,34 @@ from .writers.naming import default_output
 
 TARGETS = tuple(WRITERS)
 CAST_DTYPES = ("float32", "float16", "bfloat16")
+# the other names of those dtypes a user writes: the short ones inspect prints, torch's
+# aliases (torch.half is torch.float16), and torch's spelling with its module
+CAST_ALIASES = {
+    **{name: name for name in CAST_DTYPES},
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+}
+
+
+def cast_dtype(name: str) -> str:
+    """The dtype ``--dtype name`` casts to (``float32``, ``float16`` or ``bfloat16``).
+
+    Raises:
+        UsageError: A name of no such dtype.
+    """
+    key = name.strip().lower()
+    key = key[len("torch.") :] if key.startswith("torch.") else key
+    if key not in CAST_ALIASES:
+        raise UsageError(
+            f"unknown --dtype {name!r}",
+            hint=f"choose one of {', '.join(CAST_DTYPES)} (or fp32, fp16, half, bf16)",
+        )
+    return CAST_ALIASES[key]
+
+
 DEVICE_RE = re.compile(r"^(cpu|meta|(cuda|xpu|mps|npu|hpu)(:\d+)?)$")
 
 
@@ -79,10 +107,8 @@ def convert(
     """
     if to not in TARGETS:
         raise UsageError(f"unknown --to {to!r}", hint=f"choose one of {', '.join(TARGETS)}")
-    if dtype is not None and dtype not in CAST_DTYPES:
-        raise UsageError(
-            f"unknown --dtype {dtype!r}", hint=f"choose one of {', '.join(CAST_DTYPES)}"
-        )
+    if dtype is not None:
+        dtype = cast_dtype(dtype)
     if max_shard_size is not None and to != "safetensors":
         raise UsageError("--max-shard-size applies to --to safetensors only")
     if map_location is not None and to != "pt":

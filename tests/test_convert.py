@@ -510,3 +510,32 @@ def test_empty_views_past_their_storage_end_convert(tmp_path: Path, to):
     assert sorted(got) == ["empty", "w"]
     assert got["empty"].shape == (0, 0) and torch.equal(got["w"], torch.ones(2))
     assert ckpttool.load(tmp_path / "in.pt")["empty"].shape == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("alias", "name"),
+    [
+        ("fp16", "float16"),
+        ("half", "float16"),
+        ("torch.float16", "float16"),
+        ("bf16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("fp32", "float32"),
+        ("float", "float32"),
+    ],
+)
+def test_dtype_takes_the_names_inspect_prints_and_torchs_aliases(snap, tmp_path, alias, name):
+    by_alias, by_name = tmp_path / "a.safetensors", tmp_path / "n.safetensors"
+    proc = run_cli("convert", snap, "--to", "safetensors", "--dtype", alias, "-o", by_alias)
+    assert proc.returncode == 0, proc.stderr
+    convert([str(snap)], "safetensors", str(by_name), dtype=name)
+    assert by_alias.read_bytes() == by_name.read_bytes()
+
+
+def test_an_unknown_dtype_names_the_choices(snap, tmp_path):
+    proc = run_cli("convert", snap, "--to", "safetensors", "--dtype", "fp8", "-o", tmp_path / "x")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "ckpttool: error: unknown --dtype 'fp8' (choose one of float32, float16, bfloat16 "
+        "(or fp32, fp16, half, bf16))"
+    ]

@@ -79,7 +79,7 @@ def convert(
         typer.Option(
             "--dtype",
             metavar="<float32|float16|bfloat16>",
-            help="Cast floating-point tensors to this dtype.",
+            help="Cast floating-point tensors to this dtype (also fp32, float, fp16, half, bf16).",
             autocompletion=_complete("CAST_DTYPES"),
         ),
     ] = None,
