@@ -16,7 +16,14 @@ from .dtypes import NO_NUMBERS
 from .errors import UsageError, translate_errors
 from .progress import ProgressFactory
 from .sources import OpenFiles, read_span_into
-from .tree import SparseRef, TensorRef, contiguous_stride, model_key, raw_parts
+from .tree import (
+    NoSuchPrefixError,
+    SparseRef,
+    TensorRef,
+    contiguous_stride,
+    model_key,
+    raw_parts,
+)
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -213,6 +220,25 @@ def _selected_tensors(ckpt: Any, select: str, strip_prefix: str) -> dict[str, An
     return flatten_tensors(node, str(path[-1]) if path else "")
 
 
+def _both_sides(
+    a: Any, b: Any, select: str, strip_prefix: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tensors of both sides. A prefix applies to both, and a checkpoint is often
+    compared with its export that has none (``module.x`` against ``x``): it must match
+    the keys of one side at least, and the other keeps its keys."""
+    sides: list[dict[str, Any]] = []
+    errors: list[NoSuchPrefixError] = []
+    for ckpt in (a, b):
+        try:
+            sides.append(_selected_tensors(ckpt, select, strip_prefix))
+        except NoSuchPrefixError as exc:
+            errors.append(exc)
+            sides.append(_selected_tensors(ckpt, select, "none"))
+    if len(errors) == 2:
+        raise errors[0]
+    return sides[0], sides[1]
+
+
 @translate_errors
 def diff(
     a: Any,
@@ -246,8 +272,7 @@ def diff(
     """
     if atol < 0 or rtol < 0:
         raise UsageError("--atol and --rtol must be >= 0")
-    ta = _selected_tensors(read(a, unsafe=unsafe), select, strip_prefix)
-    tb = _selected_tensors(read(b, unsafe=unsafe), select, strip_prefix)
+    ta, tb = _both_sides(read(a, unsafe=unsafe), read(b, unsafe=unsafe), select, strip_prefix)
     only_a = [k for k in ta if k not in tb]
     only_b = [k for k in tb if k not in ta]
     mismatched, different, compared = [], [], 0

@@ -101,7 +101,7 @@ def select_node(
     if select == "all":
         node = ckpt.root
         if strip not in (None, "auto", "none") and isinstance(node, Mapping):
-            node = strip_prefix(node, strip)
+            node = strip_prefix(node, resolve_prefix(node, strip))
         require_data(node)
         return None, node
     if select == "auto":

@@ -298,12 +298,43 @@ def strip_prefix(state: Mapping[str, Any], prefix: str | None) -> dict[str, Any]
 
 
 def resolve_prefix(state: Mapping[str, Any], option: str | None) -> str | None:
-    """``auto`` detects, ``none`` keeps keys, anything else is the prefix to strip."""
+    """``auto`` detects, ``none`` keeps keys, anything else is the prefix to strip.
+
+    Raises:
+        CkptError: A prefix that no key has (a typo would otherwise leave every key
+            as it was, silently), naming the prefixes the keys do begin with.
+    """
     if option is None or option == "none":
         return None
+    keys = [k for k in state if isinstance(k, str)]
     if option == "auto":
-        return detect_prefix([k for k in state if isinstance(k, str)])
+        return detect_prefix(keys)
+    require_prefix(keys, option)
     return option
+
+
+def require_prefix(keys: list[str], prefix: str) -> None:
+    """Refuse ``--strip-prefix prefix`` where no key of ``keys`` starts with it.
+
+    Raises:
+        CkptError: Naming the first parts the keys share most (``model.`` (21 keys)).
+    """
+    if not keys or any(k.startswith(prefix) for k in keys):
+        return
+    counts: dict[str, int] = {}
+    for key in keys:
+        head, dot, _ = key.partition(".")
+        counts[head + dot] = counts.get(head + dot, 0) + 1
+    common = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:3]
+    shown = ", ".join(f"{p!r} ({n} key{'s' * (n != 1)})" for p, n in common)
+    raise NoSuchPrefixError(
+        f"--strip-prefix {prefix!r} matches no key; the keys begin with {shown}",
+        hint="pass one of those, or --strip-prefix auto",
+    )
+
+
+class NoSuchPrefixError(CkptError):
+    """``--strip-prefix P`` where no key starts with ``P`` (exit 2)."""
 
 
 def parse_key_path(root: Any, dotted: str) -> KeyPath:
