@@ -96,6 +96,22 @@ def _run_dist_workers(base: Path) -> None:
         pytest.fail("\n".join(failures))
 
 
+# dist_workers.py saves objects of its own classes (``__main__.Holder``, an EMA-like
+# wrapper of sharded weights; ``__main__.RunInfo``, a config): a class on no list that
+# a pickle constructs is refused until allowed, so the tests that read those runs trust
+# them as a user would, with torch's add_safe_globals (ckpttool counts what a program
+# registered there), from the first test that asks for the runs on. The commands run
+# in other processes pass DIST_ALLOW instead.
+DIST_CLASSES = ("__main__.Holder", "__main__.RunInfo")
+DIST_ALLOW = [arg for name in DIST_CLASSES for arg in ("--allow", name)]
+
+
+def _trust_the_dist_runs_classes() -> None:
+    import torch.serialization
+
+    torch.serialization.add_safe_globals([(type(n, (), {}), n) for n in DIST_CLASSES])
+
+
 @pytest.fixture(scope="session")
 def dist_runs(tmp_path_factory) -> DistRuns:
     """Run ``dist_workers.py`` on 2, 3 and 4 ranks at once (about 15 s together on 2
@@ -105,6 +121,7 @@ def dist_runs(tmp_path_factory) -> DistRuns:
     incomplete run is retried once.
     """
     base = built_once(tmp_path_factory, "dist", _run_dist_workers)
+    _trust_the_dist_runs_classes()
     return DistRuns(
         two=base / "ranks2" / "two",
         three=base / "ranks3" / "three",
@@ -199,3 +216,4 @@ def mode(request, monkeypatch, tmp_path: Path) -> str:
         if not direct:
             pytest.skip("this file system refuses O_DIRECT")
     return request.param
+

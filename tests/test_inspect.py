@@ -663,9 +663,10 @@ def test_stats_of_big_tensors_are_exact_by_chunk(tmp_path):
 
 
 def test_docs_show_the_real_output_for_a_7b_shaped_file(tmp_path):
-    """The command reference's inspect example is what ckpttool prints for docs/llama7b_shaped.py's
-    file (the real Llama-2-7B header; the 12.6 GiB of data a hole in a sparse file)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "llama7b_shaped.py"),
+    """The command reference's inspect example is what ckpttool prints for the file of
+    benchmarks/llama7b_shaped.py (the real Llama-2-7B header; the 12.6 GiB of data a
+    hole in a sparse file)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llama7b_shaped.py"),
                            str(tmp_path / "llama2-7b.safetensors")], check=True)  # fmt: skip
     assert proc.returncode == 0
     out = run_cli("inspect", "llama2-7b.safetensors", cwd=tmp_path).stdout

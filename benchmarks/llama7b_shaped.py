@@ -3,9 +3,9 @@
 The header is real (names, dtypes, shapes, offsets, as ``save_file`` would write them:
 sorted by name); the data is a hole in a sparse file, so ``ckpttool inspect`` shows
 exactly what it shows for the real model, and the file takes a few KiB on disk. Used for
-the inspect output in the README and docs/inspect.md:
+the inspect output in docs/cli.md (and the test that checks it, tests/test_inspect.py):
 
-    python docs/llama7b_shaped.py /tmp/llama2-7b.safetensors
+    python benchmarks/llama7b_shaped.py /tmp/llama2-7b.safetensors
     ckpttool inspect /tmp/llama2-7b.safetensors
 """
 
