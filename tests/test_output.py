@@ -342,3 +342,22 @@ def test_stale_temp_folder_inside_an_output_folder_removed(tmp_path: Path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_folder_asked_for_where_the_input_file_is_names_that_problem(tmp_path):
+    """``-o ep0.pt/`` of the input ``ep0.pt``: the folder is the file, not an overwrite."""
+    import torch
+
+    src = tmp_path / "ep0.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    digest = sha256(src)
+    line = check_error(
+        run_cli("convert", src, "--to", "safetensors", "-o", f"{src}/"), 2, "input file"
+    )
+    assert line == (
+        f"ckpttool: error: {src}: -o asks for a folder where the input file ep0.pt is "
+        "(drop the trailing slash, or name another folder)"
+    )
+    assert sha256(src) == digest and tree_files(tmp_path) == ["ep0.pt"]
+    over = check_error(run_cli("convert", src, "--to", "pt", "-o", src), 2)
+    assert over.endswith("output would overwrite the input (choose another -o)")

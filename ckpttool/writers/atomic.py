@@ -88,6 +88,15 @@ def check_output(
 
         check_inputs(out, inputs, layout)
         return
+    if layout is None:
+        parent = os.path.dirname(os.path.abspath(out))
+        if _is_file(parent) and any(_same_file(parent, path) for path in inputs):
+            # -o ep0.pt/ of the input ep0.pt: the folder asked for is the input file
+            raise CkptError(
+                f"-o asks for a folder where the input file {os.path.basename(parent)} is",
+                path=parent,
+                hint="drop the trailing slash, or name another folder",
+            )
     _check_inputs(out, inputs, layout)
     if layout is None:
         parent = os.path.dirname(os.path.abspath(out))
@@ -119,6 +128,11 @@ def _check_inputs(out: str, inputs: Sequence[str], layout: FolderLayout | None) 
             )
         if touched:
             raise CkptError("output would overwrite the input", path=out, hint="choose another -o")
+
+
+def _same_file(path: str, other: str) -> bool:
+    other = sources.strip_file_scheme(other)
+    return not sources.is_url(other) and os.path.realpath(path) == os.path.realpath(other)
 
 
 def _inside(path: str, folder: str) -> bool:
