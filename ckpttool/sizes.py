@@ -34,3 +34,24 @@ def parse_size(text: str | int) -> int:
     if size <= 0:
         raise UsageError(f"size must be positive, got {text!r}")
     return size
+
+
+def env_size(name: str, default: int | None = None) -> int | None:
+    """The size the environment variable ``name`` gives (bytes, or a number with a unit,
+    as :func:`parse_size` reads it), ``default`` where it is unset or empty: one parser
+    for every size, options and environment alike.
+
+    Raises:
+        UsageError: A value that is no size, naming the variable.
+    """
+    import os
+
+    text = os.environ.get(name, "")
+    if not text.strip():
+        return default
+    try:
+        return parse_size(text)
+    except UsageError:
+        raise UsageError(
+            f"bad {name}={text!r}", hint="bytes, or a number with KB/MB/GB or KiB/MiB/GiB"
+        ) from None

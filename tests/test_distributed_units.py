@@ -102,6 +102,8 @@ def test_the_unit_size_follows_the_output_size(monkeypatch, sizes, want):
 def test_the_unit_size_variable_wins_and_is_checked(monkeypatch):
     monkeypatch.setenv(units.UNIT_BYTES_ENV, "4096")
     assert units.unit_bytes(_plan_of([1 << 30])) == 4096
+    monkeypatch.setenv(units.UNIT_BYTES_ENV, "4MiB")  # one size parser: units as --max-shard-size
+    assert units.unit_bytes(_plan_of([1 << 30])) == 4 << 20
     for bad in ("0", "-1", "lots"):
         monkeypatch.setenv(units.UNIT_BYTES_ENV, bad)
         with pytest.raises(units.CkptError, match="bad CKPTTOOL_UNIT_BYTES"):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -29,6 +28,7 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError
 from ..progress import Progress
+from ..sizes import env_size
 from ..tree import Leaf, ShardedRef, TensorRef, sharding
 from ..writers import CHUNK_BYTES, output_dtype, raw_parts, tensor_bytes, tensor_for_write
 from ..writers.casts import cast_stored
@@ -54,15 +54,9 @@ def unit_bytes(plan: Plan) -> int:
     :data:`UNITS_WANTED`, between :data:`MIN_UNIT_BYTES` and :data:`UNIT_BYTES`. It
     depends on the plan alone, never on the number of processes, so work done at one
     world size is reused at any other."""
-    value = os.environ.get(UNIT_BYTES_ENV, "")
-    if not value:
+    size = env_size(UNIT_BYTES_ENV)
+    if size is None:
         return default_unit_bytes(sum(file.size for file in plan.files))
-    try:
-        size = int(value)
-    except ValueError:
-        size = 0
-    if size <= 0:
-        raise CkptError(f"bad {UNIT_BYTES_ENV}={value!r}", hint="a positive number of bytes")
     return size
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -355,9 +354,6 @@ def _short(exc: BaseException) -> str:
 def env_part_size() -> int | None:
     """``CKPTTOOL_S3_PART_SIZE`` (bytes, or a size with a unit): the part size, for tests
     and S3-compatible stores with other limits; None when unset."""
-    text = os.environ.get("CKPTTOOL_S3_PART_SIZE")
-    if not text:
-        return None
-    from ...sizes import parse_size
+    from ...sizes import env_size
 
-    return parse_size(text)
+    return env_size("CKPTTOOL_S3_PART_SIZE")
