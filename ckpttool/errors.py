@@ -56,6 +56,11 @@ class InputNotFoundError(CkptError, FileNotFoundError):
         return self.one_line()
 
 
+class TruncatedPickleError(CkptError):
+    """A pickle whose every opcode parsed up to where its data ends (exit 2): what
+    follows, where there is more than was read, has not been judged."""
+
+
 class UsageError(CkptError):
     """The arguments do not make sense together (exit 2)."""
 

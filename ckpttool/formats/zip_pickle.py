@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .. import sources
-from ..errors import CkptError, UnsafeError
+from ..errors import CkptError, TruncatedPickleError, UnsafeError
 from ..sources import ByteSpan, DeflatedSpan, inflate
 from ..tree import Device, StorageRef, check_storage_reference
 from ..unpickler import load_pickle, split_seen, text_persistent_id
@@ -465,14 +465,15 @@ class ZipPickle:
                 load_pickle(data, path=self.path, permissive=permissive, seen=found, scan_only=True)
             except UnsafeError:
                 raise
-            except CkptError:
+            except TruncatedPickleError:
                 if len(data) in (MAX_PICKLE_BYTES, MAX_INFLATED_BYTES) and not permissive:
                     # cut at a bound, and the part judged ends inside a pickle: what the
                     # rest makes torch do cannot be vouched for (never exit 2)
                     raise UnsafeError(
                         [NOT_JUDGED], path=self.path, reasons={NOT_JUDGED: "not judged"}
                     ) from None
-                # else not a pickle: no reader runs anything from it
+            except CkptError:
+                pass  # not a pickle: no reader runs anything from it
             if seen is not None:
                 seen.update(found)
 

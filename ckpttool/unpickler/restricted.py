@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from ..dtypes import DTYPES, STORAGE_CLASSES
-from ..errors import CkptError, UnsafeError
+from ..errors import CkptError, TruncatedPickleError, UnsafeError
 from ..guard import (
     CLASS_SWAP,
     MUTATED,
@@ -557,8 +557,13 @@ def load_pickle(
             error.args = (error.one_line(),)
         raise error
     if error is not None:
-        reason = "truncated" if isinstance(error, EOFError) else "corrupt"
-        raise CkptError(f"{reason} pickle ({type(error).__name__}: {error})", path=path) from None
+        if isinstance(error, EOFError) or (
+            isinstance(error, pickle.UnpicklingError) and "truncated" in str(error)
+        ):  # every opcode parsed up to where the data ends (C's words for it)
+            raise TruncatedPickleError(
+                f"truncated pickle ({type(error).__name__}: {error})", path=path
+            ) from None
+        raise CkptError(f"corrupt pickle ({type(error).__name__}: {error})", path=path) from None
     if scan_only:
         return None
     if check:
