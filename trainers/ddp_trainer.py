@@ -300,6 +300,7 @@ class Trainer:
                 self.optimizer.load_state_dict(flat)
             else:
                 self.optimizer.load_state_dict(optim_state_by_index(by_name, self.param_names))
+            self._keep_param_group_order()
         if snapshot.scheduler is not None:
             self.scheduler.load_state_dict(snapshot.scheduler)
             self._keep_schedule_by_samples()
@@ -314,6 +315,18 @@ class Trainer:
             log("snapshot has no RNG state for this world size: reseeding, resume is not exact")
             torch.manual_seed(self.args.seed + 1 + self.rank + 1000 * self.epochs_run)
             random.seed(self.args.seed + 1 + self.rank + 1000 * self.epochs_run)
+
+    def _keep_param_group_order(self) -> None:
+        """Each param group's settings in the order this optimizer made them, not the
+        snapshot's: load_state_dict takes the saved dicts as they come, and a DCP
+        snapshot keeps its entries in the order its ranks' plans were merged (it varies
+        with the world size), so the next snapshot would differ in key order alone."""
+        for group in self.optimizer.param_groups:
+            own = ["params", *self.optimizer.defaults, "initial_lr"]  # as the optimizer made them
+            order = {key: i for i, key in enumerate(own)}
+            items = sorted(group.items(), key=lambda item: order.get(item[0], len(order)))
+            group.clear()
+            group.update(items)
 
     def _keep_schedule_by_samples(self) -> None:
         """The schedule counts steps; on another world size (or batch size) an epoch is
@@ -369,6 +382,31 @@ class Trainer:
             if step == 0:
                 self._maybe_kill_for_test(epoch)
         return total / len(self.loader)
+
+    def _settle_ddp_buckets(self) -> None:
+        """One backward that changes nothing, so that every step of every run reduces
+        its gradients in the same buckets.
+
+        DDP reduces its first backward in one bucket of every gradient, then rebuilds
+        its buckets in the order the gradients came. Gloo (and NCCL) at 3 or more ranks
+        sums a buffer in an order that depends on where it is cut, so the first step
+        after a resume (one bucket) would sum other than the same step of a run that
+        never stopped (rebuilt buckets): a resume off by a few ulps. After this backward
+        every real step, the first of a fresh run and of a resumed one alike, runs with
+        the rebuilt buckets, and DDP keeps overlapping their reductions with backward.
+        Nothing else moves: no optimizer step, the gradients dropped, the RNG streams
+        put back (dropout draws from them), no batch drawn from the sampler.
+        """
+        from torch.utils.data import default_collate
+
+        inputs, targets = default_collate([self.loader.dataset[0]])
+        devices = [self.device] if self.device.type == "cuda" else []
+        python_rng = random.getstate()
+        self.model.train()
+        with torch.random.fork_rng(devices=devices):
+            self.model(inputs.to(self.device), targets.to(self.device)).backward()
+        random.setstate(python_rng)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _maybe_kill_for_test(self, epoch: int) -> None:
         """Test hook: rank 1 dies once in epoch N, so torchrun --max-restarts restarts us."""
@@ -459,6 +497,8 @@ class Trainer:
         total = self.args.epochs
         if self.epochs_run >= total:
             log(f"nothing to do: {self.epochs_run} of {total} epochs already run")
+        elif isinstance(self.model, DDP):
+            self._settle_ddp_buckets()
         # Continue with the epoch after the snapshot; never re-train the saved one.
         for epoch in range(self.epochs_run, total):
             start = time.perf_counter()
