@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .api import flatten_tensors, read, select_node
@@ -23,7 +23,9 @@ from .tree import (
     contiguous_stride,
     model_key,
     raw_parts,
+    resolve_prefix,
 )
+from .tree import strip_prefix as strip_layout_prefix
 
 # float64 temporaries of a chunk stay around 40 MiB
 CHUNK_ELEMENTS = 1 << 20
@@ -210,33 +212,66 @@ def _compare_chunk(
     return max_diff, different
 
 
-def _selected_tensors(ckpt: Any, select: str, strip_prefix: str) -> dict[str, Any]:
-    """The tensors to compare: the model state dict, or every tensor where there is
-    none or no single one (an optimizer state file, a GAN's two nets): ``diff`` may
-    not ignore any tensor that could differ."""
+def _selected_tensors(ckpt: Any, select: str, strip: str) -> tuple[dict[str, Any], str | None]:
+    """The tensors to compare, and the prefix stripped from their names: the model state
+    dict, or every tensor where there is none or no single one (an optimizer state file,
+    a GAN's two nets): ``diff`` may not ignore any tensor that could differ."""
     if select == "auto" and model_key(ckpt) is None:
         select = "all"
-    path, node = select_node(ckpt, select, strip_prefix)
-    return flatten_tensors(node, str(path[-1]) if path else "")
+    path, node = select_node(ckpt, select, "none")
+    prefix = None
+    if isinstance(node, Mapping) and all(isinstance(k, str) for k in node):
+        if select != "all" or strip not in ("auto", "none"):  # (all: root keys are no names)
+            prefix = resolve_prefix(node, strip)
+            node = strip_layout_prefix(node, prefix)
+    return flatten_tensors(node, str(path[-1]) if path else ""), prefix
 
 
 def _both_sides(
-    a: Any, b: Any, select: str, strip_prefix: str
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The tensors of both sides. A prefix applies to both, and a checkpoint is often
-    compared with its export that has none (``module.x`` against ``x``): it must match
-    the keys of one side at least, and the other keeps its keys."""
+    a: Any, b: Any, selects: tuple[str, str], strips: tuple[str, str]
+) -> tuple[tuple[dict[str, Any], dict[str, Any]], tuple[str | None, str | None]]:
+    """The tensors of both sides and the prefix stripped from each.
+
+    A prefix given for both sides must match the keys of one at least (a checkpoint is
+    often compared with its export that has none: ``module.x`` against ``x``); the other
+    keeps its keys. ``auto`` also pairs two layouts: where one side's every name starts
+    with one first part (Lightning's ``model.``) that the other's do not, and stripping
+    it makes more names meet, it is stripped."""
     sides: list[dict[str, Any]] = []
+    prefixes: list[str | None] = []
     errors: list[NoSuchPrefixError] = []
-    for ckpt in (a, b):
+    shared = strips[0] == strips[1]
+    for ckpt, select, strip in zip((a, b), selects, strips, strict=True):
         try:
-            sides.append(_selected_tensors(ckpt, select, strip_prefix))
+            tensors, prefix = _selected_tensors(ckpt, select, strip)
         except NoSuchPrefixError as exc:
+            if not shared:
+                raise  # a prefix for this side alone must match it
             errors.append(exc)
-            sides.append(_selected_tensors(ckpt, select, "none"))
+            tensors, prefix = _selected_tensors(ckpt, select, "none")
+        sides.append(tensors)
+        prefixes.append(prefix)
     if len(errors) == 2:
         raise errors[0]
-    return sides[0], sides[1]
+    for side, strip in enumerate(strips):
+        other = 1 - side
+        if strip == "auto" and prefixes[side] is None:
+            head = _common_head(sides[side])
+            if head and _common_head(sides[other]) != head:
+                stripped = {name[len(head) :]: t for name, t in sides[side].items()}
+                if len(stripped.keys() & sides[other].keys()) > len(
+                    sides[side].keys() & sides[other].keys()
+                ):
+                    sides[side], prefixes[side] = stripped, head
+    return (sides[0], sides[1]), (prefixes[0], prefixes[1])
+
+
+def _common_head(tensors: dict[str, Any]) -> str | None:
+    """The first part (``model.``) every name of ``tensors`` starts with, where one does."""
+    heads = {name.partition(".")[0] for name in tensors if "." in name}
+    if len(heads) != 1 or any("." not in name for name in tensors):
+        return None
+    return heads.pop() + "."
 
 
 @translate_errors
@@ -250,6 +285,10 @@ def diff(
     strip_prefix: str = "auto",
     unsafe: bool = False,
     progress: ProgressFactory | None = None,
+    select_a: str | None = None,
+    select_b: str | None = None,
+    strip_prefix_a: str | None = None,
+    strip_prefix_b: str | None = None,
 ) -> dict[str, Any]:
     """Compare the selected tensors of two checkpoints.
 
@@ -261,18 +300,25 @@ def diff(
         a, b: Inputs of any readable format (paths, folders, lists of rank files).
         atol, rtol: Allowed ``|a - b| <= atol + rtol * |b|``; 0 and 0 mean bitwise.
         select, strip_prefix: As in :func:`ckpttool.convert.convert`, applied to both.
+        select_a, select_b, strip_prefix_a, strip_prefix_b: For one side, where its
+            layout is not the other's (a Lightning ``state_dict`` against its export).
         progress: ``(total bytes, description) -> context manager`` giving a callable
             that is told how many bytes of A were compared (a progress bar).
 
     Returns:
         ``{"equal", "only_in_a", "only_in_b", "mismatched", "different", "compared",
-        "atol", "rtol", "counts"}``; ``counts`` has the number of each kind of difference.
+        "atol", "rtol", "counts", "prefixes"}``; ``counts`` has the number of each kind
+        of difference, ``prefixes`` the prefix stripped from each side (``{"a", "b"}``).
         A dtype mismatch compared across dtypes has ``max_abs_diff``, ``num_different``
         and ``within_tolerance`` (never True when bitwise).
     """
     if atol < 0 or rtol < 0:
         raise UsageError("--atol and --rtol must be >= 0")
-    ta, tb = _both_sides(read(a, unsafe=unsafe), read(b, unsafe=unsafe), select, strip_prefix)
+    selects = (select_a or select, select_b or select)
+    strips = (strip_prefix_a or strip_prefix, strip_prefix_b or strip_prefix)
+    (ta, tb), prefixes = _both_sides(
+        read(a, unsafe=unsafe), read(b, unsafe=unsafe), selects, strips
+    )
     only_a = [k for k in ta if k not in tb]
     only_b = [k for k in tb if k not in ta]
     mismatched, different, compared = [], [], 0
@@ -325,6 +371,7 @@ def diff(
         "atol": atol,
         "rtol": rtol,
         "counts": counts,
+        "prefixes": {"a": prefixes[0], "b": prefixes[1]},
     }
 
 

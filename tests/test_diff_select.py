@@ -109,12 +109,13 @@ def test_strip_prefix_as_convert_takes_it(snapshots: dict[str, Path]):
             ["convert", saved, "--to", "safetensors", "--select", "nope"],
         ]
     )
-    assert runs[0]["stdout"] == "equal: 2 tensors compared (bitwise)\n"
+    paired = "equal: 2 tensors compared (bitwise); prefixes stripped: A module., B none\n"
+    assert runs[0]["stdout"] == paired  # the summary says what each side lost
     result = json.loads(runs[1]["stdout"])
     assert result["only_in_a"] == ["module.weight", "module.bias"]
     assert result["only_in_b"] == ["weight", "bias"]
     assert runs[1]["code"] == 1
-    assert runs[2]["stdout"] == "equal: 2 tensors compared (bitwise)\n"
+    assert runs[2]["stdout"] == paired
     # a bad selection: the same one line from diff and convert
     diff_line = check_error(completed([], runs[3]), 2)
     convert_line = check_error(completed([], runs[4]), 2)
@@ -143,3 +144,39 @@ def test_diff_and_convert_share_the_options():
 
     assert options("diff") == options("convert")
     assert [o[0] for o in options("diff")] == [["--select"], ["--strip-prefix"]]
+
+
+def test_diff_pairs_two_layouts_per_side(tmp_path: Path):
+    """A Lightning checkpoint (``state_dict``, ``model.`` on every key) against its
+    export, and a Composer-like snapshot (``state.model``) against a plain one: per-side
+    selections and prefixes, or ``auto`` finding the head one side's every name has."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}
+    lightning = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in weights.items()}, "epoch": 3}, lightning)
+    export = tmp_path / "export.safetensors"
+    save_file(weights, export)
+    composer = tmp_path / "composer.pt"
+    torch.save({"state": {"model": weights, "optimizers": {}}}, composer)
+    plain = tmp_path / "plain.pt"
+    torch.save({"model": weights, "epoch": 1}, plain)
+    runs = run_many(
+        [
+            ["diff", lightning, export],
+            ["diff", lightning, export, "--strip-prefix-a", "model.", "--json"],
+            ["diff", composer, plain, "--select-a", "state.model", "--select-b", "model"],
+            ["diff", lightning, export, "--strip-prefix-b", "model."],
+        ]
+    )
+    assert runs[0]["stdout"] == (
+        "equal: 2 tensors compared (bitwise); prefixes stripped: A model., B none\n"
+    )
+    result = json.loads(runs[1]["stdout"])
+    assert result["equal"] and result["prefixes"] == {"a": "model.", "b": None}
+    assert runs[2]["stdout"] == "equal: 2 tensors compared (bitwise)\n"
+    # a prefix for one side alone must match that side
+    assert check_error(completed([], runs[3]), 2).startswith(
+        "ckpttool: error: --strip-prefix 'model.' matches no key; the keys begin with "
+    )

@@ -23,6 +23,7 @@ PROGRESS_BYTES = 256 << 20
         "ckpttool diff model.pt model-bf16.safetensors --atol 1e-2",
         "ckpttool diff a/ b/ --json | jq .counts",
         "ckpttool diff ep3-rank0.pt resumed-rank0.pt --select all    # optimizer state too",
+        "ckpttool diff last.ckpt hf-export/ --select-a state_dict --strip-prefix-a model.",
     )
     + "\n\nTensors of different dtypes are compared by value, both cast to the wider one: "
     "with --atol/--rtol, a bf16 export within tolerance is equal. "
@@ -46,6 +47,42 @@ def diff(
     ] = DEFAULT_LIMIT,
     select: Select = "auto",
     strip_prefix: StripPrefix = "auto",
+    select_a: Annotated[
+        str | None,
+        typer.Option(
+            "--select-a",
+            metavar="auto|all|KEY.PATH",
+            help="--select for A alone.",
+            show_default=False,
+        ),
+    ] = None,
+    select_b: Annotated[
+        str | None,
+        typer.Option(
+            "--select-b",
+            metavar="auto|all|KEY.PATH",
+            help="--select for B alone.",
+            show_default=False,
+        ),
+    ] = None,
+    strip_prefix_a: Annotated[
+        str | None,
+        typer.Option(
+            "--strip-prefix-a",
+            metavar="auto|none|PREFIX",
+            help="--strip-prefix for A alone.",
+            show_default=False,
+        ),
+    ] = None,
+    strip_prefix_b: Annotated[
+        str | None,
+        typer.Option(
+            "--strip-prefix-b",
+            metavar="auto|none|PREFIX",
+            help="--strip-prefix for B alone.",
+            show_default=False,
+        ),
+    ] = None,
     json_output: Json = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
@@ -70,6 +107,10 @@ def diff(
         strip_prefix=strip_prefix,
         unsafe=unsafe,
         progress=progress,
+        select_a=select_a,
+        select_b=select_b,
+        strip_prefix_a=strip_prefix_a,
+        strip_prefix_b=strip_prefix_b,
     )
     if json_output:
         write(dumps_json(result) + "\n")
@@ -158,6 +199,13 @@ def verdict(result: dict, paint: Painter) -> str:
         ]
         found = ", ".join(f"{n:,} {kind}" for n, kind in kinds if n)
         text = paint("different", "red") + f": {found}; {compared}"
+    prefixes = result.get("prefixes", {})
+    if prefixes.get("a") != prefixes.get("b"):  # two layouts paired: say how
+        shown = ", ".join(
+            f"{side.upper()} {printable(p) if p else 'none'}"
+            for side, p in sorted(prefixes.items())
+        )
+        text += f"; prefixes stripped: {shown}"
     cast = [m for m in result["mismatched"] if m.get("within_tolerance")]
     if cast:
         pairs = sorted({(m["a"]["dtype"], m["b"]["dtype"]) for m in cast})
