@@ -24,6 +24,7 @@ from .tree import (
     model_key,
     raw_parts,
     resolve_prefix,
+    tied_names,
 )
 from .tree import strip_prefix as strip_layout_prefix
 
@@ -307,8 +308,10 @@ def diff(
 
     Returns:
         ``{"equal", "only_in_a", "only_in_b", "mismatched", "different", "compared",
-        "atol", "rtol", "counts", "prefixes"}``; ``counts`` has the number of each kind
-        of difference, ``prefixes`` the prefix stripped from each side (``{"a", "b"}``).
+        "atol", "rtol", "counts", "prefixes", "tied"}``; ``counts`` has the number of
+        each kind of difference, ``prefixes`` the prefix stripped from each side
+        (``{"a", "b"}``), ``tied`` the names one side alone has as a tie of a weight
+        both have (``{"name", "side", "to"}``: no difference).
         A dtype mismatch compared across dtypes has ``max_abs_diff``, ``num_different``
         and ``within_tolerance`` (never True when bitwise).
     """
@@ -319,8 +322,17 @@ def diff(
     (ta, tb), prefixes = _both_sides(
         read(a, unsafe=unsafe), read(b, unsafe=unsafe), selects, strips
     )
-    only_a = [k for k in ta if k not in tb]
-    only_b = [k for k in tb if k not in ta]
+    # a name only one side has, tied there to a weight both sides have (a tied head
+    # that save_pretrained left out): the same weight, a note, no difference
+    tied = [
+        {"name": name, "side": side, "to": kept}
+        for side, mine, theirs in (("a", ta, tb), ("b", tb, ta))
+        for name, kept in tied_names(mine).items()
+        if name not in theirs and kept in theirs
+    ]
+    one_side = {(t["side"], t["name"]) for t in tied}
+    only_a = [k for k in ta if k not in tb and ("a", k) not in one_side]
+    only_b = [k for k in tb if k not in ta and ("b", k) not in one_side]
     mismatched, different, compared = [], [], 0
     readers = (RawReader(BLOCK_BYTES), RawReader(BLOCK_BYTES))
     bitwise = atol == 0 and rtol == 0
@@ -372,6 +384,7 @@ def diff(
         "rtol": rtol,
         "counts": counts,
         "prefixes": {"a": prefixes[0], "b": prefixes[1]},
+        "tied": tied,
     }
 
 

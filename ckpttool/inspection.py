@@ -35,6 +35,7 @@ from .tree import (
     model_key,
     model_state,
     plain_values,
+    tied_names,
 )
 
 # --stats works on float64 copies of this many elements at a time (8 MiB)
@@ -83,10 +84,16 @@ def inspect_report(
 
     tensors, nbytes = [], 0
     single_file = ckpt.files[0] if len(ckpt.files) == 1 else None
-    for path, ref in iter_tensors(ckpt.root):
-        if pattern and not pattern.search(dotted(path)):
-            continue
+    listed = {
+        path: ref
+        for path, ref in iter_tensors(ckpt.root)
+        if not pattern or pattern.search(dotted(path))
+    }
+    tied = tied_names(listed)  # one weight under two names: shown so, its bytes once
+    for path, ref in listed.items():
         entry = tensor_entry(path, ref)
+        if path in tied:
+            entry["tied_to"] = json_key(tied[path])
         file = single_file or tensor_file(ref)
         entry["file"] = None if file is None else sources.shown(file)
         if stats:
@@ -94,7 +101,7 @@ def inspect_report(
             if progress:
                 progress(ref.nbytes)
         tensors.append(entry)
-        nbytes += ref.nbytes
+        nbytes += 0 if path in tied else ref.nbytes
     # counted over the state dict itself: for a pickled module, its non-persistent
     # buffers are tensors in the file but not part of its state dict
     # (a tied embedding, one storage under two names, counts once: model.num_parameters())

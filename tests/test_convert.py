@@ -29,6 +29,19 @@ from ckpttool.errors import OutputExistsError, UsageError
 from ckpttool.writers.naming import default_output
 
 MODEL_KEYS = ["emb.weight", "head.weight", "proj.weight", "norm.bias", "bn.num_batches_tracked"]
+WRITTEN_KEYS = [k for k in MODEL_KEYS if k != "head.weight"]  # the tie is written once
+
+
+def load_tied(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors and the tied names its metadata records, as
+    safetensors' ``load_model`` gives them back (``load_file`` gives the stored ones)."""
+    loaded = load_file(path)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata() or {}
+    for alias, kept in metadata.items():
+        if alias not in loaded and kept in loaded:
+            loaded[alias] = loaded[kept]
+    return loaded
 
 
 def snapshot_model() -> dict[str, torch.Tensor]:
@@ -74,22 +87,23 @@ def test_cli_safetensors_default_name_header_and_bytes(snap: Path):
     assert proc.returncode == 0, proc.stderr
     out = snap.parent / "snap.safetensors"
     assert tree_files(snap.parent) == ["snap.pt", "snap.safetensors"]
-    assert proc.stderr.splitlines() == [f"wrote {out} (5 tensors, 440 B)"]
+    assert proc.stderr.splitlines() == [f"wrote {out} (5 tensors, 280 B)"]
 
     header = safetensors_header(out)
-    assert header.pop("__metadata__") == {"format": "pt", "source": "snap.pt"}
-    assert list(header) == MODEL_KEYS
-    offsets = [header[k]["data_offsets"] for k in MODEL_KEYS]
-    assert offsets == [[0, 160], [160, 320], [320, 416], [416, 432], [432, 440]]
-    assert header["proj.weight"] == {"dtype": "F32", "shape": [4, 6], "data_offsets": [320, 416]}
+    metadata = {"format": "pt", "source": "snap.pt", "head.weight": "emb.weight"}
+    assert header.pop("__metadata__") == metadata  # the tie, as save_model records it
+    assert list(header) == WRITTEN_KEYS
+    offsets = [header[k]["data_offsets"] for k in WRITTEN_KEYS]
+    assert offsets == [[0, 160], [160, 256], [256, 272], [272, 280]]
+    assert header["proj.weight"] == {"dtype": "F32", "shape": [4, 6], "data_offsets": [160, 256]}
     assert header["bn.num_batches_tracked"]["dtype"] == "I64"
 
-    loaded = load_file(out)
-    assert sorted(loaded) == sorted(MODEL_KEYS)
+    assert sorted(load_file(out)) == sorted(WRITTEN_KEYS)
+    loaded = load_tied(out)
     assert_identical({k: loaded[k] for k in MODEL_KEYS}, expected_model())
     with safe_open(out, "pt") as f:
-        assert f.metadata() == {"format": "pt", "source": "snap.pt"}
-        assert list(f.keys()) == sorted(MODEL_KEYS)
+        assert f.metadata() == metadata
+        assert list(f.keys()) == sorted(WRITTEN_KEYS)
         assert torch.equal(f.get_tensor("proj.weight"), snapshot_model()["module.proj.weight"])
 
 
@@ -132,8 +146,9 @@ def test_select_and_strip_prefix(snap: Path, tmp_path: Path, select, strip, want
     assert (result.output, result.files, result.num_tensors) == (str(out), [out.name], len(want))
     header = safetensors_header(out)
     del header["__metadata__"]
-    assert list(header) == list(want)
-    loaded = load_file(out)
+    tied = [k for k, v in want.items() if v.endswith("head.weight")]  # written once
+    assert list(header) == [k for k in want if k not in tied]
+    loaded = load_tied(out)
     source = all_tensors()
     assert_identical({k: loaded[k] for k in want}, {k: source[v] for k, v in want.items()})
 
@@ -153,11 +168,24 @@ def test_select_one_tensor_keeps_its_name(tmp_path: Path):
     assert list(load_file(out)) == ["0.weight"]
 
 
-def test_tied_weights_written_in_full_and_independent(snap: Path, tmp_path: Path):
-    convert([str(snap)], "safetensors", str(tmp_path / "t.safetensors"))
-    loaded = load_file(tmp_path / "t.safetensors")
+def test_tied_weights_written_once_and_read_back_tied(snap: Path, tmp_path: Path):
+    """A weight saved under two names (an embedding tied to its head) is written once, as
+    save_pretrained writes it, the other name mapped to it in the metadata; ckpttool and
+    load_model give both names back, one tensor."""
+    import ckpttool
+
+    out = tmp_path / "t.safetensors"
+    convert([str(snap)], "safetensors", str(out))
+    assert "head.weight" not in load_file(out)
+    loaded = load_tied(out)
     assert torch.equal(loaded["emb.weight"], loaded["head.weight"])
-    assert loaded["emb.weight"].data_ptr() != loaded["head.weight"].data_ptr()
+    back = ckpttool.load(out)
+    assert list(back) == [*WRITTEN_KEYS, "head.weight"]
+    assert back["head.weight"].data_ptr() == back["emb.weight"].data_ptr()
+    again = tmp_path / "again.safetensors"  # and a conversion of the output is the same bytes
+    convert([str(out)], "safetensors", str(again))
+    assert safetensors_header(again)["__metadata__"]["head.weight"] == "emb.weight"
+    assert load_file(again).keys() == load_file(out).keys()
 
     convert([str(snap)], "pt", str(tmp_path / "t.pt"))
     pt = torch.load(tmp_path / "t.pt", weights_only=True)
@@ -181,7 +209,8 @@ def test_dtype_casts_floating_tensors_only(snap: Path, tmp_path: Path, to, cast)
         k: v.to(getattr(torch, cast)) if v.is_floating_point() else v
         for k, v in expected_model().items()
     }
-    assert result.nbytes == 2 * (40 * 2) + 24 * 2 + 4 * 2 + 8  # ints keep 8 bytes
+    tied = 40 * 2 if to == "safetensors" else 0  # the tied head written once there
+    assert result.nbytes == 2 * (40 * 2) + 24 * 2 + 4 * 2 + 8 - tied  # ints keep 8 bytes
     got = read_back(out, to, want)
     assert got["bn.num_batches_tracked"].dtype == torch.int64
     assert_identical(got, want)
@@ -190,7 +219,7 @@ def test_dtype_casts_floating_tensors_only(snap: Path, tmp_path: Path, to, cast)
 def read_back(out: Path, to: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The output read by its own consumer: safetensors, torch.load, or DCP load."""
     if to == "safetensors":
-        loaded = load_file(out)
+        loaded = load_tied(out)
         return {k: loaded[k] for k in like}
     if to == "pt":
         return torch.load(out, weights_only=True)
@@ -275,7 +304,7 @@ def test_many_input_files_keep_few_descriptors_open(tmp_path: Path, monkeypatch)
 
 
 def test_max_shard_size_default_folder(snap: Path):
-    result = convert([str(snap)], "safetensors", max_shard_size="200")
+    result = convert([str(snap)], "safetensors", max_shard_size="100")
     out = snap.parent / "snap-safetensors"
     assert result.output == str(out)
     assert tree_files(out) == [
@@ -285,14 +314,15 @@ def test_max_shard_size_default_folder(snap: Path):
         "model.safetensors.index.json",
     ]
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert index["metadata"] == {"total_size": 440}
+    assert index["metadata"] == {"total_size": 280}  # the tied head written once
     assert index["weight_map"] == {
         "emb.weight": "model-00001-of-00003.safetensors",
-        "head.weight": "model-00002-of-00003.safetensors",
-        "proj.weight": "model-00003-of-00003.safetensors",
+        "proj.weight": "model-00002-of-00003.safetensors",
         "norm.bias": "model-00003-of-00003.safetensors",
         "bn.num_batches_tracked": "model-00003-of-00003.safetensors",
     }
+    first = safetensors_header(out / "model-00001-of-00003.safetensors")["__metadata__"]
+    assert first["head.weight"] == "emb.weight"  # beside the weight it names
 
 
 @pytest.mark.parametrize(
@@ -403,7 +433,7 @@ def test_force_replaces_file_and_folder(snap: Path, tmp_path: Path):
     out = tmp_path / "o.safetensors"
     save_file({"old": torch.zeros(1)}, out)  # an earlier output (--force replaces no other file)
     convert([str(snap)], "safetensors", str(out), force=True)
-    assert_identical({k: load_file(out)[k] for k in MODEL_KEYS}, expected_model())
+    assert_identical({k: load_tied(out)[k] for k in MODEL_KEYS}, expected_model())
 
     folder = tmp_path / "shards"
     folder.mkdir()

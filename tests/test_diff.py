@@ -27,6 +27,7 @@ JSON_KEYS = [
     "rtol",
     "counts",
     "prefixes",
+    "tied",
 ]
 
 
@@ -54,7 +55,8 @@ def report(**changes) -> dict:
         "dtype_within_tolerance": sum(1 for m in dtypes if m["within_tolerance"]),
     }
     prefixes = out.pop("prefixes")
-    return {**out, "counts": counts, "prefixes": prefixes}
+    tied = out.pop("tied", [])
+    return {**out, "counts": counts, "prefixes": prefixes, "tied": tied}
 
 
 def sides(a: str | None = None, b: str | None = None) -> dict:

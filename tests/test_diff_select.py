@@ -180,3 +180,36 @@ def test_diff_pairs_two_layouts_per_side(tmp_path: Path):
     assert check_error(completed([], runs[3]), 2).startswith(
         "ckpttool: error: --strip-prefix 'model.' matches no key; the keys begin with "
     )
+
+
+def test_a_tie_one_side_alone_names_is_no_difference(tmp_path: Path):
+    """A pytorch_model.bin keeps a tied head over the embedding's storage; save_pretrained's
+    safetensors leaves it out; a copy saved apart is two equal tensors. None differ."""
+    import torch
+    from safetensors.torch import save_file
+
+    emb = torch.arange(12.0).reshape(4, 3)
+    tied_bin = tmp_path / "pytorch_model.bin"
+    torch.save({"wte.weight": emb, "h.bias": torch.ones(3), "lm_head.weight": emb}, tied_bin)
+    exported = tmp_path / "model.safetensors"
+    save_file({"wte.weight": emb, "h.bias": torch.ones(3)}, exported)
+    copies = tmp_path / "copies.pt"
+    torch.save({"wte.weight": emb, "h.bias": torch.ones(3), "lm_head.weight": emb.clone()}, copies)
+    runs = run_many(
+        [
+            ["diff", exported, tied_bin],
+            ["diff", exported, tied_bin, "--json"],
+            ["diff", tied_bin, copies],
+            ["diff", exported, copies],  # an untied copy is a weight of its own
+        ]
+    )
+    assert runs[0]["code"] == 0, runs[0]
+    assert runs[0]["stdout"] == (
+        "equal: 2 tensors compared (bitwise); 1 name tied on one side only "
+        "(lm_head.weight = wte.weight in B)\n"
+    )
+    result = json.loads(runs[1]["stdout"])
+    assert result["tied"] == [{"name": "lm_head.weight", "side": "b", "to": "wte.weight"}]
+    assert result["only_in_b"] == [] and result["equal"]
+    assert runs[2]["stdout"] == "equal: 3 tensors compared (bitwise)\n"
+    assert runs[3]["code"] == 1 and "+ only in B: lm_head.weight" in runs[3]["stdout"]

@@ -400,7 +400,12 @@ def test_trainer_checkpoint_converts_to_safetensors_equal_to_its_weights(
     proc = run_cli("convert", TRANSFORMERS / run / "checkpoint-2", "--to", "safetensors", "-o", out)
     assert proc.returncode == 0, proc.stderr
     truth = torch.load(TRANSFORMERS / run / "truth.pt", weights_only=True)["model"]
-    assert_identical(load_file(out), truth, ordered=False)
+    written = load_file(out)
+    # a tied head (4.x's pytorch_model.bin keeps it, over the embedding's storage) is
+    # written once, as save_pretrained writes it; ckpttool reads the name back
+    tied = sorted(set(truth) - set(written))
+    assert tied in ([], ["lm_head.weight"])
+    assert_identical({**written, **{k: ckpttool.load(out)[k] for k in tied}}, truth, ordered=False)
 
 
 def test_trainer_checkpoint_weights_are_taken_in_from_pretrained_order(tmp_path):

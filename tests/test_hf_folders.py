@@ -87,7 +87,8 @@ def test_bin_model_folder_to_a_folder_from_pretrained_loads(bin_folder, tmp_path
     # the weights are the model's own tensors, bitwise
     state = model.state_dict()
     got = load_file(single / "model.safetensors")
-    assert sorted(got) == sorted(state)
+    # the tied head written once, as save_pretrained writes it (from_pretrained ties it)
+    assert sorted(got) == sorted(k for k in state if k != "lm_head.weight")
     assert all(torch.equal(got[k], state[k]) for k in got)
 
 

@@ -690,3 +690,22 @@ def test_device_column_only_where_a_tensor_was_saved_off_the_cpu(tmp_path):
     lines = run_cli("inspect", tmp_path / "one.pt").stdout.splitlines()
     assert "size: 8 B in 1 tensor (fp32 8 B)" in lines  # singular, and no device column
     assert lines[lines.index("tensors: 1") + 1].split() == ["name", "dtype", "shape", "size"]
+
+
+def test_a_tied_weight_is_counted_once_and_shown_as_tied(tmp_path):
+    """One storage under two names (a head tied to its embedding) is one weight: its
+    bytes and parameters once, the second name marked ``tied_to`` the first."""
+    emb = torch.arange(12.0).reshape(4, 3)
+    path = tmp_path / "tied.bin"
+    torch.save({"wte.weight": emb, "h.bias": torch.ones(3), "lm_head.weight": emb}, path)
+    proc = run_cli("inspect", "--json", path)
+    report = json.loads(proc.stdout)
+    assert (report["num_params"], report["nbytes"], report["num_tensors"]) == (15, 60, 3)
+    tied = [t for t in report["tensors"] if "tied_to" in t]
+    assert [(t["key"], t["tied_to"]) for t in tied] == [(["lm_head.weight"], ["wte.weight"])]
+    text = run_cli("inspect", path).stdout.splitlines()
+    assert "size: 60 B in 3 tensors (fp32 60 B); 1 tied (lm_head.weight = wte.weight)" in text
+    copies = tmp_path / "copies.pt"  # an equal copy is a weight of its own
+    torch.save({"wte.weight": emb, "lm_head.weight": emb.clone()}, copies)
+    report = json.loads(run_cli("inspect", "--json", copies).stdout)
+    assert report["nbytes"] == 96 and not any("tied_to" in t for t in report["tensors"])

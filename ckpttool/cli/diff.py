@@ -206,6 +206,15 @@ def verdict(result: dict, paint: Painter) -> str:
             for side, p in sorted(prefixes.items())
         )
         text += f"; prefixes stripped: {shown}"
+    tied = result.get("tied", [])
+    if tied:  # a tie one side alone names: the same weight
+        first = tied[0]
+        text += (
+            f"; {plural(len(tied), 'name')} tied on one side only ({printable(first['name'])} "
+            f"= {printable(first['to'])} in {first['side'].upper()}"
+            + (", …" if len(tied) > 1 else "")
+            + ")"
+        )
     cast = [m for m in result["mismatched"] if m.get("within_tolerance")]
     if cast:
         pairs = sorted({(m["a"]["dtype"], m["b"]["dtype"]) for m in cast})

@@ -96,14 +96,22 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
 
     by_dtype: dict[str, int] = defaultdict(int)
     devices = set()
+    tied = [t for t in report["tensors"] if "tied_to" in t]
     for t in report["tensors"]:
-        by_dtype[short_dtype(t["dtype"])] += t["nbytes"]
+        if "tied_to" not in t:  # (its bytes are another name's: counted once, as nbytes)
+            by_dtype[short_dtype(t["dtype"])] += t["nbytes"]
         devices.add(t["device"])
     matching = " matching --filter" if options.filter else ""
     text = f"{human_bytes(report['nbytes'])} in {plural(report['num_tensors'], 'tensor')}{matching}"
     if by_dtype:
         parts = sorted(by_dtype.items(), key=lambda item: -item[1])
         text += " (" + ", ".join(f"{d} {human_bytes(n)}" for d, n in parts) + ")"
+    if tied:  # one weight under two names (a tied head), its bytes counted once
+        first = tied[0]
+        text += (
+            f"; {len(tied)} tied ({printable('.'.join(map(str, first['key'])))} = "
+            f"{printable('.'.join(map(str, first['tied_to'])))}{', …' if len(tied) > 1 else ''})"
+        )
     if devices - {"cpu"}:
         text += ", saved on " + ", ".join(sorted(map(printable, devices)))
     lines.append(label("size", text))

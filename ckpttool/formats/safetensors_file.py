@@ -178,7 +178,19 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     for name, info in header.items():
         root[name] = tensor_ref(path, name, info, data_start, data_len)
     check_layout(root, data_start, data_len, path)
+    add_tied(root, metadata)
     return Checkpoint(format=FORMAT, files=[path], root=root, metadata=dict(metadata))
+
+
+def add_tied(tensors: dict[str, Any], metadata: dict[str, str]) -> None:
+    """The tied names a file's metadata records (``{"lm_head.weight": "wte.weight"}``,
+    as safetensors' ``save_model`` and ckpttool write a weight saved once for two
+    names), each the same tensor as the one it names, after it: what ``load_model``
+    gives back. An entry that names no tensor of the file, or a name it holds, is
+    plain metadata."""
+    for alias, kept in metadata.items():
+        if alias not in tensors and kept in tensors and alias != "format":
+            tensors[alias] = tensors[kept]
 
 
 def _integers(values: Any) -> tuple[int, ...]:

@@ -106,6 +106,8 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         if ref is None:
             raise CkptError(f"tensor {name!r} is not in {shard_name}", path=index_path)
         root[name] = ref
+    for shard in shards.values():  # the tied names each shard records, after the rest
+        safetensors_file.add_tied(root, shard.metadata)
     pickled = [s.checkpoint for s in shards.values() if s.checkpoint is not None]
     metadata = index.get("metadata")
     return Checkpoint(
@@ -138,11 +140,12 @@ class _Shard:
     def __init__(self, path: str, permissive: bool):
         self.path = path
         self.checkpoint: Checkpoint | None = None
+        self.metadata: dict[str, str] = {}
         head = sources.read_head(path)
         if safetensors_file.detect(path, head):
             header, start = safetensors_file.read_header(path)
             data_len = sources.getsize(path) - start
-            header.pop("__metadata__", None)
+            self.metadata = header.pop("__metadata__", None) or {}
             self.refs = {
                 name: safetensors_file.tensor_ref(path, name, info, start, data_len)
                 for name, info in header.items()

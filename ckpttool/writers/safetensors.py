@@ -7,6 +7,7 @@ from typing import Any
 
 from ..dtypes import DType
 from ..errors import CkptError
+from ..tree import tied_names
 from . import output_dtype, refuse_sparse
 from .folder_layout import HF_SHARDS, FolderLayout
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
@@ -25,12 +26,20 @@ def layout(options: WriteOptions) -> FolderLayout | None:
 
 
 def plan(tensors: dict[str, Any], options: WriteOptions) -> Plan:
-    """One file, or shards of at most ``options.max_shard_size`` bytes and their index."""
+    """One file, or shards of at most ``options.max_shard_size`` bytes and their index.
+
+    A tensor that is the same weight as one before it (a tied ``lm_head.weight``) is
+    written once, as ``save_pretrained`` writes it: its name maps to the kept one in the
+    ``__metadata__`` of the file that holds that one (``{"lm_head.weight":
+    "transformer.wte.weight"}``, as safetensors' ``save_model`` records it and
+    ``load_model`` and ckpttool read it back)."""
     check_dtypes(tensors, options.cast)
     check_names(tensors)
+    tied = tied_names(tensors)
+    kept = {name: leaf for name, leaf in tensors.items() if name not in tied}
     if options.max_shard_size is None:
-        return Plan([plan_file("", tensors, options)])
-    return plan_sharded(tensors, options)
+        return Plan([plan_file("", kept, options, tied)])
+    return plan_sharded(kept, options, tied)
 
 
 def check_dtypes(tensors: dict[str, Any], cast: DType | None) -> None:
@@ -102,9 +111,13 @@ def header_bytes(tensors: dict[str, Any], cast: DType | None, metadata: dict[str
     return len(raw).to_bytes(8, "little") + raw
 
 
-def plan_file(name: str, tensors: dict[str, Any], options: WriteOptions) -> FilePlan:
-    """One safetensors file: its header, then every tensor's bytes in key order."""
-    header = header_bytes(tensors, options.cast, dict(options.metadata))
+def plan_file(
+    name: str, tensors: dict[str, Any], options: WriteOptions, tied: dict[str, str] | None = None
+) -> FilePlan:
+    """One safetensors file: its header, then every tensor's bytes in key order; the
+    aliases of ``tied`` whose weight it holds named in its metadata."""
+    aliases = {alias: kept for alias, kept in (tied or {}).items() if kept in tensors}
+    header = header_bytes(tensors, options.cast, {**options.metadata, **aliases})
     pieces, offset = [Piece(0, len(header), data=header)], len(header)
     for leaf in tensors.values():
         nbytes = leaf.numel * output_dtype(leaf, options.cast).itemsize
@@ -129,15 +142,18 @@ def shard_names(
     return shards or [[]]
 
 
-def plan_sharded(tensors: dict[str, Any], options: WriteOptions) -> Plan:
-    """Hugging Face style shards, then their index (written last: it names them)."""
+def plan_sharded(
+    tensors: dict[str, Any], options: WriteOptions, tied: dict[str, str] | None = None
+) -> Plan:
+    """Hugging Face style shards, then their index (written last: it names them; as
+    ``save_pretrained``'s, it lists the tensors written, not their aliases)."""
     if options.max_shard_size is None:
         raise ValueError("plan_sharded needs options.max_shard_size")
     shards = shard_names(tensors, options.cast, options.max_shard_size)
     files, weight_map = [], {}
     for index, keys in enumerate(shards, start=1):
         name = SHARD_NAME.format(index=index, count=len(shards))
-        files.append(plan_file(name, {k: tensors[k] for k in keys}, options))
+        files.append(plan_file(name, {k: tensors[k] for k in keys}, options, tied))
         weight_map.update(dict.fromkeys(keys, name))
     total = sum(f.size - f.pieces[0].nbytes for f in files)  # the tensors' bytes
     index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
