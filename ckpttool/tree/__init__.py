@@ -50,7 +50,7 @@ from .leaves import (
     is_tensor,
 )
 from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values, swaps_class
-from .params import count_parameters, tied_names
+from .params import count_parameters, tied_names, weight_key
 from .plain_data import TorchValue, recorded_classes, to_plain
 from .sharding import check_coverage, raw_parts, row_blocks
 from .torch_values import (
@@ -111,6 +111,7 @@ __all__ = [
     "contiguous_stride",
     "count_parameters",
     "tied_names",
+    "weight_key",
     "detect_prefix",
     "get_path",
     "global_name",

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 K = TypeVar("K")  # a tensor's name: a string, or a key path
 
 
-def _view(ref: Any) -> tuple | None:
+def weight_key(ref: Any) -> tuple | None:
     """What makes two tensors one weight: the same stored bytes viewed the same way (the
     same storage, offset, shape, stride and dtype); None for a tensor that has no
     storage of its own to share (sharded, meta, sparse)."""
@@ -28,7 +28,7 @@ def count_parameters(refs: Iterable[Any]) -> int:
     seen: set[tuple] = set()
     total = 0
     for ref in refs:
-        view = _view(ref)
+        view = weight_key(ref)
         if view is not None:
             if view in seen:
                 continue
@@ -45,7 +45,7 @@ def tied_names(tensors: Mapping[K, Any]) -> dict[K, K]:
     first: dict[tuple, K] = {}
     tied: dict[K, K] = {}
     for name, ref in tensors.items():
-        view = _view(ref)
+        view = weight_key(ref)
         if view is None:
             continue
         if view in first:

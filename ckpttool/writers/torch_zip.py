@@ -36,6 +36,7 @@ from ..tree import (
     TorchValue,
     contiguous_stride,
     to_plain,
+    weight_key,
 )
 from ..zip_records import (
     CENTRAL_HEADER,
@@ -395,6 +396,9 @@ class _Planner:
     def __init__(self, cast: DType | None, location: str):
         self.cast, self.location = cast, location
         self.data: list[_Data] = []
+        # a tensor that is the same weight as one before it (a tied head) views the same
+        # storage, as torch.save writes it: weight_key -> that storage
+        self._weights: dict[tuple, _Storage] = {}
 
     def add_tensor(self, leaf: Leaf) -> _Reduced:
         """What the pickle holds for one tensor: as torch pickles it, an ``nn.Parameter``
@@ -420,8 +424,13 @@ class _Planner:
         return _Storage(key, dtype, leaf.numel, self.location)
 
     def _dense(self, leaf: Leaf, requires_grad: bool) -> _Reduced:
-        storage = self._entry(leaf, self.cast, output_dtype(leaf, self.cast))
         quantizer = getattr(leaf, "quantizer", None)
+        key = weight_key(leaf) if quantizer is None else None
+        storage = self._weights.get(key) if key is not None else None
+        if storage is None:
+            storage = self._entry(leaf, self.cast, output_dtype(leaf, self.cast))
+            if key is not None:
+                self._weights[key] = storage
         if quantizer is not None:
             return self._quantized(storage, tuple(leaf.shape), quantizer)
         return _tensor(storage, tuple(leaf.shape), requires_grad)
