@@ -1,7 +1,7 @@
 """inspect's small things (issue 32, item 9): --names gives the names convert writes,
 parameters count shared storage once, a run folder of several formats says so, and the
-human view fits 100 columns (long names whole on their own line) and a tiny snapshot
-one screen."""
+human view fits a terminal by shortening names in the middle, piped keeps every row whole
+on one line, and a tiny snapshot fits one screen."""
 
 from __future__ import annotations
 
@@ -79,12 +79,30 @@ def test_tiny_snapshot_fits_one_screen_of_100_columns(tmp_path):
     assert max(len(line) for line in lines) <= 100
     assert lines[-1].startswith("  … ") and "(--limit 0 or --full)" in lines[-1]
     lines = runs[1]["stdout"].splitlines()
-    name = f"  model.{long}"
-    assert name in lines  # whole, on its own line, its row below it
-    row = lines[lines.index(name) + 1]
-    assert row.split() == ["fp32", "[2]", "8", "B"]
-    assert all(len(line) <= 100 for line in lines if line != name)
+    name = f"model.{long}"
+    # piped: the row whole, on one line, whitespace between its columns (awk, grep)
+    (row,) = [line for line in lines if name in line]
+    assert row.split() == [name, "fp32", "[2]", "8", "B"]
     assert any(line.endswith("…") and "'xxx" in line for line in lines)  # the value, cut
-    # --full: every row whole on one line, for grep
-    assert any(line.startswith(name) and line.split()[1:] == ["fp32", "[2]", "8", "B"]
+    # --full: every row whole on one line too
+    assert any(line.split() == [name, "fp32", "[2]", "8", "B"]
                for line in runs[2]["stdout"].splitlines())  # fmt: skip
+
+
+def test_on_a_terminal_rows_fit_its_width_by_shortening_names():
+    """Never a row broken over two lines: a name too long for the terminal's width keeps
+    its start and its end, the middle shortened."""
+    from ckpttool.cli.fit import cut_middle, fit_columns
+
+    long = "model.layers.0.self_attn." + "x" * 80 + ".q_proj.weight"
+    table = [["name", "dtype", "shape", "size"], [long, "fp32", "[4, 4]", "64 B"],
+             ["short.w", "fp32", "[2]", "8 B"]]  # fmt: skip
+    for width in (60, 80, 120):
+        lines = fit_columns(table, right={3}, width=width)
+        assert len(lines) == 3 and all(len(line) <= width for line in lines), lines
+        assert lines[1].split()[0].startswith("model.layers.0.")
+        assert lines[1].split()[0].endswith("q_proj.weight") and "…" in lines[1]
+        assert lines[1].split()[1:] == ["fp32", "[4,", "4]", "64", "B"]
+    piped = fit_columns(table, right={3}, width=None)
+    assert piped[1].split()[0] == long
+    assert cut_middle("abcdefghij", 5) == "ab…ij" and cut_middle("abc", 5) == "abc"

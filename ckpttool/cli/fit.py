@@ -1,8 +1,10 @@
-"""Tables and lines of the human views within :data:`MAX_WIDTH` columns.
+"""Tables and lines of the human views: a row is never broken over two lines.
 
-Nothing is wrapped by a terminal: a name too long for its column goes whole on a line of
-its own, above its row (so ``grep`` still finds it whole); a column of free text (a value)
-is cut with ``…``.
+Piped (no terminal), a table's rows are whole, one a line, whitespace between the
+columns, so ``grep`` and ``awk`` find every name and column. On a terminal they fit its
+width: a name too long for what is left is shortened in the middle (``model.layers.0…
+q_proj.weight``: its start and its end are what tell names apart); a column of free text
+(a value) is cut with ``…``, on a terminal and piped alike.
 """
 
 from __future__ import annotations
@@ -28,16 +30,34 @@ def cut(text: str, width: int) -> str:
     return out + "…"
 
 
+def cut_middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` columns, its middle replaced by ``…`` where it was cut."""
+    if cell_width(text) <= width:
+        return text
+    head, tail = "", ""
+    chars = list(text)
+    while chars and cell_width(head) + cell_width(tail) + 1 < width:
+        if cell_width(head) <= cell_width(tail):
+            head += chars.pop(0)
+        else:
+            tail = chars.pop() + tail
+    while head and cell_width(head) + cell_width(tail) + 1 > width:
+        head = head[:-1]
+    return head + "…" + tail
+
+
 def fit_columns(
     table: Sequence[Sequence[str]],
     right: Iterable[int] = (),
     shrink: int | None = None,
     *,
     header: bool = True,
+    width: int | None = MAX_WIDTH,
 ) -> list[str]:
-    """:func:`~.text.columns` within :data:`MAX_WIDTH`: column ``shrink`` cut to fit, then
-    names (column 0) too long for what is left each on a line of their own. ``header``:
-    the first row is the column names (never cut or moved)."""
+    """:func:`~.text.columns`, a line a row: column ``shrink`` (free text) cut to fit
+    :data:`MAX_WIDTH`, then, within ``width`` (a terminal's), names (column 0) too long
+    for what is left shortened in the middle; ``width`` None (piped): names whole.
+    ``header``: the first row is the column names (never cut)."""
     rows = [list(row) for row in table]
     if not rows:
         return []
@@ -51,17 +71,10 @@ def fit_columns(
         for row in rows[first:]:
             row[shrink] = cut(row[shrink], room)
         widths[shrink] = max(cell_width(row[shrink]) for row in rows)
-    name_room = MAX_WIDTH - gaps - sum(widths[1:])
-    name_room = max(name_room, cell_width(rows[0][0]) if header else MIN_CUT)
-    long_names: dict[int, str] = {}
-    for i, row in enumerate(rows[first:], start=first):
-        if cell_width(row[0]) > name_room:
-            long_names[i] = row[0]
-            row[0] = ""
-    lines = columns(rows, right=right, indent=INDENT)
-    out = []
-    for i, line in enumerate(lines):
-        if i in long_names:
-            out.append(INDENT + long_names[i])
-        out.append(line)
-    return out
+    if width is None:
+        return columns(rows, right=right, indent=INDENT)
+    name_room = width - gaps - sum(widths[1:])
+    name_room = max(name_room, cell_width(rows[0][0]) if header else MIN_CUT, MIN_CUT)
+    for row in rows[first:]:
+        row[0] = cut_middle(row[0], name_room)
+    return columns(rows, right=right, indent=INDENT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated
 
@@ -143,6 +144,7 @@ def inspect(
         limit=0 if full else limit,
         sort=sort.value if sort else None,
         filter=filter,
+        width=terminal_width(),
     )
     paint = Painter.for_stdout()
     lines: list[str] = []
@@ -152,6 +154,16 @@ def inspect(
             lines += [""] * bool(index) + [paint(head, "bold")]
         lines += inspect_lines(ckpt, report, options, paint)
     write("\n".join(lines) + "\n")
+
+
+def terminal_width() -> int | None:
+    """The columns of the terminal stdout is, that rows fit by shortening; None piped or
+    redirected, where every row stays whole (one a line, for grep and awk)."""
+    import shutil
+
+    if not sys.stdout.isatty():
+        return None
+    return max(shutil.get_terminal_size((100, 24)).columns, 40)
 
 
 def read_each(paths: list[str], unsafe: bool) -> list[tuple[str, Checkpoint]]:

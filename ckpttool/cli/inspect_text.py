@@ -45,6 +45,8 @@ class Options:
     limit: int | None = None  # rows per table; 0: all; None: DEFAULT_ROWS, values fit a screen
     sort: str | None = None  # name, size, dtype; None: as stored
     filter: str | None = None
+    # the terminal's columns, that rows fit by shortening names; None piped: rows whole
+    width: int | None = None
 
 
 def inspect_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> list[str]:
@@ -72,8 +74,10 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
     files = report["files"]
     world = f", world size {report['world_size']}" if report["world_size"] else ""
     lines = [label("format", _format_text(report["format"], world, files))]
-    shown = files if options.full else files[:MAX_FILES_SHOWN]
-    more = f" … ({len(files)} files; --full lists them)" if len(shown) < len(files) else ""
+    shown, more = files, ""
+    if not options.full and len(files) > MAX_FILES_SHOWN:  # the first ones and the last
+        shown = [*files[: MAX_FILES_SHOWN - 1], "…", files[-1]]
+        more = f" ({len(files)} files; --full lists them)"
     lines += _file_lines(files, shown, more, label)
     if any(is_url(f) for f in files) and "transfer" in report:
         read = report["transfer"]
@@ -287,7 +291,11 @@ def tensor_lines(report: dict, options: Options, paint: Paint) -> list[str]:
             del table_row[count]
         right = {i - (i > count) for i in right}
     # --full: no limits anywhere, each row whole on its line (for grep)
-    text = columns(table, right=right) if options.full else fit_columns(table, right=right)
+    text = (
+        columns(table, right=right)
+        if options.full
+        else fit_columns(table, right=right, width=options.width)
+    )
 
     collapsed = (
         f" in {plural(len(rows), 'row')}, repeated layers collapsed"
@@ -370,7 +378,11 @@ def value_lines(report: dict, options: Options, paint: Paint, used: int = 0) -> 
     out = [
         "",
         paint(title, "bold"),
-        *(columns(table) if options.full else fit_columns(table, shrink=2, header=False)),
+        *(
+            columns(table)
+            if options.full
+            else fit_columns(table, shrink=2, header=False, width=options.width)
+        ),
     ]
     if len(shown) < len(rows):
         out.append(f"  … {plural(len(rows) - len(shown), 'more row')} (--limit 0 or --full)")
@@ -390,7 +402,11 @@ def metadata_lines(report: dict, options: Options, paint: Paint) -> list[str]:
     table = [
         [printable(k), short_value(v, limit) if limit else printable(repr(v))] for k, v in shown
     ]
-    text = columns(table) if options.full else fit_columns(table, shrink=1, header=False)
+    text = (
+        columns(table)
+        if options.full
+        else fit_columns(table, shrink=1, header=False, width=options.width)
+    )
     out = ["", paint(f"metadata: {plural(len(items), 'key')}", "bold"), *text]
     if len(shown) < len(items):
         out.append(f"  … {plural(len(items) - len(shown), 'more key')} (--limit 0 or --full)")

@@ -16,6 +16,7 @@ from .. import sources
 from ..errors import CkptError
 from ..tree import Checkpoint, TensorRef, verdicts
 from . import safetensors_file
+from .catalog import natural_key
 
 FORMAT = "safetensors-sharded"
 INDEX_SUFFIX = ".index.json"
@@ -112,7 +113,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     metadata = index.get("metadata")
     return Checkpoint(
         format=pickled[0].format if pickled else FORMAT,
-        files=[index_path, *shards],
+        files=[index_path, *sorted(shards, key=natural_key)],  # shards in their order
         root=root,
         **verdicts(*pickled),
         metadata=dict(metadata) if isinstance(metadata, dict) else {},

@@ -11,7 +11,7 @@ missing member). Within a member the walk goes as far as torch's loop could: a c
 no bound (torch loops until a load fails), and where ckpttool finds damage torch might
 read past, the next member is judged all the same. The main pickle's persistent ids
 that are tuples are container records (``(cls, source_file, source)``), judged by the
-rule of :func:`.torch_legacy.container_record`. A file none of whose pickles is refused
+rule of :func:`.container_records.container_record`. A file none of whose pickles is refused
 is exit 2: not supported (or damaged).
 """
 
@@ -213,7 +213,7 @@ def _judge_tensors(member: _Member, seen: set[str], permissive: bool) -> None:
 def _judge_main(member: _Member, seen: set[str], permissive: bool) -> None:
     """The object's pickle, its persistent ids as torch's tar loader takes them: a tuple is
     a container record, anything else a tensor or storage key (an inert stand-in here)."""
-    from .torch_legacy import container_record, container_refusal
+    from .container_records import container_record, container_refusal
 
     refused: dict[str, str] = {}
 

@@ -35,7 +35,8 @@ def plan(tensors: dict[str, Any], options: WriteOptions) -> Plan:
     ``load_model`` and ckpttool read it back)."""
     check_dtypes(tensors, options.cast)
     check_names(tensors)
-    tied = tied_names(tensors)
+    reserved = {"format", *options.metadata}  # (an alias there would be metadata's)
+    tied = {alias: k for alias, k in tied_names(tensors).items() if alias not in reserved}
     kept = {name: leaf for name, leaf in tensors.items() if name not in tied}
     if options.max_shard_size is None:
         return Plan([plan_file("", kept, options, tied)])
