@@ -226,3 +226,19 @@ def test_load_with_map_location_cuda(tmp_path, fmt):
     with ckpttool.open(path, map_location="cuda:0") as f:
         assert torch.equal(f.get_tensor("w").cpu(), w)
         assert f.get_slice("w")[5:9].device == torch.device("cuda:0")
+
+
+def test_keys_one_prefix_apart_are_named_with_the_prefix(tmp_path):
+    """A Lightning-like checkpoint keeps the model under ``model.``: 21 missing and 21
+    unexpected keys say little; that they differ by one prefix, and how to strip it, does."""
+    sd = {"model." + k: v for k, v in trained(0).state_dict().items()}
+    path = tmp_path / "lightning.pt"
+    torch.save({"state_dict": sd}, path)
+    target = trained(1)
+    with pytest.raises(ckpttool.CkptError) as info:
+        ckpttool.load_into(target, path)
+    line = str(info.value)
+    assert "they differ by the prefix 'model.' every checkpoint key has" in line
+    assert line.endswith("(pass strip_prefix='model.')")
+    ckpttool.load_into(target, path, strip_prefix="model.")  # and so it loads
+    assert same_state(target, trained(0))

@@ -45,9 +45,37 @@ class KeyMismatchError(StateMismatchError):
             parts.append(f"missing key(s) in the checkpoint: {_names(missing)}")
         if unexpected:
             parts.append(f"unexpected key(s) in the checkpoint: {_names(unexpected)}")
-        super().__init__(
-            "; ".join(parts), path=path, hint="pass strict=False to load the keys that match"
-        )
+        hint = "pass strict=False to load the keys that match"
+        shifted = one_prefix_apart(missing, unexpected)
+        if shifted is not None:  # the same keys, one prefix apart: say which
+            side, prefix = shifted
+            parts.append(f"they differ by the prefix {prefix!r} every {side} key has")
+            hint = (
+                f"pass strip_prefix={prefix!r}"
+                if side == "checkpoint"
+                else f"the model's keys start with {prefix!r}: load into its inner module"
+            )
+        super().__init__("; ".join(parts), path=path, hint=hint)
+
+
+def one_prefix_apart(missing: list[str], unexpected: list[str]) -> tuple[str, str] | None:
+    """``("checkpoint", P)`` where every unexpected key is P + a missing key and every
+    missing key is matched so (a Lightning checkpoint's ``model.``), ``("model", P)`` the
+    other way round; None otherwise."""
+    for side, longer, shorter in (
+        ("checkpoint", unexpected, missing),
+        ("model", missing, unexpected),
+    ):
+        if not longer or len(longer) != len(shorter):
+            continue
+        first, short = longer[0], set(shorter)
+        for cut in range(1, len(first)):
+            prefix = first[:cut]
+            if first[cut:] in short and all(
+                k.startswith(prefix) and k[cut:] in short for k in longer
+            ):
+                return side, prefix
+    return None
 
 
 def _names(keys: list[str]) -> str:
