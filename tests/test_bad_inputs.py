@@ -484,3 +484,19 @@ def test_an_error_of_ckpttools_own_says_internal_error_not_corrupt_input():
     with pytest.raises(CkptError, match="corrupt or unsupported input") as plain:
         input_mistake()
     assert not isinstance(plain.value, InternalError)
+
+
+def test_a_device_or_a_pipe_is_named_as_such(tmp_path):
+    """A link to /dev/zero would read forever, a named pipe block: each is named."""
+    import os
+
+    zero = tmp_path / "zero.pt"
+    zero.symlink_to("/dev/zero")
+    pipe = tmp_path / "pipe.pt"
+    os.mkfifo(pipe)
+    assert check_error(run_cli("inspect", zero), 2) == (
+        f"ckpttool: error: {zero}: a character device, not a checkpoint file"
+    )
+    assert check_error(run_cli("convert", pipe, "--to", "pt", "-o", tmp_path / "o.pt"), 2) == (
+        f"ckpttool: error: {pipe}: a named pipe, not a checkpoint file"
+    )

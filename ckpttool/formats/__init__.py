@@ -255,6 +255,29 @@ def _read_rank(path: str, unsafe: bool, run_folders_ok: bool = True) -> Checkpoi
         return _read_one(path, unsafe, run_folders_ok=run_folders_ok)
 
 
+def _refuse_special_file(path: str) -> None:
+    """A local path that is no regular file (a device, a pipe, a socket: a link to
+    ``/dev/zero``) is named as what it is: read, it would never end or block.
+
+    Raises:
+        CkptError: Naming the kind of file.
+    """
+    import stat
+
+    local = sources.local_path(path)
+    if local is None:
+        return
+    try:
+        mode = os.stat(local).st_mode
+    except OSError:
+        return  # (read_head says what is wrong)
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    for test, kind in kinds:
+        if test(mode):
+            raise CkptError(f"{kind}, not a checkpoint file", path=path)
+
+
 def _read_one(path: str, unsafe: bool, *, run_folders_ok: bool = True) -> Checkpoint:
     """One file or folder. A framework's run folder is read by its rule only where it is
     the input itself (or what the input points at), never as a part of another run
@@ -284,6 +307,7 @@ def _read_one(path: str, unsafe: bool, *, run_folders_ok: bool = True) -> Checkp
             "*.index.json, not exactly one checkpoint file)",
             path=path,
         )
+    _refuse_special_file(path)
     try:
         head = sources.read_head(path)
     except OSError as exc:
