@@ -200,7 +200,11 @@ class _Sink:
         return self
 
     def __setstate__(self, state: Any) -> None:
-        if swaps_class(state):  # as a full read: Opaque.__setstate__
+        # as a full read judges it (Opaque.__setstate__); a dict state, the usual, in C
+        if type(state) is dict:
+            if "__class__" in state or "__dict__" in state:
+                note_call(self.name, CLASS_SWAP)
+        elif swaps_class(state):
             note_call(self.name, CLASS_SWAP)
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -247,21 +251,12 @@ def _new_unverified(cls: _AbsorbClass, *args: Any, **kwargs: Any) -> _Sink:
 
 def _new_known(cls: _AbsorbClass, *args: Any, **kwargs: Any) -> _Sink:
     """NEWOBJ of a vouched class, in a scan: judged as ``Opaque.__new__`` judges it (a
-    construction that makes a class is refused); the object is one sink per class, so
-    that what a BUILD does to it is named as a full read names it."""
-    judge_new(cls.as_global(), args, kwargs, SCAN)
-    name = f"{cls.module}.{cls.qualname}"
-    sink = _CLASS_SINKS.get(name)
-    if sink is None:
-        sink = _Sink()
-        sink.name = name
-        if len(_CLASS_SINKS) < _MAX_CLASS_SINKS:  # (names are the files': bounded)
-            _CLASS_SINKS[name] = sink
-    return sink
-
-
-_CLASS_SINKS: dict[str, _Sink] = {}
-_MAX_CLASS_SINKS = 4096
+    construction that makes a class is refused: it takes arguments, the usual NEWOBJ
+    none); the object is the class's one sink, so that what a BUILD does to it is named
+    as a full read names it."""
+    if args or kwargs:
+        judge_new(cls.as_global(), args, kwargs, SCAN)
+    return cls.sink
 
 
 def _new_held(cls: type, *args: Any, **kwargs: Any) -> _Sink:
@@ -384,6 +379,7 @@ class _AbsorbClass(type):
     qualname: str
     known: bool
     may_call: bool
+    sink: _Sink  # the one object a NEWOBJ of a vouched class gives, named as its class
 
     @property
     def __setstate__(cls) -> Callable[[Any], None]:
@@ -434,6 +430,8 @@ def _named_absorb(module: str, qualname: str, known: bool = False, may_call: boo
             attrs["__new__"] = _new_held  # a partial made by NEWOBJ is one too
         else:
             attrs["__new__"] = _new_known
+            attrs["sink"] = sink = _Sink()
+            sink.name = f"{module}.{qualname}"
         cls = _AbsorbClass("Absorb", (_Absorb,), attrs)
         _NAMED_ABSORB[key] = cls
     return cls
