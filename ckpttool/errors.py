@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import re
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -216,7 +217,7 @@ class InternalError(CkptError):
 # an assertion, an import. Raised in a library below (struct, zlib, the C unpickler,
 # torch), or any other kind, they are what a damaged or hostile input provokes.
 _BUG_ERRORS = (AttributeError, NameError, AssertionError, ImportError)
-_PACKAGE = __file__.rsplit("/", 1)[0] + "/"
+_PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
 
 
 def is_internal(exc: BaseException) -> bool:
