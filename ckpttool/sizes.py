@@ -3,6 +3,7 @@ reads them: KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from .errors import UsageError
@@ -44,8 +45,6 @@ def env_size(name: str, default: int | None = None) -> int | None:
     Raises:
         UsageError: A value that is no size, naming the variable.
     """
-    import os
-
     text = os.environ.get(name, "")
     if not text.strip():
         return default

@@ -109,6 +109,7 @@ class ZipPickle:
     def __init__(self, path: str, start: int = 0, length: int | None = None):
         self.path = path
         self.start = start
+        self._byteorder: bytes | bytearray | None = None  # read once (big_endian)
         size = sources.getsize(path)
         self.length = size - start if length is None else length
         if start < 0 or self.length < 0 or start + self.length > size:  # a DCP span, say
@@ -330,7 +331,7 @@ class ZipPickle:
             return False
         # read once (its CRC-32 is checked after the pickle's verdict, on the same bytes:
         # a remote file pays one request for it)
-        data = self.__dict__.get("_byteorder")
+        data = self._byteorder
         if data is None:
             data = self._byteorder = self.read_entry(name, SMALL_ENTRY_BYTES, check_crc=False)
         if check_crc:

@@ -206,6 +206,8 @@ _SWAPPING = frozenset({"__class__", "__dict__"})
 def swaps_class(state: Any) -> bool:
     """Whether a BUILD state sets ``__class__`` or ``__dict__``: as a dict or either half
     of a ``(dict, slots)`` pair (``setattr`` of the slots half is what swaps)."""
+    if type(state) is dict:  # (hot: every object of a scan's rank file; no generator)
+        return not _SWAPPING.isdisjoint(state)
     halves = state if type(state) is tuple and len(state) == 2 else (state,)
     return any(isinstance(half, dict) and not _SWAPPING.isdisjoint(half) for half in halves)
 

@@ -200,11 +200,7 @@ class _Sink:
         return self
 
     def __setstate__(self, state: Any) -> None:
-        # as a full read judges it (Opaque.__setstate__); a dict state, the usual, in C
-        if type(state) is dict:
-            if "__class__" in state or "__dict__" in state:
-                note_call(self.name, CLASS_SWAP)
-        elif swaps_class(state):
+        if swaps_class(state):  # as a full read judges it (Opaque.__setstate__)
             note_call(self.name, CLASS_SWAP)
 
     def __setitem__(self, key: Any, value: Any) -> None:
