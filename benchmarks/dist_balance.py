@@ -94,8 +94,8 @@ def claimed_worker(args: argparse.Namespace) -> None:
     recorded (see the module's doc); then the CLI, as ``-m ckpttool`` runs it."""
     import runpy
 
-    from ckpttool.distributed import journal as journal_mod
-    from ckpttool.distributed import units as unit_mod
+    from ckpttool.targets import journal as journal_mod
+    from ckpttool.targets import units as unit_mod
     from ckpttool.writers.output_file import OutputFile
 
     rank = int(os.environ["RANK"])
@@ -194,7 +194,7 @@ def launch(args: argparse.Namespace, mode: str, src: Path, dst: Path) -> float:
 
 def unit_size(args: argparse.Namespace, nbytes: int) -> int:
     """The units' size: ``--unit-mib``, or the size ckpttool picks for ``nbytes``."""
-    from ckpttool.distributed.units import default_unit_bytes
+    from ckpttool.targets.units import default_unit_bytes
 
     return args.unit_mib << 20 if args.unit_mib else default_unit_bytes(nbytes)
 

@@ -120,9 +120,9 @@ def main() -> None:
     figures: dict[str, dict] = {}
     import ckpttool  # noqa: F401  (what the CLI imports before it runs)
     from ckpttool.api import flatten_tensors, read, select_node
-    from ckpttool.distributed import units as unit_mod
-    from ckpttool.distributed.journal import input_identities, work_key
     from ckpttool.sizes import parse_size
+    from ckpttool.targets import units as unit_mod
+    from ckpttool.targets.journal import input_identities, work_key
     from ckpttool.writers import writer_for
     from ckpttool.writers.plan import WriteOptions
 

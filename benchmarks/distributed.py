@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def unit_size(nbytes: int) -> int:
     """The unit size ckpttool picks for an output of ``nbytes`` (the floor uses the same)."""
-    from ckpttool.distributed.units import default_unit_bytes
+    from ckpttool.targets.units import default_unit_bytes
 
     return default_unit_bytes(nbytes)
 

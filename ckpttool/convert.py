@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +14,8 @@ from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
 from .progress import ProgressFactory
 from .sizes import parse_size
+from .targets import StaleTemp, check_output, output_path, publish
 from .writers import WRITERS, hf_output
-from .writers.atomic import StaleTemp, atomic_output, check_output, output_path
 from .writers.naming import default_output
 
 TARGETS = tuple(WRITERS)
@@ -64,8 +63,30 @@ class ConvertResult:
     nbytes: int
     # temp outputs of killed runs removed from the output's folder on the way
     removed: list[StaleTemp] = field(default_factory=list)
-    # several processes: what they did (a distributed.runner.Outcome), else None
+    # several processes: what they did (a targets.ranks.Outcome), else None
     outcome: Any = None
+
+
+def check_options(
+    to: str, dtype: str | None, max_shard_size: str | int | None, map_location: str | None
+) -> tuple[str | None, int | None]:
+    """The options of a conversion, checked before anything is read (and before a run
+    of several processes starts one): the dtype cast to and the shard limit in bytes.
+
+    Raises:
+        UsageError: An unknown value, or options that do not fit together.
+    """
+    if to not in TARGETS:
+        raise UsageError(f"unknown --to {to!r}", hint=f"choose one of {', '.join(TARGETS)}")
+    if dtype is not None:
+        dtype = cast_dtype(dtype)
+    if max_shard_size is not None and to != "safetensors":
+        raise UsageError("--max-shard-size applies to --to safetensors only")
+    if map_location is not None and to != "pt":
+        raise UsageError("--map-location applies to --to pt only")
+    if map_location is not None and not DEVICE_RE.match(map_location):
+        raise UsageError(f"bad --map-location {map_location!r}", hint="use cpu or cuda:N")
+    return dtype, parse_size(max_shard_size) if max_shard_size is not None else None
 
 
 @distributed.collective
@@ -105,21 +126,11 @@ def convert(
         OutputExistsError: ``out`` exists and not ``force``.
         UnsafeError / CkptError: as :func:`ckpttool.read`.
     """
-    if to not in TARGETS:
-        raise UsageError(f"unknown --to {to!r}", hint=f"choose one of {', '.join(TARGETS)}")
-    if dtype is not None:
-        dtype = cast_dtype(dtype)
-    if max_shard_size is not None and to != "safetensors":
-        raise UsageError("--max-shard-size applies to --to safetensors only")
-    if map_location is not None and to != "pt":
-        raise UsageError("--map-location applies to --to pt only")
-    if map_location is not None and not DEVICE_RE.match(map_location):
-        raise UsageError(f"bad --map-location {map_location!r}", hint="use cpu or cuda:N")
-    shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    dtype, shard_limit = check_options(to, dtype, max_shard_size, map_location)
     cast: DType | None = DTYPES[dtype] if dtype else None
 
     from .writers import writer_for
-    from .writers.plan import WriteOptions, write_plan
+    from .writers.plan import WriteOptions
 
     writer = writer_for(to)
     ckpt = read(paths, unsafe=unsafe)
@@ -145,9 +156,7 @@ def convert(
     )
     layout = writer.layout(options)
     hf_folder = _hf_folder_in_and_out(inputs, out, select, to, shard_limit is not None)
-    carried: list[str] = []
     if hf_folder is not None and out is not None:  # DIR/model.safetensors + config & co.
-        carried = hf_output.carried_files(hf_folder)
         layout = hf_output.layout_for(to, shard_limit is not None)
         out = output_path(out, "", folder_output=True)
     elif out is None:
@@ -159,49 +168,28 @@ def convert(
         out = output_path(out, "", folder_output=True)
     check_output(out, [*inputs, *ckpt.files], force=force, layout=layout)
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
-    total = plan.total_bytes
-    group = distributed.current()
-    if group is not None:  # under torchrun: every rank writes its share
-        from .distributed.runner import write_on_every_rank
-
-        outcome = write_on_every_rank(
-            group, plan, out, layout=layout, force=force, inputs=[*inputs, *ckpt.files],
-            files=ckpt.files,
-        )  # fmt: skip
-        names = plan.names or [os.path.basename(out)]
-        return ConvertResult(out, names, len(tensors), total, outcome=outcome)
-    bar = progress(total, f"writing {os.path.basename(out)}") if progress else nullcontext(None)
-    removed: list[StaleTemp] = []
-    if sources.is_url(out):  # s3://: multipart uploads, published at the end
-        from .writers.s3_output import write as upload_plan
-
-        with bar as advance:
-            upload_plan(plan, out, layout=layout, force=force, inputs=ckpt.files, progress=advance)
-    else:
-        with bar as advance, atomic_output(out, force=force, layout=layout, removed=removed) as tmp:
-            if hf_folder is None:
-                write_plan(plan, tmp, advance)
-            else:
-                single = shard_limit is None
-                write_plan(
-                    plan, os.path.join(tmp, hf_output.weights_name(to)) if single else tmp, advance
-                )
-                hf_output.copy_carried(hf_folder, carried, tmp)
     if hf_folder is not None:
-        names = plan.names or [hf_output.weights_name(to)]
-        return ConvertResult(out, [*names, *carried], len(tensors), total, removed)
-    return ConvertResult(out, plan.names or [os.path.basename(out)], len(tensors), total, removed)
+        plan = hf_output.model_folder(plan, to, hf_folder, hf_output.carried_files(hf_folder))
+    done = publish(
+        plan, out, layout=layout, force=force, inputs=[*inputs, *ckpt.files], files=ckpt.files,
+        progress=progress,
+    )  # fmt: skip
+    names = plan.names or [os.path.basename(out)]
+    return ConvertResult(out, names, len(tensors), plan.total_bytes, done.removed, done.outcome)
 
 
 def _hf_folder_in_and_out(
     inputs: list[str], out: str | None, select: str, to: str, sharded: bool
 ) -> str | None:
     """The input's Hugging Face folder where a model folder is converted into a folder
-    (``-o DIR/``, an existing DIR, or shards) as safetensors or pt: then DIR is a model
-    folder."""
-    if out is None or to not in ("safetensors", "pt") or sources.is_url(out):
+    (``-o DIR/``, an existing DIR, ``-o s3://…/PREFIX/``, or shards) as safetensors or
+    pt: then DIR is a model folder."""
+    if out is None or to not in ("safetensors", "pt"):
         return None
-    out = sources.strip_file_scheme(out)
-    into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
-    into = into or os.path.isdir(out) or sharded
+    if sources.is_url(out):
+        into = out.endswith("/") or sharded
+    else:
+        out = sources.strip_file_scheme(out)
+        into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
+        into = into or os.path.isdir(out) or sharded
     return hf_output.hf_source_folder(inputs, select) if into else None

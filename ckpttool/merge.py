@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import distributed, sources
+from . import distributed
 from .api import read, require_data
 from .errors import translate_errors
 from .progress import ProgressFactory
+from .targets import StaleTemp, check_output, output_path, publish
 from .tree import iter_tensors, recorded_classes
-from .writers.atomic import StaleTemp, atomic_output, check_output, output_path
 from .writers.naming import default_name
 
 
@@ -24,7 +24,7 @@ class MergeResult:
     stand_ins: list[str] = field(default_factory=list)
     # temp outputs of killed runs removed from the output's folder on the way
     removed: list[StaleTemp] = field(default_factory=list)
-    # several processes: what they did (a distributed.runner.Outcome), else None
+    # several processes: what they did (a targets.ranks.Outcome), else None
     outcome: Any = None
 
 
@@ -54,9 +54,7 @@ def merge(
     Returns:
         What was written, including the classes kept as plain-data records.
     """
-    from contextlib import nullcontext
-
-    from .writers.plan import WriteOptions, write_plan
+    from .writers.plan import WriteOptions
     from .writers.torch_zip import plan as plan_torch
 
     ckpt = read(paths, unsafe=unsafe)
@@ -68,24 +66,8 @@ def merge(
     total = sum(leaf.nbytes for leaf in leaves)
     stand_ins = recorded_classes(ckpt.root)
     plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
-    group = distributed.current()
-    if group is not None:  # under torchrun: every rank writes its share
-        from .distributed.runner import write_on_every_rank
-
-        outcome = write_on_every_rank(
-            group, plan, out, layout=None, force=force, inputs=[*inputs, *ckpt.files],
-            files=ckpt.files,
-        )  # fmt: skip
-        return MergeResult(out, len(leaves), total, stand_ins, outcome=outcome)
-    description = f"writing {os.path.basename(out)}"
-    bar = progress(plan.total_bytes, description) if progress else nullcontext(None)
-    removed: list[StaleTemp] = []
-    if sources.is_url(out):  # s3://: multipart uploads, published at the end
-        from .writers.s3_output import write as upload_plan
-
-        with bar as advance:
-            upload_plan(plan, out, layout=None, force=force, inputs=ckpt.files, progress=advance)
-    else:
-        with bar as advance, atomic_output(out, force=force, removed=removed) as tmp:
-            write_plan(plan, tmp, advance)
-    return MergeResult(out, len(leaves), total, stand_ins, removed)
+    done = publish(
+        plan, out, layout=None, force=force, inputs=[*inputs, *ckpt.files], files=ckpt.files,
+        progress=progress,
+    )  # fmt: skip
+    return MergeResult(out, len(leaves), total, stand_ins, done.removed, done.outcome)

@@ -54,3 +54,12 @@ def env_size(name: str, default: int | None = None) -> int | None:
         raise UsageError(
             f"bad {name}={text!r}", hint="bytes, or a number with KB/MB/GB or KiB/MiB/GiB"
         ) from None
+
+
+def human_bytes(n: float) -> str:
+    """Binary units everywhere (inspect, diff, progress bars, 'wrote' lines): 12.6 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -216,4 +216,3 @@ def mode(request, monkeypatch, tmp_path: Path) -> str:
         if not direct:
             pytest.skip("this file system refuses O_DIRECT")
     return request.param
-

@@ -27,9 +27,9 @@ from helpers import FIXTURES, finish, make_per_rank, run_many, sha256, subproces
 from helpers import _descendants as descendants
 
 from ckpttool.convert import convert
-from ckpttool.distributed import journal as journal_mod
-from ckpttool.distributed.units import crc32_combine, piece_crcs, plan_units, write_unit
 from ckpttool.merge import merge
+from ckpttool.targets import journal as journal_mod
+from ckpttool.targets.units import crc32_combine, piece_crcs, plan_units, write_unit
 from ckpttool.writers.output_file import OutputFile
 from ckpttool.writers.plan import Written, allocate, complete, file_path
 

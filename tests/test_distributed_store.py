@@ -414,7 +414,7 @@ def test_torchrun_agent_killed_every_rank_says_the_store_is_lost(tmp_path):
     left prints the one line and exits; nothing appears under the output's name."""
     import torch
 
-    from ckpttool.distributed import journal
+    from ckpttool.targets import journal
 
     src, out = tmp_path / "in.pt", tmp_path / "out.pt"
     gen = torch.Generator().manual_seed(3)

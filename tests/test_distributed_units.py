@@ -8,7 +8,7 @@ import pytest
 from helpers import FIXTURES
 
 from ckpttool.api import flatten_tensors, read
-from ckpttool.distributed import units
+from ckpttool.targets import units
 from ckpttool.writers.output_file import OutputFile
 from ckpttool.writers.plan import WriteOptions, allocate, file_path
 from ckpttool.writers.safetensors import plan as plan_safetensors

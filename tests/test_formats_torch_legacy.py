@@ -55,6 +55,7 @@ def _glob(module: str, name: str) -> bytes:
 def _made_class(module: str, metaclass: str) -> bytes:
     """``metaclass("Linear", (), {dump_patches: True, __module__: nn's, __qualname__})``
     by NEWOBJ: a class made on the spot, posing as torch.nn.Linear."""
+
     def text(s):
         return b"X" + len(s).to_bytes(4, "little") + s.encode()
 
@@ -173,14 +174,26 @@ TARS = {  # name: members of a tar (one marker each); cut: the file cut short th
     "storage-views": lambda m: [("storages", _p(0) + _evil(m))],
     "storage-count-past-its-member": lambda m: [("storages", _p(10**12) + _evil(m))],
     "storage-count-true": lambda m: [("storages", _p(True) + _evil(m))],
-    "tensor-count-past-its-member": lambda m: [("storages", EMPTY_STORAGES),
-                                               ("tensors", _p(10**12) + _evil(m))],  # fmt: skip
-    "main-pickle": lambda m: [("storages", EMPTY_STORAGES), ("tensors", EMPTY_TENSORS),
-                              ("pickle", _evil(m))],  # fmt: skip
+    "tensor-count-past-its-member": lambda m: [
+        ("storages", EMPTY_STORAGES),
+        ("tensors", _p(10**12) + _evil(m)),
+    ],  # fmt: skip
+    "main-pickle": lambda m: [
+        ("storages", EMPTY_STORAGES),
+        ("tensors", EMPTY_TENSORS),
+        ("pickle", _evil(m)),
+    ],  # fmt: skip
     # a record of the main pickle: a class made on the spot, torch writes Linear.patch
-    "main-container-record": lambda m: [("storages", EMPTY_STORAGES), ("tensors", EMPTY_TENSORS),
-        ("pickle", b"\x80\x02(" + _made_class("abc", "ABCMeta")
-         + b"X\x09\x00\x00\x00linear.pyX\x05\x00\x00\x00src\n\ntQ.")],  # fmt: skip
+    "main-container-record": lambda m: [
+        ("storages", EMPTY_STORAGES),
+        ("tensors", EMPTY_TENSORS),
+        (
+            "pickle",
+            b"\x80\x02("
+            + _made_class("abc", "ABCMeta")
+            + b"X\x09\x00\x00\x00linear.pyX\x05\x00\x00\x00src\n\ntQ.",
+        ),
+    ],  # fmt: skip
 }
 
 

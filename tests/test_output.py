@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from ckpttool.convert import convert
 from ckpttool.errors import CkptError, OutputExistsError
 from ckpttool.merge import merge
-from ckpttool.writers.atomic import TEMP_MARK, atomic_output, check_output
+from ckpttool.targets.local import TEMP_MARK, atomic_output, check_output
 from ckpttool.writers.folder_layout import DCP_FILES, HF_SHARDS
 
 BIG_TENSORS, BIG_ELEMENTS = 6, 12_500_000  # 6 x 50 MB = 300 MB of float32

@@ -16,7 +16,7 @@ import torch
 from helpers import tree_files
 
 from ckpttool.convert import convert
-from ckpttool.writers.atomic import HOST, TEMP_MARK, atomic_output
+from ckpttool.targets.local import HOST, TEMP_MARK, atomic_output
 from ckpttool.writers.folder_layout import HF_SHARDS
 
 

@@ -192,9 +192,9 @@ def test_runs_of_parts_from_several_writers(s3, ckpt, tmp_path):
     """What ranks do: one prepares, each uploads its runs of parts (CRC fields of other
     runs' tensors deferred), the deferred parts again with every run's CRCs, one finishes."""
     from ckpttool.api.reading import flatten_tensors, read, select_node
+    from ckpttool.targets.s3 import Session, finish, prepare, upload_run
     from ckpttool.writers import torch_zip
     from ckpttool.writers.plan import WriteOptions
-    from ckpttool.writers.s3_output import Session, finish, prepare, upload_run
 
     loaded = read(str(ckpt))
     _, node = select_node(loaded, "auto", "auto")
@@ -282,9 +282,9 @@ def test_failing_store_leaves_the_upload_for_a_rerun(s3, ckpt, monkeypatch):
 
 def test_rerun_with_another_plan_aborts_the_first(s3, ckpt, tmp_path):
     from ckpttool.api.reading import flatten_tensors, read, select_node
+    from ckpttool.targets.s3 import prepare
     from ckpttool.writers import safetensors
     from ckpttool.writers.plan import WriteOptions
-    from ckpttool.writers.s3_output import prepare
 
     _, node = select_node(read(str(ckpt)), "auto", "auto")
     plan = safetensors.plan(flatten_tensors(node), WriteOptions(metadata={"source": "x"}))
@@ -389,9 +389,9 @@ def run_ranks(world: int, ckpt: Path, to: str, url: str, **options):
     from concurrent.futures import ThreadPoolExecutor
 
     from ckpttool.api.reading import flatten_tensors, read, select_node
+    from ckpttool.targets.s3 import write_ranks
     from ckpttool.writers import writer_for
     from ckpttool.writers.plan import WriteOptions
-    from ckpttool.writers.s3_output import write_ranks
 
     comm = Collectives(world)
     writer = writer_for(to)
@@ -501,7 +501,7 @@ def test_zip_resumed_reads_only_what_it_needs(s3, tmp_path, monkeypatch):
     central directory needs every CRC) and uploads only those parts."""
     import contextlib
 
-    from ckpttool.writers import s3_output
+    from ckpttool.targets import s3 as s3_output
 
     monkeypatch.setattr(s3_output, "JOURNAL_EVERY_S", 0.0)
     gen = torch.Generator().manual_seed(2)

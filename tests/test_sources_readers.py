@@ -360,7 +360,7 @@ def test_source_file_reads_spans_the_same_both_ways(tmp_path, counting_source):
 def test_outputs_named_after_url_inputs_are_local(tmp_path, counting_source):
     """An output is local: named after a URL input, it goes to the current folder; a
     remote input is never taken for the output's path."""
-    from ckpttool.writers.atomic import check_output
+    from ckpttool.targets.local import check_output
     from ckpttool.writers.naming import default_output, output_stem
 
     (tmp_path / "ep3").mkdir()

@@ -16,7 +16,7 @@ from helpers import check_error, completed, run_many, tree_files
 from safetensors.torch import load_file
 
 from ckpttool.convert import convert
-from ckpttool.writers.atomic import TEMP_MARK, _boot_time
+from ckpttool.targets.local import TEMP_MARK, _boot_time
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import torch
 
 from ckpttool import convert as convert_module
 from ckpttool.api.reading import flatten_tensors, read, select_node
+from ckpttool.targets.s3_parts import part_count, part_size_for, write_parts
 from ckpttool.writers import writer_for
-from ckpttool.writers.parts import part_count, part_size_for, write_parts
 from ckpttool.writers.plan import WriteOptions
 
 

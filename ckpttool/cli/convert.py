@@ -109,7 +109,11 @@ def convert(
     from ..distributed import prints_summary
 
     check_extension(out, to, max_shard_size)
-    run_workers(workers)
+    if workers is not None:  # what one process would refuse at once, before N start
+        from ..convert import check_options
+
+        check_options(to, dtype, max_shard_size, map_location)
+    run_workers(workers, paths)
     quiet = quiet or not prints_summary()
     result = convert_checkpoint(
         paths,
@@ -139,13 +143,16 @@ def convert(
         )
 
 
-def run_workers(workers: int | None) -> None:
-    """``--workers N``: run this command line again in N processes, exit with their code."""
+def run_workers(workers: int | None, paths: list[str]) -> None:
+    """``--workers N``: run this command line again in N processes, exit with their code
+    (a missing input is said here, before any of them starts)."""
     if workers is None:
         return
     from ..distributed.launch import run_workers as launch
+    from ..formats import require_inputs
 
-    raise typer.Exit(launch(settings.argv, workers))
+    require_inputs(paths)
+    raise typer.Exit(launch(settings.argv, workers, debug=settings.debug))
 
 
 def outcome_note(outcome: Any) -> str:

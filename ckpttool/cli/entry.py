@@ -184,6 +184,8 @@ def exit_code_for(exc: BaseException) -> int:
         # Later flushes would fail again: send what is left of stdout to /dev/null.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    if isinstance(exc, (KeyboardInterrupt, typer.Abort)) and distributed.own_launch():
+        return EXIT_INTERRUPTED  # a worker of --workers: its launcher says it, once
     if isinstance(exc, (KeyboardInterrupt, typer.Abort)):
         code, message = EXIT_INTERRUPTED, "interrupted; no output was written"
     elif isinstance(exc, CommandError):

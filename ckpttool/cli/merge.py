@@ -46,7 +46,7 @@ def merge(
     from .convert import check_extension, outcome_note, run_workers
 
     check_extension(out, "pt", None)
-    run_workers(workers)
+    run_workers(workers, paths)
     if not prints_summary():
         quiet = True
 

@@ -12,6 +12,10 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..sizes import human_bytes
+
+__all__ = ["human_bytes"]  # the CLI's text helpers, the core's byte sizes among them
+
 # C0/C1 controls, format characters (bidi overrides, zero-width), line/paragraph
 # separators: shown as escapes, so a key cannot move the cursor, recolour the
 # terminal or start a line of its own (a fake "security: ..." line).
@@ -42,15 +46,6 @@ def printable(text: Any) -> str:
 def plural(n: int, word: str, many: str | None = None) -> str:
     """``1 tensor``, ``2 tensors``, ``1,024 tensors``."""
     return f"{n:,} {word if n == 1 else many or word + 's'}"
-
-
-def human_bytes(n: float) -> str:
-    """Binary units everywhere (inspect, diff, progress bars, 'wrote' lines): 12.6 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{int(n)} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def human_count(n: int) -> str:

@@ -19,12 +19,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .group import Failed, launched
+from .launch import own_launch
 
 __all__ = [
     "Failed",
     "collective",
     "current",
     "launched",
+    "own_launch",
     "prints_summary",
     "report_errors_with",
 ]
@@ -106,6 +108,9 @@ def collective(func: F) -> F:
             group.leave()
             raise
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and own_launch():
+                _said(exc, EXIT_INTERRUPTED)  # --workers: the launcher says it, once
+                raise
             if isinstance(exc, KeyboardInterrupt):
                 code, message = EXIT_INTERRUPTED, "interrupted"
             elif isinstance(exc, CkptError):

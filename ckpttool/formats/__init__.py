@@ -145,6 +145,18 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     return out
 
 
+def require_inputs(paths: Sequence[str]) -> None:
+    """Every input is there (a glob matches a file): what a run of several processes
+    checks before it starts one, with the lines a read would say.
+
+    Raises:
+        InputNotFoundError: One is missing, named.
+    """
+    for path in expand_paths(paths):
+        if not sources.exists(path):
+            raise InputNotFoundError("no such file or directory", path=path)
+
+
 @translate_errors
 def read_checkpoint(paths: str | Sequence[str], *, unsafe: bool = False) -> Checkpoint:
     """Read one checkpoint (lazily) from one path, several rank files, or a glob.

@@ -3,7 +3,7 @@
 Each writer module has the same surface:
 
 - ``TO``: the contract's ``--to`` value it writes;
-- ``layout(options)``: the :class:`~ckpttool.writers.atomic.FolderLayout` of a folder output,
+- ``layout(options)``: the :class:`~ckpttool.writers.folder_layout.FolderLayout` of a folder output,
   or None for one file;
 - ``plan(tensors, options)``: a :class:`~ckpttool.writers.plan.Plan` (files, pieces
   at offsets, sizes) from the tensors' metadata alone;

@@ -4,21 +4,24 @@ Converting a Hugging Face model folder (``config.json`` beside its weights), or 
 Trainer ``checkpoint-N/``, into a folder (``-o DIR/``) writes what ``from_pretrained``
 reads: ``DIR/model.safetensors`` (or its shards and ``model.safetensors.index.json``;
 ``pytorch_model.bin`` for ``--to pt``) and, beside it, the small files it needs from the
-input folder (:data:`CARRIED_FILES`). They are written with the weights into one temp
-folder and moved in with them, the weights (or index) last, under the same ``--force``
-rules as any folder output: an earlier output's files are replaced with ``--force`` only,
-other files of DIR never.
+input folder (:data:`CARRIED_FILES`). They are files of the output's plan
+(:func:`model_folder`), bytes read when it is laid out, so every route that writes a
+plan (one process, the ranks of a job, S3) writes the same folder: the weights (or
+index) last, under the same ``--force`` rules as any folder output (an earlier output's
+files are replaced with ``--force`` only, other files of DIR never).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-import shutil
+import stat
 
 from .. import sources
 from ..errors import CkptError
 from .folder_layout import FolderLayout
+from .plan import FilePlan, Piece, Plan
 
 CONFIG_FILE = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
@@ -43,8 +46,10 @@ CARRIED_FILES = (
     "preprocessor_config.json",
 )
 # The largest of these published (a 256K-token tokenizer.json) is ~35 MB: anything
-# much larger is not such a file
+# much larger is not such a file. They are held in memory once the plan is made: all
+# of them together stay within what a run may use
 MAX_CARRIED_BYTES = 64 << 20
+MAX_CARRIED_TOTAL = 128 << 20
 HF_MODEL_FOLDER = FolderLayout(
     "a Hugging Face model",
     re.compile(
@@ -112,8 +117,48 @@ def carried_files(folder: str) -> list[str]:
     return found
 
 
-def copy_carried(folder: str, names: list[str], target: str) -> None:
-    """Copy the files :func:`carried_files` found into ``target`` (a temp folder): their
-    bytes, never a link, with the output's own permissions."""
+def model_folder(plan: Plan, to: str, folder: str, names: list[str]) -> Plan:
+    """``plan`` (the weights) as a model folder: a single-file plan's file named as
+    ``from_pretrained`` reads it, and :func:`carried_files`' ``names`` of ``folder``
+    beside it, their bytes read now (the plan carries them to whatever writes it).
+
+    Raises:
+        CkptError: A carried file changed into something else since it was checked,
+            or they are larger together than :data:`MAX_CARRIED_TOTAL`.
+    """
+    weights = [dataclasses.replace(f, name=f.name or weights_name(to)) for f in plan.files]
+    carried, total = [], 0
     for name in names:
-        shutil.copyfile(os.path.join(folder, name), os.path.join(target, name))
+        data = _read_carried(folder, name)
+        total += len(data)
+        if total > MAX_CARRIED_TOTAL:
+            raise CkptError(
+                f"the config and tokenizer files are over {MAX_CARRIED_TOTAL >> 20} MiB together",
+                path=folder,
+                hint="convert to -o FILE and copy them by hand",
+            )
+        carried.append(FilePlan(name, len(data), [Piece(0, len(data), data=data)]))
+    return Plan([*carried, *weights], [*(plan.names or [weights_name(to)]), *names])
+
+
+def _read_carried(folder: str, name: str) -> bytes:
+    """The bytes of one carried file: a regular file (checked on the open descriptor,
+    whatever the name points at by now), never more than :data:`MAX_CARRIED_BYTES`."""
+    path = os.path.realpath(os.path.join(folder, name))
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise CkptError(f"cannot read {name} ({exc.strerror})", path=folder) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CkptError(f"{name} is not a regular file", path=folder)
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = file.read(MAX_CARRIED_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CARRIED_BYTES:
+        raise CkptError(
+            f"{name} of over {MAX_CARRIED_BYTES} bytes is not a config or tokenizer file",
+            path=folder,
+        )
+    return data

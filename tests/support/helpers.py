@@ -135,11 +135,13 @@ def completed(argv: list[Any], run: dict) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, run["code"], run["stdout"], run["stderr"])
 
 
-def run_many(argvs: list[list[Any]], columns: int = 200) -> list[dict]:
+def run_many(
+    argvs: list[list[Any]], columns: int = 200, env: dict[str, str] | None = None
+) -> list[dict]:
     """Run several CLI commands, in order, in one fresh interpreter (``children.py
     cli-batch``: one torch import for all): a list of ``{"code", "stdout", "stderr"}``."""
     items = [[str(a) for a in argv] for argv in argvs]
-    proc = run_child("cli-batch", items=items, env={"COLUMNS": str(columns)})
+    proc = run_child("cli-batch", items=items, env={**(env or {}), "COLUMNS": str(columns)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from ckpttool.api.reading import flatten_tensors, read, select_node
 from ckpttool.errors import CkptError
+from ckpttool.targets.s3 import write_ranks
 from ckpttool.writers import writer_for
 from ckpttool.writers.plan import WriteOptions
-from ckpttool.writers.s3_output import write_ranks
 
 
 def main(ckpt: str, to: str, url: str, max_shard: str | None = None) -> int:

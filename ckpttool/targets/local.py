@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from .. import sources
 from ..errors import CkptError, OutputExistsError
-from .folder_layout import FOLDER_LAYOUTS, FolderLayout
+from ..writers.folder_layout import FOLDER_LAYOUTS, FolderLayout
 
 
 def _host_name() -> str:
@@ -55,7 +55,7 @@ def output_path(out: str, default_name: str, *, folder_output: bool) -> str:
             paths are local).
     """
     if sources.is_url(out):  # s3:// (others are refused there, saying what they lack)
-        from .s3_output import output_url
+        from .s3 import output_url
 
         return output_url(out, default_name, folder_output=folder_output)
     out = sources.strip_file_scheme(out)
@@ -84,7 +84,7 @@ def check_output(
         OutputExistsError: An earlier output is there and not ``force``.
     """
     if sources.is_url(out):  # what is there is checked when the uploads start
-        from .s3_output import check_inputs
+        from .s3 import check_inputs
 
         check_inputs(out, inputs, layout)
         return
@@ -384,6 +384,7 @@ def atomic_output(
     folder: bool = False,
     layout: FolderLayout | None = None,
     removed: list[StaleTemp] | None = None,
+    needed: int | None = None,
 ) -> Iterator[str]:
     """Yield a temp path beside ``out``; on success it becomes ``out`` in one rename.
 
@@ -395,24 +396,25 @@ def atomic_output(
             one by one (the ``last`` file last), replacing an earlier run's files of
             the same layout and nothing else; without a layout an existing folder is
             refused.
+        needed: The output's bytes, said when the disk is full.
 
     Raises:
         OutputExistsError: An earlier output is there and not ``force``.
         CkptError: Writing failed (disk full, file too large, permissions), or ``out``
             is something ``--force`` may not replace.
     """
-    out = os.path.abspath(out)
+    given, out = out, os.path.abspath(out)  # lines name the output as the user did
     parent, name = os.path.split(out)
     folder = folder or layout is not None
     if folder and os.path.isdir(out):
         if layout is None:
             raise OutputExistsError("output exists", path=out, hint="choose another -o")
-        with _into_folder(out, layout, force, removed) as tmp:
+        with _into_folder(out, layout, force, removed, needed) as tmp:
             yield tmp
         return
     if not folder and _is_file(parent):  # OUT/name where OUT is a checkpoint file
         _check_replace_file(parent, force)
-        with atomic_output(parent, force=force, folder=True, removed=removed) as tmp:
+        with atomic_output(parent, force=force, folder=True, removed=removed, needed=needed) as tmp:
             yield os.path.join(tmp, name)
         return
     created = _missing_folders(parent)  # made for the output: removed again if it fails
@@ -431,7 +433,7 @@ def atomic_output(
             os.mkdir(tmp)
     except OSError as exc:
         _remove_empty(created)
-        raise write_error(exc, out, parent) from None
+        raise write_error(exc, given, parent) from None
     try:
         yield tmp
         fsync_tree(tmp)
@@ -446,7 +448,7 @@ def atomic_output(
     except OSError as exc:
         remove_output(tmp)
         _remove_empty(created)
-        raise write_error(exc, out, parent) from None
+        raise write_error(exc, given, parent, needed) from None
     except BaseException:
         remove_output(tmp)
         _remove_empty(created)
@@ -467,7 +469,11 @@ def check_replaceable(out: str, force: bool, *, want_folder: bool) -> None:
 
 @contextlib.contextmanager
 def _into_folder(
-    folder: str, layout: FolderLayout, force: bool, removed: list[StaleTemp] | None = None
+    folder: str,
+    layout: FolderLayout,
+    force: bool,
+    removed: list[StaleTemp] | None = None,
+    needed: int | None = None,
 ) -> Iterator[str]:
     """A folder output written into an existing folder, beside what else it holds.
 
@@ -500,25 +506,36 @@ def _into_folder(
         os.rmdir(tmp)
     except OSError as exc:
         remove_output(tmp)
-        raise write_error(exc, folder, folder) from None
+        raise write_error(exc, folder, folder, needed) from None
     except BaseException:
         remove_output(tmp)
         raise
     fsync_entry(folder)
 
 
-def write_error(exc: OSError, out: str, folder: str) -> CkptError:
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def write_error(exc: OSError, out: str, folder: str, needed: int | None = None) -> CkptError:
     """The error of a failed write, naming what the user named: the output, or the
-    folder it goes into where that refuses new files, never the hidden temp path."""
+    folder it goes into where that refuses new files, never the hidden temp path; a
+    full disk with the bytes the output needs (``needed``) and those free there."""
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return CkptError(
             f"cannot write into this folder ({exc.strerror}); nothing was written",
             path=folder,
             hint="choose another -o",
         )
-    reason = (
-        "disk full or file too large" if exc.errno in (errno.ENOSPC, errno.EFBIG) else exc.strerror
-    )
+    if exc.errno not in DISK_FULL:
+        return CkptError(f"cannot write the output ({exc.strerror}); nothing was written", path=out)
+    reason = "disk full or file too large"
+    if needed is not None:
+        from ..sizes import human_bytes
+
+        reason = f"disk full or file too large: the output needs {human_bytes(needed)}"
+        with contextlib.suppress(OSError):
+            info = os.statvfs(folder)
+            reason += f", {human_bytes(info.f_bavail * info.f_frsize)} free there"
     return CkptError(f"cannot write the output ({reason}); nothing was written", path=out)
 
 

@@ -23,8 +23,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..distributed.group import Group
 from ..errors import CkptError
-from ..writers.atomic import (
+from ..writers.output_file import OutputFile, preallocate
+from ..writers.plan import Plan, Written, complete
+from . import units as unit_mod
+from .journal import LEASE_REFRESH_S, Journal, UnitLog, input_identities, work_key
+from .local import (
+    DISK_FULL,
     FolderLayout,
     check_replaceable,
     fsync_entry,
@@ -34,11 +40,6 @@ from ..writers.atomic import (
     remove_output,
     write_error,
 )
-from ..writers.output_file import OutputFile, preallocate
-from ..writers.plan import Plan, Written, complete
-from . import units as unit_mod
-from .group import Group
-from .journal import LEASE_REFRESH_S, Journal, UnitLog, input_identities, work_key
 
 SINGLE_FILE = "output"  # a single-file output's name inside the resume folder
 
@@ -72,7 +73,7 @@ def write_on_every_rank(
 ) -> Outcome | None:
     """This rank's share of writing ``plan`` as ``out``: a local (or shared) path through
     :func:`write_distributed`, an ``s3://`` URL as the parts of the same multipart uploads
-    (``writers.s3_output.write_ranks``, the session and CRCs exchanged through the store).
+    (``targets.s3.write_ranks``, the session and CRCs exchanged through the store).
 
     Args:
         inputs: The inputs as given and the files read (their identities key the work).
@@ -82,7 +83,7 @@ def write_on_every_rank(
 
     if not sources.is_url(out):
         return write_distributed(group, plan, out, layout=layout, force=force, inputs=inputs)
-    from ..writers.s3_output import write_ranks
+    from .s3 import write_ranks
 
     write_ranks(
         plan,
@@ -174,18 +175,20 @@ def _start(
         journal.remove()
         journal.open(key, input_identities(inputs))
         done, note = {}, "the interrupted run's files were missing: started over"
+    try:
+        for file in plan.files if not done else []:
+            fd = os.open(_file_path(journal, file.name), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.ftruncate(fd, file.size)
+                preallocate(fd, file.size)
+            finally:
+                os.close(fd)
+    except OSError as exc:  # nothing of this run is of use to another: its folder goes
+        with contextlib.suppress(OSError):
+            journal.remove()
+        raise write_error(exc, out, parent, sum(f.size for f in plan.files)) from None
     stop = threading.Event()
     threading.Thread(target=_keep_lease, args=(journal, stop), daemon=True).start()
-    for file in plan.files:
-        path = _file_path(journal, file.name)
-        if done:
-            continue
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            os.ftruncate(fd, file.size)
-            preallocate(fd, file.size)
-        finally:
-            os.close(fd)
     todo = [u.id for u in all_units if u.id not in done]
     reused = [u for u in all_units if u.id in done]
     state = {
@@ -229,7 +232,12 @@ def _work(group: Group, plan: Plan, journal: Journal, todo: list, out: str) -> N
                     runs = unit_mod.write_unit(plan, unit, sink)
                 fsync_file(path)
             except OSError as exc:
-                raise write_error(exc, out, os.path.dirname(os.path.abspath(out))) from None
+                needed = sum(f.size for f in plan.files)
+                error = write_error(exc, out, os.path.dirname(os.path.abspath(out)), needed)
+                if exc.errno in DISK_FULL:  # no rerun can use the work: the disk stays full
+                    with contextlib.suppress(OSError):
+                        journal.remove()
+                raise error from None
             log.record(unit.id, runs)
             group.counter("finished", 1)
     finally:

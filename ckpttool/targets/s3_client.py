@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ... import sources
-from ...errors import CkptError
-from .base import TransientError, redact, with_retries
+from .. import sources
+from ..errors import CkptError
+from ..sources.remote.base import TransientError, redact, with_retries
 
 MAX_PARTS = 10_000  # S3's limits
 MIN_PART = 5 << 20  # every part but the last
@@ -354,6 +354,6 @@ def _short(exc: BaseException) -> str:
 def env_part_size() -> int | None:
     """``CKPTTOOL_S3_PART_SIZE`` (bytes, or a size with a unit): the part size, for tests
     and S3-compatible stores with other limits; None when unset."""
-    from ...sizes import env_size
+    from ..sizes import env_size
 
     return env_size("CKPTTOOL_S3_PART_SIZE")

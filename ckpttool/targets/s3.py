@@ -1,7 +1,7 @@
 """``-o s3://bucket/prefix/...``: an output written as S3 multipart uploads.
 
 Every output file is one multipart upload; its parts are byte ranges of the writer's
-plan (:mod:`ckpttool.writers.parts`), uploaded side by side from a few part-sized
+plan (:mod:`ckpttool.targets.s3_parts`), uploaded side by side from a few part-sized
 buffers as the plan is written: no local file, memory bounded. Nothing is visible
 under a final key until every part of every file is in: then the data files are
 completed, the index (``model.safetensors.index.json``, DCP's ``.metadata``) last, so
@@ -41,7 +41,9 @@ from typing import Any
 from .. import sources
 from ..errors import CkptError, OutputExistsError, UsageError
 from ..progress import Progress
-from ..sources.remote.s3_upload import (
+from ..writers.folder_layout import FolderLayout
+from ..writers.plan import FilePlan, Plan
+from .s3_client import (
     PartDone,
     S3Uploads,
     UploadFailed,
@@ -50,9 +52,7 @@ from ..sources.remote.s3_upload import (
     multipart_etag,
     split_url,
 )
-from .folder_layout import FolderLayout
-from .parts import RunResult, part_count, part_range, part_size_for, write_parts
-from .plan import FilePlan, Plan
+from .s3_parts import RunResult, part_count, part_range, part_size_for, write_parts
 
 WRITABLE = ("s3", "s3a")
 # what writing elsewhere would need, for the refusal

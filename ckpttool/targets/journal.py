@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from ..writers.atomic import pid_alive
+from .local import pid_alive
 from .units import CrcRun
 
 SUFFIX = ".ckpttool-resume"
@@ -153,6 +153,25 @@ class Journal:
 
     def remove(self) -> None:
         _rmtree(self.root)
+
+    def discard_unused(self) -> tuple[int, int] | None:
+        """Remove the folder of work no run can use any more (the output was just
+        written by another route: one process): (its bytes, the pid that wrote it), or
+        None when there was none or a live run holds it."""
+        if not os.path.isdir(self.root):
+            return None
+        try:
+            self._check_lease()
+        except CkptError:
+            return None
+        lease = _read_json(os.path.join(self.root, LEASE)) or {}
+        nbytes = sum(
+            os.lstat(os.path.join(folder, name)).st_size
+            for folder, _, names in os.walk(self.root)
+            for name in names
+        )
+        _rmtree(self.root)
+        return nbytes, int(lease.get("pid", 0) or 0)
 
     # ------------------------------------------------------------ every rank
 
