@@ -150,13 +150,14 @@ def open_uploads(s3: S3Server, prefix: str) -> list[str]:
 
 def ours(stderr: str) -> list[str]:
     """ckpttool's lines of a run's stderr (torchrun's own summary is not ckpttool's)."""
-    return [ln for ln in stderr.splitlines() if ln.startswith(("ckpttool:", "wrote "))]
+    mine = ("ckpttool:", "wrote ", "warning: ")
+    return [ln for ln in stderr.splitlines() if ln.startswith(mine)]
 
 
 def same_line(line: str, out: str) -> str:
     """A line with the output's place and the units said under several ranks left out."""
     line = line.replace(out, "OUT")
-    return re.sub(r"; \d+ units.*$", "", line)
+    return re.sub(r"; \d+ units?\b.*$", "", line)
 
 
 def run_matrix(tmp_path: Path, s3: S3Server, cases: list[tuple[str, str]], routes: list[str]):
@@ -165,11 +166,12 @@ def run_matrix(tmp_path: Path, s3: S3Server, cases: list[tuple[str, str]], route
     base.mkdir()
     one_args = [argv(INPUTS[i], o, str(base / f"{i}-{o}" / "out")) for i, o in cases]
     one = run_many(one_args)
-    want = {}
+    want, said = {}, {}
     for (inputs, output), run in zip(cases, one, strict=True):
         assert run["code"] == 0, (inputs, output, run["stderr"])
         folder = base / f"{inputs}-{output}"
         want[inputs, output] = local_files(folder / "out")
+        said[inputs, output] = [same_line(ln, str(folder / "out")) for ln in ours(run["stderr"])]
         assert sorted(os.listdir(folder)) == ["out"], (inputs, output)  # nothing beside it
         assert len(want[inputs, output]) >= 1
     if "s3" in routes:  # one process, in one interpreter for every case
@@ -178,8 +180,10 @@ def run_matrix(tmp_path: Path, s3: S3Server, cases: list[tuple[str, str]], route
         runs = run_many(
             [argv(INPUTS[i], o, u) for (i, o), u in zip(cases, urls, strict=True)], env=s3.env
         )
-        for (inputs, output), run in zip(cases, runs, strict=True):
+        for (inputs, output), run, url in zip(cases, runs, urls, strict=True):
             assert run["code"] == 0, (inputs, output, run["stderr"])
+            lines = [same_line(ln, url) for ln in ours(run["stderr"])]
+            assert lines == said[inputs, output], (inputs, output, run["stderr"])
             key = f"{prefix}/{inputs}-{output}"
             assert remote_files(s3, key) == want[inputs, output], (inputs, output)
             assert open_uploads(s3, key) == []
@@ -197,19 +201,19 @@ def run_matrix(tmp_path: Path, s3: S3Server, cases: list[tuple[str, str]], route
             proc = launch(route.removeprefix("s3-"), argv(INPUTS[inputs], output, out), s3.env)
             pending.append((route, inputs, output, out, key, proc))
             if len(pending) >= 3:  # a few at a time: 2 cores
-                _check(s3, want, *pending.pop(0))
+                _check(s3, want, said, *pending.pop(0))
     for item in pending:
-        _check(s3, want, *item)
+        _check(s3, want, said, *item)
 
 
-def _check(s3, want, route, inputs, output, out, key, proc) -> None:
+def _check(s3, want, said, route, inputs, output, out, key, proc) -> None:
     done = finish(proc, 300)
     case = (route, inputs, output)
     assert done.returncode == 0, (case, done.stderr[-3000:])
     lines = ours(done.stderr)
-    assert len(lines) == 1 and lines[0].startswith("wrote "), (case, done.stderr[-3000:])
+    assert [same_line(ln, out) for ln in lines] == said[inputs, output], (case, done.stderr)
     if route == "workers":  # ckpttool's own launch: nothing of torch's logging
-        assert done.stderr.strip() == lines[0], (case, done.stderr[-3000:])
+        assert done.stderr.splitlines() == lines, (case, done.stderr[-3000:])
     if key:
         assert remote_files(s3, key) == want[inputs, output], case
         assert open_uploads(s3, key) == []
@@ -416,3 +420,41 @@ def test_workers_interrupted_or_killed_say_one_line(tmp_path, big, how):
     assert again.returncode == 0, again.stderr
     assert "reused" in again.stderr
     assert os.listdir(tmp_path) == ["out.pt"]
+
+
+def on_a_terminal(args: list[str], cwd: Path) -> tuple[int, str]:
+    """Run ``python -m ckpttool ARGS`` with a pseudo-terminal as stdout and stderr: its
+    exit code and everything it drew there."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpttool", *args],
+        stdout=slave,
+        stderr=slave,
+        cwd=cwd,
+        env=subprocess_env(CKPTTOOL_UNIT_BYTES=str(1 << 20), COLUMNS="120", TERM="xterm"),
+    )
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the last writer closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    return proc.wait(timeout=300), drawn.decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_workers_show_one_progress_bar_of_the_whole_output(tmp_path, big):
+    code, drawn = on_a_terminal(
+        ["convert", str(big), "--to", "safetensors", "-o", "out.safetensors", "--workers", "2"],
+        tmp_path,
+    )
+    assert code == 0, drawn
+    assert "writing out.safetensors" in drawn and "MiB/s" in drawn, drawn[-2000:]
+    assert drawn.count("wrote out.safetensors (24 tensors, 384.0 MiB)") == 1, drawn[-2000:]

@@ -73,14 +73,19 @@ def publish(
         CkptError: Writing failed; what was left for a rerun is named.
     """
     group = distributed.current()
+    description = f"writing {os.path.basename(out)}"
     if group is not None:  # under torchrun or --workers: every rank writes its share
         from .ranks import write_on_every_rank
 
-        outcome = write_on_every_rank(
-            group, plan, out, layout=layout, force=force, inputs=list(inputs), files=list(files)
-        )
+        # rank 0 shows the whole output's bytes, units of every rank counted as they end
+        shows = progress if progress and group.rank == 0 and not sources.is_url(out) else None
+        total = sum(file.size for file in plan.files)
+        with shows(total, description) if shows else nullcontext(None) as advance:
+            outcome = write_on_every_rank(
+                group, plan, out, layout=layout, force=force, inputs=list(inputs),
+                files=list(files), progress=advance,
+            )  # fmt: skip
         return Published(outcome=outcome)
-    description = f"writing {os.path.basename(out)}"
     bar = progress(plan.total_bytes, description) if progress else nullcontext(None)
     if sources.is_url(out):  # s3://: multipart uploads, completed at the end
         from .s3 import write as upload_plan

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..distributed.group import Group
 from ..errors import CkptError
+from ..progress import Progress
 from ..writers.output_file import OutputFile, preallocate
 from ..writers.plan import Plan, Written, complete
 from . import units as unit_mod
@@ -70,6 +71,7 @@ def write_on_every_rank(
     force: bool,
     inputs: list[str],
     files: list[str],
+    progress: Progress | None = None,
 ) -> Outcome | None:
     """This rank's share of writing ``plan`` as ``out``: a local (or shared) path through
     :func:`write_distributed`, an ``s3://`` URL as the parts of the same multipart uploads
@@ -82,7 +84,9 @@ def write_on_every_rank(
     from .. import sources
 
     if not sources.is_url(out):
-        return write_distributed(group, plan, out, layout=layout, force=force, inputs=inputs)
+        return write_distributed(
+            group, plan, out, layout=layout, force=force, inputs=inputs, progress=progress
+        )
     from .s3 import write_ranks
 
     write_ranks(
@@ -107,6 +111,7 @@ def write_distributed(
     layout: FolderLayout | None,
     force: bool,
     inputs: list[str],
+    progress: Progress | None = None,
 ) -> Outcome:
     """Write ``plan`` as ``out`` with every rank of ``group`` (see the module's doc).
 
@@ -132,11 +137,12 @@ def write_distributed(
             lease = _start(journal, plan, out, key, inputs, all_units, group)
         state = json.loads(group.wait_key("todo"))
         todo = state["todo"]
-        _work(group, plan, journal, [all_units[i] for i in todo], out)
+        shown = _Shown(group, progress if group.rank == 0 else None, state["reused_bytes"])
+        _work(group, plan, journal, [all_units[i] for i in todo], out, shown)
         # this rank is done with the resume folder (its journal closed): rank 0 removes
         # that folder when it publishes, so it waits for every rank to get here first
         group.counter("idle", 1)
-        group.wait(lambda: group.counter("finished") >= len(todo))
+        group.wait(lambda: shown.update() and group.counter("finished") >= len(todo))
         if group.rank == 0:
             group.wait(lambda: group.counter("idle") >= group.size)
             group.stop_watching()
@@ -215,7 +221,29 @@ def _file_path(journal: Journal, name: str) -> str:
     return os.path.join(journal.files, name or SINGLE_FILE)
 
 
-def _work(group: Group, plan: Plan, journal: Journal, todo: list, out: str) -> None:
+class _Shown:
+    """Rank 0's progress bar of the whole output: the bytes of the units every rank
+    counts done in the store (each rank adds its own), shown as they grow."""
+
+    def __init__(self, group: Group, progress: Progress | None, reused: int):
+        self.group, self.progress = group, progress
+        self.reused, self.shown = reused, 0  # units an interrupted run made durable count done
+
+    def done(self, nbytes: int) -> None:
+        """This rank made a unit of ``nbytes`` durable."""
+        self.group.counter("bytes", nbytes)
+        self.update()
+
+    def update(self) -> bool:
+        if self.progress is not None:
+            total = self.reused + self.group.counter("bytes")
+            if total > self.shown:
+                self.progress(total - self.shown)
+                self.shown = total
+        return True
+
+
+def _work(group: Group, plan: Plan, journal: Journal, todo: list, out: str, shown: _Shown) -> None:
     """Claim units until none is left: write, fsync, journal each."""
     log: UnitLog | None = None
     try:
@@ -240,6 +268,7 @@ def _work(group: Group, plan: Plan, journal: Journal, todo: list, out: str) -> N
                 raise error from None
             log.record(unit.id, runs)
             group.counter("finished", 1)
+            shown.done(unit.nbytes)
     finally:
         if log is not None:
             log.close()
