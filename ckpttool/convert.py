@@ -63,7 +63,7 @@ class ConvertResult:
     nbytes: int
     # temp outputs of killed runs removed from the output's folder on the way
     removed: list[StaleTemp] = field(default_factory=list)
-    # several processes: what they did (a targets.ranks.Outcome), else None
+    # what a resumed write reused, the units of several processes (targets.Outcome)
     outcome: Any = None
 
 

@@ -24,7 +24,7 @@ class MergeResult:
     stand_ins: list[str] = field(default_factory=list)
     # temp outputs of killed runs removed from the output's folder on the way
     removed: list[StaleTemp] = field(default_factory=list)
-    # several processes: what they did (a targets.ranks.Outcome), else None
+    # what a resumed write reused, the units of several processes (targets.Outcome)
     outcome: Any = None
 
 

@@ -458,3 +458,16 @@ def test_workers_show_one_progress_bar_of_the_whole_output(tmp_path, big):
     assert code == 0, drawn
     assert "writing out.safetensors" in drawn and "MiB/s" in drawn, drawn[-2000:]
     assert drawn.count("wrote out.safetensors (24 tensors, 384.0 MiB)") == 1, drawn[-2000:]
+
+
+@pytest.mark.slow
+def test_under_torchrun_an_error_is_said_once_first_and_every_rank_exits_with_its_code(tmp_path):
+    """torchrun's own summary is torchrun's; ckpttool's line comes once, before it, and
+    every rank exits with the contract's code (none is ended by torchrun's SIGTERM)."""
+    proc = launch("torchrun", ["convert", "nosuch.pt", "--to", "pt", "-o", "x.pt"], {})
+    done = finish(proc, 120)
+    assert ours(done.stderr) == ["ckpttool: error: nosuch.pt: no such file or directory"]
+    first = done.stderr.index("ckpttool: error")
+    assert "Traceback" not in done.stderr[:first]  # torchrun's report comes after ours
+    codes = re.findall(r"exitcode +: (-?\d+)", done.stderr)  # the summary, one per rank
+    assert sorted(codes) == ["2", "2", "2"], done.stderr[-3000:]

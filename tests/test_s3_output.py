@@ -179,11 +179,16 @@ def test_killed_mid_upload_then_resumed(s3, ckpt, tmp_path, to):
     there = s3.direct.list_parts(Bucket=BUCKET, Key=key, UploadId=upload["UploadId"])
     have = {p["PartNumber"] for p in there.get("Parts") or []}
     assert 0 < len(have) < 7
-    convert([str(ckpt)], to, f"s3://{BUCKET}/{key}")  # the same command, in this process
+    # the same command, in this process: it says what it reused
+    result = convert([str(ckpt)], to, f"s3://{BUCKET}/{key}")
     local = tmp_path / f"local{suffix}"
     convert([str(ckpt)], to, str(local))
     size = local.stat().st_size
     assert sorted(s3.proxy.uploads()) == sorted(set(range(1, -(-size // PART) + 1)) - have)
+    parts = -(-size // PART)
+    reused = sum(min(PART, size - (n - 1) * PART) for n in have)
+    assert (result.outcome.units, result.outcome.reused) == (parts, len(have))
+    assert (result.outcome.reused_bytes, result.outcome.kind) == (reused, "part")
     assert objects(s3, prefix) == {key: local.read_bytes()}
     assert open_uploads(s3) == []
 

@@ -161,7 +161,7 @@ def outcome_note(outcome: Any) -> str:
 
     if outcome is None:
         return ""
-    parts = [plural(outcome.units, "unit")]
+    parts = [plural(outcome.units, outcome.kind)]
     if outcome.reused:
         parts.append(
             f"reused {outcome.reused} ({human_bytes(outcome.reused_bytes)}) from an interrupted run"

@@ -230,4 +230,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         code = exc.code
     except BaseException as exc:
         code = exit_code_for(exc)
-    sys.exit(code if isinstance(code, int) else EXIT_OK)
+    code = code if isinstance(code, int) else EXIT_OK
+    if code and distributed.launched():
+        # the ranks left together (distributed.collective): torchrun ends the others as
+        # soon as one exits, so each exits now, not after an interpreter teardown of its
+        # own length, and torchrun finds them all with the contract's code
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -39,6 +39,7 @@ TIMEOUT_ENV = "CKPTTOOL_DIST_TIMEOUT"  # seconds without a heartbeat before a ra
 DEFAULT_DEAD_AFTER = 30.0
 HEARTBEAT_S = 0.5
 POLL_S = 0.05
+LEAVE_POLL_S = 0.002
 JOIN_GRACE_S = 120.0  # a rank that never beat: dead after this long
 _calls = itertools.count()  # the commands run in this process: each its own keys
 
@@ -192,8 +193,10 @@ class Group:
         self.stop_watching()
         self.counter("left", 1)
         deadline = time.monotonic() + min(dead_after(), 5.0)
+        # polled closely: the ranks must see the count reached within a few ms of each
+        # other (they exit at once after it; torchrun polls its workers every 100 ms)
         while self.counter("left") < self.size and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+            time.sleep(LEAVE_POLL_S)
 
     def stop_watching(self) -> None:
         """The others may end now (the output is published): their silence is no failure."""

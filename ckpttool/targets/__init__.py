@@ -40,7 +40,8 @@ class Published:
 
     Attributes:
         removed: Temp outputs of killed runs removed from the output's folder.
-        outcome: Several processes: what they did (a :class:`.ranks.Outcome`), else None.
+        outcome: What a resumed write reused (a :class:`.outcome.Outcome`: the ranks' units,
+            S3's parts), else None.
     """
 
     removed: list[StaleTemp] = field(default_factory=list)
@@ -91,8 +92,10 @@ def publish(
         from .s3 import write as upload_plan
 
         with bar as advance:
-            upload_plan(plan, out, layout=layout, force=force, inputs=files, progress=advance)
-        return Published()
+            outcome = upload_plan(
+                plan, out, layout=layout, force=force, inputs=files, progress=advance
+            )
+        return Published(outcome=outcome)
     from ..writers.plan import write_plan
     from .local import atomic_output
 

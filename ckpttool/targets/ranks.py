@@ -21,7 +21,6 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..distributed.group import Group
 from ..errors import CkptError
@@ -41,25 +40,9 @@ from .local import (
     remove_output,
     write_error,
 )
+from .outcome import Outcome
 
 SINGLE_FILE = "output"  # a single-file output's name inside the resume folder
-
-
-@dataclass
-class Outcome:
-    """What the distributed write did, for the summary line.
-
-    Attributes:
-        units: Units in the output.
-        reused: Units an interrupted run had made durable, not written again.
-        reused_bytes: Their bytes.
-        note: Why earlier work was dropped, or "".
-    """
-
-    units: int
-    reused: int = 0
-    reused_bytes: int = 0
-    note: str = ""
 
 
 def write_on_every_rank(

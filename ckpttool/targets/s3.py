@@ -43,6 +43,7 @@ from ..errors import CkptError, OutputExistsError, UsageError
 from ..progress import Progress
 from ..writers.folder_layout import FolderLayout
 from ..writers.plan import FilePlan, Plan
+from .outcome import Outcome
 from .s3_client import (
     PartDone,
     S3Uploads,
@@ -401,21 +402,28 @@ def write(
     force: bool,
     inputs: Sequence[str],
     progress: Progress | None = None,
-) -> None:
+) -> Outcome | None:
     """Write ``plan`` to ``url`` from this process: prepare, every part, finish.
 
-    A rerun after a failure resumes (only the parts not there are uploaded). Every
-    error says what was left (the upload ids) and whether it was aborted.
+    A rerun after a failure resumes (only the parts not there are uploaded): what it
+    reused is returned (None when nothing was). Every error says what was left (the
+    upload ids) and whether it was aborted.
     """
     identities = [sources.identity(p) for p in inputs]
     session = prepare(plan, url, layout=layout, force=force, identities=identities)
     store = session.store()
+    outcome = Outcome(sum(upload.parts for upload in session.files), kind="part")
     try:
         for file in plan.files:
             upload = session.file(file.name)
             if upload.etag and store.head(session.bucket, upload.key) == (upload.size, upload.etag):
-                continue  # completed by the earlier run
+                outcome.reused += upload.parts  # completed by the earlier run
+                outcome.reused_bytes += upload.size
+                continue
             have = store.list_parts(session.bucket, upload.key, upload.upload_id) or {}
+            kept = [n for n in have if _fits(have[n], upload, n)]
+            outcome.reused += len(kept)
+            outcome.reused_bytes += sum(have[n].size for n in kept)
             _upload_file(session, file, have, progress)
         finish(session, layout)
     except (KeyboardInterrupt, SystemExit):
@@ -442,6 +450,7 @@ def write(
                 hint=exc.hint,
             ) from None
         raise
+    return outcome if outcome.reused else None
 
 
 def _upload_file(
