@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from helpers import FIXTURES, finish, sha256, subprocess_env
+from helpers import FIXTURES, finish, run_many, sha256, subprocess_env
 
 from ckpttool.convert import convert
 from ckpttool.distributed import collective, current
@@ -477,3 +477,93 @@ def test_a_gathered_value_of_any_size_reaches_every_rank(server, monkeypatch):
         got += [next(first), next(second)]
         assert got == [values[0], values[0], values[1], values[1]]
         assert next(first, None) is None and next(second, None) is None
+
+
+# ------------------------------------------------------- the store --workers serves itself
+
+
+def test_own_store_server_answers_the_client_and_torchs_own_client():
+    """``store_server.StoreServer`` (what --workers serves, without torch) speaks the c10d
+    protocol: ckpttool's client and torch's own ``TCPStore`` client both use it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ckpttool.distributed.store import StoreError, TCPStoreClient
+    from ckpttool.distributed.store_server import StoreServer
+
+    server = StoreServer()
+    try:
+        client = TCPStoreClient("127.0.0.1", server.port, timeout=5, prefix="p")
+        client.set("a", b"x\0y")
+        assert client.get("a") == b"x\0y"
+        assert [client.add("n", 3), client.add("n", -1), client.add("n", 0)] == [3, 2, 2]
+        assert client.check(["a", "n"]) and not client.check(["a", "nope"])
+        assert client.compare_set("e", "", "first") == b"first"
+        assert client.compare_set("e", "", "second") == b"first"  # set already: unchanged
+        assert client.compare_set("e", "first", "third") == b"third"
+        assert client.compare_set("absent", "q", "r") == b"q"  # as torch's server answers
+        with pytest.raises(StoreError, match="waited 0.2 s for never"):
+            client.wait(["never"], timeout=0.2)
+        assert client.add("n", 1) == 3  # the canceled wait left the connection usable
+        theirs = dist.TCPStore(
+            "127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=5)
+        )
+        theirs.set("p/t", "from torch")  # torch's client puts the "/" before a key
+        assert client.get("t") == b"from torch"
+        assert theirs.add("p/n", 1) == 4
+        assert theirs.get("p/a") == b"x\0y"
+    finally:
+        server.close()
+
+
+def test_own_store_server_closes_a_connection_that_sends_what_no_client_sends():
+    import socket
+    import struct
+
+    from ckpttool.distributed.store import MAGIC, MAX_KEY, SET, VALIDATE, TCPStoreClient
+    from ckpttool.distributed.store_server import StoreServer
+
+    server = StoreServer()
+    try:
+        for request in (
+            b"\x07" + struct.pack("=I", MAGIC),  # not VALIDATE first
+            bytes((VALIDATE,)) + struct.pack("=I", MAGIC + 1),  # the wrong magic
+            bytes((VALIDATE,)) + struct.pack("=I", MAGIC) + bytes((SET,))
+            + struct.pack("=Q", MAX_KEY + 1),  # a key longer than any store takes
+            bytes((VALIDATE,)) + struct.pack("=I", MAGIC) + b"\xee",  # no such query
+        ):  # fmt: skip
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+                sock.sendall(request)
+                try:
+                    answer = sock.recv(1)
+                except ConnectionResetError:  # closed with the rest of the request unread
+                    answer = b""
+                assert answer == b""  # closed, nothing answered
+        client = TCPStoreClient("127.0.0.1", server.port, timeout=5)
+        assert client.add("still", 1) == 1  # the server itself goes on
+    finally:
+        server.close()
+
+
+def test_workers_launcher_never_imports_torch(tmp_path):
+    """--workers starts its workers and serves their store without torch (its import
+    was most of the start-up); the output is one process's."""
+    import torch
+
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "in.pt")
+    code = (
+        "import sys\n"
+        "from ckpttool.distributed.launch import run_workers\n"
+        f"code = run_workers(['convert', {str(tmp_path / 'in.pt')!r}, '--to', 'pt', '-o', "
+        f"{str(tmp_path / 'two.pt')!r}, '-q'], 2)\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+        timeout=120,
+    )  # fmt: skip
+    assert (done.stdout, done.stderr) == ("0 False\n", "")
+    (one,) = run_many([["convert", tmp_path / "in.pt", "--to", "pt", "-o", tmp_path / "one.pt"]])
+    assert one["code"] == 0
+    assert (tmp_path / "two.pt").read_bytes() == (tmp_path / "one.pt").read_bytes()

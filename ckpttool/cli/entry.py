@@ -6,7 +6,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -211,8 +211,21 @@ def exit_code_for(exc: BaseException) -> int:
     return code
 
 
+def _interrupt_again(unraisable: Any) -> None:
+    """A Ctrl-C that lands in a callback Python cannot raise from (a weakref's, during a
+    collection) is printed as "Exception ignored" and lost: deliver it to the command
+    again instead, silently, so it stops as from any other place."""
+    if issubclass(unraisable.exc_type, KeyboardInterrupt):
+        import _thread
+
+        _thread.interrupt_main()
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Console-script entry point: run one command, map whatever it raises to an exit code."""
+    sys.unraisablehook = _interrupt_again
     settings.debug = settings.quiet = settings.no_color = False  # main() may run twice
     settings.allow = ()
     settings.argv = list(sys.argv[1:] if argv is None else argv)

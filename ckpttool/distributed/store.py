@@ -46,7 +46,7 @@ READY, NOT_READY = 0, 1  # CheckResponseType
 STOP_WAITING, WAIT_CANCELED = 0, 1  # WaitResponseType
 MAX_KEY = 8 << 10  # the libuv server closes a connection sending a longer key
 MAX_VALUE = 8 << 20  # ... or a longer value; a longer answer is no store's
-_U32, _U64, _I64 = struct.Struct("=I"), struct.Struct("=Q"), struct.Struct("=q")
+U32, U64, I64 = struct.Struct("=I"), struct.Struct("=Q"), struct.Struct("=q")
 _CANCEL_S = 5.0  # at most this long for a canceled wait's acknowledgement
 
 
@@ -116,8 +116,8 @@ class TCPStoreClient:
         """Add ``amount`` to the integer at ``key`` (0 when absent); the sum."""
         with self._lock:
             deadline = self._deadline()
-            self._send(bytes((ADD,)) + self._key(key) + _I64.pack(amount), deadline)
-            return int(_I64.unpack(self._recv(8, deadline))[0])
+            self._send(bytes((ADD,)) + self._key(key) + I64.pack(amount), deadline)
+            return int(I64.unpack(self._recv(8, deadline))[0])
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists (no waiting)."""
@@ -178,10 +178,10 @@ class TCPStoreClient:
         data = (self._prefix + key).encode()
         if len(data) > MAX_KEY:
             raise ValueError(f"store key of {len(data)} bytes (at most {MAX_KEY})")
-        return _U64.pack(len(data)) + data
+        return U64.pack(len(data)) + data
 
     def _keys(self, keys: Sequence[str]) -> bytes:
-        return _U64.pack(len(keys)) + b"".join(self._key(k) for k in keys)
+        return U64.pack(len(keys)) + b"".join(self._key(k) for k in keys)
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
@@ -223,7 +223,7 @@ class TCPStoreClient:
         return bytes(buf)
 
     def _recv_value(self, deadline: float) -> bytes:
-        (size,) = _U64.unpack(self._recv(8, deadline))
+        (size,) = U64.unpack(self._recv(8, deadline))
         if size > MAX_VALUE:
             raise self._fail(f"announced a value of {size} bytes (at most {MAX_VALUE})")
         return self._recv(size, deadline)
@@ -258,7 +258,7 @@ class TCPStoreClient:
         deadline = time.monotonic() + seconds
         delay = 0.05
         nonce = os.getpid() & 0xFFFFFFFF
-        hello = bytes((VALIDATE,)) + _U32.pack(MAGIC) + bytes((PING,)) + _U32.pack(nonce)
+        hello = bytes((VALIDATE,)) + U32.pack(MAGIC) + bytes((PING,)) + U32.pack(nonce)
         while True:
             self._broken = ""
             try:
@@ -271,7 +271,7 @@ class TCPStoreClient:
             else:
                 try:
                     self._send(hello, deadline)
-                    (echo,) = _U32.unpack(self._recv(4, deadline))
+                    (echo,) = U32.unpack(self._recv(4, deadline))
                 except _NoAnswer:  # something listens but does not answer
                     why = f"no answer to a ping within {seconds:g} s"
                 except StoreError as exc:
@@ -290,4 +290,4 @@ def _value(value: str | bytes) -> bytes:
     data = value.encode() if isinstance(value, str) else bytes(value)
     if len(data) > MAX_VALUE:
         raise ValueError(f"store value of {len(data)} bytes (at most {MAX_VALUE})")
-    return _U64.pack(len(data)) + data
+    return U64.pack(len(data)) + data
