@@ -35,6 +35,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -84,7 +85,7 @@ class OutputFile:
         self.inputs = OpenFiles()  # the files we copy from
         size = _round_up(BUFFER_BYTES)  # module constants, read here so tests can shrink them
         # page-aligned anonymous maps, as O_DIRECT needs; each view keeps its map alive
-        self._views = [memoryview(mmap.mmap(-1, size)) for _ in range(max(2, BUFFERS))]
+        self._views = _take_buffers(max(2, BUFFERS), size)
         self._pending: list[Future[None] | None] = [None] * len(self._views)
         self._writers = ThreadPoolExecutor(len(self._views) - 1, "ckpttool-write")
         self._current = 0  # index of the buffer being filled
@@ -99,9 +100,11 @@ class OutputFile:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
+        clean = False
         try:
             if exc_type is None:
                 self._finish()
+                clean = True
         finally:
             self._writers.shutdown(wait=True)  # never close a file a write is still using
             self.inputs.close()
@@ -109,7 +112,10 @@ class OutputFile:
             if self._plain_fd is not None:
                 os.close(self._plain_fd)
             # the buffers are unmapped when the last view of them goes (a traceback
-            # may still hold one, and closing an exported mmap raises)
+            # may still hold one, and closing an exported mmap raises); after a clean
+            # end nothing else holds them: the next output of this process takes them
+            if clean:
+                _give_back(self._views)
 
     # ------------------------------------------------------------ appending
 
@@ -271,6 +277,24 @@ class OutputFile:
         finally:
             if fd != self.fd:
                 os.close(fd)
+
+
+# Staging buffers of outputs that ended cleanly, kept for the next one: a rank writes
+# its units one OutputFile each, and fresh maps cost a page fault per 4 KiB written
+# (a third of a unit's time). At most one output's worth is kept.
+_spare: list[memoryview] = []
+_spare_lock = threading.Lock()
+
+
+def _take_buffers(count: int, size: int) -> list[memoryview]:
+    with _spare_lock:
+        taken = [_spare.pop() for _ in range(min(count, len(_spare))) if len(_spare[-1]) == size]
+    return taken + [memoryview(mmap.mmap(-1, size)) for _ in range(count - len(taken))]
+
+
+def _give_back(views: list[memoryview]) -> None:
+    with _spare_lock:
+        _spare[:] = views[: max(2, BUFFERS)]
 
 
 def _open_output(path: str, *, truncate: bool = True) -> tuple[int, bool]:
