@@ -47,7 +47,7 @@ def listing_lines(folder: str, rows: list[dict[str, Any]]) -> list[str]:
 
 def report_removed(removed: list[Any]) -> None:
     """One stderr line for the temp outputs of killed runs that a write removed
-    (:class:`ckpttool.output.StaleTemp`); nothing when there were none."""
+    (:class:`ckpttool.targets.StaleTemp`); nothing when there were none."""
     if not removed:
         return
     import sys

@@ -14,7 +14,7 @@ Then the file must prove that it is plain, in bulk (C-speed ``map`` and ``set``
 operations over the chunk lists): every record BUILT once with a dict of its own of
 the expected fields, of numbers, strings and ``torch.Size``s of numbers, nothing
 shared, nothing referenced from elsewhere. The rest of the pickle is checked by
-:func:`~ckpttool.policy.check_structure` as any pickle is, the chunk lists standing
+:func:`~ckpttool.unpickler.policy.check_structure` as any pickle is, the chunk lists standing
 as checked. Names are checked once per distinct name (256 data files, not 555,264
 chunks). A file that is not plain in any way, or any error, and the generic reader
 reads it again from the start: it decides, and words any error, exactly as before.

@@ -14,7 +14,7 @@
 The name is the same for every run of the output, on any host and at any world size:
 that is what lets a rerun find the work (it keeps it only when the key matches, and
 says so when it starts over). Two runs never write it at once (the lease); the
-single-process path keeps its per-host, per-pid temp names (:mod:`ckpttool.output`).
+single-process path keeps its per-host, per-pid temp names (:mod:`ckpttool.targets.local`).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def check_writable(out: str) -> None:
 
 
 def output_url(out: str, default_name: str, *, folder_output: bool) -> str:
-    """Where ``-o URL`` puts the output: as :func:`ckpttool.output.output_path` does for
+    """Where ``-o URL`` puts the output: as :func:`ckpttool.targets.local.output_path` does for
     local paths (``URL/``, or a prefix that holds objects, means into it)."""
     check_writable(out)
     if folder_output:

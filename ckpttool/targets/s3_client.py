@@ -1,7 +1,7 @@
 """S3 multipart uploads: the calls an output written in parts makes, each one checked.
 
 The sink every writer of an ``s3://`` output goes through, from one process or from
-many (:mod:`ckpttool.s3_output` says who calls what):
+many (:mod:`ckpttool.targets.s3` says who calls what):
 
 - :meth:`S3Uploads.create` starts a multipart upload of one key and gives its id;
 - :meth:`S3Uploads.upload_part` uploads part ``number`` (1..10,000) of an upload from
@@ -19,7 +19,7 @@ with a HEAD. Stores that encrypt with KMS answer other ETags: refused, with a hi
 Calls go through s3fs's aiobotocore client, the one inputs read with: credentials
 from the AWS chain, ``FSSPEC_S3_ENDPOINT_URL`` for S3-compatible stores; none is ever
 shown. botocore retries throttling and 5xx answers itself; connection errors are
-retried here with backoff (:func:`~ckpttool.remote.base.with_retries`).
+retried here with backoff (:func:`~ckpttool.sources.remote.base.with_retries`).
 """
 
 from __future__ import annotations

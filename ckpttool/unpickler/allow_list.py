@@ -1,5 +1,5 @@
 """The globals a user trusts (``--allow``, ``allow=[...]``, torch's ``add_safe_globals``),
-while one command or API call runs: a context variable :mod:`ckpttool.policy` reads.
+while one command or API call runs: a context variable :mod:`ckpttool.unpickler.policy` reads.
 What may be allowed, and what it changes, is decided there."""
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ DANGEROUS = "dangerous"  # refused without --unsafe
 
 def refused_use(verdict: str, use: str) -> bool:
     """Whether a global of ``verdict`` that a pickle uses so (a use named by
-    :mod:`ckpttool.pickle_scan`, the walk of a pickle whose full read stopped early) is
+    :mod:`ckpttool.unpickler.pickle_scan`, the walk of a pickle whose full read stopped early) is
     refused: the full read's rules where the walk can tell, and where it cannot, the
     stricter reading (a global on no list handed to any call may be called by it, as
     copyreg's ``_reconstructor`` calls its base).

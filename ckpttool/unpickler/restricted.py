@@ -159,7 +159,7 @@ class SafeUnpickler(pickle.Unpickler):
 def global_verdict(module: str, name: str) -> str:
     """What :meth:`SafeUnpickler.find_class` makes of ``module.name`` (already resolved
     to its Python 3 name), as a verdict: SAFE for what ckpttool rebuilds itself, else
-    :func:`~ckpttool.policy.judge`'s (``getattr`` is DANGEROUS: :func:`static_verdict`
+    :func:`~ckpttool.unpickler.policy.judge`'s (``getattr`` is DANGEROUS: :func:`static_verdict`
     lets through its calls on a torch class and a nested class's name, as ``_getattr``)."""
     full = f"{module}.{name}"
     if (
@@ -172,7 +172,7 @@ def global_verdict(module: str, name: str) -> str:
 
 
 def static_verdict(uses: Uses) -> dict[str, str]:
-    """The globals a static walk (:func:`~ckpttool.pickle_scan.scan_pickle`) found that
+    """The globals a static walk (:func:`~ckpttool.unpickler.pickle_scan.scan_pickle`) found that
     the policy refuses, each with how the pickle uses it."""
     refused: dict[str, str] = {}
     for full, use in uses.uses.items():
@@ -476,7 +476,7 @@ def load_pickle(
         seen: A set that collects every global referenced (and ``!name`` for refused ones).
         scan_only: Only judge the globals (:class:`GlobalsScanner`); returns None.
         unpickler_class: A :class:`SafeUnpickler` of another kind (a DCP ``.metadata``'s).
-        check: Run :func:`~ckpttool.policy.check_structure` on the result; False only
+        check: Run :func:`~ckpttool.unpickler.policy.check_structure` on the result; False only
             where the caller checks it itself.
 
     Raises:
@@ -574,7 +574,7 @@ UNREACHED = "<a pickle past 1 GiB after the read stopped: cannot be vouched for>
 
 
 def _static_scan(stream: IO[bytes], start: int, unpickler: SafeUnpickler) -> Uses:
-    """:func:`~ckpttool.pickle_scan.scan_pickle` of the pickle at ``start`` of ``stream``,
+    """:func:`~ckpttool.unpickler.pickle_scan.scan_pickle` of the pickle at ``start`` of ``stream``,
     read a growing chunk at a time (it ends at its STOP, most of a legacy file is data)."""
     encoding = unpickler.encoding
     chunk = STATIC_SCAN_CHUNK
