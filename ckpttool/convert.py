@@ -12,6 +12,7 @@ from . import distributed, sources
 from .api import flatten_tensors, read, select_node
 from .dtypes import DTYPES, DType
 from .errors import UsageError, translate_errors
+from .integrity import unreadable_besides
 from .progress import ProgressFactory
 from .sizes import parse_size
 from .targets import StaleTemp, check_output, output_path, publish
@@ -65,6 +66,8 @@ class ConvertResult:
     removed: list[StaleTemp] = field(default_factory=list)
     # what a resumed write reused, the units of several processes (targets.Outcome)
     outcome: Any = None
+    # what the input lost outside the selection (a short or missing file), one line each
+    warnings: list[str] = field(default_factory=list)
 
 
 def check_options(
@@ -104,6 +107,7 @@ def convert(
     force: bool = False,
     unsafe: bool = False,
     progress: ProgressFactory | None = None,
+    source_metadata: bool = True,
 ) -> ConvertResult:
     """Write the selected tensors of a checkpoint in another format.
 
@@ -120,6 +124,9 @@ def convert(
         unsafe: Accept pickles that reference dangerous globals (kept inert).
         progress: ``progress(total_bytes, description)`` returns a context manager
             yielding a callable that takes bytes done.
+        source_metadata: Record the input's file name in a safetensors output's
+            ``__metadata__`` (``source``); False leaves it out, so the same tensors
+            give the same bytes whatever the input was named.
 
     Raises:
         UsageError: Options that do not fit together.
@@ -140,6 +147,7 @@ def convert(
         raise UsageError(
             "the selection holds no tensors", hint="see `ckpttool inspect`, then --select"
         )
+    lost = unreadable_besides(ckpt, tensors)  # sizes only: a short file refused before a write
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     first = sources.strip_file_scheme(inputs[0])
     if ckpt.format in FOLDER_READ_FORMATS and sources.isfile(first):
@@ -152,7 +160,7 @@ def convert(
         cast=cast,
         location=map_location or "cpu",
         max_shard_size=shard_limit,
-        metadata={"source": sources.input_name(first)},
+        metadata={"source": sources.input_name(first)} if source_metadata else {},
     )
     layout = writer.layout(options)
     hf_folder = _hf_folder_in_and_out(inputs, out, select, to, shard_limit is not None)
@@ -175,7 +183,9 @@ def convert(
         progress=progress,
     )  # fmt: skip
     names = plan.names or [os.path.basename(out)]
-    return ConvertResult(out, names, len(tensors), plan.total_bytes, done.removed, done.outcome)
+    return ConvertResult(
+        out, names, len(tensors), plan.total_bytes, done.removed, done.outcome, lost
+    )
 
 
 def _hf_folder_in_and_out(

@@ -28,11 +28,12 @@ from .tree import (
     TorchName,
     TorchSize,
     count_parameters,
-    detect_prefix,
     get_path,
     global_name,
+    is_lightning_state_dict,
     iter_tensors,
     model_key,
+    model_prefix,
     model_state,
     plain_values,
     tied_names,
@@ -77,7 +78,10 @@ def inspect_report(
     model_path = model_key(ckpt)
     model = model_state(get_path(ckpt.root, model_path)) if model_path is not None else None
     prefix = (
-        detect_prefix([k for k in model if isinstance(k, str)])
+        model_prefix(
+            [k for k in model if isinstance(k, str)],
+            is_lightning_state_dict(ckpt.root, model_path),
+        )
         if isinstance(model, Mapping)
         else None
     )

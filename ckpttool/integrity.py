@@ -21,7 +21,7 @@ import collections
 import contextlib
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -193,6 +193,51 @@ def check_sizes(ckpt: Checkpoint, spans: Spans | None = None) -> dict[str, int]:
                 path=file,
             )
     return sizes
+
+
+def unreadable_besides(ckpt: Checkpoint, selected: Mapping[str, Any]) -> list[str]:
+    """What a short or missing file costs a conversion of ``selected`` (output name ->
+    leaf): nothing when every file is whole; the tensors outside the selection whose
+    bytes are gone, one line per file, when the selected ones are whole.
+
+    Raises:
+        CkptError: A selected tensor's bytes lie past the end of its file, or in a
+            missing one (named: nothing can be written).
+    """
+    try:
+        check_sizes(ckpt)
+        return []
+    except CkptError:
+        pass
+    sizes: dict[str, int] = {}
+
+    def size(file: str) -> int:
+        if file not in sizes:
+            sizes[file] = sources.getsize(file) if sources.exists(file) else -1
+        return sizes[file]
+
+    chosen = (((name,), leaf) for name, leaf in selected.items())
+    for file, here in _spans_of(chosen, resolve=False).items():
+        past = [name for _, end, name in here if end > size(file)]
+        if past:
+            missing = size(file) < 0
+            raise CkptError(
+                ("missing: the checkpoint names this file" if missing else
+                 f"file too short: {size(file):,} bytes") + f", and it holds {past[0]!r} "
+                f"(selected){' and ' + str(len(past) - 1) + ' more' if len(past) > 1 else ''}"
+                " (truncated?)",
+                path=file,
+            )  # fmt: skip
+    lost = []
+    for file, here in sorted(stored_spans(ckpt).items()):
+        names = sorted({name for _, end, name in here if end > size(file)})
+        if names:
+            shown = ", ".join(repr(n) for n in names[:3]) + (
+                f" and {len(names) - 3} more" if len(names) > 3 else ""
+            )
+            what = "missing" if size(file) < 0 else f"short ({size(file):,} bytes)"
+            lost.append(f"{file} is {what}: {shown} cannot be read (not selected; not written)")
+    return lost
 
 
 def _reach(spans: Spans) -> dict[str, int]:

@@ -10,6 +10,7 @@ from typing import Any
 from . import distributed
 from .api import read, require_data
 from .errors import translate_errors
+from .integrity import check_sizes
 from .progress import ProgressFactory
 from .targets import StaleTemp, check_output, output_path, publish
 from .tree import iter_tensors, recorded_classes
@@ -62,6 +63,7 @@ def merge(
     out = output_path(os.fspath(out), default_name(inputs, out), folder_output=False)
     check_output(out, [*inputs, *ckpt.files], force=force)
     require_data(ckpt.root)
+    check_sizes(ckpt)  # every byte is written: a short or missing file refused before a write
     leaves = [leaf for _, leaf in iter_tensors(ckpt.root)]
     total = sum(leaf.nbytes for leaf in leaves)
     stand_ins = recorded_classes(ckpt.root)

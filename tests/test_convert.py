@@ -6,6 +6,7 @@ contract's refusals (exit 2, one stderr line, nothing written).
 from __future__ import annotations
 
 import json
+import os
 import warnings
 import zipfile
 from pathlib import Path
@@ -571,3 +572,95 @@ def test_an_unknown_dtype_names_the_choices(snap, tmp_path):
         "ckpttool: error: unknown --dtype 'fp8' (choose one of float32, float16, bfloat16 "
         "(or fp32, fp16, half, bf16))"
     ]
+
+
+def test_convert_of_a_dcp_folder_with_a_short_data_file_says_what_it_lost(tmp_path):
+    """A truncated ``__1_0.distcp``: the model tensors (in it, whole) are converted and the
+    line names the unselected tensor whose bytes are gone; selecting that tensor, or
+    merging everything, is refused before anything is written."""
+    import shutil
+
+    from helpers import FIXTURES, run_many
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "dcp", folder)
+    data = folder / "__1_0.distcp"
+    os.truncate(data, data.stat().st_size - 200)
+    short = f"{data.stat().st_size:,}"
+    runs = run_many(
+        [
+            ["convert", folder, "--to", "safetensors", "-o", tmp_path / "model.safetensors"],
+            ["convert", folder, "--select", "all", "--to", "pt", "-o", tmp_path / "all.pt"],
+            ["merge", folder, "-o", tmp_path / "merged.pt"],
+        ]
+    )
+    assert runs[0]["code"] == 0
+    assert runs[0]["stderr"].splitlines() == [
+        f"warning: {data} is short ({short} bytes): 'rng.0.torch' cannot be read (not "
+        "selected; not written)",
+        f"wrote {tmp_path / 'model.safetensors'} (4 tensors, 852 B)",
+    ]
+    assert runs[1]["code"] == 2 and runs[1]["stderr"] == (
+        f"ckpttool: error: {data}: file too short: {short} bytes, and it holds 'rng.0.torch' "
+        "(selected) (truncated?)\n"
+    )
+    assert runs[2]["code"] == 2 and "file too short" in runs[2]["stderr"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "model.safetensors"]
+
+
+def test_no_source_metadata_gives_the_same_bytes_whatever_the_input_is_called(tmp_path):
+    torch.save({"w": torch.arange(6.0)}, tmp_path / "a.pt")
+    (tmp_path / "b.pt").write_bytes((tmp_path / "a.pt").read_bytes())
+    outs = {n: tmp_path / f"{n}.safetensors" for n in ("a", "b", "a-bare", "b-bare")}
+    from helpers import run_many
+
+    runs = run_many(
+        [
+            ["convert", tmp_path / "a.pt", "--to", "safetensors", "-o", outs["a"]],
+            ["convert", tmp_path / "b.pt", "--to", "safetensors", "-o", outs["b"]],
+            ["convert", tmp_path / "a.pt", "--to", "safetensors", "-o", outs["a-bare"]]
+            + ["--no-source-metadata"],
+            ["convert", tmp_path / "b.pt", "--to", "safetensors", "-o", outs["b-bare"]]
+            + ["--no-source-metadata"],
+        ]
+    )
+    assert [r["code"] for r in runs] == [0, 0, 0, 0]
+    assert safetensors_header(outs["a"])["__metadata__"] == {"format": "pt", "source": "a.pt"}
+    assert safetensors_header(outs["a-bare"])["__metadata__"] == {"format": "pt"}
+    assert sha256(outs["a"]) != sha256(outs["b"])
+    assert sha256(outs["a-bare"]) == sha256(outs["b-bare"])
+    assert load_file(outs["a-bare"])["w"].equal(torch.arange(6.0))
+
+
+def test_lightning_model_prefix_is_stripped_by_auto_only_in_a_lightning_checkpoint(tmp_path):
+    """Lightning's ``state_dict`` of a module holding its network as ``self.model``: every
+    key starts ``model.``; auto strips it there (inspect names it), and nowhere else (an
+    HF state dict whose head is tied and left out has every key under ``model.`` too)."""
+    import ckpttool as api
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    inner = net.state_dict()
+    lightning = {
+        "epoch": 1,
+        "pytorch-lightning_version": "2.4.0",
+        "state_dict": {f"model._orig_mod.{k}": v for k, v in inner.items()},
+    }
+    torch.save(lightning, tmp_path / "last.ckpt")
+    plain = {"state_dict": {f"model.{k}": v for k, v in inner.items()}}
+    torch.save(plain, tmp_path / "plain.pt")
+    from helpers import run_many
+
+    runs = run_many(
+        [
+            ["inspect", tmp_path / "last.ckpt", "--json"],
+            ["convert", tmp_path / "last.ckpt", "--to", "safetensors", "-o", tmp_path / "l.st"],
+            ["convert", tmp_path / "plain.pt", "--to", "safetensors", "-o", tmp_path / "p.st"],
+        ]
+    )
+    assert [r["code"] for r in runs] == [0, 0, 0], runs
+    assert json.loads(runs[0]["stdout"])["prefix"] == "model._orig_mod."
+    assert sorted(load_file(tmp_path / "l.st")) == sorted(inner)
+    assert sorted(load_file(tmp_path / "p.st")) == sorted(f"model.{k}" for k in inner)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    api.load_into(fresh, tmp_path / "last.ckpt")
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in inner.items())

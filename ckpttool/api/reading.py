@@ -20,6 +20,7 @@ from ..tree import (
     TensorRef,
     check_not_partitioned,
     get_path,
+    is_lightning_state_dict,
     is_tensor,
     iter_tensors,
     model_candidates,
@@ -127,7 +128,8 @@ def select_node(
     node = module_state_dict(node) or node  # a pickled nn.Module: its state dict
     check_not_partitioned(ckpt.root, node, ckpt.files[0] if ckpt.files else None)
     if isinstance(node, Mapping) and all(isinstance(k, str) for k in node):
-        node = strip_prefix(node, resolve_prefix(node, strip))
+        lightning = is_lightning_state_dict(ckpt.root, path)
+        node = strip_prefix(node, resolve_prefix(node, strip, lightning=lightning))
     require_data(node)
     return path, node
 

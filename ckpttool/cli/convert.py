@@ -99,6 +99,13 @@ def convert(
             help="Write HF shards of at most SIZE (2GB = 2*1000^3 bytes, 500MiB = 500*1024^2).",
         ),
     ] = None,
+    source_metadata: Annotated[
+        bool,
+        typer.Option(
+            "--source-metadata/--no-source-metadata",
+            help="Record the input's file name in a safetensors output's __metadata__.",
+        ),
+    ] = True,
     force: Force = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
@@ -127,10 +134,20 @@ def convert(
         force=force,
         unsafe=unsafe,
         progress=progress_factory(quiet or settings.quiet),
+        source_metadata=source_metadata,
     )
     from .folder_listing import report_removed
 
     report_removed(result.removed)
+    if result.warnings and prints_summary():
+        from rich.markup import escape
+
+        from .text import printable
+
+        for line in result.warnings:
+            stderr_console().print(
+                f"[yellow]warning[/]: {escape(printable(line))}", highlight=False
+            )
     if not (quiet or settings.quiet):
         from rich.markup import escape  # a path is never markup
 

@@ -290,6 +290,34 @@ def detect_prefix(keys: list[str]) -> str | None:
             return prefix or None
 
 
+# A Lightning checkpoint (its version key at the root): its ``state_dict`` holds the
+# LightningModule's keys, the wrapped network's under the attribute that holds it,
+# ``model.`` by the convention of Lightning's docs and templates (``self.model = ...``)
+LIGHTNING_VERSION_KEYS = ("pytorch-lightning_version", "lightning_version")
+LIGHTNING_MODEL = "model."
+
+
+def is_lightning_state_dict(root: Any, path: KeyPath | None) -> bool:
+    """Whether ``path`` is the ``state_dict`` of a Lightning checkpoint ``root``."""
+    return (
+        path == ("state_dict",)
+        and isinstance(root, Mapping)
+        and any(key in root for key in LIGHTNING_VERSION_KEYS)
+    )
+
+
+def model_prefix(keys: list[str], lightning: bool = False) -> str | None:
+    """The prefix ``--strip-prefix auto`` strips: the wrappers every key shares
+    (:func:`detect_prefix`) and, in a Lightning checkpoint's ``state_dict``
+    (``lightning``), the ``model.`` every key shares (its module's one network),
+    with the wrappers inside it (``model._orig_mod.``)."""
+    prefix = detect_prefix(keys) or ""
+    if lightning and keys and all(k.startswith(prefix + LIGHTNING_MODEL) for k in keys):
+        prefix += LIGHTNING_MODEL
+        prefix += detect_prefix([k[len(prefix) :] for k in keys]) or ""
+    return prefix or None
+
+
 def strip_prefix(state: Mapping[str, Any], prefix: str | None) -> dict[str, Any]:
     """A new dict with ``prefix`` removed from the keys that have it (input untouched)."""
     if not prefix:
@@ -297,8 +325,11 @@ def strip_prefix(state: Mapping[str, Any], prefix: str | None) -> dict[str, Any]
     return {(k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in state.items()}
 
 
-def resolve_prefix(state: Mapping[str, Any], option: str | None) -> str | None:
-    """``auto`` detects, ``none`` keeps keys, anything else is the prefix to strip.
+def resolve_prefix(
+    state: Mapping[str, Any], option: str | None, *, lightning: bool = False
+) -> str | None:
+    """``auto`` detects (:func:`model_prefix`; ``lightning``: the state is a Lightning
+    checkpoint's ``state_dict``), ``none`` keeps keys, anything else is the prefix to strip.
 
     Raises:
         CkptError: A prefix that no key has (a typo would otherwise leave every key
@@ -308,7 +339,7 @@ def resolve_prefix(state: Mapping[str, Any], option: str | None) -> str | None:
         return None
     keys = [k for k in state if isinstance(k, str)]
     if option == "auto":
-        return detect_prefix(keys)
+        return model_prefix(keys, lightning)
     require_prefix(keys, option)
     return option
 
