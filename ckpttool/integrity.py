@@ -207,8 +207,8 @@ def unreadable_besides(ckpt: Checkpoint, selected: Mapping[str, Any]) -> list[st
     try:
         check_sizes(ckpt)
         return []
-    except CkptError:
-        pass
+    except CkptError as exc:
+        whole = exc  # said as inspect says it, where the selection needs that file
     sizes: dict[str, int] = {}
 
     def size(file: str) -> int:
@@ -218,16 +218,8 @@ def unreadable_besides(ckpt: Checkpoint, selected: Mapping[str, Any]) -> list[st
 
     chosen = (((name,), leaf) for name, leaf in selected.items())
     for file, here in _spans_of(chosen, resolve=False).items():
-        past = [name for _, end, name in here if end > size(file)]
-        if past:
-            missing = size(file) < 0
-            raise CkptError(
-                ("missing: the checkpoint names this file" if missing else
-                 f"file too short: {size(file):,} bytes") + f", and it holds {past[0]!r} "
-                f"(selected){' and ' + str(len(past) - 1) + ' more' if len(past) > 1 else ''}"
-                " (truncated?)",
-                path=file,
-            )  # fmt: skip
+        if any(end > size(file) for _, end, _ in here):
+            raise whole
     lost = []
     for file, here in sorted(stored_spans(ckpt).items()):
         names = sorted({name for _, end, name in here if end > size(file)})

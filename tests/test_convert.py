@@ -601,8 +601,8 @@ def test_convert_of_a_dcp_folder_with_a_short_data_file_says_what_it_lost(tmp_pa
         f"wrote {tmp_path / 'model.safetensors'} (4 tensors, 852 B)",
     ]
     assert runs[1]["code"] == 2 and runs[1]["stderr"] == (
-        f"ckpttool: error: {data}: file too short: {short} bytes, and it holds 'rng.0.torch' "
-        "(selected) (truncated?)\n"
+        f"ckpttool: error: {data}: file too short: {short} bytes, but the checkpoint places "
+        "the bytes of 'rng.0.torch' up to byte 74,623 (truncated?)\n"
     )
     assert runs[2]["code"] == 2 and "file too short" in runs[2]["stderr"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "model.safetensors"]

@@ -99,7 +99,11 @@ def test_a_metadata_file_without_its_data_files_is_refused(tmp_path):
     (tmp_path / "ckpt" / "__0_0.distcp").unlink()
     out = tmp_path / "o.safetensors"
     given = tmp_path / "ckpt" / ".metadata"
-    check_error(run_cli("convert", given, "--to", "safetensors", "-o", out), 2, "missing .distcp")
+    check_error(
+        run_cli("convert", given, "--to", "safetensors", "-o", out),
+        2,
+        "__0_0.distcp: missing: the checkpoint names this file (incomplete copy?)",
+    )
     assert not out.exists()
 
 

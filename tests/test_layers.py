@@ -3,7 +3,7 @@ ones included, points down or sideways within one package; no module outgrows it
 
 The floors, top to bottom (a package imports only packages on lower floors, and itself):
 
-    cli > the root's face > verbs (convert, merge, diff, inspection, integrity, unsafe)
+    cli > the root's face > verbs (convert, merge, diff, inspection, unsafe) > integrity
         > targets (where bytes go) > writers (what bytes) | api | distributed
         > formats > sharing > unpickler | tensors | zip_records > tree > sources
         > dtypes | guard | sizes | progress | heap > sealed > errors
@@ -23,8 +23,8 @@ FLOORS = {
     "merge": 9,
     "diff": 9,
     "inspection": 9,
-    "integrity": 9,
     "unsafe": 9,
+    "integrity": 8.5,  # what a file must hold, checked: verify, and before convert and merge
     "targets": 8,
     "writers": 7,
     "api": 7,
