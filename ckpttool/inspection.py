@@ -9,12 +9,13 @@ import math
 import operator
 import re
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 from . import sources
 from .dtypes import NO_NUMBERS, DType
 from .errors import CkptError, UnsafeError, translate_errors
-from .progress import Progress
+from .progress import Progress, ProgressFactory
 from .tree import (
     Checkpoint,
     Device,
@@ -139,6 +140,60 @@ def inspect_report(
         "allowed": allowed_entry(ckpt.globals),
         "transfer": transfer_entry(since),
     }
+
+
+STATS_PROGRESS_BYTES = 256 << 20  # --stats reads under a progress bar past this
+
+
+def inspect_checkpoints(
+    paths: list[str],
+    *,
+    unsafe: bool = False,
+    filter: str | None = None,
+    stats: bool = False,
+    progress: ProgressFactory | None = None,
+    since: tuple[int, int] | None = None,
+) -> list[tuple[str, Checkpoint, dict[str, Any]]]:
+    """``inspect`` as a library verb: the checkpoint the paths name (or each of several
+    separate ones, not the rank files of one), read, its files' sizes checked, and its
+    report (:func:`inspect_report`), which ``--json`` prints and the text view renders.
+
+    Returns:
+        (the path it was read from, the checkpoint, its report) for each checkpoint.
+
+    Raises:
+        UnsafeError / CkptError: As :func:`ckpttool.read`; a missing or short file.
+        SeveralCheckpointsError: The one path is a folder of several checkpoints.
+    """
+    from .api import read
+    from .errors import SeparateCheckpointsError
+    from .formats import gc_paused
+    from .integrity import check_sizes
+
+    before = sources.transferred() if since is None else since
+    with gc_paused():  # (the read builds millions of objects, none in a cycle)
+        try:
+            checkpoints = [(" ".join(paths), read(paths, unsafe=unsafe))]
+        except SeparateCheckpointsError as exc:
+            checkpoints = [(path, read(path, unsafe=unsafe)) for path in exc.files]
+    found = []
+    # no cyclic collection while the report is made: it would walk the whole tree (a
+    # 2048-rank DCP folder: millions of chunks), and there are no cycles to find
+    with gc_paused():
+        for given, ckpt in checkpoints:
+            check_sizes(ckpt)  # every file there, and as long as its metadata says
+            total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
+            bar = (
+                progress(total, "reading tensors")
+                if progress is not None and stats and total > STATS_PROGRESS_BYTES
+                else nullcontext(None)
+            )
+            with bar as advance:
+                report = inspect_report(
+                    ckpt, filter=filter, stats=stats, progress=advance, since=before
+                )
+            found.append((given, ckpt, report))
+    return found
 
 
 def allowed_entry(names: list[str]) -> list[str]:

@@ -106,3 +106,20 @@ def test_on_a_terminal_rows_fit_its_width_by_shortening_names():
     piped = fit_columns(table, right={3}, width=None)
     assert piped[1].split()[0] == long
     assert cut_middle("abcdefghij", 5) == "ab…ij" and cut_middle("abc", 5) == "abc"
+
+
+def test_the_text_view_counts_what_json_counts_under_a_filter(tmp_path):
+    """One report, two renderings: with --filter the text's model line says the tensors
+    and parameters the JSON's num_params counts, not the whole model's."""
+    sd = {"enc.weight": torch.zeros(4, 5), "enc.bias": torch.zeros(4), "dec.w": torch.zeros(7)}
+    torch.save({"model": sd, "step": 3}, tmp_path / "ck.pt")
+    text, as_json = run_many(
+        [
+            ["inspect", tmp_path / "ck.pt", "--filter", "enc"],
+            ["inspect", tmp_path / "ck.pt", "--filter", "enc", "--json"],
+        ]
+    )
+    report = json.loads(as_json["stdout"])
+    assert report["num_params"] == 24
+    model = next(ln for ln in text["stdout"].splitlines() if ln.startswith("model:"))
+    assert model == "model: model, 2 tensors matching --filter, 24 parameters, no wrapper prefix"

@@ -16,7 +16,6 @@ from .text import printable, write
 if TYPE_CHECKING:
     from ..tree import Checkpoint
 
-STATS_PROGRESS_BYTES = 256 << 20
 DEFAULT_LIMIT = 40
 
 
@@ -89,17 +88,21 @@ def inspect(
     one section each, or with --json one object per line."""
     from .. import sources
     from ..errors import SeveralCheckpointsError, UnsafeError, UsageError
-    from ..formats import gc_paused
-    from ..inspection import inspect_report, refused_report
-    from ..integrity import check_sizes
-    from ..tree import iter_tensors
+    from ..inspection import inspect_checkpoints, refused_report
 
     if limit is not None and limit < 0:
         raise UsageError("--limit must be >= 0 (0: no limit)")
     before = sources.transferred()  # what this command reads, local or remote
+    quiet = settings.quiet
     try:
-        with gc_paused():  # (the read builds millions of objects, none in a cycle)
-            checkpoints = read_each(paths, unsafe)
+        found = inspect_checkpoints(
+            paths,
+            unsafe=unsafe,
+            filter=filter,
+            stats=stats,
+            progress=None if quiet else lambda total, what: byte_progress(total, what, True),
+            since=before,
+        )
     except UnsafeError as exc:
         if json_output:  # the verdict for scripts too: which globals, and why
             write(dumps_json(refused_report(exc, paths, since=before)) + "\n")
@@ -109,25 +112,14 @@ def inspect(
             raise
         _list_folder(exc.path, json_output)
         return
-    if names and len(checkpoints) > 1:
+    if names and len(found) > 1:
         raise UsageError(
-            f"--names lists the tensors of one checkpoint; these are {len(checkpoints)} "
+            f"--names lists the tensors of one checkpoint; these are {len(found)} "
             "separate ones",
             hint="pass one of them, or use --json (one object per line, each with its files)",
         )
-    sections = []
-    # no cyclic collection while the report is made: it would walk the whole tree (a
-    # 2048-rank DCP folder: millions of chunks), and there are no cycles to find
-    with gc_paused():
-        for _, ckpt in checkpoints:
-            check_sizes(ckpt)  # every file there, and as long as its metadata says
-            total = sum(ref.nbytes for _, ref in iter_tensors(ckpt.root)) if stats else 0
-            enabled = stats and total > STATS_PROGRESS_BYTES and not settings.quiet
-            with byte_progress(total, "reading tensors", enabled) as advance:
-                report = inspect_report(
-                    ckpt, filter=filter, stats=stats, progress=advance, since=before
-                )
-            sections.append(report)
+    checkpoints = [(given, ckpt) for given, ckpt, _ in found]
+    sections = [report for _, _, report in found]
     if json_output:
         write("".join(dumps_json(report) + "\n" for report in sections))
         return
@@ -164,18 +156,6 @@ def terminal_width() -> int | None:
     if not sys.stdout.isatty():
         return None
     return max(shutil.get_terminal_size((100, 24)).columns, 40)
-
-
-def read_each(paths: list[str], unsafe: bool) -> list[tuple[str, Checkpoint]]:
-    """The checkpoint the paths name, or each of several separate ones (not the rank
-    files of one), with the path it was read from."""
-    from ..api import read
-    from ..errors import SeparateCheckpointsError
-
-    try:
-        return [(" ".join(paths), read(paths, unsafe=unsafe))]
-    except SeparateCheckpointsError as exc:
-        return [(path, read(path, unsafe=unsafe)) for path in exc.files]
 
 
 def _list_folder(folder: str, json_output: bool) -> None:

@@ -66,8 +66,6 @@ def inspect_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
 
 
 def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> list[str]:
-    from ..tree import count_parameters, get_path, iter_tensors, model_state
-
     def label(name: str, text: str, style: str | None = None) -> str:
         return paint(f"{name}:", "bold") + " " + (paint(text, style) if style else text)
 
@@ -87,15 +85,16 @@ def summary_lines(ckpt: Any, report: dict, options: Options, paint: Paint) -> li
     model_key = tuple(report["model_key"]) if report["model_key"] is not None else None
     if model_key is None:
         lines.append(label("model", "no model state dict found", "yellow"))
-    else:
-        model = model_state(get_path(ckpt.root, model_key)) or {}
-        refs = [ref for _, ref in iter_tensors(model)]
-        params = count_parameters(refs)  # a tied embedding once, as model.num_parameters()
+    else:  # counted by the report (--filter applied, a tied embedding once), as --json says
+        params = report["num_params"]
+        depth = len(model_key)
+        in_model = sum(tuple(t["key"][:depth]) == model_key for t in report["tensors"])
         where = printable(".".join(map(str, model_key))) if model_key else "(root)"
         count = human_count(params) + " parameters" + (f" ({params:,})" if params >= 1000 else "")
         prefix = report["prefix"]
         wrapper = f"wrapper prefix {printable(prefix)}" if prefix else "no wrapper prefix"
-        text = f"{where}, {plural(len(refs), 'tensor')}, {count}, {wrapper}"
+        matching = " matching --filter" if options.filter else ""
+        text = f"{where}, {plural(in_model, 'tensor')}{matching}, {count}, {wrapper}"
         lines.append(label("model", text))
 
     by_dtype: dict[str, int] = defaultdict(int)
