@@ -21,6 +21,7 @@ the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -117,10 +118,10 @@ def main() -> None:
         outs.mkdir(exist_ok=True)
         out = outs / "out.safetensors"
         runs: dict[str, list[float]] = {}
-        cases = [("one", lambda: run_ckpttool(src, out, None))]
+        cases = [("one", functools.partial(run_ckpttool, src, out, None))]
         for n in (1, 2, 4):
-            cases.append((f"workers {n}", lambda n=n: run_ckpttool(src, out, n)))
-            cases.append((f"floor {n}", lambda n=n: run_floor(src, out, n)))
+            cases.append((f"workers {n}", functools.partial(run_ckpttool, src, out, n)))
+            cases.append((f"floor {n}", functools.partial(run_floor, src, out, n)))
         for _ in range(args.repeat):  # in turn: a slow spell of the machine hits every case
             for name, case in cases:
                 clean(out)

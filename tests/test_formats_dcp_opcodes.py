@@ -342,7 +342,7 @@ def test_the_chunk_table_on_disk_reads_the_same(tmp_path, monkeypatch, change):
     """Past a few MB the chunk records are in temporary files, read a block at a time:
     here past 256 bytes, 5 records at a time (blocks cut every run and group). The same
     checkpoint, or the same refusal, as the generic reader's."""
-    from ckpttool.formats import dcp_table
+    from ckpttool.formats import records as dcp_table
     from ckpttool.formats.dcp_chunks import DcpChunks
 
     folder = tmp_path / "ckpt"
@@ -434,7 +434,7 @@ def test_spans_apart_as_a_pairwise_check_says(monkeypatch):
 
     import numpy as np
 
-    from ckpttool.formats import dcp_table
+    from ckpttool.formats import records as dcp_table
     from ckpttool.formats.dcp_runs import _apart
 
     monkeypatch.setattr(dcp_table, "BLOCK_ROWS", 3)  # (blocks cut the runs)
@@ -493,7 +493,7 @@ def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
 
     from ckpttool.errors import CkptError
     from ckpttool.formats.dcp_chunks import DcpChunk, DcpChunks
-    from ckpttool.formats.dcp_table import Spill
+    from ckpttool.formats.records import Spill
 
     folder = tmp_path / "ckpt"
     write_folder(folder, 16, SHAPES)
@@ -544,7 +544,7 @@ def test_the_memory_of_a_read_does_not_grow_with_the_chunks(tmp_path, monkeypatc
     and a block is 4,096 records."""
     import tracemalloc
 
-    from ckpttool.formats import dcp_table
+    from ckpttool.formats import records as dcp_table
 
     monkeypatch.setattr(dcp_table, "IN_MEMORY", 64 << 10)
     monkeypatch.setattr(dcp_table, "BLOCK_ROWS", 4096)
@@ -563,3 +563,21 @@ def test_the_memory_of_a_read_does_not_grow_with_the_chunks(tmp_path, monkeypatc
         del ckpt
     (held_a, peak_a), (held_b, peak_b) = figures
     assert held_b - held_a < 1 << 20 and peak_b - peak_a < 12 * 400 * (512 - 64), figures
+
+
+def test_the_walkers_opcodes_are_pickles_own():
+    """The scale readers' opcodes come from one table, CPython's ``pickletools.opcodes``:
+    every byte they test by name is that opcode's (checked again here as at import), and
+    every opcode the two walkers push or pop has pickletools' stack effect."""
+    import pickletools
+
+    from ckpttool.formats import opcode_runs
+
+    by_name = {op.name: op for op in pickletools.opcodes}
+    assert all(by_name[n].code.encode("latin-1")[0] == b for n, b in opcode_runs.WALKED.items())
+    for code in opcode_runs.PUSHES:
+        op = next(o for o in pickletools.opcodes if o.code.encode("latin-1")[0] == code)
+        assert (op.stack_before, len(op.stack_after)) == ([], 1), op.name
+    for code, popped in opcode_runs.POP_PUSH.items():
+        op = next(o for o in pickletools.opcodes if o.code.encode("latin-1")[0] == code)
+        assert (len(op.stack_before), len(op.stack_after)) == (popped, 1), op.name

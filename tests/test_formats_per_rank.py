@@ -298,7 +298,7 @@ def test_the_memory_of_a_per_rank_read_does_not_grow_with_the_blocks(tmp_path, m
     it came from). Here the spills leave memory past 64 KB."""
     import tracemalloc
 
-    from ckpttool.formats import dcp_table
+    from ckpttool.formats import records as dcp_table
     from ckpttool.tree import iter_tensors
 
     monkeypatch.setattr(dcp_table, "IN_MEMORY", 64 << 10)
@@ -336,8 +336,8 @@ def test_block_locations_remake_each_stored_tensor():
     keeps its object. A file
     with several blocks of a tensor, and none of another, is found too."""
     from ckpttool.dtypes import DTYPES
-    from ckpttool.formats.dcp_table import Interned
     from ckpttool.formats.rank_blocks import Locations
+    from ckpttool.formats.records import Interned
     from ckpttool.sources import ByteSpan
     from ckpttool.tree import StorageRef, TensorRef
 

@@ -308,7 +308,7 @@ def test_the_memory_of_reading_a_rank_file_does_not_grow_with_its_shards(tmp_pat
     the ShardingSpec's placements (2 bytes). Here the spills leave memory past 64 KB."""
     import tracemalloc
 
-    from ckpttool.formats import dcp_table
+    from ckpttool.formats import records as dcp_table
 
     monkeypatch.setattr(dcp_table, "IN_MEMORY", 64 << 10)
     folders = {ranks: generate(tmp_path / f"r{ranks}", ranks) for ranks in (8, 64)}

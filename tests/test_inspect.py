@@ -639,7 +639,7 @@ def test_text_from_the_file_cannot_draw_lines_or_escapes(tmp_path):
 
 def test_stats_of_big_tensors_are_exact_by_chunk(tmp_path):
     """Tensors over one chunk are reduced chunk by chunk: same numbers as in one go."""
-    from ckpttool.inspection import STATS_CHUNK
+    from ckpttool.stats import STATS_CHUNK
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(STATS_CHUNK * 2 + 123, generator=g) * 3 + 1

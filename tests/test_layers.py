@@ -5,7 +5,7 @@ The floors, top to bottom (a package imports only packages on lower floors, and 
 
     cli > the root's face > verbs (convert, merge, diff, inspection, unsafe) > integrity
         > targets (where bytes go) > writers (what bytes) | api | distributed
-        > formats > sharing > unpickler | tensors | zip_records > tree > sources
+        > formats > sharing | stats > unpickler | tensors | zip_records > tree > sources
         > dtypes | guard | sizes | progress | heap > sealed > errors
 """
 
@@ -31,6 +31,7 @@ FLOORS = {
     "distributed": 7,
     "formats": 6,
     "sharing": 5,
+    "stats": 5,  # inspect --stats: a tensor's numbers, read
     "unpickler": 4,
     "tensors": 4,
     "zip_records": 4,
@@ -48,7 +49,7 @@ MAX_LINES = 450
 # modules past MAX_LINES today, at their size: they may shrink, never grow (the debt
 # issue 41 names; a new module past the limit fails at once)
 OVER = {
-    "formats/dcp_opcodes.py": 789,
+    "formats/dcp_opcodes.py": 735,
     "targets/s3.py": 787,
     "formats/per_rank.py": 751,
     "unpickler/policy.py": 664,
@@ -58,7 +59,7 @@ OVER = {
     "targets/local.py": 557,
     "formats/run_folders.py": 520,
     "writers/torch_zip.py": 505,
-    "formats/shard_opcodes.py": 497,
+    "formats/shard_opcodes.py": 494,
 }
 
 

@@ -114,8 +114,7 @@ def inspect(
         return
     if names and len(found) > 1:
         raise UsageError(
-            f"--names lists the tensors of one checkpoint; these are {len(found)} "
-            "separate ones",
+            f"--names lists the tensors of one checkpoint; these are {len(found)} separate ones",
             hint="pass one of them, or use --json (one object per line, each with its files)",
         )
     checkpoints = [(given, ckpt) for given, ckpt, _ in found]

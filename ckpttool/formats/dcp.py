@@ -35,7 +35,7 @@ from .dcp_chunks import (
     span,
     tensor_properties,
 )
-from .torch_zip import checkpoint
+from .made import checkpoint
 
 
 def detect(path: str, head: bytes) -> bool:

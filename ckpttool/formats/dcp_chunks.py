@@ -15,8 +15,8 @@ from .. import sources
 from ..dtypes import DType
 from ..errors import CkptError
 from ..tree import Shard, ShardedRef, TensorRef, state_attrs
-from .dcp_table import ROW, Spill, SpilledShards
 from .per_rank import lone_rank_shards
+from .records import ROW, Spill, SpilledShards
 from .safetensors_file import MAX_HEADER, dcp_saved_offsets
 from .safetensors_file import tensor_ref as safetensors_tensor_ref
 from .zip_pickle import ZIP_MAGIC, ZipPickle
@@ -51,7 +51,7 @@ def dcp_tensor(
 
 
 class DcpChunks(SpilledShards):
-    """The chunks of one DCP tensor, as records of a spill (:mod:`~ckpttool.formats.dcp_table`):
+    """The chunks of one DCP tensor, as records of a spill (:mod:`~ckpttool.formats.records`):
     its :class:`~ckpttool.tree.Shard` and :class:`DcpChunk` objects are made when read,
     not held.
 

@@ -256,7 +256,7 @@ def _read(
     folder: str, meta_path: str, metadata: Any, permissive: bool, seen: set[str]
 ) -> Checkpoint:
     from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element, shared_spans
-    from .torch_zip import checkpoint
+    from .made import checkpoint
 
     entries, storage, planner = metadata_fields(metadata)
 

@@ -9,7 +9,7 @@ EMPTY_DICT MEMOIZE MARK``, the key ``'offsets'`` by ``BINGET``, ``torch.Size`` b
 of ``storage_data`` likewise. Such a run of entries is matched here by one compiled
 ``re`` pattern (in C) and its numbers taken with ``findall``: no Python object is
 built per chunk but the numbers themselves, and those go to records of a spill
-(:mod:`ckpttool.formats.dcp_table`: past a few MB, a temporary file), each tuple and
+(:mod:`ckpttool.formats.records`: past a few MB, a temporary file), each tuple and
 name a number. A storage entry names its tensor and data file by reference or by a
 new string (torch pickles each rank's key strings afresh: at 2048 ranks, millions);
 a run takes either, and of the new strings keeps only those named again.
@@ -46,7 +46,25 @@ from typing import Any
 
 import numpy as np
 
-from .dcp_table import CHUNK, STORAGE, Interned, Spill
+from .opcode_runs import (
+    DICT,
+    FROM_BYTES,
+    INT,
+    INT_WIDTH,
+    LIST,
+    MAX_CACHED,
+    OTHER,
+    POP,
+    POP_PUSH,
+    PUSHES,
+    TOKEN,
+    NotRegular,
+    cached,
+    int_opcodes,
+    int_value,
+    ints,
+)
+from .records import CHUNK, STORAGE, Interned, Spill
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -66,19 +84,13 @@ _METADATA_NAMES = frozenset(
 MAX_STEPS = 2_000_000
 MAX_PATTERNS = 32  # distinct (class, keys, Size) memo slots runs are compiled for
 MAX_STRING = 1 << 20  # a BINUNICODE of the skeleton
-MAX_CACHED = 1 << 16  # distinct bytes a cache of the runs' values keeps (see cached)
 RECENT_STRINGS = 1 << 12  # new strings of the runs held until named (see _StringSlots)
 
 # A number as the pickler writes one in [0, 2**63): BININT1, BININT2 of 256 and up,
 # BININT of 65536 to 2**31 - 1, LONG1 of 5 to 8 bytes, shortest, positive
-_INT = (
-    rb"(?:K.|M.[\x01-\xff]|J..(?:[\x01-\xff][\x00-\x7f]|\x00[\x01-\x7f])"
-    rb"|\x8a(?:\x05...|\x06....|\x07.....|\x08......)(?:[\x80-\xff]\x00|.[\x01-\x7f]))"
-)
-# a torch.Size's tuple: (), 1 to 3 numbers and TUPLEn, or MARK, 4 to 64 numbers, TUPLE
 _TUPLE = (
-    rb"(?:\)|" + _INT + rb"\x85\x94|" + _INT * 2 + rb"\x86\x94|" + _INT * 3 + rb"\x87\x94"
-    rb"|\((?:" + _INT + rb"){4,64}t\x94)"
+    rb"(?:\)|" + INT + rb"\x85\x94|" + INT * 2 + rb"\x86\x94|" + INT * 3 + rb"\x87\x94"
+    rb"|\((?:" + INT + rb"){4,64}t\x94)"
 )
 _SIZE_END = rb"\x85\x94R\x94"  # TUPLE1 MEMOIZE REDUCE MEMOIZE: torch.Size((...))
 _NEW = rb"\)\x81\x94\}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK
@@ -120,9 +132,9 @@ def _storage_entry(get: Callable[[int], bytes], cap: bytes, new_names: bool = Tr
     ``new_names``) new, the rest numbers (the index is not kept)."""
     name = rb"(?:" + cap + _REF + rb")" + (rb"|" + _STRING if new_names else b"") + rb")"
     return (
-        get(0) + _NEW + get(1) + name + get(2) + _INT
+        get(0) + _NEW + get(1) + name + get(2) + INT
         + get(3) + get(4) + cap + _TUPLE + rb")" + _SIZE_END + rb"ub"
-        + get(5) + _NEW + get(6) + name + get(7) + cap + _INT + rb")" + get(8) + cap + _INT
+        + get(5) + _NEW + get(6) + name + get(7) + cap + INT + rb")" + get(8) + cap + INT
         + rb")ub"
     )  # fmt: skip
 
@@ -176,7 +188,7 @@ def _compile(build: Callable[..., bytes], slots: tuple[int, ...]) -> _Runs:
 @dataclass
 class ChunkRun:
     """Consecutive chunks of one tensor's chunk list: ``count`` records of
-    :data:`~ckpttool.formats.dcp_table.CHUNK` at ``at`` of the chunk spill."""
+    :data:`~ckpttool.formats.records.CHUNK` at ``at`` of the chunk spill."""
 
     at: int
     count: int
@@ -185,7 +197,7 @@ class ChunkRun:
 @dataclass
 class StorageRun:
     """Consecutive entries of ``storage_data``: ``count`` records of
-    :data:`~ckpttool.formats.dcp_table.STORAGE` at ``at`` of the storage spill."""
+    :data:`~ckpttool.formats.records.STORAGE` at ``at`` of the storage spill."""
 
     at: int
     count: int
@@ -210,10 +222,6 @@ def token(run: int) -> bytes:
 
 
 _TOKEN_OPCODE = b"C\x15"  # SHORT_BINBYTES of len(token(n))
-
-
-class NotRegular(Exception):
-    """Not a file this parser vouches for: the readers after it read it."""
 
 
 def parse(data: bytes) -> Parsed | None:
@@ -276,14 +284,6 @@ def _frames(data: bytes) -> Iterator[bytes]:
     return _file_frames(stream, len(data), data[:3])
 
 
-# what the walk keeps of a value: ("S", str), ("G", module, name), and these
-_LIST, _DICT, _OTHER, _TOKEN = ("L",), ("D",), ("O",), ("T",)
-_INT_WIDTH = {0x4B: 1, 0x4D: 2, 0x4A: 4}  # BININT1, BININT2, BININT
-_PUSHES = {0x7D: _DICT, 0x5D: _LIST, 0x29: _OTHER, 0x4E: _OTHER, 0x88: _OTHER, 0x89: _OTHER}
-_POP_PUSH = {0x85: 1, 0x86: 2, 0x87: 3, 0x81: 2, 0x52: 2}  # TUPLE1-3 NEWOBJ REDUCE: n -> 1
-_POP = {0x62: 1, 0x73: 2, 0x61: 1}  # BUILD SETITEM APPEND: pop n, the target stays
-
-
 class _Parser:
     def __init__(self, frames: Iterator[bytes]):
         self.frames = frames
@@ -341,7 +341,7 @@ class _Parser:
             raise NotRegular
         items = stack[len(stack) - n :] if n else []
         del stack[len(stack) - n :]
-        if _TOKEN in items:
+        if TOKEN in items:
             raise NotRegular  # a run's objects used one by one: not a plain list
         return items
 
@@ -362,8 +362,8 @@ class _Parser:
         """Walk the opcode at ``pos``; True at STOP."""
         data, stack = self.data, self.stack
         end = self._arg(0, limit)
-        if op in _PUSHES:
-            stack.append(_PUSHES[op])
+        if op in PUSHES:
+            stack.append(PUSHES[op])
         elif op == 0x94:  # MEMOIZE
             (top,) = self._pop(1)
             stack.append(top)
@@ -393,12 +393,12 @@ class _Parser:
                 raise NotRegular
             stack.append(kind)
             self.copied = end
-        elif op in _INT_WIDTH or op == 0x47:  # BININT*, BINFLOAT
-            end = self._arg(_INT_WIDTH.get(op, 8), limit)
-            stack.append(_OTHER)
+        elif op in INT_WIDTH or op == 0x47:  # BININT*, BINFLOAT
+            end = self._arg(INT_WIDTH.get(op, 8), limit)
+            stack.append(OTHER)
         elif op == 0x8A:  # LONG1
             end = self._arg(data[self._arg(1, limit) - 1] + 1, limit)
-            stack.append(_OTHER)
+            stack.append(OTHER)
         elif op == 0x8C or op == 0x58:  # SHORT_BINUNICODE, BINUNICODE
             width = 1 if op == 0x8C else 4
             n = int.from_bytes(data[self.pos + 1 : self._arg(width, limit)], "little")
@@ -409,21 +409,21 @@ class _Parser:
             stack.append(("S", text))
         elif op == 0x28:  # MARK
             self.marks.append(len(stack))
-        elif op in _POP_PUSH:
-            self._pop(_POP_PUSH[op])
-            stack.append(_OTHER)
-        elif op in _POP:
-            self._pop(_POP[op])
-            if len(stack) - (self.marks[-1] if self.marks else 0) < 1 or stack[-1] == _TOKEN:
+        elif op in POP_PUSH:
+            self._pop(POP_PUSH[op])
+            stack.append(OTHER)
+        elif op in POP:
+            self._pop(POP[op])
+            if len(stack) - (self.marks[-1] if self.marks else 0) < 1 or stack[-1] == TOKEN:
                 raise NotRegular
         elif op == 0x74:  # TUPLE
-            if not self.marks or _TOKEN in self._to_mark():
+            if not self.marks or TOKEN in self._to_mark():
                 raise NotRegular
-            stack.append(_OTHER)
+            stack.append(OTHER)
         elif op == 0x75 or op == 0x65:  # SETITEMS, APPENDS: a run's token may be there
             if not self.marks or len(self._to_mark()) % (2 if op == 0x75 else 1):
                 raise NotRegular
-            if len(stack) <= (self.marks[-1] if self.marks else 0) or stack[-1] == _TOKEN:
+            if len(stack) <= (self.marks[-1] if self.marks else 0) or stack[-1] == TOKEN:
                 raise NotRegular
         elif op == 0x93:  # STACK_GLOBAL
             module, name = self._pop(2)
@@ -466,9 +466,9 @@ class _Parser:
         slots: tuple[str, ...]
         wanted: tuple[tuple, ...]
         build: Callable[..., bytes]
-        if kind == CHUNK_CLASS and container == _LIST:
+        if kind == CHUNK_CLASS and container == LIST:
             probe, slots, wanted, build = _CHUNK_PROBE, _CHUNK_SLOTS, _CHUNK_KINDS, _chunk_entry
-        elif kind == INDEX_CLASS and container == _DICT and (len(stack) - below - 1) % 2 == 0:
+        elif kind == INDEX_CLASS and container == DICT and (len(stack) - below - 1) % 2 == 0:
             probe, slots, wanted, build = (
                 _STORAGE_PROBE,
                 _STORAGE_SLOTS,
@@ -509,9 +509,9 @@ class _Parser:
                     run, columns = self._entries_with_names(patterns, pos, limit)
                 self._take_storage(columns)
         if build is _chunk_entry:
-            stack.append(_TOKEN)
+            stack.append(TOKEN)
         else:
-            stack.extend((_TOKEN, _TOKEN))
+            stack.extend((TOKEN, TOKEN))
         self._copy_to(pos)
         number = len(self.runs) - 1
         self.pieces.append(
@@ -577,7 +577,7 @@ class _Parser:
         records["fqn"] = out.names.ids_of(fqns)
         records["path"] = out.names.ids_of(paths)
         records["key"] = out.tuples.ids_of(self._tuples(offsets))
-        records["start"] = _ints(starts)
+        records["start"] = ints(starts)
         records["length"] = self._lengths(lengths)
         self.runs.append(StorageRun(out.storage.append(records), len(fqns)))
 
@@ -589,7 +589,7 @@ class _Parser:
         return text
 
     def _lengths(self, raw: tuple[bytes, ...]) -> list[int]:
-        return cached(self.numbers, raw, _int)
+        return cached(self.numbers, raw, int_value)
 
     def _take_storage(self, columns: list[tuple[bytes, ...]]) -> None:
         """Storage entries with new names, each group of the entry pattern a column."""
@@ -719,51 +719,13 @@ def _allowed(module: str, name: str) -> bool:
     } or (module == "torch" and name in DTYPES)
 
 
-def cached(cache: dict, raw: tuple[bytes, ...] | list[bytes], make: Callable) -> list:
-    """``make(r)`` of each of ``raw``, made once per distinct bytes (equal ones shared;
-    the cache is emptied past ``MAX_CACHED`` entries: it may not grow with the file)."""
-    got = list(map(cache.get, raw))
-    if None in got:
-        missing = set(itertools.compress(raw, map(operator.is_, got, repeat(None))))
-        if len(cache) > MAX_CACHED:
-            cache.clear()
-            missing = set(raw)
-        for new in missing:
-            cache[new] = make(new)
-        got = list(map(cache.__getitem__, raw))
-    return got
-
-
-_FROM_BYTES: Callable[[bytes, str], int] = int.from_bytes  # type: ignore[assignment]
-
-
 def _ref(raw: bytes) -> int:
     return int.from_bytes(raw, "little") >> 8  # (BINGET or LONG_BINGET: one opcode byte)
 
 
 def _refs(raws: Iterable[bytes]) -> map:
     """Memo slots of BINGET / LONG_BINGET opcodes (0 for b'')."""
-    return map(operator.rshift, map(_FROM_BYTES, raws, repeat("little")), repeat(8))
-
-
-# how far to shift an int opcode read whole to get its number, by its length: BININT1,
-# BININT2, BININT (one opcode byte), LONG1 (two)
-_SHIFT = (0, 0, 8, 8, 0, 8, 0, 16, 16, 16, 16)
-
-
-def _ints(raws: tuple[bytes, ...] | list[bytes]) -> list[int]:
-    """The numbers of int opcodes (validated by ``_INT``: non-negative)."""
-    return list(
-        map(
-            operator.rshift,
-            map(_FROM_BYTES, raws, repeat("little")),
-            map(_SHIFT.__getitem__, map(len, raws)),
-        )
-    )
-
-
-def _int(raw: bytes) -> int:
-    return _ints([raw])[0]
+    return map(operator.rshift, map(FROM_BYTES, raws, repeat("little")), repeat(8))
 
 
 def _numbers(raw: bytes) -> tuple[int, ...]:
@@ -771,19 +733,3 @@ def _numbers(raw: bytes) -> tuple[int, ...]:
     if raw == b")":
         return ()
     return int_opcodes(raw[1:-2] if raw[:1] == b"(" else raw[:-2])
-
-
-def int_opcodes(body: bytes) -> tuple[int, ...]:
-    """The numbers of consecutive int opcodes as ``_INT`` matches them."""
-    out, pos = [], 0
-    while pos < len(body):
-        op = body[pos]
-        if op == 0x8A:  # LONG1
-            n = body[pos + 1]
-            out.append(int.from_bytes(body[pos + 2 : pos + 2 + n], "little"))
-            pos += 2 + n
-        else:
-            n = _INT_WIDTH[op]
-            out.append(int.from_bytes(body[pos + 1 : pos + 1 + n], "little"))
-            pos += 1 + n
-    return tuple(out)

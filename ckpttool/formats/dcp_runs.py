@@ -35,7 +35,7 @@ from .dcp_metadata import (
     tensor_entry,
 )
 from .dcp_opcodes import ChunkRun, Parsed, StorageRun, parse_file, token
-from .dcp_table import CHUNK, ROW, STORAGE, Spill, blocks, group_rows
+from .records import CHUNK, ROW, STORAGE, Spill, blocks, group_rows
 
 # A .metadata this reader reads at most (a 2048-rank 405B one is 836 MB, 1.16 GB with the
 # key strings torch pickles afresh; walked a frame at a time, its entries spilled)
@@ -78,7 +78,7 @@ def _build(
     seen: set[str],
 ) -> Checkpoint:
     from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element
-    from .torch_zip import checkpoint
+    from .made import checkpoint
 
     entries, storage, planner = metadata_fields(metadata)
     runs = parsed.runs  # (each set to None once taken)
@@ -243,7 +243,7 @@ def _take(
 
 
 class _Parts(list):
-    """A table's parts in order (:func:`~ckpttool.formats.dcp_table.blocks`): the runs'
+    """A table's parts in order (:func:`~ckpttool.formats.records.blocks`): the runs'
     records in a spill, and the skeleton's entries between them as records in memory."""
 
     def append(self, part: Any, dtype: np.dtype | None = None) -> None:
@@ -258,7 +258,7 @@ class _Parts(list):
 
 class _Joined:
     """Each tensor's chunks joined to their stored spans, into a spill of
-    :data:`~ckpttool.formats.dcp_table.ROW` records a tensor's
+    :data:`~ckpttool.formats.records.ROW` records a tensor's
     :class:`~ckpttool.formats.dcp_chunks.DcpChunks` reads."""
 
     def __init__(

@@ -37,8 +37,8 @@ from ..unpickler import LocalShards, own_dtensor_block
 from . import torch_legacy, torch_zip
 
 if TYPE_CHECKING:
-    from .dcp_table import Spill
     from .rank_blocks import RankBlocks
+    from .records import Spill
     from .shard_opcodes import ShardRun
 
 FORMAT = "per-rank"
@@ -164,8 +164,8 @@ class RankFiles:
         self._likes = [_like(local) for _, local in leaves]
         # (numpy, which the records need, is imported only for a per-rank checkpoint:
         # every torch file is asked whether it is a rank's)
-        from .dcp_table import Interned
         from .rank_blocks import Locations, Places
+        from .records import Interned
 
         tuples: Interned[tuple] = Interned()
         self.places = Places(tuples)
@@ -243,7 +243,7 @@ class RankFiles:
         a dangerous file's first (the verdict comes first, as in one process, where a
         failed read is followed by a scan of every file).
         """
-        from .dcp_table import Interned
+        from .records import Interned
 
         dtensors = [t for t, like in enumerate(self._likes) if like.kind == "dtensor"]
         shared = sharing.shared()
@@ -572,7 +572,7 @@ def _combine(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
         )
-    from .dcp_table import Spill
+    from .records import Spill
 
     leaves = _local_shards(base.root)
     files = RankFiles(by_rank, read_file, loaded, base_rank, verdicts, leaves)

@@ -7,8 +7,8 @@ one tensor. Held as objects (a :class:`~ckpttool.tree.Shard`, the block's
 :class:`~ckpttool.tree.TensorRef` with its storage and byte span, the leaf of the
 file that held it), each costs about 2 KB, and every rank of a distributed conversion
 held them all. Here a block is two fixed-size records in spills
-(:class:`~ckpttool.formats.dcp_table.Spill`), their tuples and names numbered
-(:class:`~ckpttool.formats.dcp_table.Interned`: the distinct ones are a few per
+(:class:`~ckpttool.formats.records.Spill`), their tuples and names numbered
+(:class:`~ckpttool.formats.records.Interned`: the distinct ones are a few per
 shape and rank):
 
 * :class:`Places`: where the block lies in its global tensor and which rank's file
@@ -40,7 +40,7 @@ from ..dtypes import DTYPES
 from ..errors import CkptError
 from ..sources import ByteSpan
 from ..tree import Shard, StorageRef, TensorRef
-from .dcp_table import Interned, Spill, SpilledShards, blocks, group_rows
+from .records import Interned, Spill, SpilledShards, blocks, group_rows
 
 # a block's place: its tensor (the n-th sharded leaf), the rank whose file holds it (its
 # place among the files' ranks: a file's name may claim any number), its offsets and

@@ -60,8 +60,9 @@ import numpy as np
 
 from ..tree import walk
 from ..unpickler import LocalShards
-from .dcp_opcodes import _INT, NotRegular, _int, cached, int_opcodes
-from .dcp_table import Interned, Spill
+from . import opcode_runs as ops
+from .opcode_runs import INT, LIST, OP, OTHER, POP, POP_PUSH, PUSHES, TOKEN
+from .records import Interned, Spill
 
 SHARD_MODULE = "torch.distributed._shard.metadata"
 # the globals of an entry, slot by slot of the pattern (see _entry), with its keys
@@ -95,11 +96,11 @@ RUN_ENTRIES = 4096  # entries a run's match takes at a time (a run may be many)
 ENTRY_SLOTS = 10  # memo slots an entry fills
 
 # a list of ints' body: none, one (APPEND) or 2 to 64 (MARK ... APPENDS)
-_LIST_BODY = rb"|" + _INT + rb"a|\((?:" + _INT + rb"){2,64}e"
+_LIST_BODY = rb"|" + INT + rb"a|\((?:" + INT + rb"){2,64}e"
 # a placement's device: torch.device's type (BINUNICODE, "cpu", "cuda"...), its PUT, and
 # TUPLE1 or its index and TUPLE2 (``torch.device("cuda", 3)``)
 _DEVICE = rb"X(?:" + b"|".join(b"%c\\x00\\x00\\x00[a-z]{%d}" % (n, n) for n in range(2, 9)) + rb")"
-_DEVICE_ARGS = rb"(?:\x85|" + _INT + rb"\x86)"
+_DEVICE_ARGS = rb"(?:\x85|" + INT + rb"\x86)"
 # an entry's groups: the PUTs are these (the rest: offsets, sizes, rank)
 _PUT_GROUPS = (0, 1, 2, 4, 6, 7, 9, 10, 11, 12)
 _OFFSETS, _SIZES, _RANK = 3, 5, 8
@@ -116,7 +117,7 @@ def _entry(get: Callable[[int], bytes], cap: bytes) -> bytes:
         get(0) + rb"\)\x81" + put + rb"N\}" + put + rb"\("
         + get(1) + lst + get(2) + lst
         + get(3) + get(4) + rb"\)\x81" + put + rb"\}" + put + rb"\("
-        + get(5) + rb"N" + get(6) + cap + _INT + rb")"
+        + get(5) + rb"N" + get(6) + cap + INT + rb")"
         + get(7) + get(8) + _DEVICE + put + _DEVICE_ARGS + put + rb"R" + put
         + rb"ub" + rb"u\x86" + put + rb"b"
     )  # fmt: skip
@@ -221,20 +222,14 @@ def parse(read: Read, records: bool = True) -> Parsed | None:
         if len(first) == MARKER_WITHIN:
             first += read(WINDOW - MARKER_WITHIN)
         parsed = _Walker(read, first, records).parse()
-    except (NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
+    except (ops.NotRegular, IndexError, KeyError, ValueError, UnicodeDecodeError, OverflowError):
         return None
     return parsed if parsed.runs else None
 
 
-# what the walk keeps of a value: ("S", str), ("G", module, name), and these
-_LIST_KIND, _DICT, _OTHER = ("L",), ("D",), ("O",)
-_TOKEN = ("T",)  # a run
 _RUN_REF = ("T", "ref")  # an object of a run, named again
-_INT_WIDTH = {0x4B: 1, 0x4D: 2, 0x4A: 4, 0x47: 8}  # BININT1, BININT2, BININT, BINFLOAT
-_PUSHES = {0x7D: _DICT, 0x5D: _LIST_KIND, 0x29: _OTHER, 0x4E: _OTHER, 0x88: _OTHER, 0x89: _OTHER}
-# TUPLE1-3, NEWOBJ, REDUCE, BINPERSID: pop n, push one
-_POP_PUSH = {0x85: 1, 0x86: 2, 0x87: 3, 0x81: 2, 0x52: 2, 0x51: 1}
-_POP = {0x62: 1, 0x73: 2, 0x61: 1}  # BUILD SETITEM APPEND: pop n, the target stays
+_INT_WIDTH = {OP["BININT1"]: 1, OP["BININT2"]: 2, OP["BININT"]: 4, OP["BINFLOAT"]: 8}
+_POP_PUSH = {**POP_PUSH, OP["BINPERSID"]: 1}  # (a rank file's storages: persistent ids)
 _REF = re.compile(rb"h(.)|j(....)", re.DOTALL)  # a GET
 
 
@@ -269,13 +264,13 @@ class _Walker:
                 refill_at = len(self.data) - MARGIN if not self.eof else len(self.data)
             steps += 1
             if steps > MAX_STEPS:
-                raise NotRegular
+                raise ops.NotRegular
             op = self.data[self.pos]
             if (op == 0x68 or op == 0x6A) and self.marks and self._run():
                 continue
             if self._step(op):
                 if self.pos != len(self.data) or not self.eof and self.read(1):
-                    raise NotRegular  # (STOP ends data.pkl)
+                    raise ops.NotRegular  # (STOP ends data.pkl)
                 self._copy_to(self.pos)
                 self.parsed.skeleton = bytes(self.out)
                 return self.parsed
@@ -295,15 +290,15 @@ class _Walker:
     def _pop(self, n: int) -> None:
         stack = self.stack
         if len(stack) - (self.marks[-1] if self.marks else 0) < n:
-            raise NotRegular
+            raise ops.NotRegular
         if any(kind[0] == "T" for kind in stack[len(stack) - n :]):
-            raise NotRegular  # a run's objects used one by one: not a plain list
+            raise ops.NotRegular  # a run's objects used one by one: not a plain list
         del stack[len(stack) - n :]
 
     def _arg(self, n: int) -> int:
         end = self.pos + 1 + n
         if end > len(self.data):
-            raise NotRegular
+            raise ops.NotRegular
         return end
 
     def _memo_op(self, op: int, slot: int, end: int) -> int:
@@ -313,7 +308,7 @@ class _Walker:
             self.out += self.data[self.copied : self.pos]
         if op == 0x71 or op == 0x72:  # BINPUT, LONG_BINPUT
             if slot != self.slots or not self.stack or self.stack[-1][0] == "T":
-                raise NotRegular
+                raise ops.NotRegular
             top = self.stack[-1]
             if top[0] == "G" or top[0] == "S" and len(top[1]) <= MAX_KEY:
                 self.kinds[slot] = top
@@ -321,7 +316,7 @@ class _Walker:
             new, code = slot - self.removed + 1, (b"q", b"r")
         else:
             if slot >= self.slots:
-                raise NotRegular
+                raise ops.NotRegular
             i = bisect.bisect_right(self.removed_at, slot)
             if i and slot < self.removed_end[i - 1]:
                 self.copied = self.pos
@@ -331,7 +326,7 @@ class _Walker:
                 # refuses a marker in the tree); the GETs of those that follow, at once
                 return self._run_refs(self.pos)
             new, code = slot - (self.removed_before[i - 1] if i else 0) + 1, (b"h", b"j")
-            self.stack.append(self.kinds.get(slot, _OTHER))
+            self.stack.append(self.kinds.get(slot, OTHER))
         self.out += code[0] + bytes([new]) if new < 256 else code[1] + new.to_bytes(4, "little")
         self.copied = end
         return end
@@ -362,18 +357,18 @@ class _Walker:
             end = self._memo_op(op, int.from_bytes(data[self.pos + 1 : end], "little"), end)
         elif op == 0x71 or op == 0x68:  # BINPUT, BINGET
             end = self._memo_op(op, data[self.pos + 1], self._arg(1))
-        elif op in _PUSHES:
-            stack.append(_PUSHES[op])
+        elif op in PUSHES:
+            stack.append(PUSHES[op])
         elif op in _INT_WIDTH:
             end = self._arg(_INT_WIDTH[op])
-            stack.append(_OTHER)
+            stack.append(OTHER)
         elif op == 0x8A:  # LONG1
             end = self._arg(data[self._arg(1) - 1] + 1)
-            stack.append(_OTHER)
+            stack.append(OTHER)
         elif op == 0x58:  # BINUNICODE
             n = int.from_bytes(data[self.pos + 1 : self._arg(4)], "little")
             if n > MAX_STRING:
-                raise NotRegular
+                raise ops.NotRegular
             end = self._arg(4 + n)
             stack.append(("S", data[end - n : end].decode("utf-8", "surrogatepass")))
         elif op == 0x63:  # GLOBAL: "module\nname\n"
@@ -386,37 +381,37 @@ class _Walker:
             self.marks.append(len(stack))
         elif op in _POP_PUSH:
             self._pop(_POP_PUSH[op])
-            stack.append(_OTHER)
+            stack.append(OTHER)
         elif op == 0x61 and stack and stack[-1] == _RUN_REF:  # APPEND of a run's object
             stack.pop()
-            if len(stack) - (self.marks[-1] if self.marks else 0) < 1 or stack[-1] != _LIST_KIND:
-                raise NotRegular
-        elif op in _POP:
-            self._pop(_POP[op])
+            if len(stack) - (self.marks[-1] if self.marks else 0) < 1 or stack[-1] != LIST:
+                raise ops.NotRegular
+        elif op in POP:
+            self._pop(POP[op])
             if len(stack) - (self.marks[-1] if self.marks else 0) < 1 or stack[-1][0] == "T":
-                raise NotRegular
+                raise ops.NotRegular
         elif op == 0x74 or op == 0x75 or op == 0x65:  # TUPLE, SETITEMS, APPENDS
             if not self.marks:
-                raise NotRegular
+                raise ops.NotRegular
             start = self.marks.pop()
             runs = any(kind[0] == "T" for kind in stack[start:])
             count = len(stack) - start
             del stack[start:]
             if runs and op != 0x65 or op == 0x75 and count % 2:
-                raise NotRegular  # (a run is an element of a list, nothing else)
+                raise ops.NotRegular  # (a run is an element of a list, nothing else)
             if op == 0x74:
-                stack.append(_OTHER)
+                stack.append(OTHER)
             elif len(stack) <= (self.marks[-1] if self.marks else 0) or stack[-1][0] == "T":
-                raise NotRegular
-            elif runs and stack[-1] != _LIST_KIND:
-                raise NotRegular
+                raise ops.NotRegular
+            elif runs and stack[-1] != LIST:
+                raise ops.NotRegular
         elif op == 0x2E:  # STOP
             if len(stack) != 1 or self.marks:
-                raise NotRegular
+                raise ops.NotRegular
             self.pos = end
             return True
         else:  # anything else (bytes opcodes among them): not a torch.save pickle's
-            raise NotRegular
+            raise ops.NotRegular
         self.pos = end
         return False
 
@@ -425,7 +420,7 @@ class _Walker:
         token. False: none here."""
         data, pos, stack = self.data, self.pos, self.stack
         below = self.marks[-1] - 1
-        if below < 0 or stack[below] != _LIST_KIND:
+        if below < 0 or stack[below] != LIST:
             return False
         width = 5 if data[pos] == 0x6A else 2
         if self.kinds.get(int.from_bytes(data[pos + 1 : pos + width], "little")) != _FIXED_KINDS[0]:
@@ -437,26 +432,26 @@ class _Walker:
             int.from_bytes(m.group(f"s{i}"), "little") >> 8 for i in range(len(_FIXED_KINDS))
         )
         if any(slot >= self.slots for slot in fixed):
-            raise NotRegular
+            raise ops.NotRegular
         if tuple(map(self.kinds.get, fixed)) != _FIXED_KINDS:
             return False
         patterns = self.patterns.get(fixed)
         if patterns is None:
             if len(self.patterns) >= MAX_PATTERNS:
-                raise NotRegular
+                raise ops.NotRegular
             patterns = self.patterns[fixed] = _compile(fixed)
         run = patterns.run.match(data, pos)
         if run is None:  # (the probe matched one entry)
-            raise NotRegular
+            raise ops.NotRegular
         found = patterns.entry.findall(data, pos, run.end())
         self._take(found)
         # the run ends with the last entry found (its last PUT, BUILD): the entries tile it
         if data[run.end() - 6 : run.end()] != b"r" + (self.slots - 1).to_bytes(4, "little") + b"b":
-            raise NotRegular
+            raise ops.NotRegular
         self._copy_to(pos)
         run_token = self.parsed.token(len(self.parsed.runs) - 1)
         self.out += b"C" + bytes([len(run_token)]) + run_token
-        stack.append(_TOKEN)
+        stack.append(TOKEN)
         self.copied = self.pos = run.end()
         return True
 
@@ -471,16 +466,18 @@ class _Walker:
         if len(puts) != 4 * ENTRY_SLOTS * n or not np.array_equal(
             np.frombuffer(puts, "<u4"), expected
         ):
-            raise NotRegular
+            raise ops.NotRegular
         parsed = self.parsed
         at = -1
         if self.records:
             columns = list(zip(*found, strict=True))
             records = np.empty(n, SHARD)
             lists = self.lists
-            records["offsets"] = parsed.tuples.ids_of(cached(lists, columns[_OFFSETS], _list_ints))
-            records["sizes"] = parsed.tuples.ids_of(cached(lists, columns[_SIZES], _list_ints))
-            records["rank"] = cached(self.ints, columns[_RANK], _int)
+            records["offsets"] = parsed.tuples.ids_of(
+                ops.cached(lists, columns[_OFFSETS], _list_ints)
+            )
+            records["sizes"] = parsed.tuples.ids_of(ops.cached(lists, columns[_SIZES], _list_ints))
+            records["rank"] = ops.cached(self.ints, columns[_RANK], ops.int_value)
             at = parsed.spill.append(records)
         parsed.runs.append(ShardRun(parsed.spill, at, n, parsed.tuples.values))
         self.removed_at.append(self.slots)
@@ -494,4 +491,4 @@ def _list_ints(raw: bytes) -> tuple[int, ...]:
     """The ints of a list as ``_LIST_BODY`` matched it."""
     if not raw:
         return ()
-    return int_opcodes(raw[1:-1] if raw[:1] == b"(" else raw[:-1])
+    return ops.int_opcodes(raw[1:-1] if raw[:1] == b"(" else raw[:-1])

@@ -16,7 +16,7 @@ from ..sources import ByteSpan, SourceFile, open_input
 from ..tree import Checkpoint, Device, StorageRef, check_storage_reference
 from ..unpickler import is_pickle_start, load_pickle, text_persistent_id
 from .container_records import container_record, container_refusal
-from .torch_zip import checkpoint
+from .made import checkpoint
 
 FORMAT = "torch-legacy"
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C

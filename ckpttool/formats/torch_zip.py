@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..tree import Checkpoint
-from ..unpickler import split_seen
+from .made import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle
 
 FORMAT = "torch-zip"
@@ -19,19 +19,3 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     with ZipPickle(path) as archive:
         root = archive.load(permissive=permissive, seen=seen)
     return checkpoint(FORMAT, [path], root, seen)
-
-
-def checkpoint(
-    fmt: str, files: list[str], root: object, seen: set[str], world_size: int | None = None
-) -> Checkpoint:
-    """A Checkpoint from a safe unpickle's result and the globals it saw."""
-    globals_, dangerous, unverified = split_seen(seen)
-    return Checkpoint(
-        format=fmt,
-        files=files,
-        root=root,
-        world_size=world_size,
-        globals=globals_,
-        dangerous=dangerous,
-        unverified=unverified,
-    )

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import CkptError, UnsafeError
 from ..tree import Checkpoint, Opaque, is_tensor
-from .torch_zip import checkpoint
+from .made import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle, central_directory
 
 FORMAT = "torchscript"

@@ -12,7 +12,7 @@ from typing import Any
 from ... import sources
 from ...errors import CkptError
 from ...tree import Checkpoint, ShardedRef, TensorRef
-from .. import torch_zip
+from ..made import checkpoint
 from .flat import Piece, rebuild
 from .model_states import assemble, mapping, param_shape, param_shapes, untracked_params
 from .zero import OPTIMIZER_STATE_DICT, PARTITIONED_GROUPS, ZeroLayout, int_value
@@ -56,7 +56,7 @@ class TagFolder:
     def checkpoint(self, root: Any, world_size: int | None) -> Checkpoint:
         # the model states first: what a reader of one file would be pointed at
         files = sorted(self.files, key=lambda p: not MODEL_STATES.match(sources.basename(p)))
-        return torch_zip.checkpoint(FORMAT, files, root, self.seen, world_size)
+        return checkpoint(FORMAT, files, root, self.seen, world_size)
 
     def model_states(self, model_files: dict, rank: int, stage: int | None) -> tuple[str, Any]:
         """(file name, root) of a rank's model states: ZeRO-3 writes one per rank."""

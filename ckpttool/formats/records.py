@@ -1,10 +1,13 @@
-"""The chunk table of a DCP ``.metadata``, kept out of memory past a few megabytes.
+"""Records kept out of memory past a few megabytes: the chunk table of a DCP
+``.metadata``, and the every-rank shard metadata of ShardedTensor rank files.
 
-A folder saved by thousands of ranks has millions of chunks (a 405B-shaped one of
-2048 ranks: 7 M), and every rank of a distributed conversion reads them all: held in
-memory, even at ~36 bytes a chunk, they alone pass the 256 MiB a rank may use, and
-grow with the world size. So the opcode reader (:mod:`ckpttool.formats.dcp_opcodes`,
-:mod:`ckpttool.formats.dcp_runs`) writes each chunk as a fixed-size record to a
+The one room both scale readers share (one floor below them: no family imports the
+other's). A folder saved by thousands of ranks has millions of chunks (a 405B-shaped
+one of 2048 ranks: 7 M), and every rank of a distributed conversion reads them all:
+held in memory, even at ~36 bytes a chunk, they alone pass the 256 MiB a rank may use,
+and grow with the world size. So the opcode readers (:mod:`ckpttool.formats.dcp_opcodes`,
+:mod:`ckpttool.formats.dcp_runs`, :mod:`ckpttool.formats.shard_opcodes`,
+:mod:`ckpttool.formats.rank_blocks`) write each chunk as a fixed-size record to a
 :class:`Spill` (memory while small, then an unnamed temporary file), names every
 tuple and string by a number (:class:`Interned`: the distinct ones are few, a few per
 rank and shape), groups the records by tensor and by data file on disk, a block at a
