@@ -19,7 +19,7 @@ from .targets import StaleTemp, check_output, output_path, publish
 from .writers import WRITERS, hf_output
 from .writers.naming import default_output
 
-TARGETS = tuple(WRITERS)
+TARGETS = (*WRITERS, "hf")  # hf: safetensors under a Hugging Face architecture's names
 CAST_DTYPES = ("float32", "float16", "bfloat16")
 # the other names of those dtypes a user writes: the short ones inspect prints, torch's
 # aliases (torch.half is torch.float16), and torch's spelling with its module
@@ -56,6 +56,26 @@ DEVICE_RE = re.compile(r"^(cpu|meta|(cuda|xpu|mps|npu|hpu)(:\d+)?)$")
 FOLDER_READ_FORMATS = ("dcp", "megatron", "safetensors-sharded")
 
 
+@dataclass(frozen=True)
+class HfOptions:
+    """What ``--to hf`` is told besides the common options.
+
+    Attributes:
+        arch: ``auto``, a mapping (``torchtitan:llama3``) or an architecture (``llama``).
+        config: An HF ``config.json`` or a folder holding one; None: the input's own.
+        tokenizer: A folder whose tokenizer files are copied in; None: the input's.
+        dry_run: Map and check, write nothing (the result holds the mapping).
+        check: Build the architecture from the written config on the meta device
+            (transformers) and compare names, shapes and dtypes exactly.
+    """
+
+    arch: str = "auto"
+    config: str | None = None
+    tokenizer: str | None = None
+    dry_run: bool = False
+    check: bool = False
+
+
 @dataclass
 class ConvertResult:
     output: str
@@ -68,6 +88,8 @@ class ConvertResult:
     outcome: Any = None
     # what the input lost outside the selection (a short or missing file), one line each
     warnings: list[str] = field(default_factory=list)
+    # --to hf: the mapping (a mappings.Export), whether written or a dry run
+    export: Any = None
 
 
 def check_options(
@@ -83,8 +105,8 @@ def check_options(
         raise UsageError(f"unknown --to {to!r}", hint=f"choose one of {', '.join(TARGETS)}")
     if dtype is not None:
         dtype = cast_dtype(dtype)
-    if max_shard_size is not None and to != "safetensors":
-        raise UsageError("--max-shard-size applies to --to safetensors only")
+    if max_shard_size is not None and to not in ("safetensors", "hf"):
+        raise UsageError("--max-shard-size applies to --to safetensors and hf only")
     if map_location is not None and to != "pt":
         raise UsageError("--map-location applies to --to pt only")
     if map_location is not None and not DEVICE_RE.match(map_location):
@@ -108,6 +130,7 @@ def convert(
     unsafe: bool = False,
     progress: ProgressFactory | None = None,
     source_metadata: bool = True,
+    hf: HfOptions | None = None,
 ) -> ConvertResult:
     """Write the selected tensors of a checkpoint in another format.
 
@@ -127,6 +150,7 @@ def convert(
         source_metadata: Record the input's file name in a safetensors output's
             ``__metadata__`` (``source``); False leaves it out, so the same tensors
             give the same bytes whatever the input was named.
+        hf: ``--to hf``: the architecture, config and tokenizer, dry run and check.
 
     Raises:
         UsageError: Options that do not fit together.
@@ -139,7 +163,7 @@ def convert(
     from .writers import writer_for
     from .writers.plan import WriteOptions
 
-    writer = writer_for(to)
+    writer = writer_for("safetensors" if to == "hf" else to)
     ckpt = read(paths, unsafe=unsafe)
     path, node = select_node(ckpt, select, strip_prefix)
     tensors = flatten_tensors(node, str(path[-1]) if path else "")
@@ -162,6 +186,16 @@ def convert(
         max_shard_size=shard_limit,
         metadata={"source": sources.input_name(first)} if source_metadata else {},
     )
+    if to == "hf":  # the model under an HF architecture's names, as a model folder
+        from .hf_export import convert_to_hf
+
+        out, names, nbytes, done, mapping = convert_to_hf(
+            ckpt, tensors, inputs, named_after, out, options, hf or HfOptions(),
+            force=force, progress=progress,
+        )  # fmt: skip
+        removed, outcome = (done.removed, done.outcome) if done else ([], None)
+        return ConvertResult(out, names, len(mapping.mapped), nbytes, removed, outcome, lost,
+                             export=mapping)  # fmt: skip
     layout = writer.layout(options)
     hf_folder = _hf_folder_in_and_out(inputs, out, select, to, shard_limit is not None)
     if hf_folder is not None and out is not None:  # DIR/model.safetensors + config & co.

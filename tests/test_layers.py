@@ -3,8 +3,9 @@ ones included, points down or sideways within one package; no module outgrows it
 
 The floors, top to bottom (a package imports only packages on lower floors, and itself):
 
-    cli > the root's face > verbs (convert, merge, diff, inspection, unsafe) > integrity
-        > targets (where bytes go) > writers (what bytes) | api | distributed
+    cli > the root's face > verbs (convert, merge, diff, inspection, unsafe)
+        > hf_export > integrity > targets (where bytes go) > mappings
+        > writers (what bytes) | api | distributed
         > formats > sharing | stats > unpickler | tensors | zip_records > tree > sources
         > dtypes | guard | sizes | progress | heap > sealed > errors
 """
@@ -24,8 +25,10 @@ FLOORS = {
     "diff": 9,
     "inspection": 9,
     "unsafe": 9,
+    "hf_export": 8.7,  # convert --to hf: a mapping written through publish
     "integrity": 8.5,  # what a file must hold, checked: verify, and before convert and merge
     "targets": 8,
+    "mappings": 7.5,  # HF architectures and the specs that map layouts to them
     "writers": 7,
     "api": 7,
     "distributed": 7,

@@ -35,7 +35,7 @@ def _complete(name: str) -> Any:
 
 
 @app.command(
-    short_help="Write the tensors as safetensors, pt or dcp.",
+    short_help="Write the tensors as safetensors, pt, dcp or a Hugging Face model.",
     epilog=examples(
         "ckpttool convert ep3-rank0.pt --to safetensors    # writes ep3.safetensors",
         "ckpttool convert model.pt --to safetensors --dtype bfloat16 -o model-bf16.safetensors",
@@ -43,10 +43,11 @@ def _complete(name: str) -> Any:
         "ckpttool convert ckpt.pt --to dcp -o ckpt-dcp/",
         "ckpttool convert 'ep9-rank*.pt' --to safetensors -o ep9.safetensors --workers 4",
         "torchrun --nproc-per-node=8 -m ckpttool convert ckpt-dcp/ --to safetensors -o out/",
+        "ckpttool convert step-1000/ --to hf --config config.json -o llama-hf/",
     )
     + "\n\nWithout -o the output goes beside the first input, named after it without its "
     "extension and rank (NAME): NAME.safetensors, NAME-safetensors/ with --max-shard-size, "
-    "NAME.pt (NAME-converted.pt when that is the input itself), NAME-dcp/. "
+    "NAME.pt (NAME-converted.pt when that is the input itself), NAME-dcp/, NAME-hf/. "
     "-o DIR/ writes that name inside DIR.",
 )
 def convert(
@@ -55,7 +56,7 @@ def convert(
         str,
         typer.Option(
             "--to",
-            metavar="<safetensors|pt|dcp>",
+            metavar="<safetensors|pt|dcp|hf>",
             help="The output format.",
             show_default=False,
             autocompletion=_complete("TARGETS"),
@@ -106,14 +107,50 @@ def convert(
             help="Record the input's file name in a safetensors output's __metadata__.",
         ),
     ] = True,
+    arch: Annotated[
+        str,
+        typer.Option(
+            "--arch",
+            metavar="NAME|auto",
+            help="--to hf: the mapping (torchtitan:llama3) or architecture (llama).",
+        ),
+    ] = "auto",
+    config: Annotated[
+        str | None,
+        typer.Option("--config", metavar="FILE|DIR", help="--to hf: the model's HF config.json."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option("--tokenizer", metavar="DIR", help="--to hf: copy its tokenizer files."),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="--to hf: print the mapping, write nothing."),
+    ] = False,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="--to hf: build the model on the meta device and compare (transformers).",
+        ),
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="--to hf --dry-run: the mapping as JSON.")
+    ] = False,
     force: Force = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
     workers: Workers = None,
 ) -> None:
-    """Write the selected tensors as safetensors, pt or dcp; sharded inputs are merged."""
+    """Write the selected tensors as safetensors, pt, dcp or a Hugging Face model (hf);
+    sharded inputs are merged."""
+    from ..convert import HfOptions
     from ..convert import convert as convert_checkpoint
     from ..distributed import prints_summary
+
+    hf = HfOptions(arch=arch, config=config, tokenizer=tokenizer, dry_run=dry_run, check=check)
+    if to != "hf" and (hf != HfOptions() or json_output):
+        fail("error: --arch, --config, --tokenizer, --dry-run, --check and --json apply to --to hf")
 
     check_extension(out, to, max_shard_size)
     if workers is not None:  # what one process would refuse at once, before N start
@@ -135,7 +172,13 @@ def convert(
         unsafe=unsafe,
         progress=progress_factory(quiet or settings.quiet),
         source_metadata=source_metadata,
+        hf=hf if to == "hf" else None,
     )
+    if dry_run:
+        from .hf_mapping import print_mapping
+
+        print_mapping(result.export, json_output)
+        return
     from .folder_listing import report_removed
 
     report_removed(result.removed)

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 import stat
+from collections.abc import Sequence
 
 from .. import sources
 from ..errors import CkptError
@@ -117,10 +118,18 @@ def carried_files(folder: str) -> list[str]:
     return found
 
 
-def model_folder(plan: Plan, to: str, folder: str, names: list[str]) -> Plan:
+def model_folder(
+    plan: Plan,
+    to: str,
+    folder: str | None,
+    names: list[str],
+    made: dict[str, bytes] | None = None,
+    more: Sequence[tuple[str, list[str]]] = (),
+) -> Plan:
     """``plan`` (the weights) as a model folder: a single-file plan's file named as
     ``from_pretrained`` reads it, and :func:`carried_files`' ``names`` of ``folder``
-    beside it, their bytes read now (the plan carries them to whatever writes it).
+    (and of each folder of ``more``) beside it, their bytes read now (the plan carries
+    them to whatever writes it), and the files ``made`` here (a ``config.json``).
 
     Raises:
         CkptError: A carried file changed into something else since it was checked,
@@ -128,8 +137,13 @@ def model_folder(plan: Plan, to: str, folder: str, names: list[str]) -> Plan:
     """
     weights = [dataclasses.replace(f, name=f.name or weights_name(to)) for f in plan.files]
     carried, total = [], 0
-    for name in names:
-        data = _read_carried(folder, name)
+    sources = [(folder, name) for name in names if folder is not None]
+    sources += [(where, name) for where, listed in more for name in listed]
+    files = {name: data for name, data in (made or {}).items()}
+    for where, name in sources:
+        if name not in files:
+            files[name] = _read_carried(where, name)
+    for name, data in files.items():
         total += len(data)
         if total > MAX_CARRIED_TOTAL:
             raise CkptError(
@@ -138,7 +152,7 @@ def model_folder(plan: Plan, to: str, folder: str, names: list[str]) -> Plan:
                 hint="convert to -o FILE and copy them by hand",
             )
         carried.append(FilePlan(name, len(data), [Piece(0, len(data), data=data)]))
-    return Plan([*carried, *weights], [*(plan.names or [weights_name(to)]), *names])
+    return Plan([*carried, *weights], [*(plan.names or [weights_name(to)]), *files])
 
 
 def _read_carried(folder: str, name: str) -> bytes:

@@ -33,15 +33,16 @@ def unused_name(folder: str, stem: str, suffix: str, inputs: Sequence[str]) -> s
 
 
 def default_output(inputs: Sequence[str], to: str, sharded: bool, folder: str | None = None) -> str:
-    """A name beside the input: ``ep0.safetensors``, ``ep0-safetensors/``, ``ep0.pt``, ``ep0-dcp/``.
+    """A name beside the input: ``ep0.safetensors``, ``ep0-safetensors/``, ``ep0.pt``,
+    ``ep0-dcp/``, ``ep0-hf/``.
 
     Per-rank inputs drop their rank (``ep0-rank0.pt`` -> ``ep0``): one output for all ranks.
     ``folder`` puts it there instead (``-o DIR/``).
     """
     beside, stem = output_stem(inputs)
     folder = beside if folder is None else folder
-    if to == "dcp":
-        return os.path.join(folder, f"{stem}-dcp")
+    if to in ("dcp", "hf"):
+        return os.path.join(folder, f"{stem}-{to}")
     if to == "safetensors":
         return os.path.join(folder, f"{stem}-safetensors" if sharded else f"{stem}.safetensors")
     return unused_name(folder, stem, "converted", inputs)

@@ -1,0 +1,196 @@
+"""Hugging Face models out of training checkpoints: mappings as data (``convert --to hf``).
+
+:func:`export` picks the spec whose source layout the tensors are (:mod:`.specs`, or the
+one ``--arch`` names; two that fit are refused), checks the config against what the
+tensors say, decides tied embeddings by comparing bytes, maps every tensor through the
+spec (renames; q/k rows gathered into HF's RoPE layout, :mod:`.rows`) and checks that
+the result is exactly the tensors the architecture needs for that config
+(:mod:`.architectures`). Nothing is read but the two embeddings' bytes; the mapped
+tensors stay lazy leaves that every output route writes as it writes any.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..dtypes import DType
+from ..errors import CkptError, UsageError
+from .architectures import ARCHITECTURES, Architecture, check_tensors
+from .rows import rope_from_hf, rope_to_hf
+from .spec import Mapped, Spec, apply
+from .specs import SPECS
+
+__all__ = ["ARCHITECTURES", "SPECS", "Export", "export", "load_config", "rope_from_hf"]
+
+
+@dataclass
+class Export:
+    """A checkpoint's model as one HF architecture.
+
+    Attributes:
+        spec: The mapping used.
+        arch: The architecture.
+        config: The ``config.json`` written (``torch_dtype``, ``tie_word_embeddings``
+            set from what is written).
+        mapped: The HF tensors, in the source's order.
+        dropped: (source name, why) of the tensors left out.
+        config_from: Where each config value came from (``--config FILE``, or what
+            ckpttool set and why).
+    """
+
+    spec: Spec
+    arch: Architecture
+    config: dict[str, Any]
+    mapped: list[Mapped]
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+    config_from: dict[str, str] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, Any]:
+        return {m.target: m.leaf for m in self.mapped}
+
+    def config_bytes(self) -> bytes:
+        return (json.dumps(self.config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def load_config(path: str) -> tuple[dict[str, Any], str]:
+    """An HF ``config.json`` (or a folder holding one): its values and its path.
+
+    Raises:
+        UsageError: No such file, or not a JSON object.
+    """
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, "rb") as f:
+            data = f.read(1 << 20)
+        config = json.loads(data)
+    except OSError as exc:
+        raise UsageError(f"cannot read the --config ({exc.strerror})", path=file) from None
+    except ValueError as exc:
+        raise UsageError(f"the --config is no JSON ({exc})", path=file) from None
+    if not isinstance(config, dict):
+        raise UsageError("the --config is no JSON object", path=file)
+    return config, file
+
+
+def export(
+    tensors: Mapping[str, Any],
+    config: Mapping[str, Any],
+    *,
+    arch: str = "auto",
+    cast: DType | None = None,
+    config_file: str = "--config",
+) -> Export:
+    """``tensors`` (the selected model state dict) as an HF model (see the module).
+
+    Raises:
+        CkptError: No spec fits, or two; a config value the tensors contradict; a
+            tensor no rule maps; the result is not the architecture's tensors.
+    """
+    spec = _pick(list(tensors), arch)
+    architecture = ARCHITECTURES[spec.arch]
+    config = dict(config)
+    sources = {key: config_file for key in config}
+    _check_config(spec, tensors, config)
+    tied = spec.head not in tensors or _same_bytes(tensors[spec.embedding], tensors[spec.head])
+    if config.get("tie_word_embeddings", tied) != tied:
+        sources["tie_word_embeddings"] = (
+            "the checkpoint: its head is the embedding's bytes"
+            if tied
+            else "the checkpoint: its head's bytes are not the embedding's"
+        )
+    config["tie_word_embeddings"] = tied
+    selected = {k: v for k, v in tensors.items() if not (tied and k == spec.head)}
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    transforms = {
+        "same": lambda leaf, _c, _n: leaf,
+        "rope_q": lambda leaf, _c, n: rope_to_hf(leaf, heads, n),
+        "rope_k": lambda leaf, _c, n: rope_to_hf(leaf, kv_heads, n),
+    }
+    mapped, dropped = apply(spec, selected, config, transforms)
+    if tied and spec.head in tensors:
+        dropped.append((spec.head, "tied: the embedding's bytes (tie_word_embeddings)"))
+    check_tensors(architecture, config, {m.target: tuple(m.leaf.shape) for m in mapped})
+    dtype = cast or tensors[spec.embedding].dtype
+    # transformers 4 reads torch_dtype, 5 reads dtype (and writes it): both say it
+    for key in ("torch_dtype", "dtype"):
+        if config.get(key) != dtype.name:
+            sources[key] = "what is written"
+        config[key] = dtype.name
+    config["architectures"] = [architecture.hf_class]
+    config.setdefault("model_type", architecture.model_type)
+    return Export(spec, architecture, config, mapped, dropped, sources)
+
+
+def _pick(names: list[str], arch: str) -> Spec:
+    if arch != "auto" and arch not in SPECS and arch not in ARCHITECTURES:
+        raise UsageError(
+            f"unknown --arch {arch!r}",
+            hint=f"choose auto, or one of {', '.join(sorted({*SPECS, *ARCHITECTURES}))}",
+        )
+    fits = [s for s in SPECS.values() if arch in ("auto", s.name, s.arch) and s.matches(names)]
+    if not fits:
+        shown = ", ".join(repr(n) for n in names[:3])
+        raise CkptError(
+            f"no mapping to a Hugging Face architecture knows these tensors ({shown}, …)",
+            hint=f"mappings: {', '.join(SPECS)}; see `ckpttool inspect`",
+        )
+    if len(fits) > 1:
+        raise CkptError(
+            f"the tensors fit {' and '.join(s.name for s in fits)}",
+            hint="pass --arch to choose",
+        )
+    return fits[0]
+
+
+def _check_config(spec: Spec, tensors: Mapping[str, Any], config: dict[str, Any]) -> None:
+    """The config values the tensors say themselves agree with the config.
+
+    Raises:
+        CkptError: Naming the tensor, the value it says and the config's.
+    """
+    embedding = tensors[spec.embedding].shape
+    said = {
+        "vocab_size": (embedding[0], spec.embedding),
+        "hidden_size": (embedding[1], spec.embedding),
+    }
+    layers = {
+        int(n.split(".")[1])
+        for n in tensors
+        if n.startswith("layers.") and n.split(".")[1].isdigit()
+    }
+    layers |= {
+        int(n.split(".")[2])
+        for n in tensors
+        if n.startswith("model.layers.") and n.split(".")[2].isdigit()
+    }
+    if layers:
+        said["num_hidden_layers"] = (max(layers) + 1, "the layers' numbers")
+    for key, (value, source) in said.items():
+        if config.get(key) is None:
+            config[key] = value
+        elif config[key] != value:
+            raise CkptError(
+                f"the config says {key} {config[key]!r}, the checkpoint {value} ({source})",
+                hint="pass the --config of this checkpoint's model",
+            )
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    """Whether two tensors hold the same bytes (one storage, or equal contents)."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return False
+    from ..writers import iter_chunks
+
+    digests = []
+    for leaf in (a, b):
+        h = hashlib.sha256()
+        for chunk in iter_chunks(leaf, None):
+            h.update(chunk)
+        digests.append(h.digest())
+    return digests[0] == digests[1]

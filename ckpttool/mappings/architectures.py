@@ -1,0 +1,94 @@
+"""Hugging Face architectures as data: the tensors a config implies, named and shaped.
+
+Each architecture lists, for a ``config.json``, every tensor ``from_pretrained`` expects
+(its name and shape), so an export is checked to produce exactly those (nothing
+missing, nothing more) before a byte is written; and which config values the tensors
+themselves say (a hidden size, a vocabulary), so a ``--config`` they contradict is
+refused naming both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CkptError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF architecture: its class, ``model_type`` and the tensors of a config."""
+
+    name: str
+    hf_class: str
+    model_type: str
+    tensors: Callable[[Mapping[str, Any]], dict[str, tuple[int, ...]]]
+    embedding: str  # the input embedding's HF name (tied with the head)
+    head: str  # the output projection's HF name
+
+
+def _llama_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, layers = _get(c, "hidden_size"), _get(c, "num_hidden_layers")
+    heads = _get(c, "num_attention_heads")
+    kv = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    ffn, vocab = _get(c, "intermediate_size"), _get(c, "vocab_size")
+    out = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (ffn, hidden),
+            p + "mlp.up_proj.weight": (ffn, hidden),
+            p + "mlp.down_proj.weight": (hidden, ffn),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    if not c.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = (vocab, hidden)
+    return out
+
+
+def _get(config: Mapping[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise CkptError(f"the config has no {key} (a positive integer): got {value!r}")
+    return value
+
+
+ARCHITECTURES = {
+    "llama": Architecture(
+        "llama", "LlamaForCausalLM", "llama", _llama_tensors,
+        "model.embed_tokens.weight", "lm_head.weight",
+    ),
+}  # fmt: skip
+
+
+def check_tensors(
+    arch: Architecture, config: Mapping[str, Any], produced: Mapping[str, tuple[int, ...]]
+) -> None:
+    """``produced`` (HF name -> shape) is exactly what ``arch`` needs for ``config``.
+
+    Raises:
+        CkptError: A tensor missing, one more, or one of another shape: named.
+    """
+    wanted = arch.tensors(config)
+    missing = sorted(set(wanted) - set(produced))
+    extra = sorted(set(produced) - set(wanted))
+    wrong = [
+        f"{name} {list(produced[name])} (the config says {list(shape)})"
+        for name, shape in wanted.items()
+        if name in produced and tuple(produced[name]) != tuple(shape)
+    ]
+    for what, names in (("missing", missing), ("not in the architecture", extra),
+                        ("shaped otherwise", wrong)):  # fmt: skip
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise CkptError(
+                f"{arch.hf_class} of this config: {what}: {shown}",
+                hint="check --config against the checkpoint (ckpttool inspect)",
+            )

@@ -1,0 +1,115 @@
+"""Row gathers: a tensor made of rows of another, as byte ranges of the source.
+
+The RoPE permutation between Meta's layout (torchtitan, the original Llama weights: a
+head's rotary pairs interleaved, rows ``2i`` and ``2i + 1``) and Hugging Face's (each
+head's pairs split into halves) moves whole rows: HF row ``h*hd + p*hd/2 + i`` is Meta
+row ``h*hd + 2i + p``. So the HF tensor is, for each head and half, a strided run of
+source rows: one shard of a :class:`~ckpttool.tree.ShardedRef` whose block is a view of
+the stored tensor (its rows every other one), never the tensor in memory at plan time.
+A source split along its first dimension (FSDP, DCP chunks) gives a block for each
+part of a run that lies in one of its shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CkptError
+from ..tree import Leaf, Shard, ShardedRef, TensorRef
+
+
+@dataclass(frozen=True, eq=False)
+class RowsOf:
+    """Rows ``start, start + step, ...`` (``count`` of them) of a stored block of rows:
+    a :class:`~ckpttool.tree.leaves.Block` (metadata only; the view of its stored
+    tensor is made when asked for)."""
+
+    block: Any
+    start: int
+    step: int
+    count: int
+
+    @property
+    def cast_to(self) -> Any:
+        return self.block.cast_to
+
+    def tensor_ref(self) -> TensorRef:
+        return strided_rows(self.block.tensor_ref(), self.start, self.step, self.count)
+
+    def where(self) -> str:
+        """The block's place for a plan's digest (as the blocks it views name theirs)."""
+        inner = getattr(self.block, "where", None)
+        named = inner() if callable(inner) else repr(self.block.tensor_ref().storage)
+        return f"{named} rows {self.start}+{self.step}x{self.count}"
+
+
+def strided_rows(ref: TensorRef, start: int, step: int, count: int) -> TensorRef:
+    """The view of rows ``start + k*step`` (k < ``count``) of a stored tensor."""
+    return TensorRef(
+        ref.dtype,
+        (count, *ref.shape[1:]),
+        (ref.stride[0] * step, *ref.stride[1:]),
+        ref.offset + start * ref.stride[0],
+        ref.storage,
+        device=ref.device,
+    )
+
+
+def rope_to_hf(leaf: Leaf, heads: int, name: str) -> ShardedRef:
+    """``leaf`` (a q or k projection in Meta's interleaved layout, ``heads`` heads) in
+    Hugging Face's layout: what ``transformers``' ``convert_llama_weights_to_hf``'s
+    ``permute`` and torchtitan's ``Llama3StateDictAdapter._permute`` compute.
+
+    Raises:
+        CkptError: Rows that do not divide into ``heads`` heads of even size, or a
+            source split along another dimension than its rows.
+    """
+    rows, *rest = leaf.shape if len(leaf.shape) >= 1 else (0,)
+    if heads <= 0 or rows % heads or (rows // heads) % 2:
+        raise CkptError(f"tensor {name!r}: {rows} rows are not {heads} heads of an even head size")
+    head_dim = rows // heads
+    half = head_dim // 2
+    runs = [  # (output row, source row, count): each head's even rows, then its odd ones
+        (h * head_dim + p * half, h * head_dim + p, half) for h in range(heads) for p in (0, 1)
+    ]
+    shards = []
+    for out_row, src_row, count in runs:
+        for block_start, block, block_rows in _row_blocks(leaf, name):
+            # the source rows src_row + 2k that lie in [block_start, block_start + block_rows)
+            first = max(0, -(-(block_start - src_row) // 2))
+            last = min(count, -(-(block_start + block_rows - src_row) // 2))
+            if first >= last:
+                continue
+            view = RowsOf(block, src_row + 2 * first - block_start, 2, last - first)
+            shards.append(Shard((out_row + first, *(0 for _ in rest)), (last - first, *rest), view))
+    return ShardedRef(leaf.dtype, tuple(leaf.shape), shards, kind="rows")
+
+
+def _row_blocks(leaf: Leaf, name: str) -> list[tuple[int, Any, int]]:
+    """(first row, block, rows) of each stored block of whole rows of ``leaf``."""
+    if isinstance(leaf, TensorRef):
+        return [(0, leaf, leaf.shape[0])]
+    if isinstance(leaf, ShardedRef):
+        if leaf.incomplete:
+            raise CkptError(f"sharded tensor {leaf.incomplete}")
+        blocks = []
+        for shard in leaf.shards:
+            if any(o != 0 for o in shard.offsets[1:]) or tuple(shard.sizes[1:]) != tuple(
+                leaf.shape[1:]
+            ):
+                raise CkptError(
+                    f"tensor {name!r} is split along its columns (a shard at "
+                    f"{list(shard.offsets)}): its rows cannot be gathered as stored"
+                )
+            blocks.append((shard.offsets[0], shard.tensor, shard.sizes[0]))
+        return blocks
+    raise CkptError(f"tensor {name!r} is not a dense tensor: its rows cannot be gathered")
+
+
+def rope_from_hf(tensor: Any, heads: int) -> Any:
+    """The inverse of :func:`rope_to_hf` on a ``torch.Tensor`` (Hugging Face's layout back
+    to Meta's): torchtitan's ``_reverse_permute``."""
+    rows, cols = tensor.shape[0], tensor.shape[1] if tensor.dim() > 1 else 1
+    head_dim = rows // heads
+    return tensor.reshape(heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(tensor.shape)

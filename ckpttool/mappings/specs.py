@@ -1,0 +1,77 @@
+"""The mappings, one spec per (source layout, HF architecture): data, nothing else.
+
+Sources, cited by the code whose names they are:
+
+- ``torchtitan:llama3``: torchtitan 0.3's ``Llama3Model`` (``qkv_linear.wq``) and the
+  earlier ``attention.wq`` names, as ``torchtitan/models/llama3/state_dict_adapter.py``
+  maps them to ``LlamaForCausalLM``; q and k rows from Meta's interleaved RoPE layout to
+  HF's halves (its ``_permute``).
+- ``hf:llama``: already ``LlamaForCausalLM``'s names (an HF model saved through FSDP,
+  DCP, accelerate or the Trainer): every tensor as it is.
+"""
+
+from __future__ import annotations
+
+from .spec import Drop, Rename, Spec
+
+_LLAMA_LAYER = (
+    ("attention.wo.weight", "self_attn.o_proj.weight", "same"),
+    ("attention.wv.weight", "self_attn.v_proj.weight", "same"),
+    ("feed_forward.w1.weight", "mlp.gate_proj.weight", "same"),
+    ("feed_forward.w3.weight", "mlp.up_proj.weight", "same"),
+    ("feed_forward.w2.weight", "mlp.down_proj.weight", "same"),
+    ("attention_norm.weight", "input_layernorm.weight", "same"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight", "same"),
+)
+_TORCHTITAN_ATTENTION = (
+    ("wq.weight", "self_attn.q_proj.weight", "rope_q"),
+    ("wk.weight", "self_attn.k_proj.weight", "rope_k"),
+    ("wv.weight", "self_attn.v_proj.weight", "same"),
+)
+
+TORCHTITAN_LLAMA3 = Spec(
+    name="torchtitan:llama3",
+    arch="llama",
+    renames=(
+        Rename("tok_embeddings.weight", "model.embed_tokens.weight"),
+        Rename("norm.weight", "model.norm.weight"),
+        Rename("output.weight", "lm_head.weight"),  # (torchtitan before 0.2)
+        Rename("lm_head.weight", "lm_head.weight"),
+        *(
+            Rename(f"layers.{{L}}.attention.{where}{src}", f"model.layers.{{L}}.{dst}", how)
+            for where in ("qkv_linear.", "")
+            for src, dst, how in _TORCHTITAN_ATTENTION
+        ),
+        *(
+            Rename(f"layers.{{L}}.{src}", f"model.layers.{{L}}.{dst}", how)
+            for src, dst, how in _LLAMA_LAYER
+            if src != "attention.wv.weight"
+        ),
+    ),
+    drops=(Drop(r".*\.freqs_cis|freqs_cis", "RoPE's table: computed by the model, not a weight"),),
+    embedding="tok_embeddings.weight",
+    head="lm_head.weight",
+)
+
+_HF_LLAMA_NAMES = (
+    "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+    *(f"model.layers.{{L}}.{n}" for n in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    )),
+)  # fmt: skip
+
+HF_LLAMA = Spec(
+    name="hf:llama",
+    arch="llama",
+    renames=tuple(Rename(n, n) for n in _HF_LLAMA_NAMES),
+    drops=(
+        Drop(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", "RoPE's table: a buffer"),
+        Drop(r"model\.rotary_emb\.inv_freq", "RoPE's table: a buffer"),
+    ),
+    embedding="model.embed_tokens.weight",
+    head="lm_head.weight",
+)
+
+SPECS = {spec.name: spec for spec in (TORCHTITAN_LLAMA3, HF_LLAMA)}
