@@ -53,6 +53,16 @@ def _llama_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _qwen3_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Llama's tensors and each layer's q and k norms (over a head)."""
+    out = _llama_tensors(c)
+    head_dim = int(c.get("head_dim") or _get(c, "hidden_size") // _get(c, "num_attention_heads"))
+    for i in range(_get(c, "num_hidden_layers")):
+        for norm in ("q_norm", "k_norm"):
+            out[f"model.layers.{i}.self_attn.{norm}.weight"] = (head_dim,)
+    return out
+
+
 def _get(config: Mapping[str, Any], key: str) -> int:
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -63,6 +73,10 @@ def _get(config: Mapping[str, Any], key: str) -> int:
 ARCHITECTURES = {
     "llama": Architecture(
         "llama", "LlamaForCausalLM", "llama", _llama_tensors,
+        "model.embed_tokens.weight", "lm_head.weight",
+    ),
+    "qwen3": Architecture(
+        "qwen3", "Qwen3ForCausalLM", "qwen3", _qwen3_tensors,
         "model.embed_tokens.weight", "lm_head.weight",
     ),
 }  # fmt: skip

@@ -49,6 +49,7 @@ class Spec:
         embedding: The source name of the input embedding.
         head: The source name of the output projection (tied to the embedding when
             its bytes are the embedding's, or absent).
+        requires: Source names (patterns) that must be there as well.
     """
 
     name: str
@@ -57,6 +58,8 @@ class Spec:
     drops: tuple[Drop, ...] = ()
     embedding: str = ""
     head: str = ""
+    # source names that must be there too (what tells this layout from a smaller one)
+    requires: tuple[str, ...] = ()
     _compiled: list[tuple[re.Pattern[str], Rename]] = field(default_factory=list, repr=False)
 
     def rules(self) -> list[tuple[re.Pattern[str], Rename]]:
@@ -75,7 +78,9 @@ class Spec:
             if not any(p.fullmatch(name) for p, _ in self.rules()):
                 return False
             known.add(name)
-        return self.embedding in known
+        required = [_pattern(r) for r in self.requires]
+        present = all(any(p.fullmatch(n) for n in known) for p in required)
+        return self.embedding in known and present
 
 
 @dataclass

@@ -6,6 +6,9 @@ Sources, cited by the code whose names they are:
   earlier ``attention.wq`` names, as ``torchtitan/models/llama3/state_dict_adapter.py``
   maps them to ``LlamaForCausalLM``; q and k rows from Meta's interleaved RoPE layout to
   HF's halves (its ``_permute``).
+- ``torchtitan:qwen3``: torchtitan 0.3's dense ``Qwen3Model``, as
+  ``torchtitan/models/qwen3/state_dict_adapter.py`` maps it to ``Qwen3ForCausalLM``: the
+  Llama names, the q and k norms, no permutation (its rotary layout is HF's).
 - ``hf:llama``: already ``LlamaForCausalLM``'s names (an HF model saved through FSDP,
   DCP, accelerate or the Trainer): every tensor as it is.
 """
@@ -53,6 +56,32 @@ TORCHTITAN_LLAMA3 = Spec(
     head="lm_head.weight",
 )
 
+TORCHTITAN_QWEN3 = Spec(
+    name="torchtitan:qwen3",
+    arch="qwen3",
+    renames=(
+        Rename("tok_embeddings.weight", "model.embed_tokens.weight"),
+        Rename("norm.weight", "model.norm.weight"),
+        Rename("lm_head.weight", "lm_head.weight"),
+        *(
+            Rename(f"layers.{{L}}.attention.{where}{src}", f"model.layers.{{L}}.{dst}")
+            for where in ("qkv_linear.", "")
+            for src, dst, _ in _TORCHTITAN_ATTENTION
+        ),
+        Rename("layers.{L}.attention.q_norm.weight", "model.layers.{L}.self_attn.q_norm.weight"),
+        Rename("layers.{L}.attention.k_norm.weight", "model.layers.{L}.self_attn.k_norm.weight"),
+        *(
+            Rename(f"layers.{{L}}.{src}", f"model.layers.{{L}}.{dst}", how)
+            for src, dst, how in _LLAMA_LAYER
+            if src != "attention.wv.weight"
+        ),
+    ),
+    drops=TORCHTITAN_LLAMA3.drops,
+    embedding="tok_embeddings.weight",
+    head="lm_head.weight",
+    requires=("layers.{L}.attention.q_norm.weight",),
+)
+
 _HF_LLAMA_NAMES = (
     "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
     *(f"model.layers.{{L}}.{n}" for n in (
@@ -74,4 +103,4 @@ HF_LLAMA = Spec(
     head="lm_head.weight",
 )
 
-SPECS = {spec.name: spec for spec in (TORCHTITAN_LLAMA3, HF_LLAMA)}
+SPECS = {spec.name: spec for spec in (TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, HF_LLAMA)}
