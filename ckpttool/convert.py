@@ -131,6 +131,7 @@ def convert(
     progress: ProgressFactory | None = None,
     source_metadata: bool = True,
     hf: HfOptions | None = None,
+    layout_of: str | None = None,
 ) -> ConvertResult:
     """Write the selected tensors of a checkpoint in another format.
 
@@ -151,6 +152,8 @@ def convert(
             ``__metadata__`` (``source``); False leaves it out, so the same tensors
             give the same bytes whatever the input was named.
         hf: ``--to hf``: the architecture, config and tokenizer, dry run and check.
+        layout_of: ``--to dcp --layout FRAMEWORK:ARCH``: an HF model folder written
+            under that framework's names and layout (the way back of ``--to hf``).
 
     Raises:
         UsageError: Options that do not fit together.
@@ -172,6 +175,10 @@ def convert(
             "the selection holds no tensors", hint="see `ckpttool inspect`, then --select"
         )
     lost = unreadable_besides(ckpt, tensors)  # sizes only: a short file refused before a write
+    if layout_of is not None:  # the way back: an HF model under a framework's layout
+        if to != "dcp":
+            raise UsageError("--layout applies to --to dcp only")
+        tensors = _in_layout(paths, tensors, layout_of)
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     first = sources.strip_file_scheme(inputs[0])
     if ckpt.format in FOLDER_READ_FORMATS and sources.isfile(first):
@@ -220,6 +227,26 @@ def convert(
     return ConvertResult(
         out, names, len(tensors), plan.total_bytes, done.removed, done.outcome, lost
     )
+
+
+def _in_layout(paths: Sequence[str], tensors: dict[str, Any], layout_of: str) -> dict[str, Any]:
+    """An HF model folder's tensors under ``layout_of``'s names (its own config says the
+    heads the RoPE permutation is undone over).
+
+    Raises:
+        UsageError: The input is not an HF model folder (no ``config.json``).
+    """
+    from . import mappings
+
+    inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    folder = hf_output.hf_source_folder(inputs, "auto")
+    if folder is None:
+        raise UsageError(
+            "--layout reads a Hugging Face model folder (config.json beside the weights)",
+            hint="pass the folder --to hf wrote, or one save_pretrained wrote",
+        )
+    config, _ = mappings.load_config(folder)
+    return mappings.to_layout(layout_of, tensors, config)
 
 
 def _hf_folder_in_and_out(

@@ -218,18 +218,7 @@ def test_the_same_folder_from_workers(tmp_path):
 
 def _titan_state(source: Path) -> dict:
     """The torchtitan checkpoint's tensors, read by torch's own DCP loader."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(source / "step-2"))
-    meta = reader.read_metadata()
-    sd = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in meta.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
+    return _titan_state_of(source / "step-2")
 
 
 def test_fixture_is_as_its_script_says(tmp_path):
@@ -256,3 +245,43 @@ def test_fixture_is_as_its_script_says(tmp_path):
         q.view(4, 2, 2, 16).transpose(1, 2).reshape(16, 16),
     )
     shutil.rmtree(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("run", ["llama3", "llama3_tied"])
+def test_the_way_back_is_the_checkpoint_torchtitan_saved(run, tmp_path):
+    """``--to dcp --layout torchtitan:llama3`` of the HF folder: torch's own DCP loader
+    reads back every tensor torchtitan saved, under its names, bitwise (the RoPE rows
+    put back), a tied head under its own name again."""
+    source = TITAN / run
+    hf, back = tmp_path / "hf", tmp_path / "back"
+    runs = run_many(
+        [
+            ["convert", source / "step-2", "--to", "hf", "--config", source / "config.json"]
+            + ["-o", f"{hf}/"],
+            ["convert", hf, "--to", "dcp", "--layout", "torchtitan:llama3", "-o", f"{back}/"],
+            ["convert", hf, "--to", "dcp", "--layout", "nosuch:arch", "-o", tmp_path / "x/"],
+            ["convert", hf, "--to", "pt", "--layout", "torchtitan:llama3"],
+        ]
+    )
+    assert [r["code"] for r in runs[:2]] == [0, 0], [r["stderr"] for r in runs]
+    want = _titan_state(source)
+    got = _titan_state_of(back)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert runs[2]["code"] == 2 and "unknown --layout 'nosuch:arch'" in runs[2]["stderr"]
+    assert runs[3]["code"] == 2 and "--layout applies to --to dcp only" in runs[3]["stderr"]
+
+
+def _titan_state_of(folder: Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(folder))
+    meta = reader.read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd

@@ -44,6 +44,7 @@ def _complete(name: str) -> Any:
         "ckpttool convert 'ep9-rank*.pt' --to safetensors -o ep9.safetensors --workers 4",
         "torchrun --nproc-per-node=8 -m ckpttool convert ckpt-dcp/ --to safetensors -o out/",
         "ckpttool convert step-1000/ --to hf --config config.json -o llama-hf/",
+        "ckpttool convert llama-hf/ --to dcp --layout torchtitan:llama3 -o step-0/",
     )
     + "\n\nWithout -o the output goes beside the first input, named after it without its "
     "extension and rank (NAME): NAME.safetensors, NAME-safetensors/ with --max-shard-size, "
@@ -137,6 +138,14 @@ def convert(
     json_output: Annotated[
         bool, typer.Option("--json", help="--to hf --dry-run: the mapping as JSON.")
     ] = False,
+    layout_of: Annotated[
+        str | None,
+        typer.Option(
+            "--layout",
+            metavar="FRAMEWORK:ARCH",
+            help="--to dcp from an HF model folder: that framework's layout (torchtitan:llama3).",
+        ),
+    ] = None,
     force: Force = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
@@ -173,6 +182,7 @@ def convert(
         progress=progress_factory(quiet or settings.quiet),
         source_metadata=source_metadata,
         hf=hf if to == "hf" else None,
+        layout_of=layout_of,
     )
     if dry_run:
         from .hf_mapping import print_mapping

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +22,19 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError, UsageError
 from .architectures import ARCHITECTURES, Architecture, check_tensors
-from .rows import rope_from_hf, rope_to_hf
-from .spec import Mapped, Spec, apply
+from .rows import rope_from_hf, rope_from_hf_rows, rope_to_hf
+from .spec import Mapped, Spec, apply, name_pattern
 from .specs import SPECS
 
-__all__ = ["ARCHITECTURES", "SPECS", "Export", "export", "load_config", "rope_from_hf"]
+__all__ = [
+    "ARCHITECTURES",
+    "SPECS",
+    "Export",
+    "export",
+    "load_config",
+    "rope_from_hf",
+    "to_layout",
+]
 
 
 @dataclass
@@ -125,6 +134,51 @@ def export(
     config["architectures"] = [architecture.hf_class]
     config.setdefault("model_type", architecture.model_type)
     return Export(spec, architecture, config, mapped, dropped, sources)
+
+
+def to_layout(layout: str, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The way back: an HF model's ``tensors`` (its config ``config``) under the source
+    layout ``layout`` names (``torchtitan:llama3``), each transform undone, as that
+    framework's checkpoint holds them (a tied head under its own name again, one
+    storage with the embedding, as the framework's state dict has it).
+
+    Raises:
+        UsageError: No such layout.
+        CkptError: The tensors are not exactly the architecture's for the config.
+    """
+    if layout not in SPECS or layout.startswith("hf:"):
+        known = ", ".join(s for s in SPECS if not s.startswith("hf:"))
+        raise UsageError(f"unknown --layout {layout!r}", hint=f"choose one of {known}")
+    spec = SPECS[layout]
+    architecture = ARCHITECTURES[spec.arch]
+    hf_drops = SPECS[f"hf:{spec.arch}"].drops if f"hf:{spec.arch}" in SPECS else ()
+    kept = {
+        k: v for k, v in tensors.items() if not any(re.fullmatch(d.pattern, k) for d in hf_drops)
+    }
+    check_tensors(architecture, config, {k: tuple(v.shape) for k, v in kept.items()})
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    undo = {
+        "same": lambda leaf, n: leaf,
+        "rope_q": lambda leaf, n: rope_from_hf_rows(leaf, heads, n),
+        "rope_k": lambda leaf, n: rope_from_hf_rows(leaf, kv_heads, n),
+    }
+    first: dict[str, Any] = {}  # target pattern -> the first rule making it
+    for rule in spec.renames:
+        first.setdefault(rule.target, rule)
+    rules = [(name_pattern(t), r) for t, r in first.items()]
+    out: dict[str, Any] = {}
+    for name, leaf in kept.items():
+        for pattern, rule in rules:
+            found = pattern.fullmatch(name)
+            if found is not None:
+                out[rule.source.format(**found.groupdict())] = undo[rule.transform](leaf, name)
+                break
+        else:
+            raise CkptError(f"no rule of {spec.name} names {name!r} in its layout")
+    if config.get("tie_word_embeddings") and spec.head not in out:
+        out[spec.head] = out[spec.embedding]  # the framework's state dict names it too
+    return out
 
 
 def _pick(names: list[str], arch: str) -> Spec:

@@ -12,6 +12,7 @@ part of a run that lies in one of its shards.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,34 @@ def rope_to_hf(leaf: Leaf, heads: int, name: str) -> ShardedRef:
     return ShardedRef(leaf.dtype, tuple(leaf.shape), shards, kind="rows")
 
 
+def rope_from_hf_rows(leaf: Leaf, heads: int, name: str) -> ShardedRef:
+    """The inverse of :func:`rope_to_hf` as a row gather (Hugging Face's halves back to
+    Meta's interleaved pairs, torchtitan's ``_reverse_permute``): Meta row
+    ``h*hd + 2i + p`` is HF row ``h*hd + p*hd/2 + i``. Consecutive rows come from two
+    runs, so each row is a shard of its own (its bytes still a range of the source).
+
+    Raises:
+        CkptError: As :func:`rope_to_hf`.
+    """
+    rows, *rest = leaf.shape
+    if heads <= 0 or rows % heads or (rows // heads) % 2:
+        raise CkptError(f"tensor {name!r}: {rows} rows are not {heads} heads of an even head size")
+    head_dim = rows // heads
+    half = head_dim // 2
+    blocks = _row_blocks(leaf, name)
+    starts = [b[0] for b in blocks]
+    shards = []
+    for out_row in range(rows):
+        h, within = divmod(out_row, head_dim)
+        i, p = divmod(within, 2)
+        src_row = h * head_dim + p * half + i
+        k = bisect.bisect_right(starts, src_row) - 1
+        block_start, block, _ = blocks[k]
+        view = RowsOf(block, src_row - block_start, 1, 1)
+        shards.append(Shard((out_row, *(0 for _ in rest)), (1, *rest), view))
+    return ShardedRef(leaf.dtype, tuple(leaf.shape), shards, kind="rows")
+
+
 def _row_blocks(leaf: Leaf, name: str) -> list[tuple[int, Any, int]]:
     """(first row, block, rows) of each stored block of whole rows of ``leaf``."""
     if isinstance(leaf, TensorRef):
@@ -103,7 +132,7 @@ def _row_blocks(leaf: Leaf, name: str) -> list[tuple[int, Any, int]]:
                     f"{list(shard.offsets)}): its rows cannot be gathered as stored"
                 )
             blocks.append((shard.offsets[0], shard.tensor, shard.sizes[0]))
-        return blocks
+        return sorted(blocks, key=lambda b: b[0])
     raise CkptError(f"tensor {name!r} is not a dense tensor: its rows cannot be gathered")
 
 

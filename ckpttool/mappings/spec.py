@@ -64,7 +64,7 @@ class Spec:
 
     def rules(self) -> list[tuple[re.Pattern[str], Rename]]:
         if not self._compiled:
-            self._compiled.extend((_pattern(r.source), r) for r in self.renames)
+            self._compiled.extend((name_pattern(r.source), r) for r in self.renames)
         return self._compiled
 
     def matches(self, names: list[str]) -> bool:
@@ -78,7 +78,7 @@ class Spec:
             if not any(p.fullmatch(name) for p, _ in self.rules()):
                 return False
             known.add(name)
-        required = [_pattern(r) for r in self.requires]
+        required = [name_pattern(r) for r in self.requires]
         present = all(any(p.fullmatch(n) for n in known) for p in required)
         return self.embedding in known and present
 
@@ -138,7 +138,7 @@ def apply(
     return mapped, dropped
 
 
-def _pattern(source: str) -> re.Pattern[str]:
+def name_pattern(source: str) -> re.Pattern[str]:
     """``layers.{L}.x`` as a regex capturing ``L`` (digits, no leading zero)."""
     parts = re.split(r"(\{L\})", source)
     body = "".join(r"(?P<L>0|[1-9]\d*)" if p == "{L}" else re.escape(p) for p in parts)

@@ -38,8 +38,9 @@ TORCHTITAN_LLAMA3 = Spec(
     renames=(
         Rename("tok_embeddings.weight", "model.embed_tokens.weight"),
         Rename("norm.weight", "model.norm.weight"),
-        Rename("output.weight", "lm_head.weight"),  # (torchtitan before 0.2)
+        # (the first rule of a target is the name the way back writes: torchtitan 0.3's)
         Rename("lm_head.weight", "lm_head.weight"),
+        Rename("output.weight", "lm_head.weight"),  # (torchtitan before 0.2)
         *(
             Rename(f"layers.{{L}}.attention.{where}{src}", f"model.layers.{{L}}.{dst}", how)
             for where in ("qkv_linear.", "")
