@@ -275,7 +275,7 @@ def test_value_options_list_every_option_that_takes_a_value():
 def test_help_shows_choices_examples_and_whole_summaries():
     top = run_cli("--help").stdout
     for command, summary in [
-        ("convert", "Write the tensors as safetensors, pt or dcp."),
+        ("convert", "Write the tensors as safetensors, pt, dcp or a Hugging Face model."),
         ("diff", "Compare two checkpoints tensor by tensor."),
         ("inspect", "What a checkpoint holds, without reading tensor data."),
         ("merge", "Merge per-rank shards or DCP into one torch.save file."),
@@ -288,7 +288,7 @@ def test_help_shows_choices_examples_and_whole_summaries():
         assert "Examples:" in out and f"    ckpttool {command} " in out
         assert "{paths}" not in out and "<str>" not in out.lower()
     convert_help = run_cli("convert", "--help").stdout
-    assert "--to <safetensors|pt|dcp>" in convert_help
+    assert "--to <safetensors|pt|dcp|hf>" in convert_help
     assert "--dtype <float32|float16|bfloat16>" in convert_help
     assert "NAME.safetensors" in convert_help and "NAME-dcp/" in convert_help
     assert "--sort <name|size|dtype>" in run_cli("inspect", "--help").stdout

@@ -58,6 +58,10 @@ ALLOW_OPTION = "--allow"
 VALUE_OPTIONS = frozenset(
     {
         "--filter",
+        "--arch",
+        "--config",
+        "--tokenizer",
+        "--layout",
         "--limit",
         "--sort",
         "--to",
