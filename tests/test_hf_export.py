@@ -175,6 +175,8 @@ def test_refusals_name_what_is_wrong(tmp_path):
     sd = {k: v for k, v in _titan_state(source).items() if k != "layers.1.feed_forward.w3.weight"}
     torch.save(sd, tmp_path / "partial.pt")
     torch.save({"encoder.w": torch.ones(3)}, tmp_path / "other.pt")
+    headless = tmp_path / "headless.json"
+    headless.write_text(json.dumps({k: v for k, v in config.items() if "heads" not in k}))
     argvs = [
         ["convert", source / "step-2", "--to", "hf", "--config", wrong, "-o", tmp_path / "a/"],
         ["convert", tmp_path / "partial.pt", "--to", "hf", "--config", source / "config.json"]
@@ -182,6 +184,7 @@ def test_refusals_name_what_is_wrong(tmp_path):
         ["convert", tmp_path / "other.pt", "--to", "hf", "--config", source / "config.json"],
         ["convert", source / "step-2", "--to", "hf", "-o", tmp_path / "c/"],
         ["convert", source / "step-2", "--to", "safetensors", "--arch", "llama"],
+        ["convert", source / "step-2", "--to", "hf", "--config", headless, "--dry-run"],
     ]
     runs = [completed(a, r) for a, r in zip(argvs, run_many(argvs), strict=True)]
     check_error(
@@ -194,7 +197,8 @@ def test_refusals_name_what_is_wrong(tmp_path):
     check_error(runs[2], 2, "no mapping to a Hugging Face architecture knows these tensors")
     check_error(runs[3], 2, "--to hf needs the model's config", "pass --config")
     check_error(runs[4], 2, "--arch, --config, --tokenizer, --dry-run, --check and --json")
-    assert sorted(os.listdir(tmp_path)) == ["other.pt", "partial.pt", "wrong.json"]
+    check_error(runs[5], 2, "the config has no num_attention_heads (a positive integer)")
+    assert sorted(os.listdir(tmp_path)) == ["headless.json", "other.pt", "partial.pt", "wrong.json"]
 
 
 def test_the_same_folder_from_workers(tmp_path):

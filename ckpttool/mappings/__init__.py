@@ -21,7 +21,7 @@ from typing import Any
 
 from ..dtypes import DType
 from ..errors import CkptError, UsageError
-from .architectures import ARCHITECTURES, Architecture, check_tensors
+from .architectures import ARCHITECTURES, Architecture, check_tensors, positive
 from .rows import rope_from_hf, rope_from_hf_rows, rope_to_hf
 from .spec import Mapped, Spec, apply, name_pattern
 from .specs import SPECS
@@ -104,7 +104,8 @@ def export(
     architecture = ARCHITECTURES[spec.arch]
     config = dict(config)
     sources = {key: config_file for key in config}
-    _check_config(spec, tensors, config)
+    for key, source in _check_config(spec, tensors, config).items():
+        sources[key] = f"the checkpoint ({source})"
     tied = spec.head not in tensors or _same_bytes(tensors[spec.embedding], tensors[spec.head])
     if config.get("tie_word_embeddings", tied) != tied:
         sources["tie_word_embeddings"] = (
@@ -114,7 +115,7 @@ def export(
         )
     config["tie_word_embeddings"] = tied
     selected = {k: v for k, v in tensors.items() if not (tied and k == spec.head)}
-    heads = int(config["num_attention_heads"])
+    heads = positive(config, "num_attention_heads")
     kv_heads = int(config.get("num_key_value_heads") or heads)
     transforms = {
         "same": lambda leaf, _c, _n: leaf,
@@ -156,7 +157,7 @@ def to_layout(layout: str, tensors: Mapping[str, Any], config: Mapping[str, Any]
         k: v for k, v in tensors.items() if not any(re.fullmatch(d.pattern, k) for d in hf_drops)
     }
     check_tensors(architecture, config, {k: tuple(v.shape) for k, v in kept.items()})
-    heads = int(config["num_attention_heads"])
+    heads = positive(config, "num_attention_heads")
     kv_heads = int(config.get("num_key_value_heads") or heads)
     undo = {
         "same": lambda leaf, n: leaf,
@@ -202,8 +203,9 @@ def _pick(names: list[str], arch: str) -> Spec:
     return fits[0]
 
 
-def _check_config(spec: Spec, tensors: Mapping[str, Any], config: dict[str, Any]) -> None:
-    """The config values the tensors say themselves agree with the config.
+def _check_config(spec: Spec, tensors: Mapping[str, Any], config: dict[str, Any]) -> dict[str, str]:
+    """The config values the tensors say themselves agree with the config; those it
+    lacks are set from the tensors (returned: key -> the tensor that says it).
 
     Raises:
         CkptError: Naming the tensor, the value it says and the config's.
@@ -225,14 +227,17 @@ def _check_config(spec: Spec, tensors: Mapping[str, Any], config: dict[str, Any]
     }
     if layers:
         said["num_hidden_layers"] = (max(layers) + 1, "the layers' numbers")
+    taken = {}
     for key, (value, source) in said.items():
         if config.get(key) is None:
             config[key] = value
+            taken[key] = source
         elif config[key] != value:
             raise CkptError(
                 f"the config says {key} {config[key]!r}, the checkpoint {value} ({source})",
                 hint="pass the --config of this checkpoint's model",
             )
+    return taken
 
 
 def _same_bytes(a: Any, b: Any) -> bool:

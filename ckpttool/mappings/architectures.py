@@ -29,11 +29,11 @@ class Architecture:
 
 
 def _llama_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, layers = _get(c, "hidden_size"), _get(c, "num_hidden_layers")
-    heads = _get(c, "num_attention_heads")
+    hidden, layers = positive(c, "hidden_size"), positive(c, "num_hidden_layers")
+    heads = positive(c, "num_attention_heads")
     kv = int(c.get("num_key_value_heads") or heads)
     head_dim = int(c.get("head_dim") or hidden // heads)
-    ffn, vocab = _get(c, "intermediate_size"), _get(c, "vocab_size")
+    ffn, vocab = positive(c, "intermediate_size"), positive(c, "vocab_size")
     out = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -56,14 +56,21 @@ def _llama_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 def _qwen3_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Llama's tensors and each layer's q and k norms (over a head)."""
     out = _llama_tensors(c)
-    head_dim = int(c.get("head_dim") or _get(c, "hidden_size") // _get(c, "num_attention_heads"))
-    for i in range(_get(c, "num_hidden_layers")):
+    head_dim = int(
+        c.get("head_dim") or positive(c, "hidden_size") // positive(c, "num_attention_heads")
+    )
+    for i in range(positive(c, "num_hidden_layers")):
         for norm in ("q_norm", "k_norm"):
             out[f"model.layers.{i}.self_attn.{norm}.weight"] = (head_dim,)
     return out
 
 
-def _get(config: Mapping[str, Any], key: str) -> int:
+def positive(config: Mapping[str, Any], key: str) -> int:
+    """``config[key]``, a positive integer.
+
+    Raises:
+        CkptError: It is missing or something else (named).
+    """
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise CkptError(f"the config has no {key} (a positive integer): got {value!r}")

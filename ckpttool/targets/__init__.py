@@ -58,8 +58,9 @@ def publish(
     files: Sequence[str],
     progress: ProgressFactory | None = None,
 ) -> Published:
-    """Write ``plan`` as ``out`` (checked by :func:`check_output` first), by whatever
-    route this process is on: nothing is under the output's name before it is whole.
+    """Write ``plan`` as ``out`` (which the caller has checked with :func:`check_output`)
+    by whatever route this process is on: nothing is under the output's name before it
+    is whole.
 
     Args:
         plan: The output, laid out.
