@@ -229,7 +229,7 @@ def _selected_tensors(ckpt: Any, select: str, strip: str) -> tuple[dict[str, Any
 
 
 def _both_sides(
-    a: Any, b: Any, selects: tuple[str, str], strips: tuple[str, str]
+    a: Any, b: Any, selects: tuple[str, str], strips: tuple[str, str], pair: bool = True
 ) -> tuple[tuple[dict[str, Any], dict[str, Any]], tuple[str | None, str | None]]:
     """The tensors of both sides and the prefix stripped from each.
 
@@ -237,7 +237,7 @@ def _both_sides(
     often compared with its export that has none: ``module.x`` against ``x``); the other
     keeps its keys. ``auto`` also pairs two layouts: where one side's every name starts
     with one first part (Lightning's ``model.``) that the other's do not, and stripping
-    it makes more names meet, it is stripped."""
+    it makes more names meet, it is stripped (unless ``pair`` is False)."""
     sides: list[dict[str, Any]] = []
     prefixes: list[str | None] = []
     errors: list[NoSuchPrefixError] = []
@@ -256,7 +256,7 @@ def _both_sides(
         raise errors[0]
     for side, strip in enumerate(strips):
         other = 1 - side
-        if strip == "auto" and prefixes[side] is None:
+        if pair and strip == "auto" and prefixes[side] is None:
             head = _common_head(sides[side])
             if head and _common_head(sides[other]) != head:
                 stripped = {name[len(head) :]: t for name, t in sides[side].items()}
@@ -290,6 +290,7 @@ def diff(
     select_b: str | None = None,
     strip_prefix_a: str | None = None,
     strip_prefix_b: str | None = None,
+    arch: str | None = None,
 ) -> dict[str, Any]:
     """Compare the selected tensors of two checkpoints.
 
@@ -305,6 +306,10 @@ def diff(
             layout is not the other's (a Lightning ``state_dict`` against its export).
         progress: ``(total bytes, description) -> context manager`` giving a callable
             that is told how many bytes of A were compared (a progress bar).
+        arch: Compare across a mapping (``torchtitan:llama3``, or an architecture):
+            the side in that mapping's source layout is mapped to the HF names, with
+            the other side's ``config.json`` (a Hugging Face model folder), and the
+            tensors compared as mapped, RoPE rows and all.
 
     Returns:
         ``{"equal", "only_in_a", "only_in_b", "mismatched", "different", "compared",
@@ -319,9 +324,15 @@ def diff(
         raise UsageError("--atol and --rtol must be >= 0")
     selects = (select_a or select, select_b or select)
     strips = (strip_prefix_a or strip_prefix, strip_prefix_b or strip_prefix)
+    # (across a mapping, the names are the mapping's to pair: no first part is guessed)
     (ta, tb), prefixes = _both_sides(
-        read(a, unsafe=unsafe), read(b, unsafe=unsafe), selects, strips
+        read(a, unsafe=unsafe), read(b, unsafe=unsafe), selects, strips, pair=arch is None
     )
+    mapping = None
+    if arch is not None:
+        from .mappings import pair_through
+
+        ta, tb, mapping = pair_through((a, b), ta, tb, arch)
     # a name only one side has, tied there to a weight both sides have (a tied head
     # that save_pretrained left out): the same weight, a note, no difference
     tied = [
@@ -385,6 +396,7 @@ def diff(
         "counts": counts,
         "prefixes": {"a": prefixes[0], "b": prefixes[1]},
         "tied": tied,
+        **({"mapping": mapping} if mapping is not None else {}),
     }
 
 

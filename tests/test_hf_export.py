@@ -289,3 +289,43 @@ def _titan_state_of(folder: Path) -> dict:
     }
     dcp.load(sd, storage_reader=reader, no_dist=True)
     return sd
+
+
+def test_diff_across_the_mapping_pairs_a_checkpoint_with_its_export(tmp_path):
+    """``diff TITAN HF --arch torchtitan:llama3``: bitwise through the spec (RoPE rows and
+    all); a q projection left in Meta's layout is the one difference named."""
+    from safetensors.torch import load_file, save_file
+
+    source = TITAN / "llama3_tied"
+    hf = tmp_path / "hf"
+    (made,) = run_many(
+        [["convert", source / "step-2", "--to", "hf", "--config", source / "config.json",
+          "-o", f"{hf}/"]]
+    )  # fmt: skip
+    assert made["code"] == 0, made["stderr"]
+    wrong = tmp_path / "wrong"
+    shutil.copytree(hf, wrong)
+    tensors = load_file(wrong / "model.safetensors")
+    q = "model.layers.1.self_attn.q_proj.weight"
+    tensors[q] = torch.from_numpy(  # HF's halves back to Meta's pairs: names and shapes the same
+        tensors[q].view(4, 2, 2, 16).transpose(1, 2).reshape(16, 16).numpy().copy()
+    )
+    save_file(tensors, wrong / "model.safetensors", metadata={"format": "pt"})
+    same, off, neither = run_many(
+        [
+            ["diff", source / "step-2", hf, "--arch", "torchtitan:llama3"],
+            ["diff", source / "step-2", wrong, "--arch", "llama", "--json"],
+            ["diff", source / "step-2", source / "step-2", "--arch", "llama"],
+        ]
+    )
+    assert (same["code"], same["stdout"]) == (
+        0,
+        "equal: 20 tensors compared (bitwise); A mapped through torchtitan:llama3 to "
+        "LlamaForCausalLM\n",
+    )
+    report = json.loads(off["stdout"])
+    assert off["code"] == 1 and [d["name"] for d in report["different"]] == [q]
+    assert report["mapping"] == {
+        "side": "a", "spec": "torchtitan:llama3", "architecture": "LlamaForCausalLM"
+    }  # fmt: skip
+    assert neither["code"] == 2 and "neither side is in a layout" in neither["stderr"]

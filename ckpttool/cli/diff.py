@@ -83,6 +83,15 @@ def diff(
             show_default=False,
         ),
     ] = None,
+    arch: Annotated[
+        str | None,
+        typer.Option(
+            "--arch",
+            metavar="NAME",
+            help="Compare through a mapping (torchtitan:llama3) with a Hugging Face folder.",
+            show_default=False,
+        ),
+    ] = None,
     json_output: Json = False,
     unsafe: Unsafe = False,
     quiet: Quiet = False,
@@ -111,6 +120,7 @@ def diff(
         select_b=select_b,
         strip_prefix_a=strip_prefix_a,
         strip_prefix_b=strip_prefix_b,
+        arch=arch,
     )
     if json_output:
         write(dumps_json(result) + "\n")
@@ -206,6 +216,12 @@ def verdict(result: dict, paint: Painter) -> str:
             for side, p in sorted(prefixes.items())
         )
         text += f"; prefixes stripped: {shown}"
+    mapping = result.get("mapping")
+    if mapping:  # compared across a mapping: say which side went through it
+        text += (
+            f"; {mapping['side'].upper()} mapped through {mapping['spec']} to "
+            f"{mapping['architecture']}"
+        )
     tied = result.get("tied", [])
     if tied:  # a tie one side alone names: the same weight
         first = tied[0]

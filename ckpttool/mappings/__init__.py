@@ -32,6 +32,7 @@ __all__ = [
     "Export",
     "export",
     "load_config",
+    "pair_through",
     "rope_from_hf",
     "to_layout",
 ]
@@ -180,6 +181,39 @@ def to_layout(layout: str, tensors: Mapping[str, Any], config: Mapping[str, Any]
     if config.get("tie_word_embeddings") and spec.head not in out:
         out[spec.head] = out[spec.embedding]  # the framework's state dict names it too
     return out
+
+
+def pair_through(
+    given: tuple[Any, Any], ta: dict[str, Any], tb: dict[str, Any], arch: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """``diff --arch``: both sides' tensors (of the inputs ``given``), the one in a
+    mapping's source layout mapped to the HF names (the other side, a Hugging Face model
+    folder, gives the config), and which side went through which mapping.
+
+    Raises:
+        UsageError: Neither side is such a pair.
+    """
+    from ..writers import hf_output
+
+    for side, mine, theirs, other in (("a", ta, tb, given[1]), ("b", tb, ta, given[0])):
+        paths = [
+            os.fspath(p) for p in ([other] if isinstance(other, (str, os.PathLike)) else other)
+        ]
+        folder = hf_output.hf_source_folder(paths, "auto")
+        fits = [s for s in SPECS.values() if not s.name.startswith("hf:")
+                and arch in (s.name, s.arch) and s.matches(list(mine))]  # fmt: skip
+        if folder is None or len(fits) != 1:
+            continue
+        config, _ = load_config(folder)
+        done = export(mine, config, arch=fits[0].name)
+        mapped = done.tensors()
+        note = {"side": side, "spec": fits[0].name, "architecture": done.arch.hf_class}
+        return (mapped, theirs, note) if side == "a" else (theirs, mapped, note)
+    raise UsageError(
+        f"--arch {arch}: neither side is in a layout of its mappings beside a Hugging Face "
+        "model folder (config.json beside the weights)",
+        hint=f"mappings: {', '.join(s for s in SPECS if not s.startswith('hf:'))}",
+    )
 
 
 def _pick(names: list[str], arch: str) -> Spec:
