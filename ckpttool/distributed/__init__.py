@@ -108,9 +108,6 @@ def collective(func: F) -> F:
             group.leave()
             raise
         except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt) and own_launch():
-                _said(exc, EXIT_INTERRUPTED)  # --workers: the launcher says it, once
-                raise
             if isinstance(exc, KeyboardInterrupt):
                 code, message = EXIT_INTERRUPTED, "interrupted"
             elif isinstance(exc, CkptError):

@@ -15,6 +15,8 @@ Sources, cited by the code whose names they are:
 
 from __future__ import annotations
 
+import dataclasses
+
 from .spec import Drop, Rename, Spec
 
 _LLAMA_LAYER = (
@@ -60,22 +62,16 @@ TORCHTITAN_LLAMA3 = Spec(
 TORCHTITAN_QWEN3 = Spec(
     name="torchtitan:qwen3",
     arch="qwen3",
+    # Llama 3's names (torchtitan 0.3's: no ``output.weight``) with nothing permuted,
+    # and each layer's q and k norms
     renames=(
-        Rename("tok_embeddings.weight", "model.embed_tokens.weight"),
-        Rename("norm.weight", "model.norm.weight"),
-        Rename("lm_head.weight", "lm_head.weight"),
         *(
-            Rename(f"layers.{{L}}.attention.{where}{src}", f"model.layers.{{L}}.{dst}")
-            for where in ("qkv_linear.", "")
-            for src, dst, _ in _TORCHTITAN_ATTENTION
+            dataclasses.replace(rule, transform="same")
+            for rule in TORCHTITAN_LLAMA3.renames
+            if rule.source != "output.weight"
         ),
         Rename("layers.{L}.attention.q_norm.weight", "model.layers.{L}.self_attn.q_norm.weight"),
         Rename("layers.{L}.attention.k_norm.weight", "model.layers.{L}.self_attn.k_norm.weight"),
-        *(
-            Rename(f"layers.{{L}}.{src}", f"model.layers.{{L}}.{dst}", how)
-            for src, dst, how in _LLAMA_LAYER
-            if src != "attention.wv.weight"
-        ),
     ),
     drops=TORCHTITAN_LLAMA3.drops,
     embedding="tok_embeddings.weight",

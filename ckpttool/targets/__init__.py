@@ -109,7 +109,8 @@ def publish(
         write_plan(plan, tmp, advance)
     # the work of an interrupted run of several processes is of no use once the output
     # is whole: its folder goes, said as any killed run's temp is
-    unused = Journal(out).discard_unused()
+    journal = Journal(out)
+    unused = journal.discard_unused()
     if unused is not None:
-        removed.append(StaleTemp(Journal(out).root, *unused))
+        removed.append(StaleTemp(journal.root, *unused))
     return Published(removed=removed)
