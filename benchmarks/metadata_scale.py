@@ -65,7 +65,7 @@ TORCH_SHARDED_ONE = (  # one rank file (its rank's group, the world its layout n
     "print(len(torch.load(sys.argv[1] + '/ep0-rank0.pt', weights_only=False, mmap=True)['model']))"
 )
 CKPTTOOL_ONE = (  # the same file's pickle as every per-rank read reads it (not its siblings)
-    "import sys; from ckpttool.formats.zip_pickle import ZipPickle; "
+    "import sys; from ckpttool.formats.torch_save.zip_pickle import ZipPickle; "
     "z = ZipPickle(sys.argv[1]); print(len(z.load()['model']))"
 )
 CKPTTOOL_READ = (

@@ -38,7 +38,7 @@ def test_a_unit_resolves_only_the_blocks_its_bytes_lie_in(tmp_path, monkeypatch)
     """Tiny units, so that most tensors span several: writing a unit resolves exactly
     the chunks its byte range overlaps (a unit of a tensor saved by 2048 ranks used to
     open all 2048 chunk zips), and the file is the single-process one."""
-    from ckpttool.formats.dcp_chunks import DcpChunk
+    from ckpttool.formats.dcp.chunks import DcpChunk
     from ckpttool.tree import sharding
     from ckpttool.writers.plan import write_plan
 

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.metadata import (
 
 import ckpttool
 from ckpttool.errors import CkptError, UnsafeError
-from ckpttool.formats import dcp, dcp_metadata
+from ckpttool.formats import dcp
+from ckpttool.formats.dcp import metadata as dcp_metadata
 from ckpttool.tree.checkpoint import iter_tensors
 from ckpttool.tree.sharding import row_blocks
 from ckpttool.unpickler.restricted import load_pickle

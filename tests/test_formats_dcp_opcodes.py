@@ -27,7 +27,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckpttool.formats import dcp, dcp_metadata, dcp_opcodes, dcp_runs
+from ckpttool.formats import dcp
+from ckpttool.formats.dcp import metadata as dcp_metadata
+from ckpttool.formats.dcp import runs as dcp_runs
+from ckpttool.formats.skeleton import metadata_runs as dcp_opcodes
 from ckpttool.tree.checkpoint import iter_tensors
 
 SHAPES = {
@@ -343,7 +346,7 @@ def test_the_chunk_table_on_disk_reads_the_same(tmp_path, monkeypatch, change):
     here past 256 bytes, 5 records at a time (blocks cut every run and group). The same
     checkpoint, or the same refusal, as the generic reader's."""
     from ckpttool.formats import records as dcp_table
-    from ckpttool.formats.dcp_chunks import DcpChunks
+    from ckpttool.formats.dcp.chunks import DcpChunks
 
     folder = tmp_path / "ckpt"
     _tweaked(folder, change or (lambda meta: None), ranks=64)
@@ -435,7 +438,7 @@ def test_spans_apart_as_a_pairwise_check_says(monkeypatch):
     import numpy as np
 
     from ckpttool.formats import records as dcp_table
-    from ckpttool.formats.dcp_runs import _apart
+    from ckpttool.formats.dcp.runs import _apart
 
     monkeypatch.setattr(dcp_table, "BLOCK_ROWS", 3)  # (blocks cut the runs)
 
@@ -468,7 +471,7 @@ def test_a_short_data_file_is_named_as_before(tmp_path, monkeypatch):
     """inspect's size check reduces a DCP tensor's chunk ends in numpy (``span_ends``),
     or lists its spans in bulk, or one by one: the same message."""
     from ckpttool import integrity
-    from ckpttool.formats.dcp_chunks import DcpChunks
+    from ckpttool.formats.dcp.chunks import DcpChunks
 
     folder = tmp_path / "ckpt"
     write_folder(folder, 16, SHAPES)
@@ -492,7 +495,7 @@ def test_chunks_are_columns_made_into_objects_on_reading(tmp_path):
     import gc
 
     from ckpttool.errors import CkptError
-    from ckpttool.formats.dcp_chunks import DcpChunk, DcpChunks
+    from ckpttool.formats.dcp.chunks import DcpChunk, DcpChunks
     from ckpttool.formats.records import Spill
 
     folder = tmp_path / "ckpt"
@@ -571,7 +574,7 @@ def test_the_walkers_opcodes_are_pickles_own():
     every opcode the two walkers push or pop has pickletools' stack effect."""
     import pickletools
 
-    from ckpttool.formats import opcode_runs
+    from ckpttool.formats.skeleton import opcodes as opcode_runs
 
     by_name = {op.name: op for op in pickletools.opcodes}
     assert all(by_name[n].code.encode("latin-1")[0] == b for n, b in opcode_runs.WALKED.items())

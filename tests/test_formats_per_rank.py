@@ -336,7 +336,7 @@ def test_block_locations_remake_each_stored_tensor():
     keeps its object. A file
     with several blocks of a tensor, and none of another, is found too."""
     from ckpttool.dtypes import DTYPES
-    from ckpttool.formats.rank_blocks import Locations
+    from ckpttool.formats.per_rank.blocks import Locations
     from ckpttool.formats.records import Interned
     from ckpttool.sources import ByteSpan
     from ckpttool.tree import StorageRef, TensorRef

@@ -20,8 +20,9 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed.remote_device import _remote_device
 
 import ckpttool
-from ckpttool.formats import shard_opcodes, zip_pickle
-from ckpttool.formats.zip_pickle import ZipPickle
+from ckpttool.formats.skeleton import shard_runs as shard_opcodes
+from ckpttool.formats.torch_save import zip_pickle
+from ckpttool.formats.torch_save.zip_pickle import ZipPickle
 from ckpttool.tree import walk
 from ckpttool.unpickler import LocalShards
 

@@ -36,7 +36,7 @@ def test_legacy_reads_the_same_as_torch_load(tmp_path, protocol):
 
 def _legacy_with(main: bytes) -> bytes:
     """A pre-1.6 stream whose main pickle is ``main`` (no storages)."""
-    from ckpttool.formats.torch_legacy import MAGIC_NUMBER, PROTOCOL_VERSION
+    from ckpttool.formats.torch_save.legacy import MAGIC_NUMBER, PROTOCOL_VERSION
 
     head = b"".join(pickle.dumps(v, protocol=2) for v in (MAGIC_NUMBER, PROTOCOL_VERSION, {}))
     return head + main + pickle.dumps([], protocol=2)
@@ -124,7 +124,7 @@ def test_container_record_of_a_made_class_is_refused(patching, name, monkeypatch
 def test_container_record_rule_holds_on_its_own(tmp_path, cls, refused):
     """Whatever the unpickler makes of the value, a record with source is refused unless
     its class is a plain global naming a torch.nn class on ckpttool's lists."""
-    from ckpttool.formats import torch_legacy
+    from ckpttool.formats.torch_save import legacy as torch_legacy
 
     path = tmp_path / "model.pt"
     path.write_bytes(_legacy_with(_record(cls)))

@@ -253,7 +253,7 @@ HEADER = "  def __setstate__(self: __torch__.M,\n    state: Tuple[Tensor, bool])
     ],
 )
 def test_setstate_body_rules(body, named):
-    from ckpttool.formats.torchscript import judge_setstate
+    from ckpttool.formats.torch_save.torchscript import judge_setstate
 
     found = judge_setstate((CLASS + HEADER + body).encode(), "__torch__", "a/code/__torch__.py")
     assert list(found) == ([] if named is None else [named])
@@ -274,12 +274,12 @@ def test_setstate_body_rules(body, named):
     ],
 )
 def test_setstate_that_cannot_be_judged_is_refused(text):
-    from ckpttool.formats.torchscript import judge_setstate
+    from ckpttool.formats.torch_save.torchscript import judge_setstate
 
     assert judge_setstate(text.encode(), "__torch__", "a/code/__torch__.py")
 
 
 def test_code_without_setstate_costs_no_parse():
-    from ckpttool.formats.torchscript import judge_setstate
+    from ckpttool.formats.torch_save.torchscript import judge_setstate
 
     assert judge_setstate(b"class M(Module):\n  def forward(self, x):\n  ((((", "m", "e") == {}

@@ -15,7 +15,7 @@ def test_central_directory_names_every_entry_with_and_without_zip64(monkeypatch,
     directory (found through the zip64 end record when there is one)."""
     import zipfile
 
-    from ckpttool.formats.zip_pickle import central_directory
+    from ckpttool.formats.torch_save.zip_pickle import central_directory
     from ckpttool.merge import merge
     from ckpttool.writers import torch_zip
 
@@ -47,7 +47,7 @@ def test_file_span_reads_any_range_exactly(tmp_path, length):
     those edges and between them, must give the file's bytes."""
     import random
 
-    from ckpttool.formats.zip_pickle import FileSpan
+    from ckpttool.formats.torch_save.zip_pickle import FileSpan
 
     data = random.Random(length).randbytes(length + 300)
     path = tmp_path / "f.bin"

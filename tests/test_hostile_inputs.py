@@ -134,7 +134,7 @@ def test_api_raises_ckpt_error(tmp_path: Path, name: str):
 def test_zip_span_past_the_end_of_its_file(tmp_path: Path):
     """A DCP chunk's (start, length) comes from its metadata: a span longer than the file
     is refused before anything is read or allocated from it."""
-    from ckpttool.formats.zip_pickle import ZipPickle
+    from ckpttool.formats.torch_save.zip_pickle import ZipPickle
 
     path = tmp_path / "chunk.distcp"
     path.write_bytes(hostile_zips.valid_zip())

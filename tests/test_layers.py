@@ -8,6 +8,11 @@ The floors, top to bottom (a package imports only packages on lower floors, and 
         > writers (what bytes) | api | distributed
         > formats > sharing | stats > unpickler | tensors | zip_records > tree > sources
         > dtypes | guard | sizes | progress | heap > sealed > errors
+
+Inside ``formats/`` the families are floors of their own (:data:`FAMILIES`): the registry
+over the framework layouts and folder rules, over DCP | per-rank files (independent of each
+other), over torch.save | safetensors, over the engines they share (the records spill, the
+pickle skeleton walkers, the local shards, the checkpoint a reader returns).
 """
 
 from __future__ import annotations
@@ -48,21 +53,39 @@ FLOORS = {
     "heap": 1,
     "errors": 0,
 }
+# ckpttool.formats.<family>: its floor inside formats (a family imports only lower ones:
+# never a sibling on its own floor)
+FAMILIES = {
+    "": 4,  # the registry: formats/__init__.py
+    "entries": 4.5,  # a folder's entries by the registry's lists (the registry imports it lazily)
+    "folders": 3,  # which checkpoint a folder is; folders of several; run folders; HF index
+    "megatron": 3,
+    "deepspeed": 3,
+    "dcp": 2,
+    "per_rank": 2,
+    "torch_save": 1,
+    "safetensors_file": 1,
+    "skeleton": 0.5,  # the pickle skeleton walkers of the scale readers, over their records
+    "records": 0,
+    "local_shards": 0,
+    "made": 0,
+    "prescan": 0,
+}
 MAX_LINES = 450
 # modules past MAX_LINES today, at their size: they may shrink, never grow (the debt
 # issue 41 names; a new module past the limit fails at once)
 OVER = {
-    "formats/dcp_opcodes.py": 735,
+    "formats/skeleton/metadata_runs.py": 735,
     "targets/s3.py": 787,
-    "formats/per_rank.py": 751,
+    "formats/per_rank/__init__.py": 623,
     "unpickler/policy.py": 664,
-    "formats/zip_pickle.py": 645,
+    "formats/torch_save/zip_pickle.py": 645,
     "unpickler/restricted.py": 640,
     "unpickler/pickle_scan.py": 569,
     "targets/local.py": 557,
-    "formats/run_folders.py": 520,
+    "formats/folders/run_folders.py": 520,
     "writers/torch_zip.py": 505,
-    "formats/shard_opcodes.py": 494,
+    "formats/skeleton/shard_runs.py": 494,
 }
 
 
@@ -116,6 +139,31 @@ def test_every_import_points_down_or_within_its_package():
     assert upward == []
 
 
+def family_of(module: str) -> tuple[str, int]:
+    parts = module.split(".")
+    family = parts[2] if len(parts) > 2 else ""
+    assert family in FAMILIES, f"{module}: in no family (add it to FAMILIES)"
+    return family, FAMILIES[family]
+
+
+def test_format_families_import_only_lower_families():
+    known = modules()
+    sideways = []
+    for name, path in sorted(known.items()):
+        if not name.startswith("ckpttool.formats"):
+            continue
+        mine, mine_floor = family_of(name)
+        for target in sorted(imports(name, path)):
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if not target.startswith("ckpttool.formats"):
+                continue
+            theirs, their_floor = family_of(target)
+            if theirs != mine and their_floor >= mine_floor:
+                sideways.append(f"{name} -> {target}")
+    assert sideways == []
+
+
 def test_no_module_outgrows_its_size():
     grown = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -125,3 +173,23 @@ def test_no_module_outgrows_its_size():
         if lines > allowed:
             grown.append(f"{key}: {lines} lines (at most {allowed})")
     assert grown == []
+
+
+def test_the_layout_table_names_every_package_and_family():
+    """``docs/development.md``'s layout table has a row naming each floor and family."""
+    table = (PACKAGE.parent / "docs" / "development.md").read_text()
+    rows = "\n".join(line for line in table.splitlines() if line.startswith("| `"))
+    missing = []
+    for name in sorted(FLOORS):
+        if name in ("", "__main__"):
+            continue
+        spelled = f"`{name}/`" if (PACKAGE / name).is_dir() else f"`{name}.py`"
+        if spelled not in rows:
+            missing.append(spelled)
+    formats = PACKAGE / "formats"
+    for name in sorted(FAMILIES):
+        if name:
+            spelled = f"`{name}/`" if (formats / name).is_dir() else f"`{name}.py`"
+            if spelled not in rows:
+                missing.append(f"formats: {spelled}")
+    assert missing == []

@@ -478,7 +478,7 @@ def test_partials_given_the_same_partial_twice_are_judged_once_each():
 def _verdict(path: Path, scan_only: bool) -> tuple[str, list[str]]:
     """("unsafe", the globals named) or ("read", []) for one way of reading the torch
     zip ``path``; a corrupt file counts as read: it was not refused."""
-    from ckpttool.formats.zip_pickle import ZipPickle
+    from ckpttool.formats.torch_save.zip_pickle import ZipPickle
 
     try:
         with ZipPickle(str(path)) as archive:

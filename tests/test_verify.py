@@ -26,7 +26,7 @@ from helpers import (
 from safetensors.torch import save_file
 
 import ckpttool
-from ckpttool.formats.zip_stream import stream_file, zip_tasks
+from ckpttool.formats.torch_save.zip_stream import stream_file, zip_tasks
 from ckpttool.sources.source import OpenFiles
 
 

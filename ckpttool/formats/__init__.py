@@ -30,8 +30,14 @@ from ..errors import (
 from ..tree import Checkpoint
 from ..unpickler import keep_allowed
 from ..zip_records import ZIP_MAGIC
-from . import catalog, safetensors_file, sharded_index
-from .folders import CHECKPOINT_SUFFIXES, hf_one_candidate, single_checkpoint_file
+from . import safetensors_file
+from .folders import (
+    CHECKPOINT_SUFFIXES,
+    catalog,
+    hf_one_candidate,
+    sharded_index,
+    single_checkpoint_file,
+)
 from .prescan import Prescan
 
 
@@ -95,17 +101,18 @@ megatron = _OnFirstUse(
 )
 dcp = _OnFirstUse("dcp", detect=_file_named(_dcp_part))
 dcp_hf = _OnFirstUse(  # its shard files are named shard-00001-model-00001-of-00001.safetensors
-    "dcp_hf", detect=_file_named(lambda n: n.startswith("shard-") and n.endswith(".safetensors"))
+    "dcp.hf_storage",
+    detect=_file_named(lambda n: n.startswith("shard-") and n.endswith(".safetensors")),
 )
-torchscript = _OnFirstUse("torchscript", detect=_zip_file)
-torch_zip = _OnFirstUse("torch_zip", detect=_zip_file)
-torch_legacy = _OnFirstUse("torch_legacy")
+torchscript = _OnFirstUse("torch_save.torchscript", detect=_zip_file)
+torch_zip = _OnFirstUse("torch_save.torch_zip", detect=_zip_file)
+torch_legacy = _OnFirstUse("torch_save.legacy")
 # rank files are torch.save files (per_rank.PART_FORMATS)
 per_rank = _OnFirstUse(
     "per_rank", claims=lambda first: first.format in ("torch-zip", "torch-legacy")
 )
 deepspeed = _OnFirstUse("deepspeed")
-run_folders = _OnFirstUse("run_folders")
+run_folders = _OnFirstUse("folders.run_folders")
 entry_formats = _OnFirstUse("entries")  # what a folder's entry is, for catalog's listings
 
 # Order matters: TorchScript archives are zips too, so they are tried before torch-zip;
@@ -249,7 +256,7 @@ def gc_paused() -> Iterator[None]:
 def _scan_one(path: str, unsafe: bool) -> tuple[list[str], list[str], list[str]]:
     """(globals, dangerous, unverified) of a torch zip's pickle, judged without rebuilding."""
     from ..unpickler import split_seen
-    from .zip_pickle import ZipPickle
+    from .torch_save.zip_pickle import ZipPickle
 
     if sources.read_head(path, len(ZIP_MAGIC)) != ZIP_MAGIC:
         # legacy rank files: rare, read them in full
@@ -338,7 +345,7 @@ def _read_one(path: str, unsafe: bool, *, run_folders_ok: bool = True) -> Checkp
 
 def folder_checkpoints(folder: str) -> list[dict]:
     """The checkpoints a folder holds, one row each in natural order (``ckpttool inspect``
-    of a folder of several): see :func:`.catalog.list_checkpoints`.
+    of a folder of several): see :func:`ckpttool.formats.folders.catalog.list_checkpoints`.
 
     Raises:
         CkptError: The folder cannot be listed.

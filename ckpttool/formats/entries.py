@@ -1,18 +1,19 @@
 """What an entry of a folder is, cheaply: a sub-folder's or a file's format id from its
-listing and first bytes (for :mod:`.catalog`, which lists folders of checkpoints)."""
+listing and first bytes (for :mod:`.folders.catalog`, which lists folders of checkpoints)."""
 
 from __future__ import annotations
 
 from .. import sources
 from ..errors import CkptError
-from . import FILE_FORMATS, FOLDER_FORMATS, megatron, run_folders
-from .catalog import DCP_DATA_FILE
+from . import FILE_FORMATS, FOLDER_FORMATS, megatron
 from .folders import (
     CHECKPOINT_SUFFIXES,
     HF_WEIGHT_FILES,
     deepspeed_latest_tag,
     megatron_latest_iteration,
+    run_folders,
 )
+from .folders.catalog import DCP_DATA_FILE
 
 
 def folder_format(path: str) -> str | None:

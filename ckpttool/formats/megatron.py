@@ -27,7 +27,8 @@ from .. import sources
 from ..errors import CkptError
 from ..tree import Checkpoint, Node, Opaque, verdicts
 from ..unpickler import MAX_NESTING
-from . import dcp, torch_zip
+from . import dcp
+from .torch_save import torch_zip
 
 FORMAT = "megatron"
 METADATA_JSON = "metadata.json"

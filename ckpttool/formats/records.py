@@ -5,15 +5,15 @@ The one room both scale readers share (one floor below them: no family imports t
 other's). A folder saved by thousands of ranks has millions of chunks (a 405B-shaped
 one of 2048 ranks: 7 M), and every rank of a distributed conversion reads them all:
 held in memory, even at ~36 bytes a chunk, they alone pass the 256 MiB a rank may use,
-and grow with the world size. So the opcode readers (:mod:`ckpttool.formats.dcp_opcodes`,
-:mod:`ckpttool.formats.dcp_runs`, :mod:`ckpttool.formats.shard_opcodes`,
-:mod:`ckpttool.formats.rank_blocks`) write each chunk as a fixed-size record to a
+and grow with the world size. So the opcode readers (:mod:`ckpttool.formats.skeleton.metadata_runs`,
+:mod:`ckpttool.formats.dcp.runs`, :mod:`ckpttool.formats.skeleton.shard_runs`,
+:mod:`ckpttool.formats.per_rank.blocks`) write each chunk as a fixed-size record to a
 :class:`Spill` (memory while small, then an unnamed temporary file), names every
 tuple and string by a number (:class:`Interned`: the distinct ones are few, a few per
 rank and shape), groups the records by tensor and by data file on disk, a block at a
 time (:func:`group_rows`), and keeps per tensor only where its rows are. A consumer
 reads a tensor's rows when it asks for its chunks
-(:class:`~ckpttool.formats.dcp_chunks.DcpChunks`), a tensor at a time.
+(:class:`~ckpttool.formats.dcp.chunks.DcpChunks`), a tensor at a time.
 """
 
 from __future__ import annotations

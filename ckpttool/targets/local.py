@@ -216,7 +216,7 @@ def owned_entries(folder: str, layout: FolderLayout, force: bool) -> list[str]:
 def is_checkpoint_file(path: str) -> bool:
     """A file ckpttool writes as an output: safetensors, or a ``torch.save`` zip."""
     from ..formats.safetensors_file import detect as is_safetensors
-    from ..formats.zip_pickle import ZIP_MAGIC, central_directory
+    from ..formats.torch_save.zip_pickle import ZIP_MAGIC, central_directory
 
     if not os.path.isfile(path):
         return False

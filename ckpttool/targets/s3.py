@@ -579,8 +579,8 @@ def _check_existing(
 def _is_checkpoint_object(url: str) -> bool:
     """An object ckpttool writes as an output: safetensors, or a torch.save zip."""
     from ..formats.safetensors_file import detect as is_safetensors
-    from ..formats.zip_container import central_directory
-    from ..formats.zip_pickle import ZIP_MAGIC
+    from ..formats.torch_save.zip_container import central_directory
+    from ..formats.torch_save.zip_pickle import ZIP_MAGIC
 
     try:
         head = bytes(sources.read_head(url, 16))

@@ -54,6 +54,7 @@ from .leaves import (
 from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values, swaps_class
 from .params import count_parameters, tied_names, weight_key
 from .plain_data import TorchValue, recorded_classes, to_plain
+from .replace import replace_leaves
 from .sharding import check_coverage, raw_parts, row_blocks
 from .torch_values import (
     BUILTIN_TYPES,
@@ -135,6 +136,7 @@ __all__ = [
     "raw_parts",
     "row_blocks",
     "recorded_classes",
+    "replace_leaves",
     "NoSuchPrefixError",
     "is_lightning_state_dict",
     "model_prefix",

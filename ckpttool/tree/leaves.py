@@ -162,7 +162,7 @@ class ShardedRef(_Sized):
 
     dtype: DType
     shape: tuple[int, ...]
-    shards: Sequence[Shard]  # (a DCP tensor's: formats.dcp_chunks.DcpChunks, made on reading)
+    shards: Sequence[Shard]  # (a DCP tensor's: formats.dcp.chunks.DcpChunks, made on reading)
     device: str = "cpu"
     kind: str = "sharded_tensor"  # "dtensor", "dcp"
     requires_grad: bool = False

@@ -452,7 +452,7 @@ def check_structure(
 
     ``checked``: (containers, their contents), by id, that the caller has checked
     already in bulk (a DCP ``.metadata``'s chunk lists: flat records of numbers, none
-    shared; see :mod:`ckpttool.formats.dcp_metadata`). Such a container is not walked
+    shared; see :mod:`ckpttool.formats.dcp.metadata`). Such a container is not walked
     on its first visit; its contents count as visited, so a second path to any of them
     counts as the walk would count it.
 

@@ -56,7 +56,7 @@ class LocalShards(Sealed):
         shards: this rank's blocks, as :class:`~ckpttool.tree.Shard`.
         layout: global description of every block (ShardedTensor: list of
             (offsets, sizes, rank), or a run of them as records: a
-            :class:`~ckpttool.formats.shard_opcodes.ShardRun`); DTensor: mesh shape,
+            :class:`~ckpttool.formats.skeleton.shard_runs.ShardRun`); DTensor: mesh shape,
             coordinate, placements.
         rank, world_size: when the file says so.
     """
@@ -93,7 +93,7 @@ def sharded_tensor_local(stub: WrapperStub, state: Any) -> LocalShards:
     layout: list = []
     for shard_meta in meta.get("shards_metadata", []):
         if type(shard_meta) is bytes:  # a run of them read as records: its token
-            layout.append(shard_meta)  # (formats.shard_opcodes.Parsed.resolve)
+            layout.append(shard_meta)  # (formats.skeleton.shard_runs.Parsed.resolve)
             continue
         m = state_attrs(shard_meta)
         layout.append(

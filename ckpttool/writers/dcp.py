@@ -1,8 +1,8 @@
 """Write a ``torch.distributed.checkpoint`` folder from a flat name -> tensor dict.
 
 Lays out what ``FileSystemWriter`` writes with one rank: every tensor is a
-``torch.save`` blob (here a torch zip planned by :func:`.torch_zip.plan_zip`, so
-its size is known before any byte is read) in ``__0_0.distcp``, described in
+``torch.save`` blob (here a torch zip planned by :func:`~ckpttool.writers.torch_zip.plan_zip`,
+so its size is known before any byte is read) in ``__0_0.distcp``, described in
 ``.metadata`` (torch's ``Metadata`` pickle, written without importing torch: see
 :mod:`.dcp_metadata_pickle`).
 """

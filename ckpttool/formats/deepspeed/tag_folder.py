@@ -37,8 +37,8 @@ class TagFolder:
 
     def load(self, name: str, what: str) -> Any:
         """The unpickled root of ``name`` in the folder; a missing one is named."""
-        from ..torch_legacy import read as read_legacy
-        from ..zip_pickle import ZIP_MAGIC, ZipPickle
+        from ..torch_save.legacy import read as read_legacy
+        from ..torch_save.zip_pickle import ZIP_MAGIC, ZipPickle
 
         path = sources.child(self.folder, name, path=self.folder)
         if not sources.isfile(path):

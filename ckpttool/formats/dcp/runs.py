@@ -1,12 +1,12 @@
 """A DCP folder's checkpoint from its ``.metadata`` parsed at the opcode level.
 
-:mod:`ckpttool.formats.dcp_opcodes` splits the file into a small *skeleton* pickle
+:mod:`ckpttool.formats.skeleton.metadata_runs` splits the file into a small *skeleton* pickle
 (each run of plain entries stands there as one token) and the runs' numbers. The
 skeleton is read by the restricted unpickler as any pickle is (every global judged,
 the structure checked); each token must then stand exactly once where its entries
 stood: a chunk run in a tensor's chunk list, a storage run as a key of
 ``storage_data``. The entries the skeleton kept are checked as the bulk reader
-(:mod:`ckpttool.formats.dcp_metadata`) checks every entry, and the checkpoint is
+(:mod:`ckpttool.formats.dcp.metadata`) checks every entry, and the checkpoint is
 built as that one builds it: the same tree, the same checks (each data file's name
 once, the chunks tiling their tensor, no two spans overlapping). Any doubt, any
 error: None, and the readers after this one read the file from the start.
@@ -20,8 +20,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..tree import Checkpoint, Opaque, ShardedRef
-from .dcp_metadata import (
+from ...tree import Checkpoint, Opaque, ShardedRef
+from ..records import CHUNK, ROW, STORAGE, Spill, blocks, group_rows
+from ..skeleton.metadata_runs import ChunkRun, Parsed, StorageRun, parse_file, token
+from .metadata import (
     ChunkRecord,
     DcpMetadataUnpickler,
     IndexRecord,
@@ -34,8 +36,6 @@ from .dcp_metadata import (
     plain_chunk_lists,
     tensor_entry,
 )
-from .dcp_opcodes import ChunkRun, Parsed, StorageRun, parse_file, token
-from .records import CHUNK, ROW, STORAGE, Spill, blocks, group_rows
 
 # A .metadata this reader reads at most (a 2048-rank 405B one is 836 MB, 1.16 GB with the
 # key strings torch pickles afresh; walked a frame at a time, its entries spilled)
@@ -44,8 +44,8 @@ MAX_METADATA_BYTES = 4 << 30
 
 def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
     """The checkpoint, or None where the readers after this one must read it."""
-    from ..sources import open_input
-    from ..unpickler import load_pickle
+    from ...sources import open_input
+    from ...unpickler import load_pickle
 
     try:
         with open_input(meta_path) as f:
@@ -77,8 +77,8 @@ def _build(
     permissive: bool,
     seen: set[str],
 ) -> Checkpoint:
-    from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element
-    from .made import checkpoint
+    from ..made import checkpoint
+    from .chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element
 
     entries, storage, planner = metadata_fields(metadata)
     runs = parsed.runs  # (each set to None once taken)
@@ -153,7 +153,7 @@ def _build(
         raise NotPlain
     if set(map(type, itertools.chain.from_iterable(planner.values()))) - {str, int}:
         raise NotPlain
-    from ..unpickler import MAX_NESTING
+    from ...unpickler import MAX_NESTING
 
     joined = _Joined(parsed, by_fqn, first, Spill(), file_of, world_size)
     root: Any = {}
@@ -259,7 +259,7 @@ class _Parts(list):
 class _Joined:
     """Each tensor's chunks joined to their stored spans, into a spill of
     :data:`~ckpttool.formats.records.ROW` records a tensor's
-    :class:`~ckpttool.formats.dcp_chunks.DcpChunks` reads."""
+    :class:`~ckpttool.formats.dcp.chunks.DcpChunks` reads."""
 
     def __init__(
         self,
@@ -276,9 +276,9 @@ class _Joined:
     def tensor(
         self, fqn: str, entry: Opaque, numbers: dict[bytes, int], used: set[int]
     ) -> ShardedRef:
-        from ..tree import check_coverage
-        from ..tree.sharding import row_blocks
-        from .dcp_chunks import DcpChunks, dcp_tensor
+        from ...tree import check_coverage
+        from ...tree.sharding import row_blocks
+        from .chunks import DcpChunks, dcp_tensor
 
         parsed = self.parsed
         tuples, runs = parsed.tuples, parsed.runs

@@ -1,5 +1,5 @@
-"""What both scale readers of pickles share: DCP's ``.metadata`` (:mod:`.dcp_opcodes`) and
-ShardedTensor rank files (:mod:`.shard_opcodes`) walk a pickle's skeleton opcode by
+"""What both scale readers of pickles share: DCP's ``.metadata`` (:mod:`.metadata_runs`) and
+ShardedTensor rank files (:mod:`.shard_runs`) walk a pickle's skeleton opcode by
 opcode and match its long runs of regular entries as regex steps.
 
 One floor below both (no family imports the other's): the opcodes by name, taken from

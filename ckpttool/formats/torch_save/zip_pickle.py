@@ -22,11 +22,11 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .. import sources
-from ..errors import CkptError, TruncatedPickleError, UnsafeError
-from ..sources import ByteSpan, DeflatedSpan, inflate
-from ..tree import Device, StorageRef, check_storage_reference
-from ..unpickler import load_pickle, split_seen, text_persistent_id
+from ... import sources
+from ...errors import CkptError, TruncatedPickleError, UnsafeError
+from ...sources import ByteSpan, DeflatedSpan, inflate
+from ...tree import Device, StorageRef, check_storage_reference
+from ...unpickler import load_pickle, split_seen, text_persistent_id
 from .zip_container import (
     LOCAL_HEADER,
     ZIP_ERRORS,
@@ -43,7 +43,7 @@ from .zip_container import (
 )
 
 if TYPE_CHECKING:
-    from .shard_opcodes import Parsed
+    from ..skeleton.shard_runs import Parsed
 
 __all__ = ["ZIP_MAGIC", "ZipPickle", "central_directory"]
 
@@ -65,7 +65,7 @@ SMALL_ENTRIES = (
 )
 SMALL_ENTRY_BYTES = 64
 # A stored data.pkl this large may be a ShardedTensor rank file's, its every rank's shard
-# metadata read as records (formats.shard_opcodes); a smaller one is read as a whole
+# metadata read as records (formats.skeleton.shard_runs); a smaller one is read as a whole
 SHARD_RUNS_FROM = 64 << 10
 
 
@@ -94,7 +94,7 @@ class ZipPickle:
     its local header checked against the directory (name, flags, method), within the
     sizes the directory declares and the bytes the file holds, inflated (where
     compressed) in bounded chunks, CRC-checked. Names are looked up as torch looks
-    them up (:func:`~ckpttool.formats.zip_container.folded`).
+    them up (:func:`~ckpttool.formats.torch_save.zip_container.folded`).
 
     Damage to the container (two entries of one name, a local header that disagrees,
     a CRC-32 mismatch, ...) is found on opening but raised by :meth:`load` and
@@ -599,7 +599,7 @@ class ZipPickle:
         self, info: zipfile.ZipInfo, records: bool = True, crcs: list[int] | None = None
     ) -> Parsed | None:
         """``data.pkl`` with its runs of ShardMetadata as records (a ShardedTensor rank
-        file's: see :mod:`~ckpttool.formats.shard_opcodes`), read a window at a time;
+        file's: see :mod:`~ckpttool.formats.skeleton.shard_runs`), read a window at a time;
         None for any other pickle. Its CRC-32 goes to ``crcs`` once its last byte is read.
 
         Its skeleton is read in place of the file only where that read finds nothing
@@ -608,9 +608,9 @@ class ZipPickle:
         unverified global is the whole file's to report, as every other file's is."""
         if info.compress_type != zipfile.ZIP_STORED or info.file_size < SHARD_RUNS_FROM:
             return None
-        from . import shard_opcodes
+        from ..skeleton import shard_runs
 
-        return shard_opcodes.parse(self._entry_reader(info, crcs), records)
+        return shard_runs.parse(self._entry_reader(info, crcs), records)
 
     def _entry_reader(
         self, info: zipfile.ZipInfo, crcs: list[int] | None = None

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import sources
-from ..errors import CkptError, UnsafeError
-from ..sources import ByteSpan, SourceFile, open_input
-from ..tree import Checkpoint, Device, StorageRef, check_storage_reference
-from ..unpickler import is_pickle_start, load_pickle, text_persistent_id
+from ... import sources
+from ...errors import CkptError, UnsafeError
+from ...sources import ByteSpan, SourceFile, open_input
+from ...tree import Checkpoint, Device, StorageRef, check_storage_reference
+from ...unpickler import is_pickle_start, load_pickle, text_persistent_id
+from ..made import checkpoint
 from .container_records import container_record, container_refusal
-from .made import checkpoint
 
 FORMAT = "torch-legacy"
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -33,13 +33,13 @@ def detect(path: str, head: bytes) -> bool:
     unpickles the start of every file that is no zip, so every such file is judged."""
     if head[:1] == b"\x80" or head.startswith(TEXT_MAGIC):  # protocol 2 (default), or 0/1
         return True
-    from .torch_tar import is_tar
+    from .tar import is_tar
 
     return is_tar(head) or is_pickle_start(head, whole=len(head) < sources.HEAD_BYTES)
 
 
 def read(path: str, *, permissive: bool = False) -> Checkpoint:
-    from .torch_tar import is_tar, judge_tar
+    from .tar import is_tar, judge_tar
 
     if not is_tar(sources.read_head(path)):
         return _read_stream(path, permissive)

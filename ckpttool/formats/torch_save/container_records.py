@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CkptError, UnsafeError
-from ..tree import Opaque, opaque_class
-from ..unpickler import ALLOWED
+from ...errors import CkptError, UnsafeError
+from ...tree import Opaque, opaque_class
+from ...unpickler import ALLOWED
 
 
 def container_record(record: tuple, refused: dict[str, str]) -> Any:

@@ -24,10 +24,10 @@ import zipfile
 import zlib
 from collections.abc import Callable, Generator
 
-from .. import sources
-from ..errors import CkptError
-from ..sources import OpenFiles, local_fd, read_at
-from ..zip_records import LOCAL_HEADER
+from ... import sources
+from ...errors import CkptError
+from ...sources import OpenFiles, local_fd, read_at
+from ...zip_records import LOCAL_HEADER
 from .zip_container import check_local_header, entry_ends, raw_name
 from .zip_pickle import ZipPickle
 

@@ -12,10 +12,10 @@ import json
 import os
 from typing import Any
 
-from .. import sources
-from ..errors import CkptError
-from ..tree import Checkpoint, TensorRef, verdicts
-from . import safetensors_file
+from ... import sources
+from ...errors import CkptError
+from ...tree import Checkpoint, TensorRef, verdicts
+from .. import safetensors_file
 from .catalog import natural_key
 
 FORMAT = "safetensors-sharded"
@@ -153,9 +153,9 @@ class _Shard:
             }
             safetensors_file.check_layout(self.refs, start, data_len, path)
             return
-        from . import torch_legacy, torch_zip  # pickle readers, for .bin shards only
+        from ..torch_save import legacy, torch_zip  # pickle readers, for .bin shards only
 
-        for fmt in (torch_zip, torch_legacy):
+        for fmt in (torch_zip, legacy):
             if fmt.detect(path, head):
                 self.checkpoint = fmt.read(path, permissive=permissive)
                 return

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from .. import sources
-from ..errors import CkptError
+from ... import sources
+from ...errors import CkptError
 from . import catalog
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar")
@@ -112,7 +112,7 @@ def single_checkpoint_file(folder: str, folder_format: Callable[[str], str | Non
     # Otherwise the folder is one checkpoint only if it holds exactly one: one file, or
     # the rank files of one checkpoint (its lowest rank's file: the caller finds the
     # siblings). Several, or one in a sub-folder, are named, never picked (catalog).
-    from .per_rank import RANK_RE  # (the pickle readers: imported where a folder needs them)
+    from ..per_rank import RANK_RE  # (the pickle readers: imported where a folder needs them)
 
     candidates = catalog.find_candidates(folder, hf_one_candidate(names), RANK_RE, folder_format)
     if not candidates:

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import sources
-from ..errors import CkptError, SeveralCheckpointsError
+from ... import sources
+from ...errors import CkptError, SeveralCheckpointsError
 
 FolderFormat = Callable[[str], "str | None"]  # a sub-folder's format id, if a checkpoint
 FileFormat = Callable[[str], "str | None"]  # a file's, from its first bytes
@@ -305,8 +305,8 @@ def _describe(
 def _holds_local_shards(path: str) -> bool:
     """Whether a rank file's pickle names ShardedTensor or DTensor (its globals scanned,
     nothing rebuilt, nothing run)."""
-    from ..unpickler import DTENSOR_CLASSES, SHARDED_TENSOR
-    from .zip_pickle import ZipPickle
+    from ...unpickler import DTENSOR_CLASSES, SHARDED_TENSOR
+    from ..torch_save.zip_pickle import ZipPickle
 
     seen: set[str] = set()
     try:

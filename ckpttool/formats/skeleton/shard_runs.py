@@ -29,7 +29,7 @@ layout (:class:`~ckpttool.unpickler.LocalShards`).
 
 The pickle is read a window at a time (never whole: a 2048-rank file's is GBs).
 
-Safety is structural, as in :mod:`ckpttool.formats.dcp_opcodes`: every byte is an
+Safety is structural, as in :mod:`ckpttool.formats.skeleton.metadata_runs`: every byte is an
 opcode walked here or an entry of a run; memo slots are numbered exactly as the
 pickler numbers them (each ``PUT`` the next; an entry's ten checked to be those) and
 the skeleton's renumbered past the runs; a run refers only to the three classes and six
@@ -41,7 +41,7 @@ bytes opcodes, so no value of the file can pass for one; a token used but as an
 element of a list, a token not found in a ShardedTensor's layout afterwards or the
 marker anywhere in the tree, any opcode a torch.save pickle does not hold: the file is
 not this parser's, and it is read as any pickle (:func:`parse` gives None, or
-:meth:`Parsed.resolve` False). The caller (:mod:`ckpttool.formats.zip_pickle`) also
+:meth:`Parsed.resolve` False). The caller (:mod:`ckpttool.formats.torch_save.zip_pickle`) also
 reads the file whole where the skeleton's read has anything to report.
 """
 
@@ -58,11 +58,11 @@ from typing import Any
 
 import numpy as np
 
-from ..tree import walk
-from ..unpickler import LocalShards
-from . import opcode_runs as ops
-from .opcode_runs import INT, LIST, OP, OTHER, POP, POP_PUSH, PUSHES, TOKEN
-from .records import Interned, Spill
+from ...tree import walk
+from ...unpickler import LocalShards
+from ..records import Interned, Spill
+from . import opcodes as ops
+from .opcodes import INT, LIST, OP, OTHER, POP, POP_PUSH, PUSHES, TOKEN
 
 SHARD_MODULE = "torch.distributed._shard.metadata"
 # the globals of an entry, slot by slot of the pattern (see _entry), with its keys

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import re
 
-from .. import sources
-from ..errors import CkptError
-from ..tree import Checkpoint, Shard, ShardedRef, check_coverage
-from .safetensors_file import (
+from ... import sources
+from ...errors import CkptError
+from ...tree import Checkpoint, Shard, ShardedRef, check_coverage
+from ..safetensors_file import (
     DCP_SHARDING_KEY,
     dcp_saved_offsets,
     has_dcp_sharding,
     read_header,
     tensor_ref,
 )
-from .safetensors_file import detect as is_safetensors
+from ..safetensors_file import detect as is_safetensors
 
 FORMAT = "dcp"
 # torch.distributed.checkpoint._hf_utils.SHARDED_FILE_NAME

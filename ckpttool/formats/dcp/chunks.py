@@ -11,15 +11,15 @@ import re
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
-from .. import sources
-from ..dtypes import DType
-from ..errors import CkptError
-from ..tree import Shard, ShardedRef, TensorRef, state_attrs
-from .per_rank import lone_rank_shards
-from .records import ROW, Spill, SpilledShards
-from .safetensors_file import MAX_HEADER, dcp_saved_offsets
-from .safetensors_file import tensor_ref as safetensors_tensor_ref
-from .zip_pickle import ZIP_MAGIC, ZipPickle
+from ... import sources
+from ...dtypes import DType
+from ...errors import CkptError
+from ...tree import Shard, ShardedRef, TensorRef, state_attrs
+from ..local_shards import lone_rank_shards
+from ..records import ROW, Spill, SpilledShards
+from ..safetensors_file import MAX_HEADER, dcp_saved_offsets
+from ..safetensors_file import tensor_ref as safetensors_tensor_ref
+from ..torch_save.zip_pickle import ZIP_MAGIC, ZipPickle
 
 FORMAT = "dcp"
 

@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import DTYPES
-from ..errors import CkptError
-from ..sources import ByteSpan
-from ..tree import Shard, StorageRef, TensorRef
-from .records import Interned, Spill, SpilledShards, blocks, group_rows
+from ...dtypes import DTYPES
+from ...errors import CkptError
+from ...sources import ByteSpan
+from ...tree import Shard, StorageRef, TensorRef
+from ..records import Interned, Spill, SpilledShards, blocks, group_rows
 
 # a block's place: its tensor (the n-th sharded leaf), the rank whose file holds it (its
 # place among the files' ranks: a file's name may claim any number), its offsets and

@@ -4,7 +4,7 @@ Each file holds its rank's blocks of every ShardedTensor (FSDP
 ``SHARDED_STATE_DICT``, Composer ``ep{E}-ba{B}-rank{R}.pt``) or DTensor. We take
 the tree of the lowest rank, replace each local-shards leaf by a :class:`ShardedRef`
 whose blocks point into every rank's file, and check that they tile the global tensor.
-Where each block lies is kept as records (:mod:`~ckpttool.formats.rank_blocks`): a
+Where each block lies is kept as records (:mod:`~ckpttool.formats.per_rank.blocks`): a
 checkpoint of hundreds of ranks has hundreds of thousands of blocks.
 """
 
@@ -16,16 +16,13 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import sharing, sources
-from ..errors import CkptError, UnsafeError, error_data, error_from_data
-from ..tree import (
+from ... import sharing, sources
+from ...errors import CkptError, UnsafeError, error_data, error_from_data
+from ...tree import (
     Checkpoint,
-    Node,
-    Opaque,
-    Shard,
     ShardedRef,
     TensorRef,
     check_coverage,
@@ -33,24 +30,21 @@ from ..tree import (
     row_blocks,
     walk,
 )
-from ..unpickler import LocalShards, own_dtensor_block
-from . import torch_legacy, torch_zip
+from ...unpickler import LocalShards, own_dtensor_block
+from ..local_shards import global_ref, has_local_shards, local_shards, replace_local_shards
+from ..torch_save import legacy, torch_zip
 
 if TYPE_CHECKING:
-    from .rank_blocks import RankBlocks
-    from .records import Spill
-    from .shard_opcodes import ShardRun
+    from ..records import Spill
+    from ..skeleton.shard_runs import ShardRun
+    from .blocks import RankBlocks
 
 FORMAT = "per-rank"
 RANK_RE = re.compile(r"^(.*rank)(\d+)([^\d].*|)$")
 
 
 # the formats of the files a per-rank checkpoint is made of
-PART_FORMATS = (torch_zip.FORMAT, torch_legacy.FORMAT)
-
-
-def has_local_shards(root: Any) -> bool:
-    return any(isinstance(v, LocalShards) for _, v in walk(root))
+PART_FORMATS = (torch_zip.FORMAT, legacy.FORMAT)
 
 
 def claims(first: Checkpoint) -> bool:
@@ -137,11 +131,12 @@ Placed = list[tuple[tuple[int, ...], tuple[int, ...]]]  # each DTensor's block: 
 
 class RankFiles:
     """The files of a per-rank checkpoint and where each block of its sharded tensors
-    lies (:mod:`~ckpttool.formats.rank_blocks`: records, not objects); a file is read
+    lies (:mod:`~ckpttool.formats.per_rank.blocks`: records, not objects); a file is read
     (metadata only) on first use, its blocks recorded and its tree dropped.
 
     Its sharded tensors are numbered: the n-th of ``paths`` (the lowest rank's
-    local-shards leaves, in the order :func:`_local_shards` finds them) is tensor n.
+    local-shards leaves, in the order :func:`~.local_shards.local_shards` finds them) is
+    tensor n.
     """
 
     def __init__(
@@ -164,8 +159,8 @@ class RankFiles:
         self._likes = [_like(local) for _, local in leaves]
         # (numpy, which the records need, is imported only for a per-rank checkpoint:
         # every torch file is asked whether it is a rank's)
-        from .rank_blocks import Locations, Places
-        from .records import Interned
+        from ..records import Interned
+        from .blocks import Locations, Places
 
         tuples: Interned[tuple] = Interned()
         self.places = Places(tuples)
@@ -204,7 +199,7 @@ class RankFiles:
             ckpt = self._read_file(file)
             _check_plain_tensors(self._loaded[self._base_rank].root, ckpt.root, file)
         self.verdicts[rank] = (ckpt.globals, ckpt.dangerous, ckpt.unverified)
-        theirs = dict(_local_shards(ckpt.root))
+        theirs = dict(local_shards(ckpt.root))
         del ckpt
         blocks: list[tuple[int, tuple, Any]] = []
         disagree: set[int] = set()
@@ -243,7 +238,7 @@ class RankFiles:
         a dangerous file's first (the verdict comes first, as in one process, where a
         failed read is followed by a scan of every file).
         """
-        from .records import Interned
+        from ..records import Interned
 
         dtensors = [t for t, like in enumerate(self._likes) if like.kind == "dtensor"]
         shared = sharing.shared()
@@ -302,7 +297,7 @@ class RankFiles:
         """Record where every block of each ShardedTensor lies: the lowest rank's file
         names every rank's (``layout``); its own are recorded from its tree. The layouts
         are dropped once recorded (they grow as ranks times tensors)."""
-        from . import shard_opcodes
+        from ..skeleton import shard_runs
 
         index = self._place_of
         tuples = self.places.tuples
@@ -313,7 +308,7 @@ class RankFiles:
             own = {(s.offsets, s.sizes) for s in local.shards}
             ranks, offsets, sizes = [], [], []
             for item in local.layout or []:
-                if isinstance(item, shard_opcodes.ShardRun):
+                if isinstance(item, shard_runs.ShardRun):
                     self._place_run(tensor, item, own)
                     continue
                 if not isinstance(item, tuple):
@@ -337,7 +332,7 @@ class RankFiles:
         rule the same, over arrays)."""
         import numpy as np
 
-        from .rank_blocks import nonempty
+        from .blocks import nonempty
 
         rows = run.records()
         rows = rows[nonempty(run.tuples)[rows["sizes"]]]  # (a rank that holds nothing)
@@ -365,7 +360,7 @@ class RankFiles:
 
     def group_places(self) -> None:
         """Group the places recorded by tensor, once all are."""
-        from .rank_blocks import nonempty
+        from .blocks import nonempty
 
         self.places.group(len(self.paths))
         self._filled = nonempty(self.places.tuples.values)  # the sizes tuples that hold any
@@ -376,7 +371,7 @@ class RankFiles:
         to tile the tensor."""
         import numpy as np
 
-        from .rank_blocks import RankBlocks, kept_blocks
+        from .blocks import RankBlocks, kept_blocks
 
         like = self._likes[tensor]
         tuples = self.places.tuples.values
@@ -536,7 +531,7 @@ def read(
 def _not_a_rank_file(first: Checkpoint, other: Checkpoint, paths: list[str]) -> CkptError:
     """The error for a file given with the rank files of ``first`` that holds no sharded
     tensors: a checkpoint of its own (``inspect`` reports each in turn)."""
-    from ..errors import SeparateCheckpointsError
+    from ...errors import SeparateCheckpointsError
 
     name, first_name = sources.basename(other.files[0]), sources.basename(first.files[0])
     return SeparateCheckpointsError(
@@ -572,9 +567,9 @@ def _combine(
             f"checkpoint of {world_size} ranks, but rank file(s) missing: {names}",
             hint="pass every rank's file, or a quoted glob",
         )
-    from .records import Spill
+    from ..records import Spill
 
-    leaves = _local_shards(base.root)
+    leaves = local_shards(base.root)
     files = RankFiles(by_rank, read_file, loaded, base_rank, verdicts, leaves)
     files.place_sharded_tensors(leaves)
     files.read_shares()
@@ -587,132 +582,9 @@ def _combine(
         tensor = next(order)
         if files.paths[tensor] != path:
             raise CkptError(f"internal error: tensor {files.key(tensor)!r} found in another order")
-        return _global_ref(local, files.tensor_blocks(tensor, spill), world_size)
+        return global_ref(local, files.tensor_blocks(tensor, spill), world_size)
 
-    return world_size, _replace_local_shards(base.root, (), sharded_ref)
-
-
-def _local_shards(root: Node) -> list[tuple[tuple, LocalShards]]:
-    """Every local-shards leaf and its key path, in the order
-    :func:`_replace_local_shards` replaces them."""
-    found: list[tuple[tuple, LocalShards]] = []
-
-    def note(path: tuple, local: LocalShards) -> LocalShards:
-        found.append((path, local))
-        return local  # (unchanged: nothing in the tree is replaced)
-
-    _replace_local_shards(root, (), note)
-    return found
-
-
-def _replace_local_shards(
-    node: Node, path: tuple, make: Callable[[tuple, LocalShards], Any]
-) -> Any:
-    """``node`` with every local-shards leaf replaced by ``make(key path, leaf)``.
-
-    Containers are rebuilt; an opaque object is changed in place (it keeps its class),
-    its children keyed as :meth:`Opaque.children` keys them, so that the same path
-    finds the same leaf in another rank's tree. A cycle is followed once.
-    """
-    return _Replacer(make)(node, path)
-
-
-class _Replacer:
-    """:func:`_replace_local_shards`'s walk. (Not a nested function that calls itself:
-    that is a reference cycle, and the cyclic collector is paused while a checkpoint is
-    read (``formats.gc_paused``), so it would keep every leaf ``make`` saw: every rank
-    file's, for a read of hundreds.)"""
-
-    def __init__(self, make: Callable[[tuple, LocalShards], Any]):
-        self.make = make
-        self.active: set[int] = set()
-
-    def __call__(self, node: Node, path: tuple) -> Any:
-        if isinstance(node, LocalShards):
-            return self.make(path, node)
-        if id(node) in self.active or not isinstance(node, (dict, list, tuple, Opaque)):
-            return node
-        self.active.add(id(node))
-        try:
-            if isinstance(node, dict):
-                out = type(node)() if type(node) is not dict else {}
-                for k, v in node.items():
-                    out[k] = self(v, path + (k,))
-                return out
-            if isinstance(node, list):
-                return [self(v, path + (i,)) for i, v in enumerate(node)]
-            if isinstance(node, tuple):  # a torch.Size stays one
-                return type(node)(self(v, path + (i,)) for i, v in enumerate(node))
-            _replace_in_opaque(node, path, self)
-            return node
-        finally:
-            self.active.discard(id(node))
-
-
-def _replace_in_opaque(node: Opaque, path: tuple, replace: Callable[[Any, tuple], Any]) -> None:
-    attrs = node.attrs()
-    if attrs:
-        new = {k: replace(v, path + (k,)) for k, v in attrs.items()}
-        if any(new[k] is not v for k, v in attrs.items()):
-            node.state = new
-    elif node.state is not None:
-        node.state = replace(node.state, path + ("__state__",))
-    if node.items:
-        node.items = {k: replace(v, path + (k,)) for k, v in node.items.items()}
-    if node.list:
-        node.list = [replace(v, path + (i,)) for i, v in enumerate(node.list)]
-    if node.args:
-        node.args = replace(node.args, path + ("__args__",))
-
-
-def lone_rank_shards(node: Node, path: tuple = ()) -> Any:
-    """``node`` with every local-shards leaf a :class:`ShardedRef` of only the blocks
-    it holds itself: for sharded tensors pickled where no other rank's file can
-    complete them. DCP of torch 1.13 pickled a nested dict whole, from the
-    coordinator alone, ShardedTensors and all. With one rank that is the whole
-    tensor; otherwise the ref says what is missing, and reading it is refused.
-    A value without any is returned as it is (no containers rebuilt)."""
-    if not has_local_shards(node):
-        return node
-    return _replace_local_shards(node, path, _lone_rank_ref)
-
-
-def _lone_rank_ref(path: tuple, local: LocalShards) -> ShardedRef:
-    key = ".".join(str(k) for k in path)
-    if local.kind == "dtensor":
-        shards = [own_dtensor_block(key, local, local.rank)]
-    else:
-        shards = local.shards
-    shards = [s for s in shards if math.prod(s.sizes)]
-    covered, total = sum(math.prod(s.sizes) for s in shards), math.prod(local.shape)
-    incomplete = None
-    if covered < total:
-        whose = f"rank {local.rank}'s" if isinstance(local.rank, int) else "one rank's"
-        incomplete = (
-            f"holds {whose} shards only ({covered} of {total} elements): "
-            "the other ranks' were not saved with it"
-        )
-    else:
-        check_coverage(key, local.shape, shards)
-    return _global_ref(local, shards, local.world_size, incomplete)
-
-
-def _global_ref(
-    local: LocalShards,
-    shards: Sequence[Shard],
-    world_size: int | None,
-    incomplete: str | None = None,
-) -> ShardedRef:
-    return ShardedRef(
-        dtype=local.dtype,
-        shape=local.shape,
-        shards=shards,
-        device=local.device,
-        kind=local.kind,
-        requires_grad=local.requires_grad,
-        world_size=world_size,
-        incomplete=incomplete,
-    )
+    return world_size, replace_local_shards(base.root, (), sharded_ref)
 
 
 def _judge(

@@ -16,13 +16,13 @@ import zipfile
 import zlib
 from collections.abc import Hashable
 
-from .. import sources
-from ..errors import CkptError
-from ..sources import SourceFile
-from ..zip_records import END as _END
-from ..zip_records import LOCAL_HEADER, ZIP_MAGIC
-from ..zip_records import ZIP64_END as _ZIP64_END
-from ..zip_records import ZIP64_LOCATOR as _ZIP64_LOCATOR
+from ... import sources
+from ...errors import CkptError
+from ...sources import SourceFile
+from ...zip_records import END as _END
+from ...zip_records import LOCAL_HEADER, ZIP_MAGIC
+from ...zip_records import ZIP64_END as _ZIP64_END
+from ...zip_records import ZIP64_LOCATOR as _ZIP64_LOCATOR
 
 # a central directory larger than this is not a checkpoint's (a few KB per thousand entries)
 MAX_DIRECTORY_BYTES = 1 << 30

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..tree import Checkpoint
-from .made import checkpoint
+from ...tree import Checkpoint
+from ..made import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle
 
 FORMAT = "torch-zip"

@@ -50,7 +50,7 @@ Every other pickle of the folder is judged too, though no resume reads it
 (``training_args.bin``, a second copy of the weights, a ``.pkl`` of one's own): anyone
 may ``torch.load`` it. Each file of the folder itself that is not a part and starts as
 a zip, a tar or a pickle has its globals scanned (a zip's ``data.pkl`` and TorchScript
-code, a legacy stream or raw pickle as :mod:`.torch_legacy` judges it, nothing
+code, a legacy stream or raw pickle as :mod:`..torch_save.legacy` judges it, nothing
 rebuilt), before the read's own errors: one that would run code refuses the folder,
 naming each such file and what it calls.
 """
@@ -63,13 +63,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import sources
-from ..errors import CkptError, UnsafeError
-from ..tree import Checkpoint, model_key, verdicts
-from ..unpickler import check_structure
-from ..zip_records import ZIP_MAGIC
-from . import catalog, dcp
-from .folders import deepspeed_latest_tag, hf_weights_file
+from ... import sources
+from ...errors import CkptError, UnsafeError
+from ...tree import Checkpoint, model_key, verdicts
+from ...unpickler import check_structure
+from ...zip_records import ZIP_MAGIC
+from .. import dcp
+from . import catalog, deepspeed_latest_tag, hf_weights_file
 
 ReadPart = Callable[[Any], Checkpoint]  # one path or a list of rank files -> Checkpoint
 
@@ -211,7 +211,7 @@ def judge_other_pickles(folder: str, names: list[str], read: list[str]) -> None:
 def judge_file(path: str) -> None:
     """Judge one file as ``torch.load(weights_only=False)`` would meet it, cheaply: a
     zip's ``data.pkl`` (and TorchScript code) scanned; a tar, legacy stream or other
-    pickle as :mod:`.torch_legacy` reads it (its pickles are small beside a zip's data).
+    pickle as :mod:`..torch_save.legacy` reads it (its pickles are small beside a zip's data).
 
     Raises:
         UnsafeError: It would run code.
@@ -219,18 +219,18 @@ def judge_file(path: str) -> None:
     """
     head = sources.read_head(path)
     if head.startswith(ZIP_MAGIC):
-        from . import torchscript
-        from .zip_pickle import ZipPickle
+        from ..torch_save import torchscript
+        from ..torch_save.zip_pickle import ZipPickle
 
         with ZipPickle(path) as archive:
             if any(torchscript.is_code_entry(n) for n in archive.names()):
                 torchscript.read_code(archive, path)
             archive.scan(seen=set())
         return
-    from . import torch_legacy
+    from ..torch_save import legacy
 
-    if head and torch_legacy.detect(path, head):
-        torch_legacy.read(path)
+    if head and legacy.detect(path, head):
+        legacy.read(path)
 
 
 def _file_key(path: str) -> Any:

@@ -31,9 +31,9 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
-from ..dtypes import DType
-from ..tree import Checkpoint, Opaque, Shard, ShardedRef, TorchSize, opaque_class, state_attrs
-from ..unpickler import MAX_NESTING, SafeUnpickler, check_structure, python3_name
+from ...dtypes import DType
+from ...tree import Checkpoint, Opaque, Shard, ShardedRef, TorchSize, opaque_class, state_attrs
+from ...unpickler import MAX_NESTING, SafeUnpickler, check_structure, python3_name
 
 METADATA = "torch.distributed.checkpoint.metadata."
 CHUNK = METADATA + "ChunkStorageMetadata"
@@ -182,8 +182,8 @@ def _field(states: list[dict], name: str) -> list:
 
 def read(folder: str, meta_path: str, permissive: bool) -> Checkpoint | None:
     """The checkpoint, or None where the generic reader must read it (see the module)."""
-    from ..sources import open_input
-    from ..unpickler import load_pickle
+    from ...sources import open_input
+    from ...unpickler import load_pickle
 
     seen: set[str] = set()
     try:
@@ -225,7 +225,7 @@ def metadata_fields(metadata: Any) -> tuple[dict, dict, dict]:
 def tensor_entry(entry: Opaque) -> tuple[dict, DType, TorchSize, Any]:
     """(properties, dtype, size, chunks) of a plain ``TensorStorageMetadata``;
     :class:`NotPlain` for anything else."""
-    from .dcp_chunks import tensor_properties
+    from .chunks import tensor_properties
 
     attrs = entry.attrs()
     props = tensor_properties(attrs.get("properties"))
@@ -255,8 +255,8 @@ def plain_chunk_lists(entries: dict) -> list:
 def _read(
     folder: str, meta_path: str, metadata: Any, permissive: bool, seen: set[str]
 ) -> Checkpoint:
-    from .dcp_chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element, shared_spans
-    from .made import checkpoint
+    from ..made import checkpoint
+    from .chunks import FORMAT, RANK_FILE_RE, bytes_value, data_file, set_element, shared_spans
 
     entries, storage, planner = metadata_fields(metadata)
 
@@ -352,9 +352,9 @@ def _tensor(
     world_size: int | None,
     shared: set[tuple[str, int]],
 ) -> ShardedRef:
-    from ..tree import check_coverage
-    from ..tree.sharding import row_blocks
-    from .dcp_chunks import DcpChunk, dcp_tensor
+    from ...tree import check_coverage
+    from ...tree.sharding import row_blocks
+    from .chunks import DcpChunk, dcp_tensor
 
     props, dt, size, chunks = tensor_entry(entry)
     states = _states(chunks, ChunkRecord, holders=0)

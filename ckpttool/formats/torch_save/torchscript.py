@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CkptError, UnsafeError
-from ..tree import Checkpoint, Opaque, is_tensor
-from .made import checkpoint
+from ...errors import CkptError, UnsafeError
+from ...tree import Checkpoint, Opaque, is_tensor
+from ..made import checkpoint
 from .zip_pickle import ZIP_MAGIC, ZipPickle, central_directory
 
 FORMAT = "torchscript"

@@ -19,7 +19,7 @@ that names a class or a key, an entry a frame boundary cuts), is walked opcode b
 opcode in Python, and copied to a small pickle in which each run stands as one
 token (a ``bytes`` value, which a ``.metadata`` never holds otherwise). That pickle
 is then read by the restricted unpickler as any is: every global judged by name,
-every structure checked. :mod:`ckpttool.formats.dcp_runs` puts the two together.
+every structure checked. :mod:`ckpttool.formats.dcp.runs` puts the two together.
 
 Safety is structural: every byte of the file is accounted for by an opcode walked
 here or an entry of a run; the memo is numbered exactly (the skeleton's ``BINGET``
@@ -46,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from .opcode_runs import (
+from ..records import CHUNK, STORAGE, Interned, Spill
+from .opcodes import (
     DICT,
     FROM_BYTES,
     INT,
@@ -64,7 +65,6 @@ from .opcode_runs import (
     int_value,
     ints,
 )
-from .records import CHUNK, STORAGE, Interned, Spill
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
@@ -706,7 +706,7 @@ _STORAGE_KINDS = (
 
 
 def _allowed(module: str, name: str) -> bool:
-    from ..dtypes import DTYPES
+    from ...dtypes import DTYPES
 
     if module == METADATA_MODULE:
         return name in _METADATA_NAMES

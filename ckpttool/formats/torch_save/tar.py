@@ -11,8 +11,8 @@ missing member). Within a member the walk goes as far as torch's loop could: a c
 no bound (torch loops until a load fails), and where ckpttool finds damage torch might
 read past, the next member is judged all the same. The main pickle's persistent ids
 that are tuples are container records (``(cls, source_file, source)``), judged by the
-rule of :func:`.container_records.container_record`. A file none of whose pickles is refused
-is exit 2: not supported (or damaged).
+rule of :func:`.container_records.container_record`. A file none of whose pickles is
+refused is exit 2: not supported (or damaged).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import struct
 import tarfile
 from typing import IO, Any, NoReturn
 
-from .. import sources
-from ..dtypes import DTYPES, STORAGE_CLASSES
-from ..errors import CkptError, UnsafeError
-from ..tree import Opaque, StorageType
-from ..unpickler import load_pickle
+from ... import sources
+from ...dtypes import DTYPES, STORAGE_CLASSES
+from ...errors import CkptError, UnsafeError
+from ...tree import Opaque, StorageType
+from ...unpickler import load_pickle
 
 TAR_BLOCK = 512
 MEMBERS = ("storages", "tensors", "pickle")

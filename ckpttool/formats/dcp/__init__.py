@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import sources
-from ..dtypes import DType
-from ..errors import CkptError
-from ..heap import release_freed_memory
-from ..sources import open_input
-from ..tree import Checkpoint, Shard, ShardedRef, check_coverage, state_attrs
-from ..unpickler import MAX_NESTING
-from .dcp_chunks import (
+from ... import sources
+from ...dtypes import DType
+from ...errors import CkptError
+from ...heap import release_freed_memory
+from ...sources import open_input
+from ...tree import Checkpoint, Shard, ShardedRef, check_coverage, state_attrs
+from ...unpickler import MAX_NESTING
+from ..made import checkpoint
+from .chunks import (
     FORMAT,
     METADATA_FILE,
     RANK_FILE_RE,
@@ -35,7 +36,6 @@ from .dcp_chunks import (
     span,
     tensor_properties,
 )
-from .made import checkpoint
 
 
 def detect(path: str, head: bytes) -> bool:
@@ -76,10 +76,10 @@ def _read(path: str, permissive: bool) -> Checkpoint:
             "a DCP data file, but its folder has no .metadata (incomplete checkpoint)",
             path=path,
         )
-    from . import dcp_metadata, dcp_runs
+    from . import metadata, runs
 
     # (None: not plain; the next reader reads the file from the start)
-    fast = dcp_runs.read(path, meta_path, permissive) or dcp_metadata.read(
+    fast = runs.read(path, meta_path, permissive) or metadata.read(
         path, meta_path, permissive
     )
     if fast is not None:
@@ -128,7 +128,7 @@ def _read_metadata(
 ) -> tuple[dict, dict, dict[tuple, dict]]:
     """(``.metadata``'s attributes, its state_dict_metadata, its storage entries by
     (fqn, offsets)), read with the restricted unpickler."""
-    from ..unpickler import load_pickle
+    from ...unpickler import load_pickle
 
     with open_input(meta_path) as f:
         metadata = load_pickle(f, path=meta_path, permissive=permissive, seen=seen)
