@@ -79,9 +79,7 @@ def _read(path: str, permissive: bool) -> Checkpoint:
     from . import metadata, runs
 
     # (None: not plain; the next reader reads the file from the start)
-    fast = runs.read(path, meta_path, permissive) or metadata.read(
-        path, meta_path, permissive
-    )
+    fast = runs.read(path, meta_path, permissive) or metadata.read(path, meta_path, permissive)
     if fast is not None:
         return fast
     seen: set[str] = set()
