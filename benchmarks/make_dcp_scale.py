@@ -47,6 +47,12 @@ LLAMA405B = {"hidden": 16384, "intermediate": 53248, "kv": 1024, "vocab": 128256
 # more ranks than that, some hold nothing of them)
 TINY = {"hidden": 64, "intermediate": 128, "kv": 8, "vocab": 256, "layers": 8}
 SHAPES = {"70b": LLAMA70B, "405b": LLAMA405B, "tiny": TINY}
+# the same .metadata as other writers lay it out: ``torch`` (torch 2.13's DefaultSavePlanner,
+# storage rank by rank, index hints rewritten), ``no-hints`` (a planner that leaves
+# ``MetadataIndex.index`` None), ``tensor-order`` (storage entries grouped by tensor),
+# ``shuffled`` (storage entries in no order), ``torch-2.3`` (a Metadata without the
+# ``storage_meta`` and ``version`` fields torch 2.4 added)
+VARIANTS = ("torch", "no-hints", "tensor-order", "shuffled", "torch-2.3")
 # bf16 model, fp32 Adam moments
 MODEL_BYTES, MOMENT_BYTES = 2, 4
 # torch.save of one chunk: the tensor's bytes plus the zip's records around them
@@ -110,7 +116,9 @@ def build_dcp(
     fresh_keys: bool = False,
     model: dict = LLAMA70B,
     chunk_zips: str = "none",
+    variant: str = "torch",
 ) -> None:
+    """``variant``: how another writer lays the same ``.metadata`` out (:data:`VARIANTS`)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -161,7 +169,8 @@ def build_dcp(
             # ...and the write result's index (another gather: its own Size; the key
             # string is pickled once, as in the folder issue 31 measured: 77 MB at 256
             # ranks; --fresh-keys gives each index a string of its own)
-            key = MetadataIndex("".join(fqn) if fresh_keys else fqn, torch.Size(offsets), index)
+            hint = None if variant == "no-hints" else index
+            key = MetadataIndex("".join(fqn) if fresh_keys else fqn, torch.Size(offsets), hint)
             item = MODEL_BYTES if dtype == "bfloat16" else MOMENT_BYTES
             nbytes = item * length * (shape[1] if len(shape) > 1 else 1) + ZIP_OVERHEAD
             if chunk_zips == "all" or (chunk_zips == "model" and fqn.startswith("model.")):
@@ -170,6 +179,15 @@ def build_dcp(
                 nbytes = len(head) + gap + len(tail)
             storage[key] = _StorageInfo(rel, file_sizes[rank], nbytes)
             file_sizes[rank] += nbytes
+    if variant == "tensor-order":  # storage entries tensor by tensor, not rank by rank
+        storage = dict(sorted(storage.items(), key=lambda kv: (kv[0].fqn, kv[0].index or 0)))
+    if variant == "shuffled":  # storage entries in no order at all
+        import random
+
+        rng = random.Random(0)
+        items = list(storage.items())
+        rng.shuffle(items)
+        storage = dict(items)
     meta = Metadata(
         state_dict_metadata=md,
         planner_data=planner_data,
@@ -177,6 +195,8 @@ def build_dcp(
         storage_meta=StorageMeta(checkpoint_id=out, save_id="generated", load_id=None),
         version="1.0.0",
     )
+    if variant == "torch-2.3":  # before storage_meta and version (torch 2.4 added them)
+        del meta.storage_meta, meta.version
     os.makedirs(out, exist_ok=True)
     for rank, size in enumerate(file_sizes):
         with open(os.path.join(out, f"__{rank}_0.distcp"), "wb") as f:
@@ -369,6 +389,9 @@ def main() -> None:
         help="write each chunk's torch.save records around its (sparse) bytes, for the "
         "model's tensors or all: a folder that converts (default: no byte, inspect only)",
     )
+    parser.add_argument(
+        "--variant", choices=VARIANTS, default="torch", help="as another writer lays it out"
+    )
     args = parser.parse_args()
     model = SHAPES[args.shape]
     layers = model["layers"] if args.layers is None else args.layers
@@ -377,7 +400,9 @@ def main() -> None:
     if args.per_rank:
         build_per_rank(args.out, args.ranks, layers, args.per_rank, model, args.data, args.files)
     else:
-        build_dcp(args.out, args.ranks, layers, args.fresh_keys, model, args.chunk_zips)
+        build_dcp(
+            args.out, args.ranks, layers, args.fresh_keys, model, args.chunk_zips, args.variant
+        )
     print(f"{args.out}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     os._exit(0)  # freeing millions of objects one by one would take minutes: all written
 

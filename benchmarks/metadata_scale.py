@@ -7,6 +7,8 @@ then times, each side in a fresh process:
   every command plans from) against ``FileSystemReader(DIR).read_metadata()``;
   ``dcp-256-fresh``, ``dcp-2048-fresh`` the same with each storage entry's key string
   its own, as torch's saves pickle them (``make_dcp_scale.py --fresh-keys``);
+* ``dcp-256-no-hints``, ``-tensor-order``, ``-shuffled``, ``-torch-2.3``: the same
+  ``.metadata`` as other writers lay it out (``make_dcp_scale.py --variant``);
 * ``dtensor-256``, ``dtensor-256-full``, ``sharded-256``, ``sharded-64-full``: ``ckpttool
   inspect`` of the rank files against ``torch.load(f, weights_only=True, mmap=True)`` of
   each of them (ShardedTensor: ``weights_only=False``, under a fake process group);
@@ -80,6 +82,12 @@ CASES = {
     # with strings of their own (a gather's), never named again
     "dcp-256-fresh": (["--ranks", "256", "--fresh-keys"], "dcp"),
     "dcp-2048-fresh": (["--ranks", "2048", "--fresh-keys"], "dcp"),
+    # the same .metadata as other writers lay it out (make_dcp_scale.py's VARIANTS): the
+    # fast path vouches for the format, not for torch 2.13's order
+    **{
+        f"dcp-256-{variant}": (["--ranks", "256", "--variant", variant], "dcp")
+        for variant in ("no-hints", "tensor-order", "shuffled", "torch-2.3")
+    },
     "dtensor-256": (["--ranks", "256", "--per-rank", "dtensor", "--layers", "8"], "ranks"),
     # the whole 70B shape: 2,169 DTensors a file, 555 K blocks (3 minutes to generate)
     "dtensor-256-full": (["--ranks", "256", "--per-rank", "dtensor"], "ranks"),

@@ -44,11 +44,14 @@ SHAPES = {
 }
 
 
-def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True):
+def build_metadata(
+    ranks, shapes, *, fresh_keys=False, share=None, value=True, writer="torch-2.13"
+):
     """(Metadata, each data file's size, rank 0's byte value blob) as DCP saves ``shapes``
     split along dim 0 over ``ranks`` ranks, each chunk's objects its own (gathered from
     its rank). ``share``: "sizes" gives a tensor's chunks one torch.Size object,
-    "offsets" gives each index its chunk's offsets object (one process, no gather)."""
+    "offsets" gives each index its chunk's offsets object (one process, no gather).
+    ``writer``: the layout of another writer (see :data:`WRITERS`)."""
     md, storage, planner, sizes = {}, {}, {}, [0] * ranks
     blob = b""
     if value:
@@ -83,11 +86,18 @@ def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True):
             item = ChunkStorageMetadata(torch.Size(offsets), size_obj)
             chunks.append(item)
             key_fqn = "".join(fqn) if fresh_keys else fqn
-            key = MetadataIndex(key_fqn, torch.Size(offsets), len(chunks) - 1)
+            hint = None if writer == "no-index-hints" else len(chunks) - 1
+            key = MetadataIndex(key_fqn, torch.Size(offsets), hint)
             if share == "offsets" and offsets:  # (its __init__ copies: the object itself)
                 object.__setattr__(key, "offset", item.offsets)
             storage[key] = _StorageInfo(f"__{rank}_0.distcp", sizes[rank], nbytes)
             sizes[rank] += nbytes
+    if writer == "by-tensor":
+        storage = dict(sorted(storage.items(), key=lambda kv: (kv[0].fqn, kv[0].offset or ())))
+    if writer == "shuffled":
+        items = list(storage.items())
+        random.Random(0).shuffle(items)
+        storage = dict(items)
     meta = Metadata(
         md,
         planner_data=planner,
@@ -95,6 +105,10 @@ def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True):
         storage_meta=StorageMeta(checkpoint_id="/x", save_id="s", load_id=None),
         version="1.0.0",
     )
+    if writer == "torch-2.3":  # (and no transform_descriptors in a _StorageInfo: 2.9's)
+        del meta.storage_meta, meta.version
+        for info in storage.values():
+            del info.transform_descriptors
     return meta, sizes, blob
 
 
@@ -162,7 +176,14 @@ def generic(folder, monkeypatch):
         return outcome(dcp.read, folder)
 
 
+# How writers other than torch 2.13's DefaultSavePlanner lay the same .metadata out:
+# a planner that leaves MetadataIndex.index None (create_default_global_save_plan with
+# rewrite_index_hints=False), storage entries grouped by tensor or in no order (a writer
+# that builds storage_data otherwise than rank by rank), and torch before 2.4 (no
+# storage_meta, no version in the Metadata's state)
+WRITERS = ("no-index-hints", "by-tensor", "shuffled", "torch-2.3")
 CASES = {
+    **{writer: {"protocol": 4, "writer": writer} for writer in WRITERS},
     "protocol-4": {"protocol": 4},
     "protocol-5": {"protocol": 5},
     "unframed": {"protocol": 4, "frames": False},
@@ -192,6 +213,20 @@ def test_many_frames_and_runs(tmp_path, monkeypatch):
     assert len(data) > 4 * 65536
     parsed = dcp_opcodes.parse(data)
     assert parsed is not None and len(parsed.skeleton) < len(data) // 4
+    assert ("ok", summary(fast(folder))) == generic(folder, monkeypatch)
+
+
+@pytest.mark.parametrize("writer", ["torch-2.13", *WRITERS])
+def test_other_writers_layouts_are_runs_too(tmp_path, monkeypatch, writer):
+    """The fast path vouches for the format, not for one writer's order: another layout
+    of the same entries is matched as runs (not walked entry by entry), and reads as the
+    generic reader reads it."""
+    folder = tmp_path / "ckpt"
+    data = write_folder(folder, 256, {f"l{i}.w": (1024, 4) for i in range(12)}, writer=writer)
+    parsed = dcp_opcodes.parse(data)
+    assert parsed is not None and len(parsed.skeleton) < len(data) // 4
+    runs = [r for r in parsed.runs if isinstance(r, dcp_opcodes.StorageRun)]
+    assert sum(r.count for r in runs) > 0.9 * 256 * 12
     assert ("ok", summary(fast(folder))) == generic(folder, monkeypatch)
 
 
@@ -584,3 +619,20 @@ def test_the_walkers_opcodes_are_pickles_own():
     for code, popped in opcode_runs.POP_PUSH.items():
         op = next(o for o in pickletools.opcodes if o.code.encode("latin-1")[0] == code)
         assert (len(op.stack_before), len(op.stack_after)) == (popped, 1), op.name
+
+
+def test_torchs_own_writers_metadata_is_runs(tmp_path, monkeypatch):
+    """torch's own ``torch_save_to_dcp`` (its DefaultSavePlanner, one process): the
+    ``.metadata`` a real save pickles is read as runs, as the generic reader reads it."""
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    state = {f"layers.{i}.w": torch.full((4, 2), float(i)) for i in range(3000)}
+    torch.save(state, tmp_path / "model.pt")
+    folder = tmp_path / "ckpt"
+    torch_save_to_dcp(str(tmp_path / "model.pt"), str(folder))
+    parsed = dcp_opcodes.parse((folder / ".metadata").read_bytes())
+    # (one chunk a tensor: each tensor's entry is skeleton, its storage entries runs)
+    assert parsed is not None
+    runs = [r for r in parsed.runs if isinstance(r, dcp_opcodes.StorageRun)]
+    assert sum(r.count for r in runs) > 0.9 * len(state)
+    assert ("ok", summary(fast(folder))) == generic(folder, monkeypatch)

@@ -152,6 +152,22 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     return out
 
 
+def is_output_file(path: str) -> bool:
+    """A file of the kinds ckpttool writes as one output (safetensors, a ``torch.save``
+    zip): what ``--force`` may replace, local or remote. False for anything else, an
+    unreadable file included.
+    """
+    from .torch_save.zip_container import central_directory
+
+    try:
+        head = bytes(sources.read_head(path, 16))
+        if safetensors_file.detect(path, head):
+            return True
+        return head.startswith(ZIP_MAGIC) and b"/data.pkl" in central_directory(path)
+    except (OSError, CkptError):  # (sources say CkptError for most of what the OS refuses)
+        return False
+
+
 def require_inputs(paths: Sequence[str]) -> None:
     """Every input is there (a glob matches a file): what a run of several processes
     checks before it starts one, with the lines a read would say.

@@ -215,19 +215,9 @@ def owned_entries(folder: str, layout: FolderLayout, force: bool) -> list[str]:
 
 def is_checkpoint_file(path: str) -> bool:
     """A file ckpttool writes as an output: safetensors, or a ``torch.save`` zip."""
-    from ..formats.safetensors_file import detect as is_safetensors
-    from ..formats.torch_save.zip_pickle import ZIP_MAGIC, central_directory
+    from ..formats import is_output_file
 
-    if not os.path.isfile(path):
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-        if is_safetensors(path, head):
-            return True
-        return head.startswith(ZIP_MAGIC) and b"/data.pkl" in central_directory(path)
-    except (OSError, CkptError):  # (central_directory reads through sources: CkptError)
-        return False
+    return os.path.isfile(path) and is_output_file(path)
 
 
 def is_checkpoint_folder(path: str) -> bool:

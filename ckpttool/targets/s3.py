@@ -578,17 +578,10 @@ def _check_existing(
 
 def _is_checkpoint_object(url: str) -> bool:
     """An object ckpttool writes as an output: safetensors, or a torch.save zip."""
-    from ..formats.safetensors_file import detect as is_safetensors
-    from ..formats.torch_save.zip_container import central_directory
-    from ..formats.torch_save.zip_pickle import ZIP_MAGIC
+    from ..formats import is_output_file
 
     try:
-        head = bytes(sources.read_head(url, 16))
-        if is_safetensors(url, head):
-            return True
-        return head.startswith(ZIP_MAGIC) and b"/data.pkl" in central_directory(url)
-    except CkptError:
-        return False
+        return is_output_file(url)
     finally:
         _forget(url)
 

@@ -96,6 +96,9 @@ _SIZE_END = rb"\x85\x94R\x94"  # TUPLE1 MEMOIZE REDUCE MEMOIZE: torch.Size((...)
 _NEW = rb"\)\x81\x94\}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK
 _REF = rb"h.|j...."  # BINGET, LONG_BINGET
 _STRING = rb"\x8c(.)(.{0,255}?)\x94"  # SHORT_BINUNICODE MEMOIZE (its length checked after)
+# a MetadataIndex's index: a hint torch's default planner writes, None where a planner
+# leaves it out (``rewrite_index_hints=False``); never kept (entries are found by offset)
+_HINT = rb"(?:" + INT + rb"|N)"
 
 _CHUNK_SLOTS = ("class", "offsets", "size", "sizes", "size2")
 _STORAGE_SLOTS = ("class", "fqn", "index", "offset", "size", "info", "path", "offset2", "length")
@@ -129,10 +132,10 @@ def _pair(raw: bytes) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def _storage_entry(get: Callable[[int], bytes], cap: bytes, new_names: bool = True) -> bytes:
     """A MetadataIndex (fqn, index, offset: the order its ``__init__`` sets them) and its
     _StorageInfo (relative_path, offset, length): the names by reference or (where
-    ``new_names``) new, the rest numbers (the index is not kept)."""
+    ``new_names``) new, the rest numbers (the index, a number or None, is not kept)."""
     name = rb"(?:" + cap + _REF + rb")" + (rb"|" + _STRING if new_names else b"") + rb")"
     return (
-        get(0) + _NEW + get(1) + name + get(2) + INT
+        get(0) + _NEW + get(1) + name + get(2) + _HINT
         + get(3) + get(4) + cap + _TUPLE + rb")" + _SIZE_END + rb"ub"
         + get(5) + _NEW + get(6) + name + get(7) + cap + INT + rb")" + get(8) + cap + INT
         + rb")ub"
