@@ -16,8 +16,14 @@ from .integrity import unreadable_besides
 from .progress import ProgressFactory
 from .sizes import parse_size
 from .targets import StaleTemp, check_output, output_path, publish
-from .writers import WRITERS, hf_output
-from .writers.naming import default_output
+from .writers import (
+    WRITERS,
+    carried_files,
+    default_output,
+    hf_source_folder,
+    layout_for,
+    model_folder,
+)
 
 TARGETS = (*WRITERS, "hf")  # hf: safetensors under a Hugging Face architecture's names
 CAST_DTYPES = ("float32", "float16", "bfloat16")
@@ -163,8 +169,7 @@ def convert(
     dtype, shard_limit = check_options(to, dtype, max_shard_size, map_location)
     cast: DType | None = DTYPES[dtype] if dtype else None
 
-    from .writers import writer_for
-    from .writers.plan import WriteOptions
+    from .writers import WriteOptions, writer_for
 
     writer = writer_for("safetensors" if to == "hf" else to)
     ckpt = read(paths, unsafe=unsafe)
@@ -206,7 +211,7 @@ def convert(
     layout = writer.layout(options)
     hf_folder = _hf_folder_in_and_out(inputs, out, select, to, shard_limit is not None)
     if hf_folder is not None and out is not None:  # DIR/model.safetensors + config & co.
-        layout = hf_output.layout_for(to, shard_limit is not None)
+        layout = layout_for(to, shard_limit is not None)
         out = output_path(out, "", folder_output=True)
     elif out is None:
         out = default_output(named_after, to, shard_limit is not None)
@@ -218,7 +223,7 @@ def convert(
     check_output(out, [*inputs, *ckpt.files], force=force, layout=layout)
     plan = writer.plan(tensors, options)  # metadata only: bad dtypes fail before any write
     if hf_folder is not None:
-        plan = hf_output.model_folder(plan, to, hf_folder, hf_output.carried_files(hf_folder))
+        plan = model_folder(plan, to, hf_folder, carried_files(hf_folder))
     done = publish(
         plan, out, layout=layout, force=force, inputs=[*inputs, *ckpt.files], files=ckpt.files,
         progress=progress,
@@ -239,7 +244,7 @@ def _in_layout(paths: Sequence[str], tensors: dict[str, Any], layout_of: str) ->
     from . import mappings
 
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
-    folder = hf_output.hf_source_folder(inputs, "auto")
+    folder = hf_source_folder(inputs, "auto")
     if folder is None:
         raise UsageError(
             "--layout reads a Hugging Face model folder (config.json beside the weights)",
@@ -263,4 +268,4 @@ def _hf_folder_in_and_out(
         out = sources.strip_file_scheme(out)
         into = out.endswith(os.sep) or bool(os.altsep and out.endswith(os.altsep))
         into = into or os.path.isdir(out) or sharded
-    return hf_output.hf_source_folder(inputs, select) if into else None
+    return hf_source_folder(inputs, select) if into else None

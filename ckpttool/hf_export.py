@@ -17,13 +17,19 @@ from . import sources
 from .errors import CkptError, UsageError
 from .mappings import Export, export, load_config
 from .targets import Published, check_output, output_path, publish
-from .writers import hf_output, safetensors
-from .writers.naming import default_output
-from .writers.plan import WriteOptions
+from .writers import (
+    CARRIED_FILES,
+    WriteOptions,
+    carried_files,
+    default_output,
+    layout_for,
+    model_folder,
+    writer_for,
+)
 
 # what is copied from --tokenizer (or the input's folder): its files, not its config
 TOKENIZER_FILES = tuple(
-    n for n in hf_output.CARRIED_FILES if n not in ("config.json", "generation_config.json")
+    n for n in CARRIED_FILES if n not in ("config.json", "generation_config.json")
 )
 
 
@@ -65,15 +71,15 @@ def convert_to_hf(
     if hf.dry_run:
         return out, [], sum(m.leaf.nbytes for m in mapping.mapped), None, mapping
     sharded = options.max_shard_size is not None
-    layout = hf_output.layout_for("safetensors", sharded)
+    layout = layout_for("safetensors", sharded)
     check_output(out, [*inputs, *ckpt.files], force=force, layout=layout)
-    plan = safetensors.plan(mapping.tensors(), options)
+    plan = writer_for("safetensors").plan(mapping.tensors(), options)
     config_dir = os.path.dirname(config_file)
     tokenizer_dir = hf.tokenizer or own
     more = [(config_dir, _present(config_dir, ("generation_config.json",)))]
     if tokenizer_dir:
         more.append((tokenizer_dir, _present(tokenizer_dir, TOKENIZER_FILES)))
-    plan = hf_output.model_folder(
+    plan = model_folder(
         plan, "safetensors", None, [], made={"config.json": mapping.config_bytes()}, more=more
     )
     done = publish(
@@ -96,7 +102,7 @@ def _input_folder(inputs: list[str]) -> str | None:
 
 def _present(folder: str, names: tuple[str, ...]) -> list[str]:
     """Those of ``names`` that ``folder`` holds, checked as carried files are."""
-    found = hf_output.carried_files(folder)
+    found = carried_files(folder)
     return [n for n in names if n in found]
 
 

@@ -347,7 +347,7 @@ def _verify(
 ) -> None:
     """:func:`verify`'s reads and checks, filling ``result`` as they go."""
     from .api import read
-    from .formats.torch_save.zip_stream import stream_file, zip_tasks
+    from .formats.torch_save import stream_file, zip_tasks
     from .sources import OpenFiles
 
     ckpt = read(paths, unsafe=unsafe)

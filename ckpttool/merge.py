@@ -14,7 +14,7 @@ from .integrity import check_sizes
 from .progress import ProgressFactory
 from .targets import StaleTemp, check_output, output_path, publish
 from .tree import iter_tensors, recorded_classes
-from .writers.naming import default_name
+from .writers import default_name
 
 
 @dataclass
@@ -55,8 +55,7 @@ def merge(
     Returns:
         What was written, including the classes kept as plain-data records.
     """
-    from .writers.plan import WriteOptions
-    from .writers.torch_zip import plan as plan_torch
+    from .writers import WriteOptions, writer_for
 
     ckpt = read(paths, unsafe=unsafe)
     inputs = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
@@ -67,7 +66,7 @@ def merge(
     leaves = [leaf for _, leaf in iter_tensors(ckpt.root)]
     total = sum(leaf.nbytes for leaf in leaves)
     stand_ins = recorded_classes(ckpt.root)
-    plan = plan_torch(ckpt.root, WriteOptions())  # metadata only, the pickle included
+    plan = writer_for("pt").plan(ckpt.root, WriteOptions())  # metadata only, the pickle included
     done = publish(
         plan, out, layout=None, force=force, inputs=[*inputs, *ckpt.files], files=ckpt.files,
         progress=progress,

@@ -193,3 +193,50 @@ def test_the_layout_table_names_every_package_and_family():
             if spelled not in rows:
                 missing.append(f"formats: {spelled}")
     assert missing == []
+
+
+def face_names(package: Path) -> set[str]:
+    """The names a package's ``__init__`` binds: its face (imports, defs, assignments)."""
+    names = set()
+    for node in ast.parse((package / "__init__.py").read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_no_package_face_is_bypassed_from_outside():
+    """An import from outside a package names the package (or a sub-package: a face of
+    its own) and a name its ``__init__`` binds, never one of its modules."""
+    known = modules()
+    bypassed = []
+    for name, path in sorted(known.items()):
+        mine = name.split(".")[1] if name.count(".") else ""
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            parts = target.split(".")
+            if parts[0] != "ckpttool" or len(parts) < 2 or parts[1] == mine:
+                continue
+            where = PACKAGE.joinpath(*parts[1:])
+            if not where.is_dir():  # a module, not a package: below some face
+                if (where.parent / "__init__.py").exists() and where.parent != PACKAGE:
+                    bypassed.append(f"{name}: from {target} import ...")
+                continue
+            face = face_names(where)
+            for alias in node.names:
+                sub = where / alias.name
+                if (sub.with_suffix(".py").exists() or sub.is_dir()) and alias.name not in face:
+                    if not sub.is_dir():
+                        bypassed.append(f"{name}: from {target} import {alias.name}")
+    assert bypassed == [], "\n".join(bypassed)

@@ -218,7 +218,7 @@ def run_workers(workers: int | None, paths: list[str]) -> None:
     (a missing input is said here, before any of them starts)."""
     if workers is None:
         return
-    from ..distributed.launch import run_workers as launch
+    from ..distributed import run_workers as launch
     from ..formats import require_inputs
 
     require_inputs(paths)

@@ -4,8 +4,9 @@ Every rank runs the same command: reads the input's metadata, plans the output
 (the writers' plan: every piece at its offset), then the ranks write it together, a
 unit (a fixed-size byte range of an output file) at a time, through the c10d store
 torchrun provides (:mod:`.group`, reached with :mod:`.store`'s plain-Python client),
-resumably (:mod:`.journal`), and rank 0 publishes it (:mod:`.runner`). The bytes are
-the single-process output's, at any world size.
+resumably, and rank 0 publishes it (the write itself is :mod:`ckpttool.targets`': its
+``ranks``, ``units`` and ``journal``). The bytes are the single-process output's, at any
+world size. ``--workers`` starts the processes itself (:mod:`.launch`, no torch).
 
 Nothing here imports torch, except the store of a launcher without torchrun's agent
 store (:mod:`.group`); outside torchrun :func:`collective` is a no-op.
@@ -18,17 +19,19 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .group import Failed, launched
-from .launch import own_launch
+from .group import Failed, Group, launched
+from .launch import own_launch, run_workers
 
 __all__ = [
     "Failed",
+    "Group",
     "collective",
     "current",
     "launched",
     "own_launch",
     "prints_summary",
     "report_errors_with",
+    "run_workers",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])

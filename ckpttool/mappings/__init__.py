@@ -193,13 +193,13 @@ def pair_through(
     Raises:
         UsageError: Neither side is such a pair.
     """
-    from ..writers import hf_output
+    from ..writers import hf_source_folder
 
     for side, mine, theirs, other in (("a", ta, tb, given[1]), ("b", tb, ta, given[0])):
         paths = [
             os.fspath(p) for p in ([other] if isinstance(other, (str, os.PathLike)) else other)
         ]
-        folder = hf_output.hf_source_folder(paths, "auto")
+        folder = hf_source_folder(paths, "auto")
         fits = [s for s in SPECS.values() if not s.name.startswith("hf:")
                 and arch in (s.name, s.arch) and s.matches(list(mine))]  # fmt: skip
         if folder is None or len(fits) != 1:

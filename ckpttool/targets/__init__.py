@@ -26,8 +26,7 @@ from typing import Any
 
 from .. import distributed, sources
 from ..progress import ProgressFactory
-from ..writers.folder_layout import FolderLayout
-from ..writers.plan import Plan
+from ..writers import FolderLayout, Plan
 from .journal import Journal
 from .local import StaleTemp, check_output, output_path
 
@@ -97,7 +96,7 @@ def publish(
                 plan, out, layout=layout, force=force, inputs=files, progress=advance
             )
         return Published(outcome=outcome)
-    from ..writers.plan import write_plan
+    from ..writers import write_plan
     from .local import atomic_output
 
     removed: list[StaleTemp] = []

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from .. import sources
 from ..errors import CkptError, OutputExistsError
-from ..writers.folder_layout import FOLDER_LAYOUTS, FolderLayout
+from ..writers import FOLDER_LAYOUTS, FolderLayout
 
 
 def _host_name() -> str:

@@ -22,11 +22,10 @@ import os
 import threading
 from collections.abc import Callable
 
-from ..distributed.group import Group
+from ..distributed import Group
 from ..errors import CkptError
 from ..progress import Progress
-from ..writers.output_file import OutputFile, preallocate
-from ..writers.plan import Plan, Written, complete
+from ..writers import OutputFile, Plan, Written, complete, preallocate
 from . import units as unit_mod
 from .journal import LEASE_REFRESH_S, Journal, UnitLog, input_identities, work_key
 from .local import (

@@ -41,8 +41,7 @@ from typing import Any
 from .. import sources
 from ..errors import CkptError, OutputExistsError, UsageError
 from ..progress import Progress
-from ..writers.folder_layout import FolderLayout
-from ..writers.plan import FilePlan, Plan
+from ..writers import FilePlan, FolderLayout, Plan
 from .outcome import Outcome
 from .s3_client import (
     PartDone,

@@ -32,7 +32,7 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from ..sources.remote.base import TransientError, redact, with_retries
+from ..sources.remote import TransientError, redact, with_retries
 
 MAX_PARTS = 10_000  # S3's limits
 MIN_PART = 5 << 20  # every part but the last

@@ -36,8 +36,7 @@ from .. import sources
 from ..errors import CkptError
 from ..progress import Progress
 from ..sources import OpenFiles, local_fd
-from ..writers.output_file import OutputFile
-from ..writers.plan import FilePlan, Part, Piece, write
+from ..writers import FilePlan, OutputFile, Part, Piece, write
 
 PART_BYTES = 8 << 20  # the smallest part size chosen (S3's minimum is 5 MiB)
 MAX_PARTS = 10_000

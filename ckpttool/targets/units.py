@@ -12,7 +12,7 @@ and small tensors share one.
 opened at the unit's offset here, a multipart upload's part elsewhere. Pieces built from
 CRCs (a zip's CRC fields and central directory) are written as zeros; :func:`piece_crcs`
 combines the CRCs of the tensor runs the units wrote (:func:`crc32_combine`, no byte
-read back), and the one who completes the output builds them (see :mod:`.runner`).
+read back), and the one who completes the output builds them (see :mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,19 @@ from ..dtypes import DType
 from ..errors import CkptError
 from ..progress import Progress
 from ..sizes import env_size
-from ..tree import Leaf, ShardedRef, TensorRef, sharding
-from ..writers import CHUNK_BYTES, output_dtype, raw_parts, tensor_bytes, tensor_for_write
-from ..writers.casts import cast_stored
-from ..writers.plan import FilePlan, Piece, Plan
+from ..tree import Leaf, ShardedRef, TensorRef, flat_runs, raw_block
+from ..tree import raw_parts as stored_parts  # (the stored tensors; writers.raw_parts: --dtype too)
+from ..writers import (
+    CHUNK_BYTES,
+    FilePlan,
+    Piece,
+    Plan,
+    cast_stored,
+    output_dtype,
+    raw_parts,
+    tensor_bytes,
+    tensor_for_write,
+)
 
 UNIT_BYTES = 64 << 20  # the largest unit: big enough that its fsync and journal line cost nothing
 # A smaller output is cut into about this many units (at least MIN_UNIT_BYTES each): a
@@ -197,7 +206,7 @@ def _copy_blocks_in_range(
         lo, hi = max(start, starts[i]), min(end, starts[i] + count * size)
         if hi > lo:
             ref = shard.tensor.tensor_ref()
-            if not sharding.raw_block(ref, leaf, count):
+            if not raw_block(ref, leaf, count):
                 return False
             pieces.append((ref, lo - starts[i], hi - lo))
         i += 1
@@ -210,14 +219,14 @@ _LAYOUTS: OrderedDict[int, tuple[Leaf, Any]] = OrderedDict()
 
 
 def _block_layout(leaf: ShardedRef) -> tuple[list[int], list] | None:
-    """(each block's first byte, :func:`sharding.flat_runs`) of a sharded tensor, for
+    """(each block's first byte, :func:`~ckpttool.tree.flat_runs`) of a sharded tensor, for
     the last few tensors (its units come one after another): metadata only."""
     with _RESOLVING:
         hit = _LAYOUTS.get(id(leaf))
         if hit is not None and hit[0] is leaf:
             _LAYOUTS.move_to_end(id(leaf))
             return hit[1]  # type: ignore[no-any-return]
-    runs = sharding.flat_runs(leaf)
+    runs = flat_runs(leaf)
     layout = None if runs is None else ([r[0] * leaf.dtype.itemsize for r in runs], runs)
     with _RESOLVING:
         _LAYOUTS[id(leaf)] = (leaf, layout)
@@ -243,7 +252,7 @@ def _resolved(leaf: Leaf, cast: Any) -> tuple[Any, Any]:
             _RESOLVED.move_to_end(key)
             return hit[1], hit[2]
     parts = raw_parts(leaf, cast)
-    stored = sharding.raw_parts(leaf) if parts is None else None
+    stored = stored_parts(leaf) if parts is None else None
     with _RESOLVING:
         _RESOLVED[key] = (leaf, parts, stored)
         while len(_RESOLVED) > _RESOLVED_LEAVES:

@@ -55,7 +55,7 @@ from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values, 
 from .params import count_parameters, tied_names, weight_key
 from .plain_data import TorchValue, recorded_classes, to_plain
 from .replace import replace_leaves
-from .sharding import check_coverage, raw_parts, row_blocks
+from .sharding import check_coverage, flat_runs, raw_block, raw_parts, row_blocks
 from .torch_values import (
     BUILTIN_TYPES,
     DEVICE_TYPES,
@@ -135,6 +135,8 @@ __all__ = [
     "plain_values",
     "raw_parts",
     "row_blocks",
+    "flat_runs",
+    "raw_block",
     "recorded_classes",
     "replace_leaves",
     "NoSuchPrefixError",

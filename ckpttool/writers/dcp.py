@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..formats.dcp import METADATA_FILE
-from . import output_dtype, refuse_sparse
 from .dcp_metadata_pickle import DcpItem, metadata_pickle
 from .folder_layout import DCP_FILES, FolderLayout
+from .leaf_bytes import output_dtype, refuse_sparse
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 from .torch_zip import plan_zip
 

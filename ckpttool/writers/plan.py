@@ -22,7 +22,7 @@ from ..dtypes import DType
 from ..errors import CkptError
 from ..progress import Progress
 from ..tree import SparseRef
-from . import write_leaf
+from .leaf_bytes import write_leaf
 from .output_file import OutputFile
 
 Crcs = Mapping[int, int]  # the CRC-32 of pieces, by the piece's offset in its file

@@ -8,8 +8,8 @@ from typing import Any
 from ..dtypes import DType
 from ..errors import CkptError
 from ..tree import tied_names
-from . import output_dtype, refuse_sparse
 from .folder_layout import HF_SHARDS, FolderLayout
+from .leaf_bytes import output_dtype, refuse_sparse
 from .plan import FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = ["TO", "layout", "plan", "write"]

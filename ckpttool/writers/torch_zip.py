@@ -50,8 +50,8 @@ from ..zip_records import (
     ZIP64_LOCATOR,
     ZIP64_LOCATOR_SIGNATURE,
 )
-from . import output_dtype
 from .folder_layout import FolderLayout
+from .leaf_bytes import output_dtype
 from .plan import Crcs, FilePlan, Piece, Plan, WriteOptions, write
 
 __all__ = [

@@ -352,8 +352,7 @@ def _tensor(
     world_size: int | None,
     shared: set[tuple[str, int]],
 ) -> ShardedRef:
-    from ...tree import check_coverage
-    from ...tree.sharding import row_blocks
+    from ...tree import check_coverage, row_blocks
     from .chunks import DcpChunk, dcp_tensor
 
     props, dt, size, chunks = tensor_entry(entry)

@@ -276,8 +276,7 @@ class _Joined:
     def tensor(
         self, fqn: str, entry: Opaque, numbers: dict[bytes, int], used: set[int]
     ) -> ShardedRef:
-        from ...tree import check_coverage
-        from ...tree.sharding import row_blocks
+        from ...tree import check_coverage, row_blocks
         from .chunks import DcpChunks, dcp_tensor
 
         parsed = self.parsed

@@ -86,8 +86,7 @@ MAX_PATTERNS = 32  # distinct (class, keys, Size) memo slots runs are compiled f
 MAX_STRING = 1 << 20  # a BINUNICODE of the skeleton
 RECENT_STRINGS = 1 << 12  # new strings of the runs held until named (see _StringSlots)
 
-# A number as the pickler writes one in [0, 2**63): BININT1, BININT2 of 256 and up,
-# BININT of 65536 to 2**31 - 1, LONG1 of 5 to 8 bytes, shortest, positive
+# a torch.Size's tuple: empty, TUPLE1-3 of numbers (INT), or MARK, 4 to 64, TUPLE
 _TUPLE = (
     rb"(?:\)|" + INT + rb"\x85\x94|" + INT * 2 + rb"\x86\x94|" + INT * 3 + rb"\x87\x94"
     rb"|\((?:" + INT + rb"){4,64}t\x94)"
@@ -96,9 +95,7 @@ _SIZE_END = rb"\x85\x94R\x94"  # TUPLE1 MEMOIZE REDUCE MEMOIZE: torch.Size((...)
 _NEW = rb"\)\x81\x94\}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK
 _REF = rb"h.|j...."  # BINGET, LONG_BINGET
 _STRING = rb"\x8c(.)(.{0,255}?)\x94"  # SHORT_BINUNICODE MEMOIZE (its length checked after)
-# a MetadataIndex's index: a hint torch's default planner writes, None where a planner
-# leaves it out (``rewrite_index_hints=False``); never kept (entries are found by offset)
-_HINT = rb"(?:" + INT + rb"|N)"
+_HINT = rb"(?:" + INT + rb"|N)"  # MetadataIndex.index: a hint, or None (never kept)
 
 _CHUNK_SLOTS = ("class", "offsets", "size", "sizes", "size2")
 _STORAGE_SLOTS = ("class", "fqn", "index", "offset", "size", "info", "path", "offset2", "length")

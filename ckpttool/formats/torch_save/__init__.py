@@ -12,5 +12,14 @@
 ===========================  ================================================================
 
 One floor below the families made of torch.save files (DCP's non-tensor items, rank files,
-DeepSpeed's and Megatron's pickles); it imports none of them.
+DeepSpeed's and Megatron's pickles); it imports none of them. Its face, for the rest of
+ckpttool: a zip's central directory (what ``--force`` checks) and the stream of every
+byte (``verify``).
 """
+
+from __future__ import annotations
+
+from .zip_container import central_directory
+from .zip_stream import stream_file, zip_tasks
+
+__all__ = ["central_directory", "stream_file", "zip_tasks"]

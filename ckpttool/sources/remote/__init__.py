@@ -20,11 +20,19 @@ reads straight into the caller's buffer, ``read_spans`` in parallel, bounded ret
 from __future__ import annotations
 
 from ... import sources
-from .base import RemoteSource, redact
+from .base import RemoteSource, TransientError, redact, with_retries
 from .http import HttpSource
 from .store import STORE_SCHEMES, StoreSource
 
-__all__ = ["HttpSource", "RemoteSource", "StoreSource", "redact", "register_all"]
+__all__ = [
+    "HttpSource",
+    "RemoteSource",
+    "StoreSource",
+    "TransientError",
+    "redact",
+    "register_all",
+    "with_retries",
+]
 
 
 def register_all() -> None:
