@@ -167,6 +167,87 @@ def test_hf_named_llama_saved_by_transformers_is_completed(tmp_path):
     assert not (tmp_path / "saved-hf").exists()  # the dry run wrote nothing
 
 
+# HF architectures whose checkpoints come under their own names: (config class, kwargs)
+HF_NAMED = {
+    "mistral": ("MistralConfig", {"sliding_window": 4}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # (q, k, v biases)
+}
+
+
+@pytest.mark.parametrize("arch", HF_NAMED)
+def test_hf_named_models_are_completed_with_their_own_logits(arch, tmp_path):
+    """Mistral (Llama's names: the config's model_type decides) and Qwen2 (q, k, v
+    biases; tied), each as transformers saves it and as a DDP training snapshot of it
+    (``module.`` keys beside the step, the model's config passed): the folder loads with
+    no missing or unexpected key and gives the model's own logits, bitwise."""
+    name, extra = HF_NAMED[arch]
+    torch.manual_seed(0)
+    config = getattr(transformers, name)(
+        hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=32, max_position_embeddings=64, **extra,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # (biases start at zero: give them values the logits show)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(tmp_path / "saved")
+    snapshot = {"model": {f"module.{k}": v for k, v in model.state_dict().items()}, "step": 3}
+    torch.save(snapshot, tmp_path / "snapshot.pt")
+    tokens = torch.tensor([[1, 4, 9, 2, 30]])
+    with torch.no_grad():
+        want = model(tokens).logits
+    config_file = tmp_path / "saved" / "config.json"
+    runs = run_many(
+        [
+            ["convert", tmp_path / "saved", "--to", "hf", "-o", f"{tmp_path / 'a'}/"],
+            ["convert", tmp_path / "snapshot.pt", "--to", "hf", "--config", config_file,
+             "-o", f"{tmp_path / 'b'}/"],
+            ["convert", tmp_path / "snapshot.pt", "--to", "hf", "--config", config_file,
+             "--dry-run", "--json"],
+        ]
+    )  # fmt: skip
+    assert [r["code"] for r in runs] == [0, 0, 0], [r["stderr"] for r in runs]
+    for out in ("a", "b"):
+        written = json.loads((tmp_path / out / "config.json").read_text())
+        assert written["architectures"] == [model.__class__.__name__]
+        assert written["model_type"] == arch
+        assert torch.equal(hf_logits(tmp_path / out, tokens), want)
+    data = json.loads(runs[2]["stdout"])
+    assert data["mapping"] == f"hf:{arch}"
+    assert data["architecture"] == model.__class__.__name__
+    # (the generation config beside the --config comes along)
+    assert sorted(os.listdir(tmp_path / "b")) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+
+
+def test_look_alike_names_without_a_model_type_are_not_guessed(tmp_path):
+    """Llama's and Mistral's tensors have the same names: a config that does not say
+    which (no model_type) is refused naming both, never a silent pick."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=32, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    untyped = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    (tmp_path / "untyped.json").write_text(json.dumps(untyped))
+    argvs = [
+        ["convert", tmp_path / "model.pt", "--to", "hf", "--config", tmp_path / "untyped.json",
+         "-o", f"{tmp_path / 'x'}/"],
+        ["convert", tmp_path / "model.pt", "--to", "hf", "--config", tmp_path / "untyped.json",
+         "--arch", "mistral", "-o", f"{tmp_path / 'y'}/"],
+    ]  # fmt: skip
+    runs = [completed(a, r) for a, r in zip(argvs, run_many(argvs), strict=True)]
+    check_error(runs[0], 2, "the tensors fit hf:llama and hf:mistral", "model_type")
+    assert not (tmp_path / "x").exists()
+    assert runs[1].returncode == 0, runs[1].stderr
+    assert json.loads((tmp_path / "y" / "config.json").read_text())["model_type"] == "mistral"
+
+
 def test_refusals_name_what_is_wrong(tmp_path):
     source = TITAN / "llama3"
     config = json.loads((source / "config.json").read_text())

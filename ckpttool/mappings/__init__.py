@@ -101,7 +101,7 @@ def export(
         CkptError: No spec fits, or two; a config value the tensors contradict; a
             tensor no rule maps; the result is not the architecture's tensors.
     """
-    spec = _pick(list(tensors), arch)
+    spec = _pick(list(tensors), arch, config)
     architecture = ARCHITECTURES[spec.arch]
     config = dict(config)
     sources = {key: config_file for key in config}
@@ -216,23 +216,32 @@ def pair_through(
     )
 
 
-def _pick(names: list[str], arch: str) -> Spec:
+def _fits(names: list[str], arch: str) -> list[Spec]:
+    return [s for s in SPECS.values() if arch in ("auto", s.name, s.arch) and s.matches(names)]
+
+
+def _pick(names: list[str], arch: str, config: Mapping[str, Any]) -> Spec:
+    """The one spec the tensors fit; where several do (Llama's names are Mistral's too),
+    the one of the config's ``model_type``: what the config says, never a guess."""
     if arch != "auto" and arch not in SPECS and arch not in ARCHITECTURES:
         raise UsageError(
             f"unknown --arch {arch!r}",
             hint=f"choose auto, or one of {', '.join(sorted({*SPECS, *ARCHITECTURES}))}",
         )
-    fits = [s for s in SPECS.values() if arch in ("auto", s.name, s.arch) and s.matches(names)]
+    fits = _fits(names, arch)
     if not fits:
         shown = ", ".join(repr(n) for n in names[:3])
         raise CkptError(
             f"no mapping to a Hugging Face architecture knows these tensors ({shown}, …)",
             hint=f"mappings: {', '.join(SPECS)}; see `ckpttool inspect`",
         )
+    typed = [s for s in fits if ARCHITECTURES[s.arch].model_type == config.get("model_type")]
+    if len(fits) > 1 and len(typed) == 1:
+        return typed[0]
     if len(fits) > 1:
         raise CkptError(
             f"the tensors fit {' and '.join(s.name for s in fits)}",
-            hint="pass --arch to choose",
+            hint="pass --arch to choose, or a --config whose model_type names one",
         )
     return fits[0]
 

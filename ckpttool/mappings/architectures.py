@@ -65,6 +65,16 @@ def _qwen3_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _qwen2_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Llama's tensors and the q, k and v projections' biases."""
+    out = _llama_tensors(c)
+    for i in range(positive(c, "num_hidden_layers")):
+        p = f"model.layers.{i}.self_attn."
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            out[p + proj + ".bias"] = out[p + proj + ".weight"][:1]
+    return out
+
+
 def positive(config: Mapping[str, Any], key: str) -> int:
     """``config[key]``, a positive integer.
 
@@ -80,6 +90,15 @@ def positive(config: Mapping[str, Any], key: str) -> int:
 ARCHITECTURES = {
     "llama": Architecture(
         "llama", "LlamaForCausalLM", "llama", _llama_tensors,
+        "model.embed_tokens.weight", "lm_head.weight",
+    ),
+    # Mistral's tensors are Llama's (its sliding window is the config's alone)
+    "mistral": Architecture(
+        "mistral", "MistralForCausalLM", "mistral", _llama_tensors,
+        "model.embed_tokens.weight", "lm_head.weight",
+    ),
+    "qwen2": Architecture(
+        "qwen2", "Qwen2ForCausalLM", "qwen2", _qwen2_tensors,
         "model.embed_tokens.weight", "lm_head.weight",
     ),
     "qwen3": Architecture(

@@ -60,7 +60,11 @@ class Spec:
     head: str = ""
     # source names that must be there too (what tells this layout from a smaller one)
     requires: tuple[str, ...] = ()
-    _compiled: list[tuple[re.Pattern[str], Rename]] = field(default_factory=list, repr=False)
+    # (the rules compiled once; not a field replace() copies: a spec made from another
+    # by dataclasses.replace compiles its own rules)
+    _compiled: list[tuple[re.Pattern[str], Rename]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def rules(self) -> list[tuple[re.Pattern[str], Rename]]:
         if not self._compiled:

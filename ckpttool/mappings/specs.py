@@ -9,8 +9,10 @@ Sources, cited by the code whose names they are:
 - ``torchtitan:qwen3``: torchtitan 0.3's dense ``Qwen3Model``, as
   ``torchtitan/models/qwen3/state_dict_adapter.py`` maps it to ``Qwen3ForCausalLM``: the
   Llama names, the q and k norms, no permutation (its rotary layout is HF's).
-- ``hf:llama``: already ``LlamaForCausalLM``'s names (an HF model saved through FSDP,
-  DCP, accelerate or the Trainer): every tensor as it is.
+- ``hf:llama``, ``hf:mistral``, ``hf:qwen2``: already ``LlamaForCausalLM``'s,
+  ``MistralForCausalLM``'s or ``Qwen2ForCausalLM``'s names (an HF model saved through
+  FSDP, DCP, accelerate or the Trainer): every tensor as it is. Llama's and Mistral's
+  names are the same: the config's ``model_type`` tells them apart.
 """
 
 from __future__ import annotations
@@ -100,4 +102,22 @@ HF_LLAMA = Spec(
     head="lm_head.weight",
 )
 
-SPECS = {spec.name: spec for spec in (TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, HF_LLAMA)}
+HF_MISTRAL = dataclasses.replace(HF_LLAMA, name="hf:mistral", arch="mistral")
+HF_QWEN2 = dataclasses.replace(
+    HF_LLAMA,
+    name="hf:qwen2",
+    arch="qwen2",
+    renames=HF_LLAMA.renames
+    + tuple(
+        Rename(
+            f"model.layers.{{L}}.self_attn.{proj}.bias", f"model.layers.{{L}}.self_attn.{proj}.bias"
+        )
+        for proj in ("q_proj", "k_proj", "v_proj")
+    ),
+    requires=("model.layers.{L}.self_attn.q_proj.bias",),
+)
+
+SPECS = {
+    spec.name: spec
+    for spec in (TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, HF_LLAMA, HF_MISTRAL, HF_QWEN2)
+}
