@@ -168,30 +168,41 @@ def test_hf_named_llama_saved_by_transformers_is_completed(tmp_path):
 
 
 # HF architectures whose checkpoints come under their own names: (config class, kwargs)
+LLAMA_LIKE = {
+    "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 32,
+    "max_position_embeddings": 64,
+}  # fmt: skip
 HF_NAMED = {
-    "mistral": ("MistralConfig", {"sliding_window": 4}),
-    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # (q, k, v biases)
-}
+    "mistral": ("MistralConfig", {**LLAMA_LIKE, "sliding_window": 4}),
+    "qwen2": ("Qwen2Config", {**LLAMA_LIKE, "tie_word_embeddings": True}),  # (q, k, v biases)
+    "gpt2": (  # (Conv1D weights, learned positions, LayerNorm biases; tied)
+        "GPT2Config",
+        {"n_embd": 16, "n_layer": 2, "n_head": 4, "vocab_size": 32, "n_positions": 64,
+         "bos_token_id": 0, "eos_token_id": 0},
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", HF_NAMED)
 def test_hf_named_models_are_completed_with_their_own_logits(arch, tmp_path):
-    """Mistral (Llama's names: the config's model_type decides) and Qwen2 (q, k, v
-    biases; tied), each as transformers saves it and as a DDP training snapshot of it
+    """Mistral (Llama's names: the config's model_type decides), Qwen2 (q, k, v biases;
+    tied) and GPT-2 (Conv1D, positions, LayerNorms; its old mask buffers dropped), each
+    as transformers saves it and as a DDP training snapshot of it
     (``module.`` keys beside the step, the model's config passed): the folder loads with
     no missing or unexpected key and gives the model's own logits, bitwise."""
     name, extra = HF_NAMED[arch]
     torch.manual_seed(0)
-    config = getattr(transformers, name)(
-        hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, vocab_size=32, max_position_embeddings=64, **extra,
-    )  # fmt: skip
+    config = getattr(transformers, name)(**extra)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # (biases start at zero: give them values the logits show)
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(tmp_path / "saved")
-    snapshot = {"model": {f"module.{k}": v for k, v in model.state_dict().items()}, "step": 3}
+    state = model.state_dict()
+    if arch == "gpt2":  # as older transformers saved GPT-2: the causal mask as buffers
+        state |= {f"transformer.h.{i}.attn.bias": torch.ones(1, 1, 64, 64).tril() for i in (0, 1)}
+    snapshot = {"model": {f"module.{k}": v for k, v in state.items()}, "step": 3}
     torch.save(snapshot, tmp_path / "snapshot.pt")
     tokens = torch.tensor([[1, 4, 9, 2, 30]])
     with torch.no_grad():
@@ -215,6 +226,12 @@ def test_hf_named_models_are_completed_with_their_own_logits(arch, tmp_path):
     data = json.loads(runs[2]["stdout"])
     assert data["mapping"] == f"hf:{arch}"
     assert data["architecture"] == model.__class__.__name__
+    if arch == "gpt2":
+        assert sorted(d["source"] for d in data["dropped"]) == [
+            "lm_head.weight",  # (tied: the embedding's bytes)
+            "transformer.h.0.attn.bias",
+            "transformer.h.1.attn.bias",
+        ]
     # (the generation config beside the --config comes along)
     assert sorted(os.listdir(tmp_path / "b")) == [
         "config.json",

@@ -116,7 +116,7 @@ def export(
         )
     config["tie_word_embeddings"] = tied
     selected = {k: v for k, v in tensors.items() if not (tied and k == spec.head)}
-    heads = positive(config, "num_attention_heads")
+    heads = positive(config, architecture.key("num_attention_heads"))
     kv_heads = int(config.get("num_key_value_heads") or heads)
     transforms = {
         "same": lambda leaf, _c, _n: leaf,
@@ -158,7 +158,7 @@ def to_layout(layout: str, tensors: Mapping[str, Any], config: Mapping[str, Any]
         k: v for k, v in tensors.items() if not any(re.fullmatch(d.pattern, k) for d in hf_drops)
     }
     check_tensors(architecture, config, {k: tuple(v.shape) for k, v in kept.items()})
-    heads = positive(config, "num_attention_heads")
+    heads = positive(config, architecture.key("num_attention_heads"))
     kv_heads = int(config.get("num_key_value_heads") or heads)
     undo = {
         "same": lambda leaf, n: leaf,
@@ -254,22 +254,17 @@ def _check_config(spec: Spec, tensors: Mapping[str, Any], config: dict[str, Any]
         CkptError: Naming the tensor, the value it says and the config's.
     """
     embedding = tensors[spec.embedding].shape
+    named = ARCHITECTURES[spec.arch].key  # (the config's own name of each value)
     said = {
-        "vocab_size": (embedding[0], spec.embedding),
-        "hidden_size": (embedding[1], spec.embedding),
+        named("vocab_size"): (embedding[0], spec.embedding),
+        named("hidden_size"): (embedding[1], spec.embedding),
     }
-    layers = {
-        int(n.split(".")[1])
-        for n in tensors
-        if n.startswith("layers.") and n.split(".")[1].isdigit()
-    }
-    layers |= {
-        int(n.split(".")[2])
-        for n in tensors
-        if n.startswith("model.layers.") and n.split(".")[2].isdigit()
-    }
+    layers = set()
+    for pattern, _ in spec.rules():  # (the {L} of the spec's source names)
+        if "L" in pattern.groupindex:
+            layers |= {int(m["L"]) for m in map(pattern.fullmatch, tensors) if m is not None}
     if layers:
-        said["num_hidden_layers"] = (max(layers) + 1, "the layers' numbers")
+        said[named("num_hidden_layers")] = (max(layers) + 1, "the layers' numbers")
     taken = {}
     for key, (value, source) in said.items():
         if config.get(key) is None:

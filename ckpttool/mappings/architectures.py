@@ -10,7 +10,7 @@ refused naming both.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CkptError
@@ -26,6 +26,13 @@ class Architecture:
     tensors: Callable[[Mapping[str, Any]], dict[str, tuple[int, ...]]]
     embedding: str  # the input embedding's HF name (tied with the head)
     head: str  # the output projection's HF name
+    # the config's names of the values ckpttool reads (GPT-2's config says n_embd...)
+    keys: Mapping[str, str] = field(default_factory=dict)
+
+    def key(self, name: str) -> str:
+        """The config's name for ``name`` (``hidden_size``, ``num_hidden_layers``,
+        ``num_attention_heads``, ``vocab_size``)."""
+        return self.keys.get(name, name)
 
 
 def _llama_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -75,6 +82,32 @@ def _qwen2_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _gpt2_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """GPT-2's: ``Conv1D`` weights stored (in, out), learned positions, LayerNorms."""
+    hidden, layers = positive(c, "n_embd"), positive(c, "n_layer")
+    vocab, positions = positive(c, "vocab_size"), positive(c, "n_positions")
+    inner = int(c.get("n_inner") or 4 * hidden)
+    out = {
+        "transformer.wte.weight": (vocab, hidden),
+        "transformer.wpe.weight": (positions, hidden),
+        "transformer.ln_f.weight": (hidden,),
+        "transformer.ln_f.bias": (hidden,),
+    }
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        out |= {
+            p + "ln_1.weight": (hidden,), p + "ln_1.bias": (hidden,),
+            p + "attn.c_attn.weight": (hidden, 3 * hidden), p + "attn.c_attn.bias": (3 * hidden,),
+            p + "attn.c_proj.weight": (hidden, hidden), p + "attn.c_proj.bias": (hidden,),
+            p + "ln_2.weight": (hidden,), p + "ln_2.bias": (hidden,),
+            p + "mlp.c_fc.weight": (hidden, inner), p + "mlp.c_fc.bias": (inner,),
+            p + "mlp.c_proj.weight": (inner, hidden), p + "mlp.c_proj.bias": (hidden,),
+        }  # fmt: skip
+    if not c.get("tie_word_embeddings", True):  # (GPT-2 ties by default)
+        out["lm_head.weight"] = (vocab, hidden)
+    return out
+
+
 def positive(config: Mapping[str, Any], key: str) -> int:
     """``config[key]``, a positive integer.
 
@@ -104,6 +137,12 @@ ARCHITECTURES = {
     "qwen3": Architecture(
         "qwen3", "Qwen3ForCausalLM", "qwen3", _qwen3_tensors,
         "model.embed_tokens.weight", "lm_head.weight",
+    ),
+    "gpt2": Architecture(
+        "gpt2", "GPT2LMHeadModel", "gpt2", _gpt2_tensors,
+        "transformer.wte.weight", "lm_head.weight",
+        keys={"hidden_size": "n_embd", "num_hidden_layers": "n_layer",
+              "num_attention_heads": "n_head"},
     ),
 }  # fmt: skip
 

@@ -13,6 +13,8 @@ Sources, cited by the code whose names they are:
   ``MistralForCausalLM``'s or ``Qwen2ForCausalLM``'s names (an HF model saved through
   FSDP, DCP, accelerate or the Trainer): every tensor as it is. Llama's and Mistral's
   names are the same: the config's ``model_type`` tells them apart.
+- ``hf:gpt2``: ``GPT2LMHeadModel``'s names (its ``Conv1D`` weights already (in, out)); the
+  causal-mask buffers older saves keep are dropped.
 """
 
 from __future__ import annotations
@@ -117,7 +119,26 @@ HF_QWEN2 = dataclasses.replace(
     requires=("model.layers.{L}.self_attn.q_proj.bias",),
 )
 
+_HF_GPT2_NAMES = (
+    "transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
+    "transformer.ln_f.bias", "lm_head.weight",
+    *(f"transformer.h.{{L}}.{n}.{w}" for n in (
+        "ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj",
+    ) for w in ("weight", "bias")),
+)  # fmt: skip
+
+HF_GPT2 = Spec(
+    name="hf:gpt2",
+    arch="gpt2",
+    renames=tuple(Rename(n, n) for n in _HF_GPT2_NAMES),
+    drops=(  # (older saves keep the causal mask as buffers)
+        Drop(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)", "the causal mask: a buffer"),
+    ),
+    embedding="transformer.wte.weight",
+    head="lm_head.weight",
+)
+
 SPECS = {
     spec.name: spec
-    for spec in (TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, HF_LLAMA, HF_MISTRAL, HF_QWEN2)
+    for spec in (TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, HF_LLAMA, HF_MISTRAL, HF_QWEN2, HF_GPT2)
 }
