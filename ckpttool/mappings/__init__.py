@@ -21,6 +21,7 @@ from typing import Any
 
 from ..dtypes import DType
 from ..errors import CkptError, UsageError
+from . import megatron
 from .architectures import ARCHITECTURES, Architecture, check_tensors, positive
 from .rows import rope_from_hf, rope_from_hf_rows, rope_to_hf
 from .spec import Mapped, Spec, apply, name_pattern
@@ -123,6 +124,8 @@ def export(
         "rope_q": lambda leaf, _c, n: rope_to_hf(leaf, heads, n),
         "rope_k": lambda leaf, _c, n: rope_to_hf(leaf, kv_heads, n),
     }
+    if spec.layers_axis or spec.padded_vocab:
+        transforms |= megatron.transforms(config)
     mapped, dropped = apply(spec, selected, config, transforms)
     if tied and spec.head in tensors:
         dropped.append((spec.head, "tied: the embedding's bytes (tie_word_embeddings)"))
@@ -138,6 +141,15 @@ def export(
     return Export(spec, architecture, config, mapped, dropped, sources)
 
 
+# the transforms the way back undoes, and the layouts made of them alone
+_UNDONE = ("same", "rope_q", "rope_k")
+_WAYS_BACK = [
+    name
+    for name, spec in SPECS.items()
+    if not name.startswith("hf:") and all(r.transform in _UNDONE for r in spec.renames)
+]
+
+
 def to_layout(layout: str, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
     """The way back: an HF model's ``tensors`` (its config ``config``) under the source
     layout ``layout`` names (``torchtitan:llama3``), each transform undone, as that
@@ -148,9 +160,10 @@ def to_layout(layout: str, tensors: Mapping[str, Any], config: Mapping[str, Any]
         UsageError: No such layout.
         CkptError: The tensors are not exactly the architecture's for the config.
     """
-    if layout not in SPECS or layout.startswith("hf:"):
-        known = ", ".join(s for s in SPECS if not s.startswith("hf:"))
-        raise UsageError(f"unknown --layout {layout!r}", hint=f"choose one of {known}")
+    if layout not in SPECS or layout not in _WAYS_BACK:
+        raise UsageError(
+            f"unknown --layout {layout!r}", hint=f"choose one of {', '.join(_WAYS_BACK)}"
+        )
     spec = SPECS[layout]
     architecture = ARCHITECTURES[spec.arch]
     hf_drops = SPECS[f"hf:{spec.arch}"].drops if f"hf:{spec.arch}" in SPECS else ()
@@ -255,10 +268,18 @@ def _check_config(spec: Spec, tensors: Mapping[str, Any], config: dict[str, Any]
     """
     embedding = tensors[spec.embedding].shape
     named = ARCHITECTURES[spec.arch].key  # (the config's own name of each value)
-    said = {
-        named("vocab_size"): (embedding[0], spec.embedding),
-        named("hidden_size"): (embedding[1], spec.embedding),
-    }
+    said = {named("hidden_size"): (embedding[1], spec.embedding)}
+    vocab = config.get(named("vocab_size"))
+    if not spec.padded_vocab or vocab is None:
+        said[named("vocab_size")] = (embedding[0], spec.embedding)
+    elif not isinstance(vocab, int) or not 0 < vocab <= embedding[0]:
+        raise CkptError(
+            f"the config says vocab_size {vocab!r}, more than the checkpoint's "
+            f"{embedding[0]} rows ({spec.embedding})",
+            hint="pass the --config of this checkpoint's model",
+        )
+    if spec.layers_axis in tensors:
+        said[named("num_hidden_layers")] = (tensors[spec.layers_axis].shape[0], spec.layers_axis)
     layers = set()
     for pattern, _ in spec.rules():  # (the {L} of the spec's source names)
         if "L" in pattern.groupindex:

@@ -57,6 +57,82 @@ def strided_rows(ref: TensorRef, start: int, step: int, count: int) -> TensorRef
     )
 
 
+@dataclass(frozen=True, eq=False)
+class IndexOf:
+    """Index ``index`` of a stored block's leading axis (one layer of a tensor stacked
+    along a layer axis, as megatron-core's ``torch_dist`` saves a layer's weights)."""
+
+    block: Any
+    index: int
+
+    @property
+    def cast_to(self) -> Any:
+        return self.block.cast_to
+
+    def tensor_ref(self) -> TensorRef:
+        ref = self.block.tensor_ref()
+        return TensorRef(
+            ref.dtype,
+            tuple(ref.shape[1:]),
+            tuple(ref.stride[1:]),
+            ref.offset + self.index * ref.stride[0],
+            ref.storage,
+            device=ref.device,
+        )
+
+    def where(self) -> str:
+        inner = getattr(self.block, "where", None)
+        named = inner() if callable(inner) else repr(self.block.tensor_ref().storage)
+        return f"{named} index {self.index}"
+
+
+def layer_of(leaf: Leaf, index: int, name: str) -> Leaf:
+    """``leaf[index]`` of a tensor stacked along its first axis, as a view of the stored
+    bytes (a stored tensor's view, or the shards that hold that index).
+
+    Raises:
+        CkptError: No such index, or an incomplete sharded tensor (named).
+    """
+    if not leaf.shape or not 0 <= index < leaf.shape[0]:
+        raise CkptError(f"tensor {name!r} {list(leaf.shape)} has no index {index} to unstack")
+    if isinstance(leaf, TensorRef):
+        return IndexOf(leaf, index).tensor_ref()
+    if isinstance(leaf, ShardedRef):
+        if leaf.incomplete:
+            raise CkptError(f"sharded tensor {leaf.incomplete}")
+        shards = [
+            Shard(tuple(s.offsets[1:]), tuple(s.sizes[1:]), IndexOf(s.tensor, index - s.offsets[0]))
+            for s in leaf.shards
+            if s.offsets[0] <= index < s.offsets[0] + s.sizes[0]
+        ]
+        return ShardedRef(leaf.dtype, tuple(leaf.shape[1:]), shards, kind="rows")
+    raise CkptError(f"tensor {name!r} is not a dense tensor: it cannot be unstacked")
+
+
+def gather_rows(leaf: Leaf, runs: list[tuple[int, int]], name: str) -> ShardedRef:
+    """The tensor made of the row runs ``(source row, count)`` of ``leaf``, one after the
+    other: each run a view of the stored rows (split where the source's shards split).
+
+    Raises:
+        CkptError: A run past the source's rows, or a source split along its columns.
+    """
+    rows, *rest = leaf.shape if leaf.shape else (0,)
+    blocks = _row_blocks(leaf, name)
+    shards, out_row = [], 0
+    for src_row, count in runs:
+        if src_row < 0 or src_row + count > rows:
+            raise CkptError(f"tensor {name!r}: rows {src_row}..{src_row + count} of {rows}")
+        for block_start, block, block_rows in blocks:
+            first = max(src_row, block_start)
+            last = min(src_row + count, block_start + block_rows)
+            if first < last:
+                view = RowsOf(block, first - block_start, 1, last - first)
+                at = out_row + first - src_row
+                shards.append(Shard((at, *(0 for _ in rest)), (last - first, *rest), view))
+        out_row += count
+    return ShardedRef(leaf.dtype, (out_row, *rest), shards, kind="rows")
+
+
 def rope_to_hf(leaf: Leaf, heads: int, name: str) -> ShardedRef:
     """``leaf`` (a q or k projection in Meta's interleaved layout, ``heads`` heads) in
     Hugging Face's layout: what ``transformers``' ``convert_llama_weights_to_hf``'s

@@ -60,6 +60,12 @@ class Spec:
     head: str = ""
     # source names that must be there too (what tells this layout from a smaller one)
     requires: tuple[str, ...] = ()
+    # a source whose first axis stacks the layers (megatron-core's torch_dist): it
+    # says how many there are
+    layers_axis: str = ""
+    # the embedding and head padded past the vocabulary (Megatron): the config's
+    # vocab_size may be smaller than their rows, which are trimmed to it
+    padded_vocab: bool = False
     # (the rules compiled once; not a field replace() copies: a spec made from another
     # by dataclasses.replace compiles its own rules)
     _compiled: list[tuple[re.Pattern[str], Rename]] = field(
@@ -118,19 +124,19 @@ def apply(
         if reason is not None:
             dropped.append((name, reason))
             continue
-        for pattern, rule in spec.rules():
-            found = pattern.fullmatch(name)
-            if found is None:
-                continue
-            target = rule.target.format(**found.groupdict())
-            if target in seen:
-                raise CkptError(f"{name!r} and {seen[target]!r} both map to {target!r}")
-            seen[target] = name
-            out = transforms[rule.transform](leaf, config, name)
-            mapped.append(Mapped(target, name, rule.transform, out))
-            break
-        else:
+        # every rule naming the source makes its targets (a fused tensor feeds several)
+        rules = [(m, rule) for p, rule in spec.rules() if (m := p.fullmatch(name)) is not None]
+        if not rules:
             unmapped.append(name)
+        for found, rule in rules:
+            out = transforms[rule.transform](leaf, config, name)
+            # (a stacked tensor's transform gives each layer: its fields and its leaf)
+            for fields, part in out if isinstance(out, list) else [({}, out)]:
+                target = rule.target.format(**found.groupdict(), **fields)
+                if target in seen:
+                    raise CkptError(f"{name!r} and {seen[target]!r} both map to {target!r}")
+                seen[target] = name
+                mapped.append(Mapped(target, name, rule.transform, part))
     if unmapped:
         shown = ", ".join(repr(n) for n in unmapped[:5]) + (
             f" and {len(unmapped) - 5} more" if len(unmapped) > 5 else ""

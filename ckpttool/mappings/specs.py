@@ -9,6 +9,12 @@ Sources, cited by the code whose names they are:
 - ``torchtitan:qwen3``: torchtitan 0.3's dense ``Qwen3Model``, as
   ``torchtitan/models/qwen3/state_dict_adapter.py`` maps it to ``Qwen3ForCausalLM``: the
   Llama names, the q and k norms, no permutation (its rotary layout is HF's).
+- ``megatron:gpt``: megatron-core's ``GPTModel`` with the Llama layout (RMSNorm, SwiGLU,
+  grouped-query attention, RoPE not interleaved: HF's), as its ``torch_dist`` checkpoint
+  holds it (``dist_checkpointing.save``: layers stacked, QKV and gate/up fused, the
+  vocabulary padded), mapped to ``LlamaForCausalLM`` as Megatron-Bridge's
+  ``LlamaBridge`` maps it (its ``QKVMapping`` and ``GatedMLPMapping``): see
+  :mod:`.megatron`.
 - ``hf:llama``, ``hf:mistral``, ``hf:qwen2``: already ``LlamaForCausalLM``'s,
   ``MistralForCausalLM``'s or ``Qwen2ForCausalLM``'s names (an HF model saved through
   FSDP, DCP, accelerate or the Trainer): every tensor as it is. Llama's and Mistral's
@@ -138,7 +144,44 @@ HF_GPT2 = Spec(
     head="lm_head.weight",
 )
 
+_MEGATRON_LAYER = "decoder.layers."  # (stacked: one tensor of every layer)
+MEGATRON_GPT = Spec(
+    name="megatron:gpt",
+    arch="llama",
+    renames=(
+        Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight", "vocab"),
+        Rename("decoder.final_layernorm.weight", "model.norm.weight"),
+        Rename("output_layer.weight", "lm_head.weight", "vocab"),
+        *(
+            Rename(_MEGATRON_LAYER + src, f"model.layers.{{L}}.{dst}", how)
+            for src, dst, how in (
+                # (Transformer Engine's fused norm names, which the local spec saves too)
+                ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight", "layer"),
+                ("input_layernorm.weight", "input_layernorm.weight", "layer"),
+                ("self_attention.linear_qkv.weight", "self_attn.q_proj.weight", "qkv_q"),
+                ("self_attention.linear_qkv.weight", "self_attn.k_proj.weight", "qkv_k"),
+                ("self_attention.linear_qkv.weight", "self_attn.v_proj.weight", "qkv_v"),
+                ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", "layer"),
+                ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight", "layer"),
+                ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", "layer"),
+                ("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "glu_gate"),
+                ("mlp.linear_fc1.weight", "mlp.up_proj.weight", "glu_up"),
+                ("mlp.linear_fc2.weight", "mlp.down_proj.weight", "layer"),
+            )
+        ),
+    ),
+    drops=(Drop(r"(.*\.)?_extra_state(/.*)?", "Transformer Engine's extra state: not a weight"),),
+    embedding="embedding.word_embeddings.weight",
+    head="output_layer.weight",
+    requires=(_MEGATRON_LAYER + "self_attention.linear_qkv.weight",),
+    layers_axis=_MEGATRON_LAYER + "self_attention.linear_qkv.weight",
+    padded_vocab=True,
+)
+
 SPECS = {
     spec.name: spec
-    for spec in (TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, HF_LLAMA, HF_MISTRAL, HF_QWEN2, HF_GPT2)
-}
+    for spec in (
+        TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, MEGATRON_GPT,
+        HF_LLAMA, HF_MISTRAL, HF_QWEN2, HF_GPT2,
+    )
+}  # fmt: skip

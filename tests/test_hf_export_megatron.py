@@ -1,0 +1,176 @@
+"""``convert --to hf`` of megatron-core ``torch_dist`` checkpoints (issue 44): the Llama
+layout (``megatron:gpt``) as ``LlamaForCausalLM``, checked against megatron's own forward.
+
+The fixtures are megatron-core 0.16's own saves (``fixtures/make_megatron_llama_fixtures.py``:
+its ``GPTModel`` with RMSNorm, SwiGLU, grouped-query attention and RoPE, tensor parallel 2
+on gloo, saved by ``dist_checkpointing.save``); ``*_truth.pt`` holds megatron's forward
+on fixed tokens and its ``load_plain_tensors``. Needs transformers (the ``interop`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import check_error, completed, fixture_path, run_many
+
+transformers = pytest.importorskip("transformers", exc_type=ImportError)
+
+MEGATRON = fixture_path("megatron")
+RUNS = ("llama", "llama_tied")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def hf_logits(folder, tokens):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        return model.eval()(tokens).logits
+
+
+def export_argv(run, out, *more):
+    config = MEGATRON / f"{run}_config.json"
+    return ["convert", MEGATRON / run, "--to", "hf", "--config", config, *more, "-o", f"{out}/"]
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_megatron_gpt_to_hf_gives_megatrons_logits(run, tmp_path):
+    truth = torch.load(MEGATRON / f"{run}_truth.pt")
+    (done, dry) = run_many(
+        [
+            export_argv(run, tmp_path / "hf"),
+            ["convert", MEGATRON / run, "--to", "hf", "--config", MEGATRON / f"{run}_config.json",
+             "--dry-run", "--json"],
+        ]
+    )  # fmt: skip
+    assert done["code"] == 0 and dry["code"] == 0, (done["stderr"], dry["stderr"])
+    got = hf_logits(tmp_path / "hf", truth["tokens"])
+    assert (got - truth["logits"]).abs().max().item() <= 1e-5
+    data = json.loads(dry["stdout"])
+    assert data["mapping"] == "megatron:gpt" and data["architecture"] == "LlamaForCausalLM"
+    transforms = {t["transform"] for t in data["tensors"]}
+    assert transforms == {"vocab", "same", "layer", "qkv_q", "qkv_k", "qkv_v", "glu_gate", "glu_up"}
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["tie_word_embeddings"] is (run == "llama_tied")
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+
+
+def test_each_tensor_is_megatrons_through_its_layout(tmp_path):
+    """Every HF tensor is megatron's own ``load_plain_tensors`` tensor through the layout
+    its code uses (per query group: its query heads, its key, its value; the gate's rows,
+    then up's), bitwise: computed here independently of the spec."""
+    from safetensors.torch import load_file
+
+    truth = torch.load(MEGATRON / "llama_truth.pt")["tensors"]
+    config = json.loads((MEGATRON / "llama_config.json").read_text())
+    (done,) = run_many([export_argv("llama", tmp_path / "hf")])
+    assert done["code"] == 0, done["stderr"]
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config["hidden_size"] // heads
+    ffn = config["intermediate_size"]
+    want = {
+        "model.embed_tokens.weight": truth["embedding.word_embeddings.weight"],
+        "model.norm.weight": truth["decoder.final_layernorm.weight"],
+        "lm_head.weight": truth["output_layer.weight"],
+    }
+    layer = "decoder.layers."
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        qkv = truth[layer + "self_attention.linear_qkv.weight"][i]
+        grouped = qkv.view(groups, heads // groups + 2, hd, -1)
+        fc1 = truth[layer + "mlp.linear_fc1.weight"][i]
+        want |= {
+            p + "self_attn.q_proj.weight": grouped[:, :-2].reshape(heads * hd, -1),
+            p + "self_attn.k_proj.weight": grouped[:, -2].reshape(groups * hd, -1),
+            p + "self_attn.v_proj.weight": grouped[:, -1].reshape(groups * hd, -1),
+            p + "self_attn.o_proj.weight": truth[layer + "self_attention.linear_proj.weight"][i],
+            p + "mlp.gate_proj.weight": fc1[:ffn],
+            p + "mlp.up_proj.weight": fc1[ffn:],
+            p + "mlp.down_proj.weight": truth[layer + "mlp.linear_fc2.weight"][i],
+            p + "input_layernorm.weight": truth[
+                layer + "self_attention.linear_qkv.layer_norm_weight"
+            ][i],
+            p + "post_attention_layernorm.weight": truth[
+                layer + "mlp.linear_fc1.layer_norm_weight"
+            ][i],
+        }
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("swapped", [("qkv_k", "qkv_v"), ("glu_gate", "glu_up")])
+def test_a_spec_that_splits_a_fused_tensor_wrongly_is_caught_by_the_logits(swapped, tmp_path):
+    """Key rows taken as value rows, or the gate as up: every name and shape right, only
+    the logits tell."""
+    import dataclasses
+
+    from ckpttool.convert import HfOptions, convert
+    from ckpttool.mappings import specs
+
+    truth = torch.load(MEGATRON / "llama_truth.pt")
+    spec = specs.MEGATRON_GPT
+    other = dict([swapped, swapped[::-1]])
+    renames = tuple(
+        dataclasses.replace(r, transform=other.get(r.transform, r.transform)) for r in spec.renames
+    )
+    options = HfOptions(config=str(MEGATRON / "llama_config.json"), check=True)
+    saved = dict(specs.SPECS)
+    specs.SPECS[spec.name] = dataclasses.replace(spec, renames=renames)
+    try:
+        convert([str(MEGATRON / "llama")], "hf", str(tmp_path / "wrong") + "/", hf=options)
+    finally:
+        specs.SPECS.clear()
+        specs.SPECS.update(saved)
+    off = (hf_logits(tmp_path / "wrong", truth["tokens"]) - truth["logits"]).abs().max().item()
+    assert off > 1e-3, off
+
+
+def test_a_padded_vocabulary_is_trimmed_to_the_configs(tmp_path):
+    """Megatron pads the vocabulary (``make_vocab_size_divisible_by`` x tensor parallel):
+    a config of 31 tokens keeps the embedding's and head's first 31 rows, whose logits
+    are megatron's for those tokens."""
+    truth = torch.load(MEGATRON / "llama_truth.pt")
+    config = json.loads((MEGATRON / "llama_config.json").read_text())
+    for name, vocab in (("small", 31), ("large", 40), ("deep", None)):
+        changed = {**config, "vocab_size": vocab} if vocab else {**config, "num_hidden_layers": 3}
+        (tmp_path / f"{name}.json").write_text(json.dumps(changed))
+    argvs = [
+        ["convert", MEGATRON / "llama", "--to", "hf", "--config", tmp_path / f"{name}.json",
+         "-o", f"{tmp_path / name}/"]
+        for name in ("small", "large", "deep")
+    ]  # fmt: skip
+    small, large, deep = (completed(a, r) for a, r in zip(argvs, run_many(argvs), strict=True))
+    assert small.returncode == 0, small.stderr
+    got = hf_logits(tmp_path / "small", truth["tokens"])
+    assert got.shape[-1] == 31
+    assert (got - truth["logits"][..., :31]).abs().max().item() <= 1e-5
+    check_error(
+        large, 2,
+        "the config says vocab_size 40, more than the checkpoint's 32 rows "
+        "(embedding.word_embeddings.weight)",
+    )  # fmt: skip
+    check_error(
+        deep, 2,
+        "the config says num_hidden_layers 3, the checkpoint 2 "
+        "(decoder.layers.self_attention.linear_qkv.weight)",
+    )  # fmt: skip
+    assert not (tmp_path / "large").exists() and not (tmp_path / "deep").exists()
+
+
+def test_diff_pairs_the_megatron_checkpoint_with_its_export(tmp_path):
+    (done,) = run_many([export_argv("llama", tmp_path / "hf")])
+    assert done["code"] == 0, done["stderr"]
+    argvs = [["diff", MEGATRON / "llama", tmp_path / "hf", "--arch", "megatron:gpt"]]
+    (same,) = (completed(a, r) for a, r in zip(argvs, run_many(argvs), strict=True))
+    assert same.returncode == 0, (same.stdout, same.stderr)
+    assert "megatron:gpt" in same.stdout
