@@ -15,7 +15,7 @@ from typing import Any
 
 from . import sources
 from .errors import CkptError, UsageError
-from .mappings import Export, export, load_config
+from .mappings import Export, config_from_args, export, load_config
 from .targets import Published, check_output, output_path, publish
 from .writers import (
     CARRIED_FILES,
@@ -54,13 +54,21 @@ def convert_to_hf(
     """
     own = _input_folder(inputs)
     config_path = hf.config or (os.path.join(own, "config.json") if own else None)
-    if config_path is None or not os.path.exists(config_path):
+    args = ckpt.root.get("args") if isinstance(ckpt.root, dict) else None
+    came: dict[str, str] | None = None
+    if config_path is not None and os.path.exists(config_path):
+        config, config_file = load_config(config_path)
+    elif ckpt.format == "megatron" and isinstance(args, dict):  # the run's own arguments
+        config, came = config_from_args(args)
+        config_file = ""
+    else:
         raise UsageError(
             "--to hf needs the model's config: the checkpoint holds none",
             hint="pass --config (an HF config.json, or a folder holding one)",
         )
-    config, config_file = load_config(config_path)
-    mapping = export(tensors, config, arch=hf.arch, cast=options.cast, config_file=config_file)
+    mapping = export(
+        tensors, config, arch=hf.arch, cast=options.cast, config_file=config_file, config_from=came
+    )
     if hf.check:
         check_on_meta(mapping)
     out = (
@@ -74,9 +82,11 @@ def convert_to_hf(
     layout = layout_for("safetensors", sharded)
     check_output(out, [*inputs, *ckpt.files], force=force, layout=layout)
     plan = writer_for("safetensors").plan(mapping.tensors(), options)
-    config_dir = os.path.dirname(config_file)
     tokenizer_dir = hf.tokenizer or own
-    more = [(config_dir, _present(config_dir, ("generation_config.json",)))]
+    more = []
+    if config_file:  # (its generation config beside it)
+        config_dir = os.path.dirname(config_file)
+        more.append((config_dir, _present(config_dir, ("generation_config.json",))))
     if tokenizer_dir:
         more.append((tokenizer_dir, _present(tokenizer_dir, TOKENIZER_FILES)))
     plan = model_folder(

@@ -174,3 +174,48 @@ def test_diff_pairs_the_megatron_checkpoint_with_its_export(tmp_path):
     (same,) = (completed(a, r) for a, r in zip(argvs, run_many(argvs), strict=True))
     assert same.returncode == 0, (same.stdout, same.stderr)
     assert "megatron:gpt" in same.stdout
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_the_config_comes_from_the_runs_own_args(run, tmp_path):
+    """Without --config, the ``args`` Megatron-LM saved in ``common.pt`` give the model's
+    config (its true vocabulary of 31: the padded row dropped), each value named with
+    the argument it came from."""
+    truth = torch.load(MEGATRON / f"{run}_truth.pt")
+    done, dry = run_many(
+        [
+            ["convert", MEGATRON / run, "--to", "hf", "-o", f"{tmp_path / 'hf'}/"],
+            ["convert", MEGATRON / run, "--to", "hf", "--dry-run", "--json"],
+        ]
+    )
+    assert done["code"] == 0 and dry["code"] == 0, (done["stderr"], dry["stderr"])
+    got = hf_logits(tmp_path / "hf", truth["tokens"])
+    assert got.shape[-1] == 31
+    assert (got - truth["logits"][..., :31]).abs().max().item() <= 1e-5
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["vocab_size"] == 31 and written["num_key_value_heads"] == 2
+    assert written["tie_word_embeddings"] is (run == "llama_tied")
+    came = json.loads(dry["stdout"])["config_from"]
+    assert came["num_key_value_heads"] == "the run's args (num_query_groups)"
+    assert came["vocab_size"] == "the run's args (vocab_size)"
+    assert came["intermediate_size"] == "the run's args (ffn_hidden_size)"
+
+
+def test_args_of_another_layout_are_refused_by_name(tmp_path):
+    """A run whose saved arguments say LayerNorm is no Llama-layout run: exit 2 naming
+    the argument, nothing written (the fixture's own ``common.pt`` re-saved so)."""
+    import shutil
+
+    folder = tmp_path / "run"
+    shutil.copytree(MEGATRON / "llama", folder)
+    common = torch.load(folder / "common.pt", weights_only=False)  # (our own fixture)
+    common["args"].normalization = "LayerNorm"
+    torch.save(common, folder / "common.pt")
+    argv = ["convert", folder, "--to", "hf", "-o", f"{tmp_path / 'hf'}/"]
+    (done,) = (completed(argv, r) for r in run_many([argv]))
+    check_error(
+        done, 2,
+        "the run's args say normalization='LayerNorm': not the Llama layout megatron:gpt "
+        "maps (normalization='RMSNorm')",
+    )  # fmt: skip
+    assert not (tmp_path / "hf").exists()

@@ -23,6 +23,7 @@ from ..dtypes import DType
 from ..errors import CkptError, UsageError
 from . import megatron
 from .architectures import ARCHITECTURES, Architecture, check_tensors, positive
+from .megatron import config_from_args
 from .rows import rope_from_hf, rope_from_hf_rows, rope_to_hf
 from .spec import Mapped, Spec, apply, name_pattern
 from .specs import SPECS
@@ -31,6 +32,7 @@ __all__ = [
     "ARCHITECTURES",
     "SPECS",
     "Export",
+    "config_from_args",
     "export",
     "load_config",
     "pair_through",
@@ -95,6 +97,7 @@ def export(
     arch: str = "auto",
     cast: DType | None = None,
     config_file: str = "--config",
+    config_from: Mapping[str, str] | None = None,
 ) -> Export:
     """``tensors`` (the selected model state dict) as an HF model (see the module).
 
@@ -105,7 +108,7 @@ def export(
     spec = _pick(list(tensors), arch, config)
     architecture = ARCHITECTURES[spec.arch]
     config = dict(config)
-    sources = {key: config_file for key in config}
+    sources = dict(config_from) if config_from is not None else {k: config_file for k in config}
     for key, source in _check_config(spec, tensors, config).items():
         sources[key] = f"the checkpoint ({source})"
     tied = spec.head not in tensors or _same_bytes(tensors[spec.embedding], tensors[spec.head])

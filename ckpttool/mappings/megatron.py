@@ -16,6 +16,10 @@ and fuse what Hugging Face keeps apart:
   ``vocab_size`` rows are kept.
 
 Each is a row gather of a layer's view (:mod:`.rows`): no tensor is read at plan time.
+
+The model's ``config.json`` comes from the run itself where Megatron-LM saved its
+arguments (``args`` in ``common.pt``): :data:`ARGS_TO_LLAMA` names the argument of each
+config value, and :data:`LLAMA_ARGS` the values that make the run the Llama layout.
 """
 
 from __future__ import annotations
@@ -30,6 +34,56 @@ from .rows import gather_rows, layer_of
 from .spec import Transform
 
 Pick = Callable[[Leaf, str], Leaf]
+
+# LlamaConfig key -> Megatron-LM's argument (megatron/training/arguments.py: --hidden-size,
+# --ffn-hidden-size, --num-query-groups, --norm-epsilon, --rotary-base...), first found
+ARGS_TO_LLAMA = {
+    "hidden_size": ("hidden_size",),
+    "intermediate_size": ("ffn_hidden_size",),
+    "num_attention_heads": ("num_attention_heads",),
+    "num_hidden_layers": ("num_layers",),
+    "vocab_size": ("vocab_size", "padded_vocab_size"),  # (the true size, else the padded)
+    "max_position_embeddings": ("max_position_embeddings", "seq_length"),
+    "rms_norm_eps": ("norm_epsilon",),
+    "rope_theta": ("rotary_base",),
+    "head_dim": ("kv_channels",),
+}
+# the arguments of a run in the Llama layout, and what each must be
+LLAMA_ARGS = {
+    "normalization": "RMSNorm",
+    "swiglu": True,
+    "position_embedding_type": "rope",
+    "add_bias_linear": False,
+}
+
+
+def config_from_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """A ``LlamaConfig`` from a Megatron-LM run's arguments, and the argument each value
+    came from.
+
+    Raises:
+        CkptError: The arguments are not a Llama-layout run's (named).
+    """
+    for name, wanted in LLAMA_ARGS.items():
+        if name in args and args[name] != wanted:
+            raise CkptError(
+                f"the run's args say {name}={args[name]!r}: not the Llama layout "
+                f"megatron:gpt maps ({name}={wanted!r})",
+                hint="pass --config to name the model",
+            )
+    config: dict[str, Any] = {"model_type": "llama", "hidden_act": "silu"}
+    came = dict.fromkeys(config, "the Llama layout the run's args say")
+    for key, names in ARGS_TO_LLAMA.items():
+        found = next((n for n in names if args.get(n) is not None), None)
+        if found is not None:
+            config[key], came[key] = args[found], f"the run's args ({found})"
+    if args.get("group_query_attention") and args.get("num_query_groups"):
+        config["num_key_value_heads"] = args["num_query_groups"]
+        came["num_key_value_heads"] = "the run's args (num_query_groups)"
+    if "untie_embeddings_and_output_weights" in args:
+        config["tie_word_embeddings"] = not args["untie_embeddings_and_output_weights"]
+        came["tie_word_embeddings"] = "the run's args (untie_embeddings_and_output_weights)"
+    return config, came
 
 
 def transforms(config: Mapping[str, Any]) -> dict[str, Transform]:
