@@ -219,3 +219,23 @@ def test_args_of_another_layout_are_refused_by_name(tmp_path):
         "maps (normalization='RMSNorm')",
     )  # fmt: skip
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_same_folder_from_workers(tmp_path):
+    """Unstacked layers and split fused tensors are row views like any: ``--workers 2``
+    (units of 4 KiB: a layer's rows over several units) writes the bytes one process
+    does."""
+    import subprocess
+    import sys
+
+    from helpers import sha256, subprocess_env
+
+    (one,) = run_many([export_argv("llama", tmp_path / "one")])
+    assert one["code"] == 0, one["stderr"]
+    argv = [str(a) for a in export_argv("llama", tmp_path / "two", "--workers", "2")]
+    done = subprocess.run(
+        [sys.executable, "-m", "ckpttool", *argv], capture_output=True, text=True,
+        env=subprocess_env(CKPTTOOL_UNIT_BYTES="4096"), timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sha256(tmp_path / "one") == sha256(tmp_path / "two")
