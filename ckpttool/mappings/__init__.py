@@ -11,7 +11,6 @@ tensors stay lazy leaves that every output route writes as it writes any.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -303,15 +302,33 @@ def _check_config(spec: Spec, tensors: Mapping[str, Any], config: dict[str, Any]
 
 
 def _same_bytes(a: Any, b: Any) -> bool:
-    """Whether two tensors hold the same bytes (one storage, or equal contents)."""
+    """Whether two tensors hold the same bytes (one storage, or equal contents), read side
+    by side and stopped at the first difference: an untied head costs a chunk, not a
+    read of both tensors."""
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         return False
     from ..writers import iter_chunks
 
-    digests = []
-    for leaf in (a, b):
-        h = hashlib.sha256()
-        for chunk in iter_chunks(leaf, None):
-            h.update(chunk)
-        digests.append(h.digest())
-    return digests[0] == digests[1]
+    left, right = iter_chunks(a, None), iter_chunks(b, None)
+    mine, theirs = memoryview(b""), memoryview(b"")
+    while True:
+        if not mine:
+            mine = memoryview(next(left, b"")).cast("B")
+        if not theirs:
+            theirs = memoryview(next(right, b"")).cast("B")
+        if not mine or not theirs:
+            return not mine and not theirs  # (both ended together: equal lengths)
+        n = min(len(mine), len(theirs))
+        if not _equal(mine[:n], theirs[:n]):
+            return False
+        mine, theirs = mine[n:], theirs[n:]
+
+
+def _equal(a: memoryview, b: memoryview) -> bool:
+    """Two byte runs of one length compared as 8-byte words (numpy: GB/s; a memoryview's
+    own comparison goes a byte at a time, ~0.4 GB/s)."""
+    import numpy as np
+
+    whole = len(a) // 8 * 8
+    words = np.array_equal(np.frombuffer(a[:whole], np.uint64), np.frombuffer(b[:whole], np.uint64))
+    return words and a[whole:] == b[whole:]
