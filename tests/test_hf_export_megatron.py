@@ -239,3 +239,16 @@ def test_the_same_folder_from_workers(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert sha256(tmp_path / "one") == sha256(tmp_path / "two")
+
+
+def test_nemo2_weights_of_the_same_model_give_the_same_logits(tmp_path):
+    """NeMo 2 keeps the same torch_dist folder as its ``weights/`` (the model under
+    ``state_dict``, each key under ``module.``): given the checkpoint folder and the
+    model's config, the export is megatron's model, logits and all."""
+    truth = torch.load(MEGATRON / "llama_truth.pt")
+    config = MEGATRON / "llama_config.json"
+    argv = ["convert", MEGATRON / "nemo2_llama" / "model", "--to", "hf", "--config", config]
+    (done,) = run_many([[*argv, "-o", f"{tmp_path / 'hf'}/"]])
+    assert done["code"] == 0, done["stderr"]
+    got = hf_logits(tmp_path / "hf", truth["tokens"])
+    assert (got - truth["logits"]).abs().max().item() <= 1e-5
