@@ -15,7 +15,7 @@ from typing import Any
 
 from . import sources
 from .errors import CkptError, UsageError
-from .mappings import Export, config_from_args, export, load_config
+from .mappings import Export, export, load_config, merge_run_config
 from .targets import Published, check_output, output_path, publish
 from .writers import (
     CARRIED_FILES,
@@ -55,17 +55,17 @@ def convert_to_hf(
     own = _input_folder(inputs)
     config_path = hf.config or (os.path.join(own, "config.json") if own else None)
     args = ckpt.root.get("args") if isinstance(ckpt.root, dict) else None
-    came: dict[str, str] | None = None
-    if config_path is not None and os.path.exists(config_path):
-        config, config_file = load_config(config_path)
-    elif ckpt.format == "megatron" and isinstance(args, dict):  # the run's own arguments
-        config, came = config_from_args(args)
-        config_file = ""
-    else:
+    given = config_path is not None and os.path.exists(config_path)
+    if not given and not (ckpt.format == "megatron" and isinstance(args, dict)):
         raise UsageError(
             "--to hf needs the model's config: the checkpoint holds none",
             hint="pass --config (an HF config.json, or a folder holding one)",
         )
+    config, config_file = load_config(config_path) if given and config_path else ({}, "")
+    came: dict[str, str] | None = None
+    if ckpt.format == "megatron" and isinstance(args, dict):
+        # the run's own arguments, value by value; a --config gives what they do not say
+        config, came = merge_run_config(config, config_file or "--config", args)
     mapping = export(
         tensors, config, arch=hf.arch, cast=options.cast, config_file=config_file, config_from=came
     )

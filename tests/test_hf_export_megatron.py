@@ -53,7 +53,8 @@ def test_megatron_gpt_to_hf_gives_megatrons_logits(run, tmp_path):
     )  # fmt: skip
     assert done["code"] == 0 and dry["code"] == 0, (done["stderr"], dry["stderr"])
     got = hf_logits(tmp_path / "hf", truth["tokens"])
-    assert (got - truth["logits"]).abs().max().item() <= 1e-5
+    assert got.shape[-1] == 31  # (the config's vocabulary: megatron's padded row dropped)
+    assert (got - truth["logits"][..., :31]).abs().max().item() <= 1e-5
     data = json.loads(dry["stdout"])
     assert data["mapping"] == "megatron:gpt" and data["architecture"] == "LlamaForCausalLM"
     transforms = {t["transform"] for t in data["tensors"]}
@@ -77,10 +78,11 @@ def test_each_tensor_is_megatrons_through_its_layout(tmp_path):
     heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config["hidden_size"] // heads
     ffn = config["intermediate_size"]
+    vocab = config["vocab_size"]  # (31: megatron's padded row left out)
     want = {
-        "model.embed_tokens.weight": truth["embedding.word_embeddings.weight"],
+        "model.embed_tokens.weight": truth["embedding.word_embeddings.weight"][:vocab],
         "model.norm.weight": truth["decoder.final_layernorm.weight"],
-        "lm_head.weight": truth["output_layer.weight"],
+        "lm_head.weight": truth["output_layer.weight"][:vocab],
     }
     layer = "decoder.layers."
     for i in range(config["num_hidden_layers"]):
@@ -131,25 +133,32 @@ def test_a_spec_that_splits_a_fused_tensor_wrongly_is_caught_by_the_logits(swapp
     finally:
         specs.SPECS.clear()
         specs.SPECS.update(saved)
-    off = (hf_logits(tmp_path / "wrong", truth["tokens"]) - truth["logits"]).abs().max().item()
+    got = hf_logits(tmp_path / "wrong", truth["tokens"])
+    off = (got - truth["logits"][..., :31]).abs().max().item()
     assert off > 1e-3, off
 
 
 def test_a_padded_vocabulary_is_trimmed_to_the_configs(tmp_path):
     """Megatron pads the vocabulary (``make_vocab_size_divisible_by`` x tensor parallel):
     a config of 31 tokens keeps the embedding's and head's first 31 rows, whose logits
-    are megatron's for those tokens."""
+    are megatron's for those tokens. Where the checkpoint holds no args (NeMo 2's
+    weights), a config the tensors contradict is refused naming both; where it does, a
+    config the run's args contradict is."""
     truth = torch.load(MEGATRON / "llama_truth.pt")
     config = json.loads((MEGATRON / "llama_config.json").read_text())
-    for name, vocab in (("small", 31), ("large", 40), ("deep", None)):
-        changed = {**config, "vocab_size": vocab} if vocab else {**config, "num_hidden_layers": 3}
-        (tmp_path / f"{name}.json").write_text(json.dumps(changed))
+    changes = {"small": {"vocab_size": 31}, "large": {"vocab_size": 40},
+               "deep": {"num_hidden_layers": 3}, "padded": {"vocab_size": 32}}  # fmt: skip
+    for name, change in changes.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({**config, **change}))
+    nemo = MEGATRON / "nemo2_llama" / "model"
     argvs = [
-        ["convert", MEGATRON / "llama", "--to", "hf", "--config", tmp_path / f"{name}.json",
+        ["convert", source, "--to", "hf", "--config", tmp_path / f"{name}.json",
          "-o", f"{tmp_path / name}/"]
-        for name in ("small", "large", "deep")
+        for source, name in ((MEGATRON / "llama", "small"), (nemo, "large"), (nemo, "deep"),
+                             (MEGATRON / "llama", "padded"))
     ]  # fmt: skip
-    small, large, deep = (completed(a, r) for a, r in zip(argvs, run_many(argvs), strict=True))
+    runs = [completed(a, r) for a, r in zip(argvs, run_many(argvs), strict=True)]
+    small, large, deep, padded = runs
     assert small.returncode == 0, small.stderr
     got = hf_logits(tmp_path / "small", truth["tokens"])
     assert got.shape[-1] == 31
@@ -164,7 +173,8 @@ def test_a_padded_vocabulary_is_trimmed_to_the_configs(tmp_path):
         "the config says num_hidden_layers 3, the checkpoint 2 "
         "(decoder.layers.self_attention.linear_qkv.weight)",
     )  # fmt: skip
-    assert not (tmp_path / "large").exists() and not (tmp_path / "deep").exists()
+    check_error(padded, 2, "the config says vocab_size 32, the run's args (vocab_size) 31")
+    assert not any((tmp_path / n).exists() for n in ("large", "deep", "padded"))
 
 
 def test_diff_pairs_the_megatron_checkpoint_with_its_export(tmp_path):
@@ -251,4 +261,21 @@ def test_nemo2_weights_of_the_same_model_give_the_same_logits(tmp_path):
     (done,) = run_many([[*argv, "-o", f"{tmp_path / 'hf'}/"]])
     assert done["code"] == 0, done["stderr"]
     got = hf_logits(tmp_path / "hf", truth["tokens"])
-    assert (got - truth["logits"]).abs().max().item() <= 1e-5
+    assert (got - truth["logits"][..., :31]).abs().max().item() <= 1e-5
+
+
+def test_a_config_gives_what_the_runs_args_do_not_say(tmp_path):
+    """The run's args win value by value (the contract: the checkpoint's own metadata
+    first); a --config adds what they do not say (token ids), each value named with its
+    source in --dry-run."""
+    partial = tmp_path / "tokens.json"
+    partial.write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "model_type": "llama"}))
+    (dry,) = run_many(
+        [["convert", MEGATRON / "llama", "--to", "hf", "--config", partial, "--dry-run", "--json"]]
+    )
+    assert dry["code"] == 0, dry["stderr"]
+    data = json.loads(dry["stdout"])
+    came = data["config_from"]
+    assert came["bos_token_id"] == came["eos_token_id"] == str(partial)
+    assert came["num_key_value_heads"] == "the run's args (num_query_groups)"
+    assert data["config"]["bos_token_id"] == 1 and data["config"]["vocab_size"] == 31

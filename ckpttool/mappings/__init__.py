@@ -22,7 +22,7 @@ from ..dtypes import DType
 from ..errors import CkptError, UsageError
 from . import megatron
 from .architectures import ARCHITECTURES, Architecture, check_tensors, positive
-from .megatron import config_from_args
+from .megatron import merge_run_config
 from .rows import rope_from_hf, rope_from_hf_rows, rope_to_hf
 from .spec import Mapped, Spec, apply, name_pattern
 from .specs import SPECS
@@ -31,9 +31,9 @@ __all__ = [
     "ARCHITECTURES",
     "SPECS",
     "Export",
-    "config_from_args",
     "export",
     "load_config",
+    "merge_run_config",
     "pair_through",
     "rope_from_hf",
     "to_layout",

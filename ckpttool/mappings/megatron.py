@@ -57,6 +57,33 @@ LLAMA_ARGS = {
 }
 
 
+def merge_run_config(
+    given: Mapping[str, Any], given_from: str, args: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The config from the run's own ``args`` where they say a value, from ``given`` (a
+    ``--config``) for the rest, and where each came from. The padded vocabulary is a
+    bound, not the vocabulary: a given ``vocab_size`` takes its place.
+
+    Raises:
+        CkptError: The two disagree on a value (named, both), or the args are not a
+            Llama-layout run's.
+    """
+    from_args, came = config_from_args(args)
+    padded = came.get("vocab_size") == "the run's args (padded_vocab_size)"
+    if padded and given.get("vocab_size") is not None:
+        del from_args["vocab_size"], came["vocab_size"]
+    config = dict(given)
+    sources = dict.fromkeys(given, given_from)
+    for key, value in from_args.items():
+        if key in given and given[key] != value:
+            raise CkptError(
+                f"the config says {key} {given[key]!r}, {came[key]} {value!r}",
+                hint="pass the --config of this run's model, or none",
+            )
+        config[key], sources[key] = value, came[key]
+    return config, sources
+
+
 def config_from_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """A ``LlamaConfig`` from a Megatron-LM run's arguments, and the argument each value
     came from.
