@@ -231,6 +231,7 @@ def test_args_of_another_layout_are_refused_by_name(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow  # (two worker interpreters; the quick suite's --workers export is torchtitan's)
 def test_the_same_folder_from_workers(tmp_path):
     """Unstacked layers and split fused tensors are row views like any: ``--workers 2``
     (units of 4 KiB: a layer's rows over several units) writes the bytes one process
