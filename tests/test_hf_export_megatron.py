@@ -211,22 +211,27 @@ def test_the_config_comes_from_the_runs_own_args(run, tmp_path):
     assert came["intermediate_size"] == "the run's args (ffn_hidden_size)"
 
 
-def test_args_of_another_layout_are_refused_by_name(tmp_path):
-    """A run whose saved arguments say LayerNorm is no Llama-layout run: exit 2 naming
-    the argument, nothing written (the fixture's own ``common.pt`` re-saved so)."""
+@pytest.mark.parametrize(
+    ("arg", "value", "wanted"),
+    [("normalization", "LayerNorm", "'RMSNorm'"), ("use_rope_scaling", True, "False")],
+)
+def test_args_of_another_layout_are_refused_by_name(arg, value, wanted, tmp_path):
+    """A run whose saved arguments say LayerNorm is no Llama-layout run, and one of a
+    scaled RoPE would need a rope_scaling its args do not give: exit 2 naming the
+    argument, nothing written (the fixture's own ``common.pt`` re-saved so)."""
     import shutil
 
     folder = tmp_path / "run"
     shutil.copytree(MEGATRON / "llama", folder)
     common = torch.load(folder / "common.pt", weights_only=False)  # (our own fixture)
-    common["args"].normalization = "LayerNorm"
+    setattr(common["args"], arg, value)
     torch.save(common, folder / "common.pt")
     argv = ["convert", folder, "--to", "hf", "-o", f"{tmp_path / 'hf'}/"]
     (done,) = (completed(argv, r) for r in run_many([argv]))
     check_error(
         done, 2,
-        "the run's args say normalization='LayerNorm': not the Llama layout megatron:gpt "
-        "maps (normalization='RMSNorm')",
+        f"the run's args say {arg}={value!r}: not the Llama layout megatron:gpt "
+        f"maps ({arg}={wanted})",
     )  # fmt: skip
     assert not (tmp_path / "hf").exists()
 

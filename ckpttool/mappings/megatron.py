@@ -48,12 +48,17 @@ ARGS_TO_LLAMA = {
     "rope_theta": ("rotary_base",),
     "head_dim": ("kv_channels",),
 }
-# the arguments of a run in the Llama layout, and what each must be
+# the arguments of a run in the Llama layout, and what each must be (where the run
+# says it): rotary embeddings over whole heads, not interleaved, not scaled (a scaled
+# RoPE needs a rope_scaling no argument here gives: refused, never a silent drift)
 LLAMA_ARGS = {
     "normalization": "RMSNorm",
     "swiglu": True,
     "position_embedding_type": "rope",
     "add_bias_linear": False,
+    "rotary_percent": 1.0,
+    "rotary_interleaved": False,
+    "use_rope_scaling": False,
 }
 
 
@@ -96,7 +101,7 @@ def config_from_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
             raise CkptError(
                 f"the run's args say {name}={args[name]!r}: not the Llama layout "
                 f"megatron:gpt maps ({name}={wanted!r})",
-                hint="pass --config to name the model",
+                hint="megatron:gpt maps runs of the Llama layout only",
             )
     config: dict[str, Any] = {"model_type": "llama", "hidden_act": "silu"}
     came = dict.fromkeys(config, "the Llama layout the run's args say")
