@@ -285,3 +285,29 @@ def test_a_config_gives_what_the_runs_args_do_not_say(tmp_path):
     assert came["bos_token_id"] == came["eos_token_id"] == str(partial)
     assert came["num_key_value_heads"] == "the run's args (num_query_groups)"
     assert data["config"]["bos_token_id"] == 1 and data["config"]["vocab_size"] == 31
+
+
+@pytest.mark.parametrize(
+    ("arg", "value", "line"),
+    [
+        # (the tensors say 2 first: refused before anything loops)
+        ("num_layers", 10**9, "the config says num_hidden_layers 1000000000, the checkpoint 2"),
+        ("num_query_groups", 10**9, "the config's num_key_value_heads 1000000000 is past 16384"),
+        ("ffn_hidden_size", "32", "the run's args' ffn_hidden_size is no number (str)"),
+        ("norm_epsilon", float("nan"), "the run's args' norm_epsilon is no number (float)"),
+    ],
+)
+def test_what_the_args_say_is_checked_before_it_is_used(arg, value, line, tmp_path):
+    """The run's args are the file's: a count that would drive a loop past any model's
+    and a value config.json could not hold are refused in one line, nothing written."""
+    import shutil
+
+    folder = tmp_path / "run"
+    shutil.copytree(MEGATRON / "llama", folder)
+    common = torch.load(folder / "common.pt", weights_only=False)  # (our own fixture)
+    setattr(common["args"], arg, value)
+    torch.save(common, folder / "common.pt")
+    argv = ["convert", folder, "--to", "hf", "-o", f"{tmp_path / 'hf'}/"]
+    (done,) = (completed(argv, r) for r in run_many([argv]))
+    check_error(done, 2, line)
+    assert not (tmp_path / "hf").exists()

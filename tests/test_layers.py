@@ -118,6 +118,18 @@ def imports(name: str, path: Path) -> set[str]:
     return found
 
 
+def resolved_imports(known: dict[str, Path]) -> list[tuple[str, str]]:
+    """(importer, imported module) for every import of the package, a name imported from
+    a module resolved to that module."""
+    pairs = []
+    for name, path in sorted(known.items()):
+        for target in sorted(imports(name, path)):
+            while target not in known and "." in target:
+                target = target.rsplit(".", 1)[0]
+            pairs.append((name, target))
+    return pairs
+
+
 def floor_of(module: str) -> tuple[str, int]:
     parts = module.split(".")
     top = parts[1] if len(parts) > 1 else ""
@@ -126,16 +138,11 @@ def floor_of(module: str) -> tuple[str, int]:
 
 
 def test_every_import_points_down_or_within_its_package():
-    known = modules()
     upward = []
-    for name, path in sorted(known.items()):
-        mine, mine_floor = floor_of(name)
-        for target in sorted(imports(name, path)):
-            while target not in known and "." in target:  # a name imported from a module
-                target = target.rsplit(".", 1)[0]
-            theirs, their_floor = floor_of(target)
-            if theirs != mine and their_floor >= mine_floor:
-                upward.append(f"{name} -> {target}")
+    for name, target in resolved_imports(modules()):
+        (mine, mine_floor), (theirs, their_floor) = floor_of(name), floor_of(target)
+        if theirs != mine and their_floor >= mine_floor:
+            upward.append(f"{name} -> {target}")
     assert upward == []
 
 
@@ -147,20 +154,13 @@ def family_of(module: str) -> tuple[str, int]:
 
 
 def test_format_families_import_only_lower_families():
-    known = modules()
     sideways = []
-    for name, path in sorted(known.items()):
-        if not name.startswith("ckpttool.formats"):
+    for name, target in resolved_imports(modules()):
+        if not (name.startswith("ckpttool.formats") and target.startswith("ckpttool.formats")):
             continue
-        mine, mine_floor = family_of(name)
-        for target in sorted(imports(name, path)):
-            while target not in known and "." in target:
-                target = target.rsplit(".", 1)[0]
-            if not target.startswith("ckpttool.formats"):
-                continue
-            theirs, their_floor = family_of(target)
-            if theirs != mine and their_floor >= mine_floor:
-                sideways.append(f"{name} -> {target}")
+        (mine, mine_floor), (theirs, their_floor) = family_of(name), family_of(target)
+        if theirs != mine and their_floor >= mine_floor:
+            sideways.append(f"{name} -> {target}")
     assert sideways == []
 
 

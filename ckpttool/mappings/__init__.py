@@ -120,7 +120,7 @@ def export(
     config["tie_word_embeddings"] = tied
     selected = {k: v for k, v in tensors.items() if not (tied and k == spec.head)}
     heads = positive(config, architecture.key("num_attention_heads"))
-    kv_heads = int(config.get("num_key_value_heads") or heads)
+    kv_heads = positive(config, "num_key_value_heads", heads)
     transforms = {
         "same": lambda leaf, _c, _n: leaf,
         "rope_q": lambda leaf, _c, n: rope_to_hf(leaf, heads, n),
@@ -174,7 +174,7 @@ def to_layout(layout: str, tensors: Mapping[str, Any], config: Mapping[str, Any]
     }
     check_tensors(architecture, config, {k: tuple(v.shape) for k, v in kept.items()})
     heads = positive(config, architecture.key("num_attention_heads"))
-    kv_heads = int(config.get("num_key_value_heads") or heads)
+    kv_heads = positive(config, "num_key_value_heads", heads)
     undo = {
         "same": lambda leaf, n: leaf,
         "rope_q": lambda leaf, n: rope_from_hf_rows(leaf, heads, n),

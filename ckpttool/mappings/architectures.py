@@ -38,8 +38,8 @@ class Architecture:
 def _llama_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     hidden, layers = positive(c, "hidden_size"), positive(c, "num_hidden_layers")
     heads = positive(c, "num_attention_heads")
-    kv = int(c.get("num_key_value_heads") or heads)
-    head_dim = int(c.get("head_dim") or hidden // heads)
+    kv = positive(c, "num_key_value_heads", heads)
+    head_dim = positive(c, "head_dim", hidden // heads)
     ffn, vocab = positive(c, "intermediate_size"), positive(c, "vocab_size")
     out = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     for i in range(layers):
@@ -86,7 +86,7 @@ def _gpt2_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """GPT-2's: ``Conv1D`` weights stored (in, out), learned positions, LayerNorms."""
     hidden, layers = positive(c, "n_embd"), positive(c, "n_layer")
     vocab, positions = positive(c, "vocab_size"), positive(c, "n_positions")
-    inner = int(c.get("n_inner") or 4 * hidden)
+    inner = positive(c, "n_inner", 4 * hidden)
     out = {
         "transformer.wte.weight": (vocab, hidden),
         "transformer.wpe.weight": (positions, hidden),
@@ -108,15 +108,28 @@ def _gpt2_tensors(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def positive(config: Mapping[str, Any], key: str) -> int:
-    """``config[key]``, a positive integer.
+# what ckpttool loops over, a step for each: layers and heads. A config may come from the
+# checkpoint itself (a Megatron run's args), so a count past this is refused, not looped.
+MAX_COUNT = 1 << 14
+COUNTS = frozenset(
+    {"num_hidden_layers", "n_layer", "num_attention_heads", "n_head", "num_key_value_heads"}
+)
+
+
+def positive(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """``config[key]``, a positive integer (``default`` where the config leaves it out or
+    null); a count of :data:`COUNTS` at most :data:`MAX_COUNT`.
 
     Raises:
-        CkptError: It is missing or something else (named).
+        CkptError: It is missing, something else or past the bound (named).
     """
     value = config.get(key)
+    if value is None and default is not None:
+        return default
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise CkptError(f"the config has no {key} (a positive integer): got {value!r}")
+        raise CkptError(f"the config has no {key} (a positive integer): got {value!r}"[:200])
+    if key in COUNTS and value > MAX_COUNT:
+        raise CkptError(f"the config's {key} {value} is past {MAX_COUNT}: no model has so many")
     return value
 
 

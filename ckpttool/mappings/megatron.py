@@ -24,6 +24,7 @@ config value, and :data:`LLAMA_ARGS` the values that make the run the Llama layo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -98,9 +99,10 @@ def config_from_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     """
     for name, wanted in LLAMA_ARGS.items():
         if name in args and args[name] != wanted:
+            said = repr(args[name])  # (the file's value: a line never holds all of it)
             raise CkptError(
-                f"the run's args say {name}={args[name]!r}: not the Llama layout "
-                f"megatron:gpt maps ({name}={wanted!r})",
+                f"the run's args say {name}={said if len(said) <= 40 else said[:40] + '…'}: "
+                f"not the Llama layout megatron:gpt maps ({name}={wanted!r})",
                 hint="megatron:gpt maps runs of the Llama layout only",
             )
     config: dict[str, Any] = {"model_type": "llama", "hidden_act": "silu"}
@@ -108,7 +110,12 @@ def config_from_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     for key, names in ARGS_TO_LLAMA.items():
         found = next((n for n in names if args.get(n) is not None), None)
         if found is not None:
-            config[key], came[key] = args[found], f"the run's args ({found})"
+            value = args[found]
+            # (what the file says goes into config.json: a finite number, or refused)
+            number = isinstance(value, int) and not isinstance(value, bool)
+            if not number and not (isinstance(value, float) and math.isfinite(value)):
+                raise CkptError(f"the run's args' {found} is no number ({type(value).__name__})")
+            config[key], came[key] = value, f"the run's args ({found})"
     if args.get("group_query_attention") and args.get("num_query_groups"):
         config["num_key_value_heads"] = args["num_query_groups"]
         came["num_key_value_heads"] = "the run's args (num_query_groups)"
@@ -124,9 +131,9 @@ def transforms(config: Mapping[str, Any]) -> dict[str, Transform]:
     A layer transform returns one ``({"L": layer}, leaf)`` for each layer of the stack.
     """
     heads = positive(config, "num_attention_heads")
-    groups = int(config.get("num_key_value_heads") or heads)
+    groups = positive(config, "num_key_value_heads", heads)
     hidden = positive(config, "hidden_size")
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    head_dim = positive(config, "head_dim", hidden // heads)
     ffn = positive(config, "intermediate_size")
     layers = positive(config, "num_hidden_layers")
     vocab = positive(config, "vocab_size")
