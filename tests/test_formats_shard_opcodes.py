@@ -301,27 +301,45 @@ def test_runs_outside_a_sharded_tensor_leave_the_file_read_whole(tmp_path, monke
 
 
 @pytest.mark.slow  # 8 and 64 generated rank files of 225 ShardedTensors each, under tracemalloc
-def test_the_memory_of_reading_a_rank_file_does_not_grow_with_its_shards(tmp_path, monkeypatch):
+def test_the_memory_of_reading_a_rank_file_does_not_grow_with_its_shards(tmp_path):
     """Every ShardedTensor rank file names every rank's shards: a 64-rank file holds
     14,400 ShardMetadata. As objects they cost ~1.4 KB each at the peak of its read
     (before the opcode reader: 1,393 bytes a shard more, 8 to 64 ranks); as records,
     nothing that grows with them but the records (16 bytes) and the skeleton's GETs of
     the ShardingSpec's placements (2 bytes). Here the spills leave memory past 64 KB."""
-    import tracemalloc
+    import json
+    import subprocess
+    import sys
 
-    from ckpttool.formats import records as dcp_table
+    from helpers import subprocess_env
 
-    monkeypatch.setattr(dcp_table, "IN_MEMORY", 64 << 10)
     folders = {ranks: generate(tmp_path / f"r{ranks}", ranks) for ranks in (8, 64)}
-    ckpttool.read(str(folders[8] / "ep0-rank0.pt"))  # (what a first read imports and caches)
-    figures = {}
-    for ranks, folder in folders.items():
-        tracemalloc.start()
-        ckpt = ckpttool.read(str(folder / "ep0-rank0.pt"))
-        figures[ranks] = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        assert ckpt.world_size == ranks and len(ckpt.files) == ranks
-        del ckpt
+    # measured in a process of its own, as a command reads: threads other tests of this
+    # process left running would keep the other rank files' scans out of a forked child
+    # (formats/prescan.py), and their pickles would count here
+    named = json.dumps({ranks: str(folder) for ranks, folder in folders.items()})
+    code = f"""
+import json, tracemalloc, ckpttool
+from ckpttool.formats import records
+records.IN_MEMORY = 64 << 10
+folders = {{int(k): v for k, v in json.loads({named!r}).items()}}
+ckpttool.read(folders[8] + "/ep0-rank0.pt")  # (what a first read imports and caches)
+figures = {{}}
+for ranks, folder in folders.items():
+    tracemalloc.start()
+    ckpt = ckpttool.read(folder + "/ep0-rank0.pt")
+    figures[ranks] = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert ckpt.world_size == ranks and len(ckpt.files) == ranks
+    del ckpt
+print(json.dumps(figures))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    figures = {int(k): v for k, v in json.loads(done.stdout).items()}
     more = 225 * (64 - 8)
     assert figures[64][0] - figures[8][0] < 100 * more, figures
     assert figures[64][1] - figures[8][1] < 200 * more, figures
