@@ -9,6 +9,7 @@ The default suite runs a few launches side by side; ``CKPTTOOL_DIST_TRIALS=1`` (
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -536,6 +537,33 @@ def test_journal_ignores_a_cut_line_and_refuses_a_live_lease(tmp_path):
     lease.write_text(f'{{"host": "{socket.gethostname()}", "pid": 999999999}}')  # dead
     assert "started over" in journal.open("k2", [[out, 1, 2]])
     assert journal.done() == {}
+
+
+def test_a_resume_folder_is_never_there_without_its_state(tmp_path, monkeypatch):
+    """A Ctrl-C while the folder was made left it without state.json, and the rerun
+    threw the work away as unreadable: it is made under a temp name and renamed whole."""
+    from ckpttool.targets import local
+
+    out = str(tmp_path / "o.pt")
+    journal = journal_mod.Journal(out)
+    real = journal_mod._write_json
+
+    def stopped(path, value):
+        if path.endswith(journal_mod.STATE):
+            raise KeyboardInterrupt
+        real(path, value)
+
+    monkeypatch.setattr(journal_mod, "_write_json", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        journal.open("k1", [])
+    assert not os.path.exists(journal.root)
+    [left] = os.listdir(tmp_path)  # the temp, under the name every output's temp has
+    assert left == f".o.pt{journal_mod.SUFFIX}{local.TEMP_MARK}{os.getpid()}"
+    monkeypatch.setattr(journal_mod, "_write_json", real)
+    assert journal.open("k1", []) == ""  # (its own pid's temp, made again)
+    assert sorted(os.listdir(tmp_path)) == [f".o.pt{journal_mod.SUFFIX}"]
+    assert json.loads(Path(journal.root, journal_mod.STATE).read_text())["key"] == "k1"
+    assert journal.open("k1", []) == "resumed"
 
 
 def test_workers_taken_out_of_the_command_line():

@@ -362,14 +362,16 @@ def start_workers(args: list[str], cwd: Path) -> subprocess.Popen:
 
 
 def wait_for_work(proc: subprocess.Popen, folder: Path) -> list[int]:
-    """The workers' pids, once the resume folder is there (they are writing)."""
+    """The workers' pids, once a unit is durable (its line in a journal of the resume
+    folder): what a rerun must reuse."""
     import time
 
     from helpers import _descendants
 
     for _ in range(600):
         workers = _descendants(proc.pid)
-        if len(workers) >= 2 and any(p.name.endswith("-resume") for p in folder.iterdir()):
+        logs = [log for log in folder.glob(".*-resume/journal/*.log") if log.stat().st_size]
+        if len(workers) >= 2 and logs:
             return workers
         time.sleep(0.05)
     pytest.fail("the workers never started writing")

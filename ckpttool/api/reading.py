@@ -179,9 +179,14 @@ def materialize(node: Node, map_location: Any = "cpu", *, mmap: bool = False) ->
     from ..tensors import as_saved, load_leaf, shared_storage_tensors, to_torch
 
     loaded: dict[int, Any] = {}
+    # the refs loaded are held while ``loaded`` is keyed by their ids: a storage saved on
+    # its own comes as a flat tensor ref made for the call, and a freed one's id is
+    # reused by the next (a second storage got the first one's tensor)
+    held: list[Any] = []
 
     def leaf(ref: Any) -> Any:
         if id(ref) not in loaded:
+            held.append(ref)
             loaded[id(ref)] = as_saved(load_leaf(ref, map_location), ref)
         return loaded[id(ref)]
 

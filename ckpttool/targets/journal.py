@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import sources
 from ..errors import CkptError
-from .local import pid_alive
+from .local import TEMP_MARK, pid_alive
 from .units import CrcRun
 
 SUFFIX = ".ckpttool-resume"
@@ -98,11 +98,21 @@ class Journal:
                 return "resumed"
             note = _why_restart(state, identities)
             _rmtree(self.root)
-        os.makedirs(self.files)
-        os.makedirs(self.journal)
-        self._write_lease()
-        _write_json(os.path.join(self.root, STATE), {"key": key, "inputs": identities})
-        _fsync_dir(self.root)
+        # made under a name of its own and renamed whole: a run stopped while it is made
+        # (a Ctrl-C right after the start) leaves no folder without its state, which
+        # the next run could only call unreadable and start over
+        # (a temp name as every output's: a run killed meanwhile leaves one the next cleans)
+        building = f"{self.root}{TEMP_MARK}{os.getpid()}"
+        _rmtree(building)
+        os.makedirs(os.path.join(building, FILES))
+        os.makedirs(os.path.join(building, JOURNAL))
+        _write_json(
+            os.path.join(building, LEASE), {"host": socket.gethostname(), "pid": os.getpid()}
+        )
+        _write_json(os.path.join(building, STATE), {"key": key, "inputs": identities})
+        _fsync_dir(building)
+        os.rename(building, self.root)
+        _fsync_dir(os.path.dirname(self.root))
         return note
 
     def _check_lease(self) -> None:
