@@ -44,9 +44,7 @@ SHAPES = {
 }
 
 
-def build_metadata(
-    ranks, shapes, *, fresh_keys=False, share=None, value=True, writer="torch-2.13"
-):
+def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True, writer="torch-2.13"):
     """(Metadata, each data file's size, rank 0's byte value blob) as DCP saves ``shapes``
     split along dim 0 over ``ranks`` ranks, each chunk's objects its own (gathered from
     its rank). ``share``: "sizes" gives a tensor's chunks one torch.Size object,
@@ -440,7 +438,7 @@ def _mutations(data, seed, n):
     [
         # (few mutations leave the file plain; the quick suite's share is small: the two
         # of 400 below take ~3 minutes, within the slow suite)
-        (0, 40),
+        (0, 20),
         pytest.param(1, 400, marks=pytest.mark.slow),
         pytest.param(2, 400, marks=pytest.mark.slow),
     ],

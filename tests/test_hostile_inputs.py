@@ -89,7 +89,12 @@ def baseline(tmp_path_factory) -> dict[str, Run]:
 BOUNDED = list(CASES)
 
 
-@pytest.mark.parametrize("name", BOUNDED)
+# four CLI processes a case (~2 s on 2 cores): the quick suite takes every other case,
+# the slow suite the rest (the API test below takes every case in-process)
+@pytest.mark.parametrize(
+    "name",
+    [n if i % 2 == 0 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(BOUNDED)],
+)
 def test_hostile_input_bounded_one_line_nothing_written(
     tmp_path: Path, baseline: dict[str, Run], name: str
 ):
