@@ -128,7 +128,9 @@ def config_from_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
 def transforms(config: Mapping[str, Any]) -> dict[str, Transform]:
     """The transforms of Megatron's layouts for a Llama-shaped ``config``.
 
-    A layer transform returns one ``({"L": layer}, leaf)`` for each layer of the stack.
+    A layer transform returns one ``({"L": layer}, leaf)`` for each layer of the stack;
+    its ``_of_layer`` twin takes one layer's tensor (a merged legacy save's
+    ``decoder.layers.{L}.`` names).
     """
     heads = positive(config, "num_attention_heads")
     groups = positive(config, "num_key_value_heads", heads)
@@ -191,12 +193,20 @@ def transforms(config: Mapping[str, Any]) -> dict[str, Transform]:
             )
         return leaf if leaf.shape[0] == vocab else gather_rows(leaf, [(0, vocab)], name)
 
+    def of_layer(pick: Pick) -> Transform:
+        return lambda leaf, _config, name: pick(leaf, name)
+
+    picks: dict[str, Pick] = {
+        "layer": lambda layer, _name: layer,
+        "qkv_q": qkv("q"),
+        "qkv_k": qkv("k"),
+        "qkv_v": qkv("v"),
+        "glu_gate": glu("gate"),
+        "glu_up": glu("up"),
+    }
+    # each of a stack (unstacked here), and "_of_layer" of one layer's own tensor
     return {
-        "layer": per_layer(lambda layer, _name: layer),
-        "qkv_q": per_layer(qkv("q")),
-        "qkv_k": per_layer(qkv("k")),
-        "qkv_v": per_layer(qkv("v")),
-        "glu_gate": per_layer(glu("gate")),
-        "glu_up": per_layer(glu("up")),
+        **{name: per_layer(pick) for name, pick in picks.items()},
+        **{f"{name}_of_layer": of_layer(pick) for name, pick in picks.items() if name != "layer"},
         "vocab": vocab_rows,
     }

@@ -49,7 +49,8 @@ class Spec:
         embedding: The source name of the input embedding.
         head: The source name of the output projection (tied to the embedding when
             its bytes are the embedding's, or absent).
-        requires: Source names (patterns) that must be there as well.
+        requires: Source names (patterns) that must be there as well (a tuple: one of
+            its names).
     """
 
     name: str
@@ -58,8 +59,9 @@ class Spec:
     drops: tuple[Drop, ...] = ()
     embedding: str = ""
     head: str = ""
-    # source names that must be there too (what tells this layout from a smaller one)
-    requires: tuple[str, ...] = ()
+    # source names that must be there too (what tells this layout from a smaller one);
+    # an entry that is a tuple: one of its names
+    requires: tuple[str | tuple[str, ...], ...] = ()
     # a source whose first axis stacks the layers (megatron-core's torch_dist): it
     # says how many there are
     layers_axis: str = ""
@@ -88,8 +90,9 @@ class Spec:
             if not any(p.fullmatch(name) for p, _ in self.rules()):
                 return False
             known.add(name)
-        required = [name_pattern(r) for r in self.requires]
-        present = all(any(p.fullmatch(n) for n in known) for p in required)
+        required = [[name_pattern(r)] if isinstance(r, str) else list(map(name_pattern, r))
+                    for r in self.requires]  # fmt: skip
+        present = all(any(p.fullmatch(n) for p in one for n in known) for one in required)
         return self.embedding in known and present
 
 

@@ -144,7 +144,21 @@ HF_GPT2 = Spec(
     head="lm_head.weight",
 )
 
-_MEGATRON_LAYER = "decoder.layers."  # (stacked: one tensor of every layer)
+_MEGATRON_LAYER = "decoder.layers."
+_MEGATRON_GPT_LAYER = (
+    # (Transformer Engine's fused norm names, which the local spec saves too)
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight", "layer"),
+    ("input_layernorm.weight", "input_layernorm.weight", "layer"),
+    ("self_attention.linear_qkv.weight", "self_attn.q_proj.weight", "qkv_q"),
+    ("self_attention.linear_qkv.weight", "self_attn.k_proj.weight", "qkv_k"),
+    ("self_attention.linear_qkv.weight", "self_attn.v_proj.weight", "qkv_v"),
+    ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", "layer"),
+    ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight", "layer"),
+    ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", "layer"),
+    ("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "glu_gate"),
+    ("mlp.linear_fc1.weight", "mlp.up_proj.weight", "glu_up"),
+    ("mlp.linear_fc2.weight", "mlp.down_proj.weight", "layer"),
+)
 MEGATRON_GPT = Spec(
     name="megatron:gpt",
     arch="llama",
@@ -152,28 +166,26 @@ MEGATRON_GPT = Spec(
         Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight", "vocab"),
         Rename("decoder.final_layernorm.weight", "model.norm.weight"),
         Rename("output_layer.weight", "lm_head.weight", "vocab"),
+        # stacked (torch_dist: "layer" unstacks), or one tensor a layer (a legacy
+        # per-rank save merged: decoder.layers.{L}., the same transforms of one layer)
         *(
-            Rename(_MEGATRON_LAYER + src, f"model.layers.{{L}}.{dst}", how)
+            Rename(_MEGATRON_LAYER + stacked + src, f"model.layers.{{L}}.{dst}", how)
+            for stacked, of_layer in (("", ""), ("{L}.", "_of_layer"))
             for src, dst, how in (
-                # (Transformer Engine's fused norm names, which the local spec saves too)
-                ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight", "layer"),
-                ("input_layernorm.weight", "input_layernorm.weight", "layer"),
-                ("self_attention.linear_qkv.weight", "self_attn.q_proj.weight", "qkv_q"),
-                ("self_attention.linear_qkv.weight", "self_attn.k_proj.weight", "qkv_k"),
-                ("self_attention.linear_qkv.weight", "self_attn.v_proj.weight", "qkv_v"),
-                ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", "layer"),
-                ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight", "layer"),
-                ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", "layer"),
-                ("mlp.linear_fc1.weight", "mlp.gate_proj.weight", "glu_gate"),
-                ("mlp.linear_fc1.weight", "mlp.up_proj.weight", "glu_up"),
-                ("mlp.linear_fc2.weight", "mlp.down_proj.weight", "layer"),
+                (src, dst, "same" if of_layer and how == "layer" else how + of_layer)
+                for src, dst, how in _MEGATRON_GPT_LAYER
             )
         ),
     ),
     drops=(Drop(r"(.*\.)?_extra_state(/.*)?", "Transformer Engine's extra state: not a weight"),),
     embedding="embedding.word_embeddings.weight",
     head="output_layer.weight",
-    requires=(_MEGATRON_LAYER + "self_attention.linear_qkv.weight",),
+    requires=(
+        (
+            _MEGATRON_LAYER + "self_attention.linear_qkv.weight",
+            _MEGATRON_LAYER + "{L}.self_attention.linear_qkv.weight",
+        ),
+    ),
     layers_axis=_MEGATRON_LAYER + "self_attention.linear_qkv.weight",
     padded_vocab=True,
 )

@@ -1,4 +1,5 @@
-"""``megatron``: a Megatron-core ``dist_checkpointing`` folder, ``torch_dist`` backend.
+"""``megatron``: a Megatron-core ``dist_checkpointing`` folder, ``torch_dist`` backend;
+a legacy Megatron-LM iteration folder of several model-parallel ranks (:mod:`.legacy`).
 
 The folder holds ``metadata.json`` (which backends wrote it), ``common.pt`` (a
 ``torch.save`` of everything that is not sharded: ``iteration``, the
@@ -23,12 +24,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .. import sources
-from ..errors import CkptError
-from ..tree import Checkpoint, Node, Opaque, verdicts
-from ..unpickler import MAX_NESTING
-from . import dcp
-from .torch_save import torch_zip
+from ... import sources
+from ...errors import CkptError
+from ...tree import Checkpoint, Node, Opaque, verdicts
+from ...unpickler import MAX_NESTING
+from .. import dcp
+from ..torch_save import torch_zip
+from . import legacy
 
 FORMAT = "megatron"
 METADATA_JSON = "metadata.json"
@@ -55,6 +57,8 @@ def detect(path: str, head: bytes) -> bool:
 
 
 def _folder(path: str) -> str | None:
+    if sources.isdir(path) and legacy.is_iteration(path):
+        return path
     if not sources.isdir(path):
         name = sources.basename(path)
         if not (dcp.is_part_name(name) or name == METADATA_JSON):
@@ -96,6 +100,8 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
         UnsafeError: A pickle references dangerous globals.
     """
     folder = _folder(path) or path
+    if legacy.is_iteration(folder):
+        return legacy.read(folder, permissive=permissive)
     meta = _metadata(folder) or {}
     backend = meta.get("sharded_backend")
     if backend != SHARDED_BACKEND:
