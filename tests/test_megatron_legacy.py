@@ -197,3 +197,41 @@ def test_what_the_folders_contradict_is_refused_naming_it(tmp_path, case):
         check_error(completed(argv, done), 2, needle)
     assert not (tmp_path / "out").exists()
     assert {p: sha256(folder / p) for p in tree_files(folder)} == before
+
+
+def test_pre_mcore_nested_names_without_a_pipeline(tmp_path):
+    """The pre-mcore legacy model (``language_model`` -> ``embedding`` / ``encoder``
+    nested, ``mp_rank_TT/`` without a pipeline stage) merges by the same rules: its
+    state dicts as dotted names, ``dense_h_to_4h`` one projection where ``swiglu`` is
+    False, ``dense`` along its columns. (Written here in that layout: no Megatron-LM that
+    still builds it installs today.)"""
+    import argparse
+
+    args = argparse.Namespace(swiglu=False, tensor_model_parallel_size=2, num_layers=1)
+    slices = []
+    for t in range(2):
+        layer = {
+            "layers.0.input_norm.weight": torch.ones(2),
+            "layers.0.mlp.dense_h_to_4h.weight": torch.full((4, 2), float(t)),
+            "layers.0.self_attention.dense.weight": torch.full((2, 3), float(t)),
+            "final_norm.weight": torch.ones(2),
+        }
+        embedding = {"word_embeddings": {"weight": torch.full((5, 2), float(t))}}
+        model = {"language_model": {"embedding": embedding, "encoder": layer}}
+        path = tmp_path / ITERATION / f"mp_rank_{t:02d}" / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True)
+        torch.save({"model": model, "args": args, "iteration": 2, "checkpoint_version": 3.0}, path)
+        slices.append(layer | {"embedding": embedding["word_embeddings"]["weight"]})
+    got = ckpttool.load(tmp_path / ITERATION)
+    encoder = "language_model.encoder."
+    assert list(got) == [
+        "language_model.embedding.word_embeddings.weight",
+        *(encoder + n for n in slices[0] if n != "embedding"),
+    ]
+    cat = torch.cat
+    assert torch.equal(got["language_model.embedding.word_embeddings.weight"],
+                       cat([s["embedding"] for s in slices]))  # fmt: skip
+    fc1, proj = "layers.0.mlp.dense_h_to_4h.weight", "layers.0.self_attention.dense.weight"
+    assert torch.equal(got[encoder + fc1], cat([s[fc1] for s in slices]))
+    assert torch.equal(got[encoder + proj], cat([s[proj] for s in slices], dim=1))
+    assert torch.equal(got[encoder + "final_norm.weight"], torch.ones(2))

@@ -39,6 +39,7 @@ INPUTS = {
     "deepspeed": [str(FIXTURES / "deepspeed" / "zero2")],
     "st-sharded": [str(FIXTURES / "safetensors_sharded")],
     "hf-folder": [str(HF)],
+    "megatron-legacy": [str(FIXTURES / "megatron" / "legacy_tp2_pp2_vp2")],
 }
 # output layout -> (the command and its options, the -o given: DIR/ for a folder)
 OUTPUTS = {

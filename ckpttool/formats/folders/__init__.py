@@ -81,7 +81,7 @@ def single_checkpoint_file(folder: str, folder_format: Callable[[str], str | Non
         SeveralCheckpointsError: Several checkpoints (the rank files of several steps,
             sub-folders ``ep3/``, unrelated files), or one in a sub-folder: named, newest
             last, never picked (:mod:`.catalog`; ``ckpttool inspect`` lists them).
-        CkptError: DeepSpeed or Megatron model states split over model-parallel ranks.
+        CkptError: DeepSpeed model states split over model-parallel ranks.
     """
     entries = sources.listdir(folder)
     names = sorted(n for n in entries if n.endswith(CHECKPOINT_SUFFIXES))
@@ -178,22 +178,11 @@ def megatron_latest_iteration(folder: str) -> str | None:
 
 
 def _megatron_rank_file(folder: str, entries: list[str]) -> str | None:
-    """The one rank's file of a legacy Megatron iteration folder (``mp_rank_00/``).
-
-    Raises:
-        CkptError: Several model-parallel ranks, whose slices nothing here places.
-    """
+    """The one rank's file of a legacy Megatron iteration folder (``mp_rank_00/``); one
+    of several ranks is the ``megatron`` reader's, which merges them."""
     ranks = sorted(n for n in entries if MEGATRON_RANK_FOLDER.match(n))
-    if not ranks:
+    if len(ranks) != 1:
         return None
-    if len(ranks) > 1:
-        raise CkptError(
-            f"Megatron checkpoint of several model-parallel ranks ({', '.join(ranks[:4])}"
-            f"{', ...' if len(ranks) > 4 else ''}): each holds its own slices of the "
-            "tensors, and nothing in them says how they fit",
-            path=folder,
-            hint="pass one mp_rank_XX/model_optim_rng.pt to read it alone",
-        )
     for name in MEGATRON_RANK_FILES:
         path = sources.join(folder, ranks[0], name)
         if sources.isfile(path):

@@ -229,7 +229,7 @@ def _merge(
     merged: dict[str, Any] = {}
     offset = 0
     tied = args.get("untie_embeddings_and_output_weights") is False
-    swiglu = bool(args.get("swiglu"))
+    swiglu = args.get("swiglu")  # (None: the run does not say; its fc1 is not merged)
     for v, chunk in enumerate(chunks):
         for p in range(pp):
             states = [_state(roots[t, p], chunk, grid[t, p]) for t in range(tp)]
@@ -294,7 +294,7 @@ def _flat(state: dict, prefix: str, path: str, depth: int) -> dict[str, Any]:
     return out
 
 
-def _assemble(values: list[Any], name: str, swiglu: bool, paths: list[str]) -> Any:
+def _assemble(values: list[Any], name: str, swiglu: bool | None, paths: list[str]) -> Any:
     """One tensor of the merged model from its tensor-parallel slices (see SPLITS), each
     from the file of ``paths`` of its rank."""
     how = next((h for pattern, h in _SPLITS if pattern.match(name)), None)
@@ -315,6 +315,12 @@ def _assemble(values: list[Any], name: str, swiglu: bool, paths: list[str]) -> A
         raise CkptError(f"Megatron tensor {name!r} is not a tensor on every rank", path=path)
     for other, at in zip(values[1:], paths[1:], strict=True):
         _same_shape(first, other, name, at)
+    if how == "glu" and swiglu is None:
+        raise CkptError(
+            f"the run's args do not say whether {name!r} is SwiGLU's (each rank's gate and "
+            "up halves) or one projection: its tensor-parallel slices are not merged",
+            path=path,
+        )
     if how == "glu" and not swiglu:
         how = "rows"
     dim = 1 if how == "columns" else 0
