@@ -36,6 +36,8 @@ from ..writers import (
     FilePlan,
     Piece,
     Plan,
+    box_bytes,
+    box_layout,
     cast_stored,
     output_dtype,
     raw_parts,
@@ -158,9 +160,15 @@ def write_leaf_range(
     """
     if _copy_blocks_in_range(out, leaf, cast, start, length, progress):
         return
-    parts, stored = _resolved(leaf, cast)
+    parts, stored, boxes = _resolved(leaf, cast)
     if stored is not None:  # only a cast: the range's elements, a chunk at a time
         _cast_range(out, stored, leaf.dtype, output_dtype(leaf, cast), start, length, progress)
+        return
+    if boxes is not None:  # blocks split along other dims: the range's rows, a window at a time
+        for chunk in box_bytes(boxes, leaf, cast, start, length):
+            out.write(chunk)
+            if progress:
+                progress(len(chunk))
         return
     if parts is None:
         tensor = tensor_for_write(leaf, cast)
@@ -235,11 +243,11 @@ def _block_layout(leaf: ShardedRef) -> tuple[list[int], list] | None:
     return layout
 
 
-_RESOLVED: OrderedDict[tuple[int, str | None], tuple[Leaf, Any, Any]] = OrderedDict()
+_RESOLVED: OrderedDict[tuple[int, str | None], tuple[Leaf, Any, Any, Any]] = OrderedDict()
 _RESOLVED_LEAVES = 8
 
 
-def _resolved(leaf: Leaf, cast: Any) -> tuple[Any, Any]:
+def _resolved(leaf: Leaf, cast: Any) -> tuple[Any, Any, Any]:
     """(:func:`raw_parts` of the leaf as written, the stored parts where only a cast
     stands between), for the last few leaves written: a process writes the units of a
     big tensor one after another, and resolving its parts opens every block's file (a
@@ -250,14 +258,15 @@ def _resolved(leaf: Leaf, cast: Any) -> tuple[Any, Any]:
         hit = _RESOLVED.get(key)
         if hit is not None and hit[0] is leaf:
             _RESOLVED.move_to_end(key)
-            return hit[1], hit[2]
+            return hit[1], hit[2], hit[3]
     parts = raw_parts(leaf, cast)
     stored = stored_parts(leaf) if parts is None else None
+    boxes = box_layout(leaf) if parts is None and stored is None else None
     with _RESOLVING:
-        _RESOLVED[key] = (leaf, parts, stored)
+        _RESOLVED[key] = (leaf, parts, stored, boxes)
         while len(_RESOLVED) > _RESOLVED_LEAVES:
             _RESOLVED.popitem(last=False)
-    return parts, stored
+    return parts, stored, boxes
 
 
 def _cast_range(

@@ -25,6 +25,8 @@ from .folder_layout import FOLDER_LAYOUTS, FolderLayout
 from .hf_output import CARRIED_FILES, carried_files, hf_source_folder, layout_for, model_folder
 from .leaf_bytes import (
     CHUNK_BYTES,
+    box_bytes,
+    box_layout,
     iter_chunks,
     output_dtype,
     output_nbytes,
@@ -68,6 +70,8 @@ __all__ = [
     "default_name",
     "default_output",
     "hf_source_folder",
+    "box_bytes",
+    "box_layout",
     "iter_chunks",
     "layout_for",
     "model_folder",

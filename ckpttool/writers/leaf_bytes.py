@@ -2,8 +2,10 @@
 
 Stored bytes that need no change are copied from their file straight into the output's
 buffers (:func:`write_leaf`) or read a chunk at a time (:func:`iter_chunks`); a cast
-without torch goes a window of elements at a time (:mod:`.casts`); anything else goes
-through torch, one tensor at a time.
+without torch goes a window of elements at a time (:mod:`.casts`); a sharded tensor split
+along other dims than its first (tensor-parallel columns, 2-D DCP chunks) is made a window
+of its leading rows at a time from the rows of the blocks that hold them
+(:func:`box_layout`); anything else goes through torch, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ..dtypes import DType
 from ..errors import CkptError
 from ..progress import Progress
 from ..sources import ByteSpan
-from ..tree import Leaf, SparseRef, TensorRef
+from ..tree import Leaf, ShardedRef, SparseRef, TensorRef, raw_block
 from ..tree import raw_parts as stored_parts  # (the stored tensors; raw_parts here: --dtype too)
 from .casts import cast_bytes, cast_stored
 from .output_file import OutputFile
@@ -107,8 +109,99 @@ def iter_chunks(leaf: Leaf, cast: DType | None) -> Iterator[memoryview]:
         target = output_dtype(leaf, cast)
         yield from cast_stored(stored, leaf.dtype, target, 0, leaf.numel * target.itemsize)
         return
+    boxes = box_layout(leaf)
+    if boxes is not None:
+        yield from box_bytes(boxes, leaf, cast, 0, output_nbytes(leaf, cast))
+        return
     tensor = tensor_for_write(leaf, cast)
     yield tensor_bytes(tensor)  # the view keeps no reference: `tensor` lives until here
+
+
+# A block of a sharded tensor as box_bytes copies it: (offsets, sizes, its stored tensor)
+Box = tuple[tuple[int, ...], tuple[int, ...], TensorRef]
+
+
+def box_layout(leaf: Leaf) -> list[Box] | None:
+    """The blocks of a sharded tensor of 2 or more dims, each a stored tensor whose bytes
+    are copied as they are (contiguous, its dtype, little endian); None otherwise (a
+    cast block, a view, a leaf that is not sharded). Resolves every block."""
+    if not isinstance(leaf, ShardedRef) or leaf.incomplete or len(leaf.shape) < 2:
+        return None
+    boxes = []
+    for shard in leaf.shards:
+        sizes = tuple(shard.sizes)
+        count = 1
+        for n in sizes:
+            count *= n
+        if not count:
+            continue
+        if getattr(shard.tensor, "cast_to", None) is not None:
+            return None
+        ref = shard.tensor.tensor_ref()
+        if len(shard.offsets) != len(leaf.shape) or not raw_block(ref, leaf, count):
+            return None
+        boxes.append((tuple(shard.offsets), sizes, ref))
+    return boxes
+
+
+WINDOW_BYTES = 8 << 20
+
+
+def box_bytes(
+    boxes: list[Box], leaf: Leaf, cast: DType | None, start: int, length: int
+) -> Iterator[memoryview]:
+    """Bytes ``[start, start + length)`` of the leaf's output, a window of leading rows
+    at a time: each block's rows in the window are one run of its stored bytes, read and
+    placed at its columns (numpy, as bytes: any dtype). Memory: a window and its runs.
+
+    Raises:
+        CkptError: The blocks leave part of a window unfilled (or fill it twice).
+    """
+    import numpy as np
+
+    itemsize = leaf.dtype.itemsize
+    target = output_dtype(leaf, cast)
+    rows, *rest = leaf.shape
+    row_elems = 1
+    for n in rest:
+        row_elems *= n
+    out_row = row_elems * target.itemsize
+    if not out_row or not length:
+        return
+    per_window = max(1, WINDOW_BYTES // (row_elems * itemsize))
+    first, last = start // out_row, -(-(start + length) // out_row)
+    for r0 in range(first, last, per_window):
+        r1 = min(r0 + per_window, last, rows)
+        window = np.empty((r1 - r0, *rest[:-1], rest[-1] * itemsize), np.uint8)
+        filled = 0
+        for offsets, sizes, ref in boxes:
+            lo, hi = max(r0, offsets[0]), min(r1, offsets[0] + sizes[0])
+            if lo >= hi:
+                continue
+            inner = 1
+            for n in sizes[1:]:
+                inner *= n
+            source = _stored_bytes(ref)
+            at = (ref.offset + (lo - offsets[0]) * inner) * itemsize
+            run = source.read(at, (hi - lo) * inner * itemsize)
+            block = np.frombuffer(run, np.uint8).reshape(
+                hi - lo, *sizes[1:-1], sizes[-1] * itemsize
+            )
+            where = [slice(lo - r0, hi - r0)]
+            where += [slice(o, o + n) for o, n in zip(offsets[1:-1], sizes[1:-1], strict=True)]
+            where.append(slice(offsets[-1] * itemsize, (offsets[-1] + sizes[-1]) * itemsize))
+            window[tuple(where)] = block
+            filled += block.size
+        if filled != window.size:
+            raise CkptError(
+                f"corrupt sharded tensor {list(leaf.shape)}: its blocks fill {filled} of "
+                f"{window.size} bytes of rows {r0}..{r1}"
+            )
+        data: memoryview = window.reshape(-1).data
+        if target != leaf.dtype:
+            data = cast_bytes(data, leaf.dtype, target)
+        lo, hi = max(start - r0 * out_row, 0), min(start + length - r0 * out_row, len(data))
+        yield data[lo:hi]
 
 
 def write_leaf(

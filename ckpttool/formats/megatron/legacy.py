@@ -28,7 +28,7 @@ from typing import Any
 
 from ... import sources
 from ...errors import CkptError
-from ...tree import Checkpoint, Shard, ShardedRef, TensorRef, verdicts
+from ...tree import Checkpoint, Shard, ShardedRef, TensorRef, check_coverage, verdicts
 from ..torch_save import torch_zip
 
 FORMAT = "megatron"
@@ -348,6 +348,7 @@ def _assemble(values: list[Any], name: str, swiglu: bool | None, paths: list[str
             offsets = [0] * len(rest)
             offsets[dim] = t * size
             shards.append(Shard(tuple(offsets), tuple(rest), ref, t))
+    check_coverage(name, tuple(shape), shards)  # (they tile it by construction: the one rule)
     return ShardedRef(first.dtype, tuple(shape), shards, device=first.device, kind="megatron-tp")
 
 
