@@ -155,6 +155,11 @@ def _old_version(folder):
         _rewrite(folder, rank, lambda s: s.update(checkpoint_version=1.0))
 
 
+def _nan_version(folder):
+    for rank in RANKS:
+        _rewrite(folder, rank, lambda s: s.update(checkpoint_version=float("nan")))
+
+
 def _uneven_slices(folder):
     name = "decoder.layers.0.mlp.linear_fc2.weight"
     _rewrite(folder, "mp_rank_01_000", lambda s: s["model"].update({name: torch.ones(16, 8)}))
@@ -174,6 +179,7 @@ BROKEN = {
     "args disagree": (_args_disagree, "args say tensor_model_parallel_size=4, the folder holds 2"),
     "unknown tensor": (_unknown_tensor, "no rule says how Megatron splits 'decoder.layers.0.x.w'"),
     "old version": (_old_version, "Megatron checkpoint_version 1.0: its QKV rows are ordered"),
+    "nan version": (_nan_version, "Megatron checkpoint_version nan: its QKV rows are ordered"),
     "uneven slices": (_uneven_slices, "mp_rank_01_000/model_optim_rng.pt: Megatron tensor "
                       "'decoder.layers.0.mlp.linear_fc2.weight': [16, 8] here, [16, 16] float32 "
                       "on tensor-parallel rank 0"),

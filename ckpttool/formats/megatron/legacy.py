@@ -37,7 +37,7 @@ RANK_FOLDER = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 MODEL_KEY = "model"
 CHUNK_KEY = re.compile(r"^model(\d+)$")  # a virtual pipeline stage's model
-LAYER = re.compile(r"^(decoder\.layers\.|language_model\.encoder\.layers\.)(\d+)\.(.*)$")
+LAYER = re.compile(r"^(decoder\.layers\.|language_model\.encoder\.layers\.)(\d{1,9})\.(.*)$")
 # checkpoint_version 2.0 and later keep QKV rows per query group, as they are merged here
 QKV_VERSION = 2.0
 
@@ -104,7 +104,12 @@ def read(folder: str, *, permissive: bool = False) -> Checkpoint:
     args = first.get("args") if isinstance(first.get("args"), dict) else {}
     _check_run(roots, grid, args, tp, pp)
     version = first.get("checkpoint_version", 0)
-    if not isinstance(version, (int, float)) or version < QKV_VERSION:
+    # (not ">=": a NaN is no version)
+    if (
+        not isinstance(version, (int, float))
+        or isinstance(version, bool)
+        or not version >= QKV_VERSION
+    ):
         raise CkptError(
             f"Megatron checkpoint_version {version!r}: its QKV rows are ordered otherwise "
             f"than version {QKV_VERSION}'s and later, which ckpttool merges",
@@ -286,6 +291,10 @@ def _flat(state: dict, prefix: str, path: str, depth: int) -> dict[str, Any]:
         raise CkptError("corrupt Megatron rank file: its model nests too deep", path=path)
     out: dict[str, Any] = {}
     for key, value in state.items():
+        if not isinstance(key, str):
+            raise CkptError(
+                f"corrupt Megatron rank file: a model key {type(key).__name__}", path=path
+            )
         name = f"{prefix}{key}"
         if isinstance(value, dict) and not name.endswith("_extra_state"):
             out.update(_flat(value, f"{name}.", path, depth + 1))
