@@ -7,11 +7,14 @@ the fuzz cases change bytes of a real one, seeded."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
 import pprint
 import random
+import sys
+import types
 
 import pytest
 import torch
@@ -44,6 +47,29 @@ SHAPES = {
 }
 
 
+@dataclasses.dataclass
+class OlmoStorageInfo:
+    """OLMo-core's own ``_StorageInfo`` (olmo_core/distributed/checkpoint/filesystem.py:
+    a dataclass of these three fields), pickled under its name as its writer pickles it
+    (``fixtures/olmo_core/`` is a real save, small: this one makes the scale reader's runs)."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+def _as_olmo_core_class() -> None:
+    module = "olmo_core.distributed.checkpoint.filesystem"
+    OlmoStorageInfo.__module__, OlmoStorageInfo.__qualname__ = module, "_StorageInfo"
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):  # (pickle imports the module by name to check it)
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    sys.modules[module]._StorageInfo = OlmoStorageInfo
+
+
+_as_olmo_core_class()
+
+
 def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True, writer="torch-2.13"):
     """(Metadata, each data file's size, rank 0's byte value blob) as DCP saves ``shapes``
     split along dim 0 over ``ranks`` ranks, each chunk's objects its own (gathered from
@@ -58,7 +84,8 @@ def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True, w
         blob = buf.getvalue()
         md["extra"] = BytesStorageMetadata()
         planner["extra"] = ("extra",)
-        storage[MetadataIndex("extra")] = _StorageInfo("__0_0.distcp", 0, len(blob))
+        info = OlmoStorageInfo if writer == "olmo-core" else _StorageInfo
+        storage[MetadataIndex("extra")] = info("__0_0.distcp", 0, len(blob))
         sizes[0] = len(blob)
     for fqn, shape in shapes.items():
         md[fqn] = TensorStorageMetadata(
@@ -88,7 +115,8 @@ def build_metadata(ranks, shapes, *, fresh_keys=False, share=None, value=True, w
             key = MetadataIndex(key_fqn, torch.Size(offsets), hint)
             if share == "offsets" and offsets:  # (its __init__ copies: the object itself)
                 object.__setattr__(key, "offset", item.offsets)
-            storage[key] = _StorageInfo(f"__{rank}_0.distcp", sizes[rank], nbytes)
+            info = OlmoStorageInfo if writer == "olmo-core" else _StorageInfo
+            storage[key] = info(f"__{rank}_0.distcp", sizes[rank], nbytes)
             sizes[rank] += nbytes
     if writer == "by-tensor":
         storage = dict(sorted(storage.items(), key=lambda kv: (kv[0].fqn, kv[0].offset or ())))
@@ -178,8 +206,8 @@ def generic(folder, monkeypatch):
 # a planner that leaves MetadataIndex.index None (create_default_global_save_plan with
 # rewrite_index_hints=False), storage entries grouped by tensor or in no order (a writer
 # that builds storage_data otherwise than rank by rank), and torch before 2.4 (no
-# storage_meta, no version in the Metadata's state)
-WRITERS = ("no-index-hints", "by-tensor", "shuffled", "torch-2.3")
+# storage_meta, no version in the Metadata's state), OLMo-core (its own _StorageInfo class)
+WRITERS = ("no-index-hints", "by-tensor", "shuffled", "torch-2.3", "olmo-core")
 CASES = {
     **{writer: {"protocol": 4, "writer": writer} for writer in WRITERS},
     "protocol-4": {"protocol": 4},

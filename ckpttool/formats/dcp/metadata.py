@@ -34,6 +34,7 @@ from typing import Any
 from ...dtypes import DType
 from ...tree import Checkpoint, Opaque, Shard, ShardedRef, TorchSize, opaque_class, state_attrs
 from ...unpickler import MAX_NESTING, SafeUnpickler, check_structure, python3_name
+from ..skeleton.metadata_runs import STORAGE_INFO_ALIASES
 
 METADATA = "torch.distributed.checkpoint.metadata."
 CHUNK = METADATA + "ChunkStorageMetadata"
@@ -84,6 +85,9 @@ def _record(full: str) -> Any:
 
 _RECORDS = {full: _record(full) for full in (CHUNK, INDEX, STORAGE_INFO)}
 ChunkRecord, IndexRecord, InfoRecord = (_RECORDS[f] for f in (CHUNK, INDEX, STORAGE_INFO))
+# another writer's copy of the storage info dataclass is the same record (the fields
+# are the same; the skeleton walker reads it so too)
+_RECORDS.update({f"{module}.{name}": InfoRecord for module, name in STORAGE_INFO_ALIASES})
 
 
 class DcpMetadataUnpickler(SafeUnpickler):
