@@ -205,12 +205,9 @@ KNOWN_CLASSES = frozenset(
     torch._tensor.Tensor torch.per_tensor_affine torch.per_tensor_symmetric
     torch.per_channel_affine torch.per_channel_symmetric torch.per_channel_affine_float_qparams
     torch.distributed.remote_device._remote_device"""
-    # DeepSpeed's ZeRO checkpoints keep each parameter's place in its flat partition as
-    # this dataclass of two ints (its name is not CapWords, so no family rule finds it)
-    """ deepspeed.utils.tensor_fragment.fragment_address"""
-    # OLMo-core's DCP writer pickles its own copy of torch's _StorageInfo: a dataclass of
-    # a path string and two ints (made by NEWOBJ and BUILD; its fields checked as torch's)
-    """ olmo_core.distributed.checkpoint.filesystem._StorageInfo"""
+    # dataclasses of ints, a path: DeepSpeed ZeRO's parameter places, OLMo-core's _StorageInfo
+    """ deepspeed.utils.tensor_fragment.fragment_address
+    olmo_core.distributed.checkpoint.filesystem._StorageInfo"""
     # frameworks' enums, pickled as a call of the class with the member's value
     # (Enum.__reduce_ex__): the call looks the member up, nothing else
     """ transformers.trainer_utils.IntervalStrategy transformers.trainer_utils.SaveStrategy

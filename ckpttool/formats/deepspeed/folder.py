@@ -22,6 +22,7 @@ from __future__ import annotations
 from ... import sources
 from ...errors import CkptError, UnsafeError
 from ...tree import Checkpoint
+from . import pipe
 from .tag_folder import MODEL_STATES, OPTIM_STATES, TagFolder
 from .universal import UNIVERSAL_DIR, read_universal
 
@@ -57,6 +58,8 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
 
 def _read(path: str, permissive: bool) -> Checkpoint:
     names = sources.listdir(path)
+    if pipe.is_pipeline(names):  # a stage's model states beside each layer's own file
+        return pipe.read(path, names, permissive)
     model_files = {}
     for name in names:
         if m := MODEL_STATES.match(name):

@@ -72,16 +72,17 @@ CHUNK_CLASS = ("G", METADATA_MODULE, "ChunkStorageMetadata")
 INDEX_CLASS = ("G", METADATA_MODULE, "MetadataIndex")
 INFO_CLASS = ("G", FILESYSTEM_MODULE, "_StorageInfo")
 SIZE_CLASS = ("G", "torch", "Size")
-# Writers that pickle their own copy of torch's _StorageInfo dataclass (the same three
-# fields, relative_path, offset, length), read as torch's: OLMo-core's
-# RemoteFileSystemWriter (olmo_core/distributed/checkpoint/filesystem.py)
+# other writers' copies of torch's _StorageInfo (the same fields), read as it: OLMo-core's
 STORAGE_INFO_ALIASES = frozenset({("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")})
-
 # The globals a skeleton may name (all judged again by the restricted unpickler).
 _METADATA_NAMES = frozenset(
     """Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata
     MetadataIndex TensorProperties StorageMeta _MEM_FORMAT_ENCODING""".split()
 )
+_NAMED = STORAGE_INFO_ALIASES | {
+    (FILESYSTEM_MODULE, "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+}  # fmt: skip
 
 # Walked opcode by opcode at most this many (each costs a Python step: a file whose
 # entries are not runs is the bulk reader's)
@@ -433,10 +434,8 @@ class _Parser:
             module, name = self._pop(2)
             if module[0] != "S" or name[0] != "S" or not _allowed(module[1], name[1]):
                 raise NotRegular
-            if (module[1], name[1]) in STORAGE_INFO_ALIASES:
-                stack.append(INFO_CLASS)
-            else:
-                stack.append(("G", module[1], name[1]))
+            pair = (module[1], name[1])
+            stack.append(INFO_CLASS if pair in STORAGE_INFO_ALIASES else ("G", *pair))
         elif op == 0x2E:  # STOP
             if len(stack) != 1 or self.marks:
                 raise NotRegular
@@ -717,18 +716,7 @@ def _allowed(module: str, name: str) -> bool:
 
     if module == METADATA_MODULE:
         return name in _METADATA_NAMES
-    return (
-        (module, name) in STORAGE_INFO_ALIASES
-        or (module, name)
-        in {
-            (FILESYSTEM_MODULE, "_StorageInfo"),
-            ("torch", "Size"),
-            ("torch.serialization", "_get_layout"),
-            ("pathlib", "PosixPath"),
-            ("pathlib", "WindowsPath"),
-        }
-        or (module == "torch" and name in DTYPES)
-    )
+    return (module, name) in _NAMED or (module == "torch" and name in DTYPES)
 
 
 def _ref(raw: bytes) -> int:
