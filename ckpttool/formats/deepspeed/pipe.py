@@ -51,7 +51,14 @@ def read(folder: str, names: list[str], permissive: bool) -> Checkpoint:
                 path=folder,
                 hint="pass one layer file to read it alone",
             )
-        layers.setdefault(int(m.group(1)), name)
+        index = int(m.group(1))
+        if index in layers:
+            raise CkptError(
+                f"DeepSpeed layer {index} in two files ({layers[index]}, {name}): two saves "
+                "in one folder",
+                path=folder,
+            )
+        layers[index] = name
     reader = TagFolder(folder, permissive)
     stages = sorted(n for n in names if MODEL_STATES.match(n))
     states = {n.removesuffix(".pt"): reader.load(n, f"the model states {n}") for n in stages}
@@ -59,13 +66,13 @@ def read(folder: str, names: list[str], permissive: bool) -> Checkpoint:
     dims = first.get("checkpoint_parallel_dimensions") if isinstance(first, Mapping) else None
     if isinstance(dims, Mapping) and dims.get("tp_degree") not in (None, 1):
         raise CkptError(
-            f"DeepSpeed pipeline checkpoint of tensor parallel {dims.get('tp_degree')!r}: "
+            f"DeepSpeed pipeline checkpoint of tensor parallel {repr(dims.get('tp_degree'))[:40]}: "
             "its layers' slices are not merged",
             path=folder,
         )
     if isinstance(dims, Mapping) and dims.get("pp_degree") not in (None, len(stages)):
         raise CkptError(
-            f"DeepSpeed pipeline checkpoint of {dims.get('pp_degree')!r} stages with "
+            f"DeepSpeed pipeline checkpoint of {repr(dims.get('pp_degree'))[:40]} stages with "
             f"{len(stages)} stages' model states",
             path=folder,
         )

@@ -111,7 +111,7 @@ def read(folder: str, *, permissive: bool = False) -> Checkpoint:
         or not version >= QKV_VERSION
     ):
         raise CkptError(
-            f"Megatron checkpoint_version {version!r}: its QKV rows are ordered otherwise "
+            f"Megatron checkpoint_version {_said(version)}: its QKV rows are ordered otherwise "
             f"than version {QKV_VERSION}'s and later, which ckpttool merges",
             path=grid[0, 0],
         )
@@ -192,14 +192,15 @@ def _check_run(roots: dict, grid: dict, args: dict, tp: int, pp: int) -> None:
     for key, r in roots.items():
         if r.get("iteration") != iteration:
             raise CkptError(
-                f"Megatron rank of iteration {r.get('iteration')!r} beside iteration {iteration!r}",
+                f"Megatron rank of iteration {_said(r.get('iteration'))} beside iteration "
+                f"{_said(iteration)}",
                 path=grid[key],
             )
     for arg, found in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         said = args.get(arg)
         if said is not None and said != found:
             raise CkptError(
-                f"the run's args say {arg}={said!r}, the folder holds {found}",
+                f"the run's args say {arg}={_said(said)}, the folder holds {found}",
                 path=grid[0, 0],
             )
 
@@ -216,7 +217,7 @@ def _chunk_keys(roots: dict, grid: dict) -> list[str]:
             want = found
         if found != want or not found or (MODEL_KEY in found and len(found) > 1):
             raise CkptError(
-                f"Megatron rank file with model keys {found}, beside {want}",
+                f"Megatron rank file with model keys {found[:4]}, beside {(want or [])[:4]}",
                 path=grid[key],
             )
     numbered = [k for k in want or [] if k != MODEL_KEY]
@@ -381,3 +382,9 @@ def _same_shape(a: TensorRef, b: Any, name: str, path: str) -> None:
             "tensor-parallel rank 0",
             path=path,
         )
+
+
+def _said(value: Any) -> str:
+    """A value a file gave, as an error line shows it (cut: a line never holds all of it)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "…"
