@@ -241,3 +241,29 @@ def test_pre_mcore_nested_names_without_a_pipeline(tmp_path):
     assert torch.equal(got[encoder + fc1], cat([s[fc1] for s in slices]))
     assert torch.equal(got[encoder + proj], cat([s[proj] for s in slices], dim=1))
     assert torch.equal(got[encoder + "final_norm.weight"], torch.ones(2))
+
+
+def test_a_distributed_optimizers_files_are_kept_by_rank_never_dropped(tmp_path):
+    """``distrib_optim.pt`` beside a rank's file (Megatron's distributed optimizer: flat
+    buffers laid out by the model code's bucketing) is kept as stored under its rank."""
+    folder = _copy(tmp_path)
+    for rank in RANKS:  # (the layout get_parameter_state_dp_zero saves, in small)
+        state = {
+            "buckets_coalesced": True,
+            0: {
+                (torch.float32, torch.float32): [
+                    {"param": torch.full((4,), float(len(rank))), "exp_avg": torch.zeros(4)}
+                ]
+            },
+        }
+        torch.save(state, folder / rank / "distrib_optim.pt")
+    ckpt = ckpttool.read(folder)
+    assert sorted(f for f in ckpt.files if f.endswith("distrib_optim.pt")) == sorted(
+        str(folder / r / "distrib_optim.pt") for r in RANKS
+    )
+    (done,) = run_many([["merge", folder, "-o", tmp_path / "all.pt"]])
+    assert done["code"] == 0, done["stderr"]
+    whole = torch.load(tmp_path / "all.pt", weights_only=True)
+    kept = whole["ranks"]["mp_rank_01_001"]["distrib_optim"]
+    assert kept["buckets_coalesced"] is True
+    assert torch.equal(kept[0][(torch.float32, torch.float32)][0]["param"], torch.full((4,), 14.0))
