@@ -128,8 +128,12 @@ def box_layout(leaf: Leaf) -> list[Box] | None:
     if not isinstance(leaf, ShardedRef) or leaf.incomplete or len(leaf.shape) < 2:
         return None
     boxes = []
+    placed = set()  # (a replica of a block another rank saved too: the first one's bytes)
     for shard in leaf.shards:
         sizes = tuple(shard.sizes)
+        if (tuple(shard.offsets), sizes) in placed:
+            continue
+        placed.add((tuple(shard.offsets), sizes))
         count = 1
         for n in sizes:
             count *= n
