@@ -110,9 +110,11 @@ def _check_shapes(states: Mapping, model: Mapping, folder: str) -> None:
                         f"{name} records (a layer file missing?)",
                         path=folder,
                     )
-                if tuple(getattr(have, "shape", ())) != tuple(shape):
+                found = tuple(getattr(have, "shape", ()))
+                if not isinstance(shape, tuple) or found != shape:
+                    said = list(shape) if isinstance(shape, tuple) else repr(shape)[:40]
                     raise CkptError(
-                        f"DeepSpeed layer tensor {key!r} {list(have.shape)}, which {name} "
-                        f"records as {list(shape)}",
+                        f"DeepSpeed layer tensor {key!r} {list(found)}, which {name} "
+                        f"records as {said}",
                         path=folder,
                     )
