@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CkptError
-from ..tree import Leaf, Shard, ShardedRef, TensorRef
+from ..tree import Leaf, Shard, ShardedRef, TensorRef, strided_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,18 +43,6 @@ class RowsOf:
         inner = getattr(self.block, "where", None)
         named = inner() if callable(inner) else repr(self.block.tensor_ref().storage)
         return f"{named} rows {self.start}+{self.step}x{self.count}"
-
-
-def strided_rows(ref: TensorRef, start: int, step: int, count: int) -> TensorRef:
-    """The view of rows ``start + k*step`` (k < ``count``) of a stored tensor."""
-    return TensorRef(
-        ref.dtype,
-        (count, *ref.shape[1:]),
-        (ref.stride[0] * step, *ref.stride[1:]),
-        ref.offset + start * ref.stride[0],
-        ref.storage,
-        device=ref.device,
-    )
 
 
 @dataclass(frozen=True, eq=False)

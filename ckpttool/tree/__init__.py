@@ -50,6 +50,7 @@ from .leaves import (
     check_shape,
     contiguous_stride,
     is_tensor,
+    strided_rows,
 )
 from .opaque import FULL_READ, Opaque, opaque_class, state_attrs, state_values, swaps_class
 from .params import count_parameters, tied_names, weight_key
@@ -96,6 +97,7 @@ __all__ = [
     "ShardedRef",
     "SparseRef",
     "StorageRef",
+    "strided_rows",
     "StorageType",
     "TORCH_LAYOUTS",
     "TORCH_MEMORY_FORMATS",

@@ -130,6 +130,18 @@ class TensorRef(_Sized):
         return cls(storage.dtype, (storage.numel,), (1,), 0, storage, device=storage.device)
 
 
+def strided_rows(ref: TensorRef, start: int, step: int, count: int) -> TensorRef:
+    """The view of rows ``start + k*step`` (k < ``count``) of a stored tensor."""
+    return TensorRef(
+        ref.dtype,
+        (count, *ref.shape[1:]),
+        (ref.stride[0] * step, *ref.stride[1:]),
+        ref.offset + start * ref.stride[0],
+        ref.storage,
+        device=ref.device,
+    )
+
+
 class Block(Protocol):
     """One stored block of a sharded tensor (a rank's local shard, a DCP chunk, a ZeRO
     partition's slice): what merging and writing need from it. Its elements are those of

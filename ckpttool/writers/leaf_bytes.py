@@ -11,6 +11,7 @@ of its leading rows at a time from the rows of the blocks that hold them
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -134,9 +135,7 @@ def box_layout(leaf: Leaf) -> list[Box] | None:
         if (tuple(shard.offsets), sizes) in placed:
             continue
         placed.add((tuple(shard.offsets), sizes))
-        count = 1
-        for n in sizes:
-            count *= n
+        count = math.prod(sizes)
         if not count:
             continue
         if getattr(shard.tensor, "cast_to", None) is not None:
@@ -166,9 +165,7 @@ def box_bytes(
     itemsize = leaf.dtype.itemsize
     target = output_dtype(leaf, cast)
     rows, *rest = leaf.shape
-    row_elems = 1
-    for n in rest:
-        row_elems *= n
+    row_elems = math.prod(rest)
     out_row = row_elems * target.itemsize
     if not out_row or not length:
         return
@@ -182,9 +179,7 @@ def box_bytes(
             lo, hi = max(r0, offsets[0]), min(r1, offsets[0] + sizes[0])
             if lo >= hi:
                 continue
-            inner = 1
-            for n in sizes[1:]:
-                inner *= n
+            inner = math.prod(sizes[1:])
             source = _stored_bytes(ref)
             at = (ref.offset + (lo - offsets[0]) * inner) * itemsize
             run = source.read(at, (hi - lo) * inner * itemsize)

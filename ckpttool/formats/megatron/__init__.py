@@ -26,11 +26,11 @@ from typing import Any
 
 from ... import sources
 from ...errors import CkptError
-from ...tree import Checkpoint, Node, Opaque, verdicts
-from ...unpickler import MAX_NESTING
+from ...tree import Checkpoint, verdicts
 from .. import dcp
 from ..torch_save import torch_zip
 from . import legacy
+from .namespaces import namespaces_as_dicts
 
 FORMAT = "megatron"
 METADATA_JSON = "metadata.json"
@@ -125,7 +125,7 @@ def read(path: str, *, permissive: bool = False) -> Checkpoint:
     parent, name = sources.split(folder.rstrip("/") or folder)
     nemo = name == NEMO_WEIGHTS and sources.isdir(sources.join(parent or ".", NEMO_CONTEXT))
     model_key = NEMO_MODEL_KEY if nemo else MODEL_KEY
-    root = _namespaces_as_dicts(common.root, 0)
+    root = namespaces_as_dicts(common.root, 0)
     _place(root, sharded.root, model_key, common_path)
     return Checkpoint(
         format=FORMAT,
@@ -155,16 +155,3 @@ def _place(root: dict, stored: Any, model_key: str, common_path: str) -> None:
                 path=common_path,
             )
         target[key] = value
-
-
-def _namespaces_as_dicts(node: Node, depth: int) -> Any:
-    """The tree with each ``argparse.Namespace`` stand-in replaced by its attributes."""
-    if depth > MAX_NESTING:
-        return node
-    if isinstance(node, Opaque) and node.class_name() == "argparse.Namespace":
-        node = dict(node.attrs())
-    if isinstance(node, dict):
-        return {k: _namespaces_as_dicts(v, depth + 1) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_namespaces_as_dicts(v, depth + 1) for v in node]
-    return node

@@ -28,8 +28,17 @@ from typing import Any
 
 from ... import sources
 from ...errors import CkptError
-from ...tree import Checkpoint, Shard, ShardedRef, TensorRef, check_coverage, verdicts
+from ...tree import (
+    Checkpoint,
+    Shard,
+    ShardedRef,
+    TensorRef,
+    check_coverage,
+    strided_rows,
+    verdicts,
+)
 from ..torch_save import torch_zip
+from .namespaces import namespaces_as_dicts
 
 FORMAT = "megatron"
 # mp_rank_TT, mp_rank_TT_PPP (pipeline), + _EEE (expert parallel)
@@ -94,13 +103,11 @@ def read(folder: str, *, permissive: bool = False) -> Checkpoint:
     ckpts: dict[tuple, Checkpoint] = {}
     for (t, p), path in sorted(grid.items()):
         ckpts[t, p] = torch_zip.read(path, permissive=permissive)
-    from . import _namespaces_as_dicts  # (the torch_dist reader's: args as a dict)
-
     roots = {}
     for key, ckpt in ckpts.items():
         if not isinstance(ckpt.root, dict):
             raise CkptError("corrupt Megatron rank file: not a dict", path=grid[key])
-        roots[key] = _namespaces_as_dicts(ckpt.root, 0)
+        roots[key] = namespaces_as_dicts(ckpt.root, 0)
     first = roots[0, 0]
     args = first.get("args") if isinstance(first.get("args"), dict) else {}
     _check_run(roots, grid, args, tp, pp)
@@ -361,7 +368,7 @@ def _assemble(values: list[Any], name: str, swiglu: bool | None, paths: list[str
         for t, ref in enumerate(values):
             for part, start in ((0, 0), (1, half)):  # [gate_r; up_r] -> [gates; ups]
                 at = part * half * len(values) + t * half
-                rows = _rows(ref, start, half)
+                rows = strided_rows(ref, start, 1, half)
                 shards.append(Shard((at, *[0] * (len(rest) - 1)), (half, *rest[1:]), rows, t))
     else:
         for t, ref in enumerate(values):
@@ -370,18 +377,6 @@ def _assemble(values: list[Any], name: str, swiglu: bool | None, paths: list[str
             shards.append(Shard(tuple(offsets), tuple(rest), ref, t))
     check_coverage(name, tuple(shape), shards)  # (they tile it by construction: the one rule)
     return ShardedRef(first.dtype, tuple(shape), shards, device=first.device, kind="megatron-tp")
-
-
-def _rows(ref: TensorRef, start: int, count: int) -> TensorRef:
-    """Rows ``start`` to ``start + count`` of a stored tensor, as a view of its bytes."""
-    return TensorRef(
-        ref.dtype,
-        (count, *ref.shape[1:]),
-        ref.stride,
-        ref.offset + start * ref.stride[0],
-        ref.storage,
-        device=ref.device,
-    )
 
 
 def _same_shape(a: TensorRef, b: Any, name: str, path: str) -> None:
